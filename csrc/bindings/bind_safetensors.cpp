@@ -1,0 +1,6 @@
+#include "bindings/bindings.hpp"
+
+namespace pyckpt::bindings {
+// Filled in by the safetensors component.
+void bind_safetensors(py::module_&) {}
+}  // namespace pyckpt::bindings

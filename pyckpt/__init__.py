@@ -1,0 +1,64 @@
+"""pyckpt: native-accelerated checkpoint I/O for PyTorch Distributed Checkpoint (DCP).
+
+Public API (torch-dependent names are imported lazily, so ``import pyckpt`` stays cheap):
+
+* :class:`Writer` / :class:`Reader` -- DCP ``StorageWriter`` / ``StorageReader``.
+* :class:`SavePlanner` -- DCP save planner that spreads replicated state over ranks by bytes.
+* :func:`save` / :func:`load` -- one-line conveniences using the above.
+* :func:`consolidate` -- rank-partitioned export to Hugging Face safetensors.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from pyckpt import errors
+from pyckpt._C import __version__
+from pyckpt.errors import (
+    CheckpointFormatError,
+    ChecksumError,
+    CompressionError,
+    CudaError,
+    PyckptError,
+    UnsupportedDtypeError,
+)
+
+__all__ = [
+    "__version__",
+    "Writer",
+    "Reader",
+    "SavePlanner",
+    "save",
+    "load",
+    "consolidate",
+    "errors",
+    "PyckptError",
+    "CheckpointFormatError",
+    "ChecksumError",
+    "CompressionError",
+    "CudaError",
+    "UnsupportedDtypeError",
+]
+
+_LAZY = {
+    "Writer": "pyckpt.storage",
+    "Reader": "pyckpt.storage",
+    "SavePlanner": "pyckpt.planner",
+    "save": "pyckpt.api",
+    "load": "pyckpt.api",
+    "consolidate": "pyckpt.consolidate",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'pyckpt' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
