@@ -1,0 +1,456 @@
+"""DCP save planner that spreads replicated state over every rank that holds it.
+
+DCP's :class:`~torch.distributed.checkpoint.default_planner.DefaultSavePlanner` deduplicates
+replicated items: each item held by several ranks is written whole by one of them, chosen
+greedily in arrival order. Two ranks saving one replicated 100 MiB tensor then write 100 MiB and
+0 B, and an FSDP ``NO_SHARD`` or DDP checkpoint is written by essentially one rank.
+
+:class:`SavePlanner` keeps every copy in the local plans and lets the coordinator decide, by
+bytes, which rank writes which part of each replicated item:
+
+* an item present in exactly one rank's plan (a DTensor shard, a ``ShardedTensor`` shard) stays
+  with that rank and counts toward its load;
+* items present in several plans (plain tensors under DDP / FSDP ``NO_SHARD``, DTensors with
+  ``Replicate()`` placements, the replicated mesh dimension of HSDP) are grouped by the set of
+  ranks that hold them; each group's bytes are water-filled over its holders on top of the load
+  they already carry, and the group's items, largest first, are cut into consecutive segments,
+  one per holder, at multiples of :data:`SPLIT_ALIGNMENT` bytes;
+* non-tensor values (``BYTE_IO`` items) are never split and are written once.
+
+The outcome reaches the storage layer in ``SavePlan.storage_data`` as a :class:`ByteRanges`:
+for every item a rank writes only partially, the half-open byte range of the item's row-major
+contiguous bytes that this rank writes. The ranges of the copies of one item tile
+``[0, nbytes)`` exactly. :class:`pyckpt.Writer` writes only those bytes and records the
+segments in the checkpoint metadata; :class:`pyckpt.Reader` reassembles them for any load world
+size. The planner therefore requires :class:`pyckpt.Writer`; DCP's own writers would ignore
+the ranges and write every copy whole.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+from collections import ChainMap
+from collections.abc import Sequence
+from typing import Any
+
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.planner import SavePlan, WriteItem, WriteItemType
+
+__all__ = [
+    "SPLIT_ALIGNMENT",
+    "ByteRanges",
+    "SavePlanner",
+    "balance_save_plans",
+]
+
+logger = logging.getLogger(__name__)
+
+SPLIT_ALIGNMENT = 1 << 20
+"""Split points inside a tensor lie at multiples of this many bytes (1 MiB) from its start.
+
+Any multiple of 16 keeps every dtype's element boundary; 1 MiB also keeps the pieces large
+enough to be written efficiently.
+"""
+
+# Non-tensor values are pickled by DCP at write time, so their size is unknown when planning.
+# torch.save of even a small Python object produces about a kilobyte (zip container), so that
+# is the weight a BYTE_IO item adds to its writer's load.
+_BYTE_IO_WEIGHT = 1024
+
+
+@dataclasses.dataclass(frozen=True)
+class ByteRanges:
+    """Byte ranges a rank writes for the items it writes only partially.
+
+    Carried in ``SavePlan.storage_data`` of the per-rank plans returned by
+    :meth:`SavePlanner.create_global_plan`.
+
+    Attributes:
+        ranges: Maps an item's ``MetadataIndex`` to the half-open range ``(start, end)`` of the
+            item's row-major contiguous tensor bytes that this rank writes. An item present in
+            the rank's plan but absent from ``ranges`` is written whole. Over all ranks, the
+            ranges of one item tile ``[0, nbytes)``; interior split points are multiples of
+            :data:`SPLIT_ALIGNMENT` (or of the planner's ``split_alignment``).
+    """
+
+    ranges: dict[MetadataIndex, tuple[int, int]] = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass
+class _Entry:
+    """One distinct item (one ``MetadataIndex``) over all plans."""
+
+    item: WriteItem
+    nbytes: int  # bytes of the item's data; the weight used for BYTE_IO items
+    splittable: bool
+    holders: list[int]  # ranks whose plan holds the item, ascending
+
+
+def _item_nbytes(item: WriteItem) -> int:
+    """Return the number of bytes of the item's local data (the chunk, not the whole tensor)."""
+    if item.type == WriteItemType.BYTE_IO or item.tensor_data is None:
+        return _BYTE_IO_WEIGHT
+    return math.prod(item.tensor_data.chunk.sizes) * item.tensor_data.properties.dtype.itemsize
+
+
+def _sort_key(entry: _Entry) -> tuple[Any, ...]:
+    """Largest first; ties broken by name and offset so the result ignores arrival order."""
+    offset = entry.item.index.offset
+    return (-entry.nbytes, entry.item.index.fqn, tuple(offset) if offset is not None else ())
+
+
+def _check_same_item(first: WriteItem, other: WriteItem, rank: int) -> None:
+    """Raise ``ValueError`` if two copies of one index describe different data."""
+    if first.type == WriteItemType.BYTE_IO or other.type == WriteItemType.BYTE_IO:
+        same = first.type == other.type
+    else:
+        a, b = first.tensor_data, other.tensor_data
+        same = (
+            a is not None
+            and b is not None
+            and a.size == b.size
+            and a.chunk.sizes == b.chunk.sizes
+            and a.properties.dtype == b.properties.dtype
+        )
+    if not same:
+        raise ValueError(
+            f"item {first.index.fqn!r} (offset {first.index.offset}) is held by several ranks "
+            f"but rank {rank}'s copy differs in type, shape or dtype from a lower rank's"
+        )
+
+
+def _collect(all_plans: Sequence[SavePlan]) -> dict[MetadataIndex, _Entry]:
+    entries: dict[MetadataIndex, _Entry] = {}
+    for rank, plan in enumerate(all_plans):
+        for item in plan.items:
+            entry = entries.get(item.index)
+            if entry is None:
+                splittable = item.type != WriteItemType.BYTE_IO and item.tensor_data is not None
+                entries[item.index] = _Entry(item, _item_nbytes(item), splittable, [rank])
+            elif entry.holders[-1] == rank:  # ranks are visited in ascending order
+                raise ValueError(
+                    f"rank {rank}'s plan holds item {item.index.fqn!r} "
+                    f"(offset {item.index.offset}) twice"
+                )
+            else:
+                _check_same_item(entry.item, item, rank)
+                entry.holders.append(rank)
+    return entries
+
+
+def _water_fill(loads: list[int], holders: Sequence[int], total: int) -> list[tuple[int, int]]:
+    """Share ``total`` bytes among ``holders`` so that their loads become as equal as possible.
+
+    Args:
+        loads: Current bytes per rank (read only).
+        holders: Ranks that may take a share.
+        total: Bytes to share.
+
+    Returns:
+        ``(rank, quota)`` pairs in ascending rank order, only for positive quotas; the quotas sum
+        to ``total``. Ranks whose load is above the resulting level get nothing.
+    """
+    by_load = sorted(holders, key=lambda r: (loads[r], r))
+    prefix = 0
+    count = 0
+    for count, rank in enumerate(by_load, start=1):
+        prefix += loads[rank]
+        # With `count` ranks filled to a common level L: count * L = total + prefix.
+        if count == len(by_load) or total + prefix <= loads[by_load[count]] * count:
+            break
+    filled = by_load[:count]
+    level, rest = divmod(total + prefix, count)
+    # floor(L) >= every filled load (loads are integers), so quotas are >= 0; the `rest` bytes
+    # left by flooring go one each to the lowest ranks.
+    quotas = {r: level - loads[r] for r in filled}
+    for r in sorted(filled)[:rest]:
+        quotas[r] += 1
+    return [(r, quotas[r]) for r in sorted(filled) if quotas[r] > 0]
+
+
+def _cut_points(
+    stream: Sequence[_Entry], starts: Sequence[int], targets: Sequence[int], alignment: int
+) -> list[int]:
+    """Pick, for each cumulative target, the nearest allowed cut position in the stream.
+
+    The stream is the concatenation of the items' bytes. Cuts are allowed at item boundaries
+    and, inside a splittable item, at multiples of ``alignment`` from the item's start, so a cut
+    lies within ``alignment / 2`` of its target (or half an unsplittable item's size).
+    """
+    cuts: list[int] = []
+    i = 0
+    previous = 0
+    for target in targets:
+        while i < len(stream) and starts[i] + stream[i].nbytes <= target:
+            i += 1
+        if i == len(stream):
+            cut = starts[-1] + stream[-1].nbytes if stream else 0
+        else:
+            begin, size = starts[i], stream[i].nbytes
+            if stream[i].splittable:
+                low = begin + (target - begin) // alignment * alignment
+                high = min(begin + size, low + alignment)
+            else:
+                low, high = begin, begin + size
+            cut = low if target - low <= high - target else high
+        previous = max(previous, cut)
+        cuts.append(previous)
+    return cuts
+
+
+def _assign_group(
+    group: list[_Entry],
+    holders: tuple[int, ...],
+    loads: list[int],
+    alignment: int,
+    out: list[dict[MetadataIndex, tuple[int, int] | None]],
+) -> None:
+    """Assign one holder group's items; updates ``loads`` and ``out`` (``None`` = whole)."""
+    stream = [e for e in group if e.nbytes > 0]
+    empty = [e for e in group if e.nbytes == 0]
+    stream.sort(key=_sort_key)
+    total = sum(e.nbytes for e in stream)
+    if stream:
+        shares = _water_fill(loads, holders, total)
+        starts = []
+        offset = 0
+        for e in stream:
+            starts.append(offset)
+            offset += e.nbytes
+        targets = []
+        cumulative = 0
+        for _, quota in shares[:-1]:
+            cumulative += quota
+            targets.append(cumulative)
+        bounds = [0, *_cut_points(stream, starts, targets, alignment), total]
+        i = 0
+        for k, (rank, _) in enumerate(shares):
+            seg_begin, seg_end = bounds[k], bounds[k + 1]
+            if seg_begin == seg_end:
+                continue
+            # Skip items that end at or before this segment's start.
+            while starts[i] + stream[i].nbytes <= seg_begin:
+                i += 1
+            j = i
+            while j < len(stream) and starts[j] < seg_end:
+                e, begin = stream[j], starts[j]
+                lo = max(seg_begin, begin) - begin
+                hi = min(seg_end, begin + e.nbytes) - begin
+                out[rank][e.item.index] = None if (lo, hi) == (0, e.nbytes) else (lo, hi)
+                loads[rank] += hi - lo
+                j += 1
+    for e in sorted(empty, key=_sort_key):
+        rank = min(holders, key=lambda r: (loads[r], r))
+        out[rank][e.item.index] = None
+
+
+def balance_save_plans(
+    all_plans: Sequence[SavePlan], *, split_alignment: int = SPLIT_ALIGNMENT
+) -> list[SavePlan]:
+    """Decide which rank writes which bytes of every item, balancing bytes per rank.
+
+    Items held by one rank stay there. Items held by several ranks are grouped by their set of
+    holders; groups with fewer holders are placed first (they are the most constrained), each
+    group's bytes are shared among its holders by water-filling over the loads assigned so far,
+    and its items, largest first, are cut into one consecutive segment per holder. Cost:
+    ``O(n log n)`` in the number of items, plus ``O(h log h)`` per group of ``h`` holders.
+
+    Args:
+        all_plans: Local plans, one per rank, indexed by rank.
+        split_alignment: Interior split points lie at multiples of this many bytes from an
+            item's start; must be a positive multiple of 16.
+
+    Returns:
+        One plan per rank: the items the rank writes (whole or in part), in the rank's original
+        order, with ``storage_data`` set to a :class:`ByteRanges` for the partial ones. Index
+        hints are left untouched. Any ``storage_data`` of the input plans is replaced.
+
+    Raises:
+        ValueError: If ``split_alignment`` is invalid, a plan holds one index twice, or the
+            copies of one index differ in type, shape or dtype.
+    """
+    if split_alignment <= 0 or split_alignment % 16:
+        raise ValueError(f"split_alignment must be a positive multiple of 16, got {split_alignment}")
+    entries = _collect(all_plans)
+    loads = [0] * len(all_plans)
+    out: list[dict[MetadataIndex, tuple[int, int] | None]] = [{} for _ in all_plans]
+    groups: dict[tuple[int, ...], list[_Entry]] = {}
+    for index, entry in entries.items():
+        if len(entry.holders) == 1:
+            rank = entry.holders[0]
+            out[rank][index] = None
+            loads[rank] += entry.nbytes
+        else:
+            groups.setdefault(tuple(entry.holders), []).append(entry)
+    for holders in sorted(groups, key=lambda h: (len(h), h)):
+        _assign_group(groups[holders], holders, loads, split_alignment, out)
+
+    plans = []
+    for plan, assigned in zip(all_plans, out):
+        items = [item for item in plan.items if item.index in assigned]
+        ranges = {index: span for index, span in assigned.items() if span is not None}
+        plans.append(dataclasses.replace(plan, items=items, storage_data=ByteRanges(ranges)))
+    return plans
+
+
+def _build_metadata(
+    plans: Sequence[SavePlan],
+) -> tuple[Metadata, dict[MetadataIndex, MetadataIndex]]:
+    """Build the checkpoint metadata from balanced plans, naming every index once.
+
+    Mirrors DCP's ``create_default_global_save_plan`` (one chunk per item, index hint = the
+    chunk's position), but visits each index once: in the plan of the rank that writes the
+    item's first byte. DCP's function would append one chunk per copy of a split item.
+
+    Returns:
+        The metadata, and for every index the ``MetadataIndex`` carrying its index hint (one
+        object shared by all ranks' copies).
+    """
+    md: dict[str, Any] = {}
+    hinted: dict[MetadataIndex, MetadataIndex] = {}
+    for plan in plans:
+        ranges = plan.storage_data.ranges
+        for item in plan.items:
+            span = ranges.get(item.index)
+            if span is not None and span[0] != 0:
+                continue
+            index = item.index
+            if item.type != WriteItemType.SHARD and index.fqn in md:
+                raise ValueError(f"{index.fqn!r} is saved both as a whole value and as shards")
+            if item.type == WriteItemType.BYTE_IO:
+                md[index.fqn] = BytesStorageMetadata()
+                hinted[index] = index
+                continue
+            data = item.tensor_data
+            if data is None:
+                raise ValueError(f"tensor item {index.fqn!r} has no tensor data")
+            tensor_md = md.setdefault(
+                index.fqn,
+                TensorStorageMetadata(properties=data.properties, size=data.size, chunks=[]),
+            )
+            if not isinstance(tensor_md, TensorStorageMetadata):
+                raise ValueError(f"{index.fqn!r} is saved both as a non-tensor and as shards")
+            hinted[index] = MetadataIndex(index.fqn, index.offset, len(tensor_md.chunks))
+            tensor_md.chunks.append(data.chunk)
+    return Metadata(md), hinted
+
+
+def _validate(metadata: Metadata, world_size: int) -> list[str]:
+    """Check chunk bounds and that each tensor's chunks cover its volume exactly once."""
+    errors = []
+    for fqn, md in metadata.state_dict_metadata.items():
+        if isinstance(md, BytesStorageMetadata) or not isinstance(md, TensorStorageMetadata):
+            continue
+        if len(md.size) == 0:
+            continue
+        volume = 0
+        for chunk in md.chunks:
+            if any(
+                o < 0 or s < 0 or o + s > d for o, s, d in zip(chunk.offsets, chunk.sizes, md.size)
+            ):
+                errors.append(f"{fqn}: chunk {chunk} out of bounds of {tuple(md.size)}")
+            volume += math.prod(chunk.sizes)
+        if world_size > 1 and volume != math.prod(md.size):
+            errors.append(
+                f"{fqn}: chunks cover {volume} elements of {math.prod(md.size)} "
+                "(missing or overlapping shards)"
+            )
+    return errors
+
+
+class SavePlanner(DefaultSavePlanner):
+    """DCP save planner that balances the bytes each rank writes, splitting replicated items.
+
+    Usage::
+
+        dcp.save(state_dict, storage_writer=pyckpt.Writer(path), planner=pyckpt.SavePlanner())
+
+    Local planning is DCP's (every rank lists every item it holds, flattened like DCP does);
+    global planning replaces DCP's whole-item deduplication with :func:`balance_save_plans`.
+    The metadata names each item once, with the same index hint in every rank's copy. Plan
+    caching (``enable_plan_caching``) is not supported: global planning is cheap.
+
+    Requires :class:`pyckpt.Writer`, which writes only each rank's byte ranges. With DCP's
+    default planner, :class:`pyckpt.Writer` still works, but each replicated item is then
+    written whole by one rank.
+
+    Thread safety: one instance per save; not safe to share between concurrent saves.
+
+    Args:
+        flatten_state_dict: Flatten nested dicts and lists, as DCP's default planner does.
+        flatten_sharded_tensors: Flatten nested ``ShardedTensor``\\ s (FSDP 2D), as DCP does.
+        split_alignment: Interior split points lie at multiples of this many bytes (a positive
+            multiple of 16; default :data:`SPLIT_ALIGNMENT`, 1 MiB).
+    """
+
+    def __init__(
+        self,
+        flatten_state_dict: bool = True,
+        flatten_sharded_tensors: bool = True,
+        *,
+        split_alignment: int = SPLIT_ALIGNMENT,
+    ) -> None:
+        if split_alignment <= 0 or split_alignment % 16:
+            raise ValueError(
+                f"split_alignment must be a positive multiple of 16, got {split_alignment}"
+            )
+        super().__init__(
+            flatten_state_dict=flatten_state_dict,
+            flatten_sharded_tensors=flatten_sharded_tensors,
+        )
+        self.split_alignment = split_alignment
+
+    def create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
+        """Balance the local plans and build the checkpoint metadata.
+
+        Args:
+            all_plans: Local plans, one per rank.
+
+        Returns:
+            The per-rank plans (items to write, ``storage_data`` a :class:`ByteRanges`) and the
+            global ``Metadata``.
+
+        Raises:
+            ValueError: If the plans are inconsistent (see :func:`balance_save_plans`) or the
+                shards of a tensor do not cover it exactly.
+        """
+        balanced = balance_save_plans(all_plans, split_alignment=self.split_alignment)
+        metadata, hinted = _build_metadata(balanced)
+        global_plan = []
+        for plan in balanced:
+            items = [
+                WriteItem(
+                    index=hinted[item.index],
+                    type=item.type,
+                    bytes_io_data=item.bytes_io_data,
+                    tensor_data=item.tensor_data,
+                )
+                for item in plan.items
+            ]
+            ranges = {hinted[index]: span for index, span in plan.storage_data.ranges.items()}
+            global_plan.append(
+                dataclasses.replace(plan, items=items, storage_data=ByteRanges(ranges))
+            )
+
+        if self.flatten_state_dict:
+            merged = dict(ChainMap(*(p.planner_data for p in all_plans if p.planner_data)))
+            metadata = dataclasses.replace(metadata, planner_data=merged)
+
+        errors = _validate(metadata, len(all_plans))
+        if errors:
+            summary = "; ".join(errors)
+            if len(summary) > 500:
+                summary = summary[:500] + "... (truncated)"
+            raise ValueError(f"invalid global save plan: {summary}")
+
+        self.global_plan = global_plan
+        self.metadata = metadata
+        return global_plan, metadata

@@ -1,0 +1,419 @@
+"""Global save planning on synthetic DCP plans: byte ranges, balance, metadata, determinism."""
+
+from __future__ import annotations
+
+import gc
+import math
+import random
+import time
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    MetadataIndex,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.planner import (
+    SavePlan,
+    TensorWriteData,
+    WriteItem,
+    WriteItemType,
+)
+
+from pyckpt.planner import SPLIT_ALIGNMENT, ByteRanges, SavePlanner, balance_save_plans
+
+MiB = 1 << 20
+
+
+def tensor_item(
+    fqn: str,
+    shape: tuple[int, ...],
+    dtype: torch.dtype = torch.float32,
+    *,
+    offset: tuple[int, ...] | None = None,
+    full: tuple[int, ...] | None = None,
+) -> WriteItem:
+    """A WriteItem like DCP makes for a plain tensor (or, with offset/full, a DTensor shard)."""
+    off = torch.Size(offset if offset is not None else (0,) * len(shape))
+    kind = WriteItemType.TENSOR if full is None else WriteItemType.SHARD
+    return WriteItem(
+        index=MetadataIndex(fqn, off),
+        type=kind,
+        tensor_data=TensorWriteData(
+            chunk=ChunkStorageMetadata(off, torch.Size(shape)),
+            properties=TensorProperties(dtype=dtype),
+            size=torch.Size(full if full is not None else shape),
+        ),
+    )
+
+
+def bytes_item(fqn: str) -> WriteItem:
+    return WriteItem(index=MetadataIndex(fqn), type=WriteItemType.BYTE_IO)
+
+
+def nbytes(item: WriteItem) -> int:
+    assert item.tensor_data is not None
+    return math.prod(item.tensor_data.chunk.sizes) * item.tensor_data.properties.dtype.itemsize
+
+
+def spans(plans: list[SavePlan]) -> dict[MetadataIndex, list[tuple[int, int, int]]]:
+    """Per index: (start, end, rank) of every rank that writes part of it."""
+    out: dict[MetadataIndex, list[tuple[int, int, int]]] = {}
+    for rank, plan in enumerate(plans):
+        assert isinstance(plan.storage_data, ByteRanges)
+        for item in plan.items:
+            size = nbytes(item) if item.tensor_data is not None else 0
+            start, end = plan.storage_data.ranges.get(item.index, (0, size))
+            out.setdefault(item.index, []).append((start, end, rank))
+        # Ranges only name items the rank writes.
+        assert set(plan.storage_data.ranges) <= {i.index for i in plan.items}
+    return out
+
+
+def loads(plans: list[SavePlan]) -> list[int]:
+    out = [0] * len(plans)
+    for index, parts in spans(plans).items():
+        for start, end, rank in parts:
+            out[rank] += end - start
+    return out
+
+
+def check_tiling(
+    before: list[SavePlan], after: list[SavePlan], alignment: int = SPLIT_ALIGNMENT
+) -> None:
+    """Every input item is written exactly once, by holders, with aligned tiling ranges."""
+    holders: dict[MetadataIndex, set[int]] = {}
+    items: dict[MetadataIndex, WriteItem] = {}
+    for rank, plan in enumerate(before):
+        for item in plan.items:
+            holders.setdefault(item.index, set()).add(rank)
+            items[item.index] = item
+    got = spans(after)
+    assert set(got) == set(holders)
+    for index, parts in got.items():
+        item = items[index]
+        assert {rank for _, _, rank in parts} <= holders[index]
+        assert len({rank for _, _, rank in parts}) == len(parts)  # one range per (rank, item)
+        if item.type == WriteItemType.BYTE_IO:
+            assert len(parts) == 1
+            continue
+        parts.sort()
+        size = nbytes(item)
+        assert parts[0][0] == 0 and parts[-1][1] == size
+        for (s0, e0, _), (s1, e1, _) in zip(parts, parts[1:]):
+            assert e0 == s1
+        for start, end, _ in parts:
+            assert start < end or size == 0
+            assert start % alignment == 0
+            assert end % alignment == 0 or end == size
+
+
+def replicated(items: list[WriteItem], world: int) -> list[SavePlan]:
+    return [SavePlan(list(items)) for _ in range(world)]
+
+
+# --- balance on the acceptance layouts ------------------------------------------------------
+
+
+@pytest.mark.parametrize("world", [2, 3, 4, 8])
+def test_single_replicated_tensor_is_split_evenly(world: int) -> None:
+    before = replicated([tensor_item("w", (64 * MiB,), torch.float32)], world)
+    after = balance_save_plans(before)
+    check_tiling(before, after)
+    got = loads(after)
+    assert sum(got) == 256 * MiB
+    assert max(got) / (sum(got) / world) <= 1.01
+    assert all(len(p.items) == 1 for p in after)
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+@pytest.mark.parametrize("count,shape", [(64, (MiB,)), (256, (256, 256)), (7, (3, 1 << 20))])
+def test_many_equal_tensors(world: int, count: int, shape: tuple[int, ...]) -> None:
+    items = [tensor_item(f"layer{i}.weight", shape) for i in range(count)]
+    before = replicated(items, world)
+    after = balance_save_plans(before)
+    check_tiling(before, after)
+    got = loads(after)
+    assert max(got) / (sum(got) / world) <= 1.05
+    # At most world - 1 items are split: the packing cuts one stream once per rank boundary.
+    assert sum(len(p.storage_data.ranges) for p in after) <= 2 * (world - 1)
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_huge_plus_small_in_adversarial_order(world: int) -> None:
+    # Small items first: DCP's greedy dedup would spread them evenly and then hand the huge
+    # tensor whole to one rank.
+    small = [tensor_item(f"s{i}", (64, 1024), torch.bfloat16) for i in range(512)]  # 128 KiB
+    huge = tensor_item("huge", (192 * MiB // 4,), torch.float32)
+    before = replicated([*small, huge], world)
+    after = balance_save_plans(before)
+    check_tiling(before, after)
+    got = loads(after)
+    assert max(got) / (sum(got) / world) <= 1.05
+
+
+def test_byte_io_is_written_once_by_least_loaded_holder() -> None:
+    before = [
+        SavePlan([tensor_item("a", (4 * MiB,)), bytes_item("step"), bytes_item("lr")]),
+        SavePlan([tensor_item("b", (2 * MiB,)), bytes_item("step"), bytes_item("lr")]),
+    ]
+    after = balance_save_plans(before)
+    check_tiling(before, after)
+    # Rank 1 carries less sharded data: it writes both non-tensor values.
+    assert [i.index.fqn for i in after[1].items] == ["b", "step", "lr"]
+    assert [i.index.fqn for i in after[0].items] == ["a"]
+
+
+def test_sharded_items_stay_and_count_as_load() -> None:
+    # Rank 0 already writes 20 MiB of its own; a replicated 40 MiB tensor goes 10 MiB to rank 0
+    # and 30 MiB to rank 1 so that both end at 30 MiB.
+    own = tensor_item("own", (5 * MiB,), offset=(0,), full=(5 * MiB,))
+    rep = tensor_item("rep", (10 * MiB,))
+    before = [SavePlan([own, rep]), SavePlan([rep])]
+    after = balance_save_plans(before)
+    check_tiling(before, after)
+    assert loads(after) == [30 * MiB, 30 * MiB]
+    assert [i.index.fqn for i in after[0].items] == ["own", "rep"]
+    assert after[0].storage_data.ranges == {MetadataIndex("rep", (0,)): (0, 10 * MiB)}
+    assert after[1].storage_data.ranges == {MetadataIndex("rep", (0,)): (10 * MiB, 40 * MiB)}
+
+
+def test_overloaded_owner_gets_no_replicated_bytes() -> None:
+    own = tensor_item("own", (20 * MiB,), offset=(0,), full=(20 * MiB,))
+    rep = tensor_item("rep", (5 * MiB,))
+    before = [SavePlan([own, rep]), SavePlan([rep])]
+    after = balance_save_plans(before)
+    assert [i.index.fqn for i in after[0].items] == ["own"]
+    assert [i.index.fqn for i in after[1].items] == ["rep"]
+    assert after[1].storage_data.ranges == {}  # written whole
+
+
+def test_hsdp_replica_groups_share_their_shard() -> None:
+    # 2x2 mesh (replicate, shard): ranks {0, 2} hold rows [0, 8), ranks {1, 3} rows [8, 16).
+    full = (16, 4 * MiB)
+    top = tensor_item("w", (8, 4 * MiB), offset=(0, 0), full=full)
+    bottom = tensor_item("w", (8, 4 * MiB), offset=(8, 0), full=full)
+    before = [SavePlan([top]), SavePlan([bottom]), SavePlan([top]), SavePlan([bottom])]
+    after = balance_save_plans(before)
+    check_tiling(before, after)
+    assert loads(after) == [64 * MiB] * 4
+
+
+def test_non_tensor_copies_must_agree() -> None:
+    before = [SavePlan([tensor_item("w", (4, 4))]), SavePlan([tensor_item("w", (4, 5))])]
+    with pytest.raises(ValueError, match="'w'"):
+        balance_save_plans(before)
+    with pytest.raises(ValueError, match="twice"):
+        balance_save_plans([SavePlan([tensor_item("w", (4,)), tensor_item("w", (4,))])])
+    with pytest.raises(ValueError, match="multiple of 16"):
+        balance_save_plans([], split_alignment=24)
+
+
+def test_zero_size_and_scalar_items() -> None:
+    items = [tensor_item("empty", (0, 3)), tensor_item("scalar", ()), tensor_item("x", (5,))]
+    before = replicated(items, 3)
+    after = balance_save_plans(before)
+    check_tiling(before, after)
+    assert sum(len(p.items) for p in after) == 3
+
+
+# --- properties ---------------------------------------------------------------------------
+
+ALIGN = 64  # small alignment so that small synthetic tensors are split too
+
+_dtypes = st.sampled_from([torch.uint8, torch.bfloat16, torch.float32, torch.float64])
+
+
+@st.composite
+def layouts(draw: st.DrawFn) -> tuple[list[SavePlan], list[int]]:
+    """Random plans: each item held by a random non-empty subset of ranks."""
+    world = draw(st.integers(1, 6))
+    n = draw(st.integers(0, 40))
+    plans: list[list[WriteItem]] = [[] for _ in range(world)]
+    for i in range(n):
+        holders = draw(st.sets(st.integers(0, world - 1), min_size=1))
+        if draw(st.integers(0, 9)) == 0:
+            item = bytes_item(f"obj{i}")
+        else:
+            numel = draw(st.integers(0, 5000))
+            item = tensor_item(f"t{i}", (numel,), draw(_dtypes))
+        for r in holders:
+            plans[r].append(item)
+    order = draw(st.randoms())
+    for items in plans:
+        order.shuffle(items)
+    return [SavePlan(items) for items in plans], list(range(world))
+
+
+@given(layouts())
+def test_ranges_tile_every_item(layout: tuple[list[SavePlan], list[int]]) -> None:
+    before, _ = layout
+    after = balance_save_plans(before, split_alignment=ALIGN)
+    check_tiling(before, after, ALIGN)
+
+
+@given(layouts(), st.randoms())
+def test_result_ignores_item_arrival_order(
+    layout: tuple[list[SavePlan], list[int]], rnd: random.Random
+) -> None:
+    before, _ = layout
+    shuffled = []
+    for plan in before:
+        items = list(plan.items)
+        rnd.shuffle(items)
+        shuffled.append(SavePlan(items))
+    a = spans(balance_save_plans(before, split_alignment=ALIGN))
+    b = spans(balance_save_plans(shuffled, split_alignment=ALIGN))
+    assert {k: sorted(v) for k, v in a.items()} == {k: sorted(v) for k, v in b.items()}
+
+
+@given(
+    world=st.integers(2, 6),
+    sizes=st.lists(st.integers(0, 20_000), min_size=1, max_size=40),
+    shard_sizes=st.lists(st.integers(0, 50_000), min_size=6, max_size=6),
+)
+def test_balance_is_optimal_up_to_alignment(
+    world: int, sizes: list[int], shard_sizes: list[int]
+) -> None:
+    """Fully replicated items on top of per-rank shards: max load <= optimum + alignment."""
+    shared = [tensor_item(f"r{i}", (n,), torch.uint8) for i, n in enumerate(sizes)]
+    before = [
+        SavePlan([*shared, tensor_item(f"own{r}", (shard_sizes[r],), torch.uint8)])
+        for r in range(world)
+    ]
+    after = balance_save_plans(before, split_alignment=ALIGN)
+    check_tiling(before, after, ALIGN)
+    got = loads(after)
+    fixed = shard_sizes[:world]
+    # The fractional optimum: the water level over the shards, or the largest shard.
+    optimum = max(max(fixed), math.ceil((sum(sizes) + sum(fixed)) / world))
+    assert max(got) <= optimum + ALIGN
+    # Shards never move.
+    for r in range(world):
+        assert MetadataIndex(f"own{r}", (0,)) in {i.index for i in after[r].items}
+
+
+@given(
+    groups=st.integers(1, 4),
+    replicas=st.integers(2, 4),
+    sizes=st.lists(st.integers(1, 30_000), min_size=1, max_size=20),
+)
+def test_disjoint_replica_groups_are_balanced(groups: int, replicas: int, sizes: list[int]) -> None:
+    """HSDP shape: rank g + groups * k holds shard g; each group balances its own bytes."""
+    world = groups * replicas
+    plans: list[list[WriteItem]] = [[] for _ in range(world)]
+    for g in range(groups):
+        for i, n in enumerate(sizes):
+            item = tensor_item(f"p{i}", (n,), torch.uint8, offset=(g * n,), full=(groups * n,))
+            for k in range(replicas):
+                plans[g + groups * k].append(item)
+    before = [SavePlan(p) for p in plans]
+    after = balance_save_plans(before, split_alignment=ALIGN)
+    check_tiling(before, after, ALIGN)
+    got = loads(after)
+    target = math.ceil(sum(sizes) / replicas)
+    assert max(got) <= target + ALIGN
+
+
+# --- SavePlanner.create_global_plan: metadata and index hints ---------------------------------
+
+
+def test_global_plan_metadata_names_each_chunk_once() -> None:
+    full = (4, 3 * MiB)
+    w0 = tensor_item("w", (2, 3 * MiB), offset=(0, 0), full=full)
+    w1 = tensor_item("w", (2, 3 * MiB), offset=(2, 0), full=full)
+    rep = tensor_item("rep", (10 * MiB,), torch.uint8)
+    before = [
+        SavePlan([rep, w0, bytes_item("step")], planner_data={"rep": ("rep",), "w": ("w",)}),
+        SavePlan([w1, rep, bytes_item("step")], planner_data={"step": ("step",)}),
+        SavePlan([w0, bytes_item("step"), rep], planner_data={}),
+        SavePlan([rep, w1, bytes_item("step")], planner_data={}),
+    ]
+    planner = SavePlanner()
+    plans, metadata = planner.create_global_plan(before)
+    check_tiling(before, plans)
+    md = metadata.state_dict_metadata
+    assert isinstance(md["step"], BytesStorageMetadata)
+    assert isinstance(md["rep"], TensorStorageMetadata) and len(md["rep"].chunks) == 1
+    assert isinstance(md["w"], TensorStorageMetadata)
+    assert sorted(tuple(c.offsets) for c in md["w"].chunks) == [(0, 0), (2, 0)]
+    assert metadata.planner_data == {"rep": ("rep",), "w": ("w",), "step": ("step",)}
+    # Every copy of an index carries the same hint, and the hint points at its chunk.
+    for plan in plans:
+        for item in plan.items:
+            if item.type == WriteItemType.BYTE_IO:
+                continue
+            chunk = md[item.index.fqn].chunks[item.index.index]
+            assert chunk.offsets == item.index.offset
+        for index in plan.storage_data.ranges:
+            assert index.index is not None
+            assert md[index.fqn].chunks[index.index].offsets == index.offset
+    got = loads(plans)
+    assert max(got) / (sum(got) / len(got)) <= 1.1
+
+
+def test_global_plan_rejects_missing_shards() -> None:
+    full = (4, 8)
+    before = [
+        SavePlan([tensor_item("w", (2, 8), offset=(0, 0), full=full)]),
+        SavePlan([tensor_item("v", (1,))]),
+    ]
+    with pytest.raises(ValueError, match="'?w'?: chunks cover 16 elements of 32"):
+        SavePlanner().create_global_plan(before)
+
+
+def test_planner_rejects_bad_alignment() -> None:
+    with pytest.raises(ValueError, match="multiple of 16"):
+        SavePlanner(split_alignment=1000)
+
+
+def _replicated_plans(n: int, world: int) -> list[SavePlan]:
+    items = [tensor_item(f"layers.{i}.weight", (256, 64 + i % 7)) for i in range(n)]
+    mapping = {f"layers.{i}.weight": ("layers", str(i), "weight") for i in range(n)}
+    return [SavePlan(list(items), planner_data=dict(mapping)) for _ in range(world)]
+
+
+def test_planning_time_grows_about_linearly() -> None:
+    small, large = _replicated_plans(2_000, 4), _replicated_plans(8_000, 4)
+    times: dict[int, list[float]] = {2_000: [], 8_000: []}
+    gc.collect()
+    gc.freeze()  # keep collector pauses over the (large) inputs out of the measurement
+    try:
+        for _ in range(4):  # interleaved, so a burst of machine noise hits both sizes
+            for n, plans in ((2_000, small), (8_000, large)):
+                start = time.perf_counter()
+                SavePlanner().create_global_plan(plans)
+                times[n].append(time.perf_counter() - start)
+    finally:
+        gc.unfreeze()
+    ratio = min(times[8_000]) / min(times[2_000])
+    # 4x the items: O(n log n) predicts ~4.5x; a quadratic step would give ~16x.
+    assert ratio < 10, times
+
+
+def test_metadata_matches_dcp_default_planner() -> None:
+    """Oracle: DCP's own planner on the same plans describes the same tensors and chunks."""
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+
+    full = (6, 2 * MiB)
+    shards = [tensor_item("w", (2, 2 * MiB), offset=(2 * k, 0), full=full) for k in range(3)]
+    common = [tensor_item("rep", (3 * MiB + 5,), torch.bfloat16), bytes_item("epoch"),
+              tensor_item("scalar", ())]
+    before = [SavePlan([*common, shards[r % 3]], planner_data={"rep": ("rep",)})
+              for r in range(6)]
+    ours = SavePlanner().create_global_plan(before)[1]
+    dcp = DefaultSavePlanner().create_global_plan(before)[1]
+    assert ours.planner_data == dcp.planner_data
+    assert ours.state_dict_metadata.keys() == dcp.state_dict_metadata.keys()
+    for fqn, md in dcp.state_dict_metadata.items():
+        mine = ours.state_dict_metadata[fqn]
+        assert type(mine) is type(md)
+        if isinstance(md, TensorStorageMetadata):
+            assert (mine.size, mine.properties) == (md.size, md.properties)
+            key = lambda c: tuple(c.offsets)  # noqa: E731
+            assert sorted(mine.chunks, key=key) == sorted(md.chunks, key=key)
