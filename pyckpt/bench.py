@@ -420,3 +420,35 @@ def report_json(report: dict[str, Any]) -> str:
     out = dict(report)
     out["results"] = [asdict(r) for r in report["results"]]
     return json.dumps(out, indent=2)
+
+
+def add_arguments(ap: Any) -> None:
+    """Adds the ``pyckpt bench`` options to an argparse parser."""
+    ap.add_argument("--workload", choices=("llm", "minilm"), default="llm",
+                    help="llm: bf16 LLM-shaped state dict; minilm: MiniLM + AdamW state")
+    ap.add_argument("--size-gib", type=float, default=2.0, help="llm workload size (GiB)")
+    ap.add_argument("--methods", default=",".join(METHODS),
+                    help=f"comma-separated subset of {','.join(METHODS)}")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--workdir", default=None, help="directory on the filesystem to measure")
+    ap.add_argument("--json", default=None, help="also write the report as JSON here")
+
+
+def run_cli(args: Any) -> int:
+    """Runs ``pyckpt bench`` with parsed arguments; returns the exit status."""
+    import tempfile
+
+    if args.workload == "llm":
+        sd = llm_state_dict(int(args.size_gib * (1 << 30)))
+        source = f"bf16 LLM-shaped state dict, {len(sd)} tensors"
+    else:
+        sd, source = minilm_state_dict()
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    print(f"workload: {source}; {state_dict_bytes(sd) / 2**30:.2f} GiB", flush=True)
+    with tempfile.TemporaryDirectory(dir=args.workdir) as work:
+        report = compare(sd, work, methods, args.repeats,
+                         progress=lambda m: print(f"  {m} ...", flush=True))
+    print(format_table(report))
+    if args.json:
+        Path(args.json).write_text(report_json(report))
+    return 0 if all(r.bit_exact for r in report["results"]) else 1
