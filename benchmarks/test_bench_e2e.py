@@ -18,8 +18,8 @@ from pyckpt import bench
 WRITERS = {
     "pyckpt": lambda p: pyckpt.Writer(p),
     "pyckpt+zstd": lambda p: pyckpt.Writer(p, compression="zstd"),
-    "dcp-t2": lambda p: bench._dcp_writer("dcp-t2", p),
-    "dcp+zstd-t2": lambda p: bench._dcp_writer("dcp+zstd-t2", p),
+    "dcp-t2": lambda p: bench.dcp_writer("dcp-t2", p),
+    "dcp+zstd-t2": lambda p: bench.dcp_writer("dcp+zstd-t2", p),
 }
 
 
@@ -37,13 +37,13 @@ def test_save(benchmark, tmp_path: Path, state_dict: dict, method: str) -> None:
 
     benchmark.pedantic(lambda: dcp.save(state_dict, storage_writer=WRITERS[method](path)),
                        setup=setup, rounds=3)
-    target = bench._zeros_like_tree(state_dict)
-    reader = pyckpt.Reader(path) if method.startswith("pyckpt") else bench._dcp_reader(method, path)
+    target = bench.zeros_like_tree(state_dict)
+    reader = pyckpt.Reader(path) if method.startswith("pyckpt") else bench.dcp_reader(method, path)
     dcp.load(target, storage_reader=reader)
-    assert bench._equal_tree(state_dict, target)
+    assert bench.equal_tree(state_dict, target)
     raw = bench.state_dict_bytes(state_dict)
     benchmark.extra_info["raw_bytes"] = raw
-    benchmark.extra_info["disk_bytes"] = bench._dir_bytes(path)
+    benchmark.extra_info["disk_bytes"] = bench.dir_bytes(path)
     if benchmark.stats is not None:
         benchmark.extra_info["bytes_per_s"] = raw / benchmark.stats.stats.median
 
@@ -52,16 +52,16 @@ def test_save(benchmark, tmp_path: Path, state_dict: dict, method: str) -> None:
 def test_load_warm(benchmark, tmp_path: Path, state_dict: dict, method: str) -> None:  # type: ignore[no-untyped-def]
     path = tmp_path / "ckpt"
     dcp.save(state_dict, storage_writer=WRITERS[method](path))
-    bench._warm_cache(path)
-    target = bench._zeros_like_tree(state_dict)
+    bench.warm_cache(path)
+    target = bench.zeros_like_tree(state_dict)
 
     def load():  # type: ignore[no-untyped-def]
         reader = (pyckpt.Reader(path) if method.startswith("pyckpt")
-                  else bench._dcp_reader(method, path))
+                  else bench.dcp_reader(method, path))
         dcp.load(target, storage_reader=reader)
 
     benchmark.pedantic(load, rounds=3)
-    assert bench._equal_tree(state_dict, target)
+    assert bench.equal_tree(state_dict, target)
     if benchmark.stats is not None:
         benchmark.extra_info["bytes_per_s"] = bench.state_dict_bytes(state_dict) / (
             benchmark.stats.stats.median)

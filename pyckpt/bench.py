@@ -35,6 +35,18 @@ __all__ = [
     "llm_state_dict",
     "minilm_state_dict",
     "direct_write_bandwidth",
+    "dcp_writer",
+    "dcp_reader",
+    "zeros_like_tree",
+    "equal_tree",
+    "dir_bytes",
+    "warm_cache",
+    "drop_cache",
+    "state_dict_bytes",
+    "minilm_dir",
+    "add_arguments",
+    "run_cli",
+    "report_json",
     "run_method",
     "compare",
     "format_table",
@@ -175,19 +187,19 @@ def state_dict_bytes(sd: Any) -> int:
     return 0
 
 
-def _zeros_like_tree(sd: Any) -> Any:
+def zeros_like_tree(sd: Any) -> Any:
     import torch
 
     if isinstance(sd, torch.Tensor):
         return torch.zeros_like(sd)
     if isinstance(sd, dict):
-        return {k: _zeros_like_tree(v) for k, v in sd.items()}
+        return {k: zeros_like_tree(v) for k, v in sd.items()}
     if isinstance(sd, list):
-        return [_zeros_like_tree(v) for v in sd]
+        return [zeros_like_tree(v) for v in sd]
     return sd
 
 
-def _equal_tree(a: Any, b: Any) -> bool:
+def equal_tree(a: Any, b: Any) -> bool:
     import torch
 
     if isinstance(a, torch.Tensor):
@@ -199,21 +211,21 @@ def _equal_tree(a: Any, b: Any) -> bool:
         )
     if isinstance(a, dict):
         return isinstance(b, dict) and a.keys() == b.keys() and all(
-            _equal_tree(a[k], b[k]) for k in a
+            equal_tree(a[k], b[k]) for k in a
         )
     if isinstance(a, (list, tuple)):
-        return len(a) == len(b) and all(_equal_tree(x, y) for x, y in zip(a, b))
+        return len(a) == len(b) and all(equal_tree(x, y) for x, y in zip(a, b))
     return bool(a == b)
 
 
 # ----------------------------------------------------------------------------- measurement
 
 
-def _dir_bytes(path: Path) -> int:
+def dir_bytes(path: Path) -> int:
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
 
 
-def _drop_cache(path: Path) -> None:
+def drop_cache(path: Path) -> None:
     """Evicts the (clean, fsynced) pages of every file under ``path`` from the page cache."""
     for p in path.rglob("*"):
         if p.is_file():
@@ -224,7 +236,7 @@ def _drop_cache(path: Path) -> None:
                 os.close(fd)
 
 
-def _warm_cache(path: Path) -> None:
+def warm_cache(path: Path) -> None:
     for p in path.rglob("*"):
         if p.is_file():
             with open(p, "rb") as f:
@@ -261,7 +273,7 @@ def direct_write_bandwidth(directory: str | os.PathLike[str], nbytes: int,
     return nbytes / elapsed
 
 
-def _dcp_writer(method: str, path: Path) -> Any:
+def dcp_writer(method: str, path: Path) -> Any:
     from torch.distributed.checkpoint import FileSystemWriter
 
     threads = int(method.rsplit("-t", 1)[1])
@@ -273,7 +285,7 @@ def _dcp_writer(method: str, path: Path) -> Any:
     return FileSystemWriter(path, **kwargs)
 
 
-def _dcp_reader(method: str, path: Path) -> Any:
+def dcp_reader(method: str, path: Path) -> Any:
     from torch.distributed.checkpoint import FileSystemReader
 
     return FileSystemReader(path)
@@ -310,31 +322,31 @@ def run_method(method: str, sd: dict[str, Any], workdir: Path, repeats: int = 3)
     writer = None
     if method.startswith("pyckpt"):
         writer = pyckpt.Writer(path, compression="zstd" if "zstd" in method else None)
-    target = _zeros_like_tree(sd)
+    target = zeros_like_tree(sd)
     exact = True
     try:
         for _ in range(repeats):
             shutil.rmtree(path, ignore_errors=True)
             gc.collect()
-            w = writer if writer is not None else _dcp_writer(method, path)
+            w = writer if writer is not None else dcp_writer(method, path)
             t0 = time.perf_counter()
             dcp.save(sd, storage_writer=w)
             saves.append(time.perf_counter() - t0)
         for cold in (True, False):
             for _ in range(repeats):
                 if cold:
-                    _drop_cache(path)
+                    drop_cache(path)
                 else:
-                    _warm_cache(path)
+                    warm_cache(path)
                 r = (pyckpt.Reader(path) if method.startswith("pyckpt")
-                     else _dcp_reader(method, path))
+                     else dcp_reader(method, path))
                 t0 = time.perf_counter()
                 dcp.load(target, storage_reader=r)
                 (colds if cold else warms).append(time.perf_counter() - t0)
                 if isinstance(r, pyckpt.Reader):
                     r.close()
-        exact = _equal_tree(sd, target)
-        disk = _dir_bytes(path)
+        exact = equal_tree(sd, target)
+        disk = dir_bytes(path)
     finally:
         if writer is not None:
             writer.close()
