@@ -1,0 +1,270 @@
+"""Balanced saving of replicated state on 2, 3 and 4 gloo ranks, checked from the files on disk.
+
+One spawn per world size saves every case through :func:`pyckpt.save` (pyckpt.Writer +
+pyckpt.SavePlanner) and loads each back at the same world size; the tests then read per-rank
+bytes from the data files and load the checkpoints at other world sizes (4 -> 1 here, 2 -> 3 in
+a spawn of their own).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import pyckpt
+from dist_utils import run_distributed
+
+MiB = 1 << 20
+CASES = ("single", "equal", "mixed")
+BALANCE = 1.05
+_DATA_FILE = re.compile(r"^(\d+)-\d+\..*\.pyckpt$")
+
+
+# --- state dicts (deterministic: every rank builds the same replicated values) ---------------
+
+
+def replicated_case(name: str) -> dict[str, Any]:
+    """About 256 MiB of replicated state in one of three shapes."""
+    g = torch.Generator().manual_seed(CASES.index(name) + 1)
+    if name == "single":  # one 256 MiB tensor
+        return {"weight": torch.randn(64 * MiB, generator=g)}
+    if name == "equal":  # 128 tensors of 2 MiB
+        return {f"layers.{i}.w": torch.randn(1024, 1024, generator=g).bfloat16() for i in range(128)}
+    # One 192 MiB tensor after 64 MiB of small tensors of assorted shapes and dtypes (the order
+    # in which DCP's greedy dedup spreads the small ones evenly and then gives the huge one to a
+    # single rank), plus non-tensor values.
+    sd: dict[str, Any] = {}
+    small = 0
+    i = 0
+    while small < 64 * MiB:
+        rows = 1 + (i * 37) % 251
+        t = torch.randn(rows, 193, generator=g)
+        t = t.bfloat16() if i % 3 == 0 else t.double() if i % 3 == 1 else t
+        sd[f"small.{i}"] = t
+        small += t.numel() * t.element_size()
+        i += 1
+    sd["huge"] = torch.randn(48 * MiB, generator=g)
+    sd["meta"] = {"step": 1234, "tag": "mixed"}
+    return sd
+
+
+def mixed_layouts(mesh: Any | None) -> dict[str, Any]:
+    """Plain replicated model + Adam state, Replicate()/Shard(0) DTensors and non-tensors.
+
+    With ``mesh=None`` the DTensors are returned as the full plain tensors they distribute.
+    """
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    torch.manual_seed(11)
+    model = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.ReLU(), torch.nn.Linear(512, 64))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    model(torch.randn(8, 256)).square().sum().backward()
+    opt.step()
+    model_sd, optim_sd = get_state_dict(model, opt)
+    g = torch.Generator().manual_seed(12)
+    rep = torch.randn(3 * MiB // 4 + 5, generator=g)
+    tp = torch.randn(12, 4096, generator=g).bfloat16()
+    if mesh is not None:
+        from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+        rep = distribute_tensor(rep, mesh, [Replicate()])
+        tp = distribute_tensor(tp, mesh, [Shard(0)])
+    return {
+        "model": model_sd,
+        "optim": optim_sd,
+        "rep": rep,
+        "tp": tp,
+        "extra": {"epoch": 3, "name": "run-7", "betas": (0.9, 0.95)},
+    }
+
+
+def hsdp_case(mesh: Any | None) -> dict[str, Any]:
+    """256 MiB sharded over the 'shard' dim of a 2x2 mesh and replicated over 'replicate'."""
+    g = torch.Generator().manual_seed(21)
+    w = torch.randn(64, MiB, generator=g)
+    b = torch.randn(4096, generator=g)
+    if mesh is None:
+        return {"w": w, "b": b, "step": 5}
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    return {
+        "w": distribute_tensor(w, mesh, [Replicate(), Shard(0)]),
+        "b": distribute_tensor(b, mesh, [Replicate(), Replicate()]),
+        "step": 5,
+    }
+
+
+# --- helpers -----------------------------------------------------------------------------
+
+
+def _tensors(tree: Any, prefix: str = "") -> Iterator[tuple[str, Any]]:
+    if isinstance(tree, dict):
+        for k, v in tree.items():
+            yield from _tensors(v, f"{prefix}{k}.")
+    elif isinstance(tree, (list, tuple)):
+        for k, v in enumerate(tree):
+            yield from _tensors(v, f"{prefix}{k}.")
+    else:
+        yield prefix.rstrip("."), tree
+
+
+def blank_like(tree: Any) -> Any:
+    """Same structure with zeroed tensors (same placements) and placeholder non-tensors."""
+    if isinstance(tree, dict):
+        return {k: blank_like(v) for k, v in tree.items()}
+    if isinstance(tree, list):
+        return [blank_like(v) for v in tree]
+    if isinstance(tree, torch.Tensor):
+        return torch.zeros_like(tree)
+    return None
+
+
+def assert_same(expected: Any, got: Any) -> None:
+    """Bit-exact equality of every tensor (local shards of DTensors) and non-tensor value."""
+    from torch.distributed.tensor import DTensor
+
+    exp, act = dict(_tensors(expected)), dict(_tensors(got))
+    assert exp.keys() == act.keys()
+    for key, e in exp.items():
+        a = act[key]
+        if isinstance(e, torch.Tensor):
+            if isinstance(e, DTensor):
+                assert isinstance(a, DTensor) and a.placements == e.placements, key
+                e, a = e.to_local(), a.to_local()
+            assert isinstance(a, torch.Tensor), key
+            assert (a.dtype, a.shape) == (e.dtype, e.shape), key
+            assert torch.equal(a.reshape(-1).view(torch.uint8), e.reshape(-1).view(torch.uint8)), key
+        else:
+            assert a == e, key
+
+
+def bytes_per_rank(path: str | Path, world: int) -> list[int]:
+    """Sum of the sizes of each rank's data files (``<rank>-<k>.<save_id>.pyckpt``)."""
+    out = [0] * world
+    for name in os.listdir(path):
+        m = _DATA_FILE.match(name)
+        if m:
+            out[int(m.group(1))] += os.path.getsize(os.path.join(path, name))
+    return out
+
+
+def imbalance(sizes: list[int]) -> float:
+    return max(sizes) / (sum(sizes) / len(sizes))
+
+
+def _save_and_reload(sd: dict[str, Any], path: str) -> None:
+    pyckpt.save(sd, path)
+    got = blank_like(sd)
+    pyckpt.load(got, path)
+    assert_same(sd, got)
+
+
+# --- workers (run in spawned ranks) ------------------------------------------------------
+
+
+def _save_world(rank: int, world: int, root: str) -> None:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.device_mesh import init_device_mesh
+
+    for case in CASES:
+        _save_and_reload(replicated_case(case), os.path.join(root, case))
+    mesh = init_device_mesh("cpu", (world,))
+    _save_and_reload(mixed_layouts(mesh), os.path.join(root, "layouts"))
+    if world == 4:
+        mesh2 = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+        _save_and_reload(hsdp_case(mesh2), os.path.join(root, "hsdp"))
+    if world == 2:
+        # pyckpt.Writer with DCP's default planner: DCP's whole-item dedup applies.
+        sd = {"w": torch.arange(2 * MiB, dtype=torch.float32)}
+        path = os.path.join(root, "default-planner")
+        with pyckpt.Writer(path) as writer:
+            dcp.save(sd, storage_writer=writer)
+        got = blank_like(sd)
+        pyckpt.load(got, path)
+        assert_same(sd, got)
+
+
+def _load_world(rank: int, world: int, root: str) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    for case in CASES:
+        expected = replicated_case(case)
+        got = blank_like(expected)
+        pyckpt.load(got, os.path.join(root, case))
+        assert_same(expected, got)
+    expected = mixed_layouts(init_device_mesh("cpu", (world,)))
+    got = blank_like(expected)
+    pyckpt.load(got, os.path.join(root, "layouts"))
+    assert_same(expected, got)
+
+
+# --- tests -------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory: pytest.TempPathFactory) -> dict[int, Path]:
+    """Checkpoints of every case saved (and reloaded bit-exactly) at world sizes 2, 3, 4."""
+    out = {}
+    for world in (2, 3, 4):
+        root = tmp_path_factory.mktemp(f"world{world}")
+        run_distributed(_save_world, world, str(root))
+        out[world] = root
+    return out
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("world", [2, 3, 4])
+@pytest.mark.parametrize("case", CASES)
+def test_replicated_bytes_are_balanced_on_disk(
+    saved: dict[int, Path], world: int, case: str
+) -> None:
+    sizes = bytes_per_rank(saved[world] / case, world)
+    total = sum(
+        t.numel() * t.element_size()
+        for _, t in _tensors(replicated_case(case))
+        if isinstance(t, torch.Tensor)
+    )
+    assert sum(sizes) >= total
+    assert imbalance(sizes) <= BALANCE, sizes
+
+
+@pytest.mark.distributed
+def test_hsdp_replica_groups_share_their_shard(saved: dict[int, Path]) -> None:
+    # Mesh [[0, 1], [2, 3]]: ranks 0 and 2 hold rows [0, 32) of w, ranks 1 and 3 rows [32, 64).
+    sizes = bytes_per_rank(saved[4] / "hsdp", 4)
+    assert imbalance(sizes) <= BALANCE, sizes
+    shard = 32 * MiB * 4
+    for group in ((0, 2), (1, 3)):
+        part = [sizes[r] for r in group]
+        assert sum(part) >= shard
+        assert max(part) / (sum(part) / 2) <= BALANCE, sizes
+
+
+@pytest.mark.distributed
+def test_default_planner_with_pyckpt_writer_dedups_whole(saved: dict[int, Path]) -> None:
+    sizes = sorted(bytes_per_rank(saved[2] / "default-planner", 2))
+    assert sizes[0] < 64 * 1024 and sizes[1] >= 8 * MiB
+
+
+@pytest.mark.distributed
+def test_load_four_ranks_checkpoint_in_one_process(saved: dict[int, Path]) -> None:
+    for case in CASES:
+        expected = replicated_case(case)
+        got = blank_like(expected)
+        pyckpt.load(got, saved[4] / case)
+        assert_same(expected, got)
+    for name, expected in (("layouts", mixed_layouts(None)), ("hsdp", hsdp_case(None))):
+        got = blank_like(expected)
+        pyckpt.load(got, saved[4] / name)
+        assert_same(expected, got)
+
+
+@pytest.mark.distributed
+def test_load_two_ranks_checkpoint_on_three(saved: dict[int, Path]) -> None:
+    run_distributed(_load_world, 3, str(saved[2]))
