@@ -8,6 +8,8 @@ a spawn of their own).
 
 from __future__ import annotations
 
+import functools
+import math
 import os
 import re
 from collections.abc import Iterator
@@ -29,27 +31,38 @@ _DATA_FILE = re.compile(r"^(\d+)-\d+\..*\.pyckpt$")
 # --- state dicts (deterministic: every rank builds the same replicated values) ---------------
 
 
+def pattern(shape: tuple[int, ...], dtype: torch.dtype, seed: int) -> torch.Tensor:
+    """Scrambled bits (NaN payloads included) that differ at every 4-byte position and seed.
+
+    Word ``i`` is ``i * 0x9E3779B1 + seed`` mod 2**32, a bijection of ``i``, so a misplaced or
+    shifted byte range cannot go unnoticed; much cheaper than ``torch.randn`` at 256 MiB.
+    """
+    nbytes = math.prod(shape) * dtype.itemsize
+    words = torch.arange((nbytes + 3) // 4, dtype=torch.int32)
+    words.mul_(-1640531535).add_(seed * 40503)
+    return words.view(torch.uint8)[:nbytes].view(dtype).reshape(shape)
+
+
 def replicated_case(name: str) -> dict[str, Any]:
     """About 256 MiB of replicated state in one of three shapes."""
-    g = torch.Generator().manual_seed(CASES.index(name) + 1)
+    seed = (CASES.index(name) + 1) * 1000
     if name == "single":  # one 256 MiB tensor
-        return {"weight": torch.randn(64 * MiB, generator=g)}
+        return {"weight": pattern((64 * MiB,), torch.float32, seed)}
     if name == "equal":  # 128 tensors of 2 MiB
-        return {f"layers.{i}.w": torch.randn(1024, 1024, generator=g).bfloat16() for i in range(128)}
+        return {f"layers.{i}.w": pattern((1024, 1024), torch.bfloat16, seed + i) for i in range(128)}
     # One 192 MiB tensor after 64 MiB of small tensors of assorted shapes and dtypes (the order
     # in which DCP's greedy dedup spreads the small ones evenly and then gives the huge one to a
     # single rank), plus non-tensor values.
     sd: dict[str, Any] = {}
     small = 0
     i = 0
+    dtypes = (torch.bfloat16, torch.float64, torch.float32, torch.int8)
     while small < 64 * MiB:
-        rows = 1 + (i * 37) % 251
-        t = torch.randn(rows, 193, generator=g)
-        t = t.bfloat16() if i % 3 == 0 else t.double() if i % 3 == 1 else t
+        t = pattern((1 + (i * 37) % 251, 193), dtypes[i % 4], seed + i)
         sd[f"small.{i}"] = t
         small += t.numel() * t.element_size()
         i += 1
-    sd["huge"] = torch.randn(48 * MiB, generator=g)
+    sd["huge"] = pattern((48 * MiB,), torch.float32, seed - 1)
     sd["meta"] = {"step": 1234, "tag": "mixed"}
     return sd
 
@@ -86,9 +99,8 @@ def mixed_layouts(mesh: Any | None) -> dict[str, Any]:
 
 def hsdp_case(mesh: Any | None) -> dict[str, Any]:
     """256 MiB sharded over the 'shard' dim of a 2x2 mesh and replicated over 'replicate'."""
-    g = torch.Generator().manual_seed(21)
-    w = torch.randn(64, MiB, generator=g)
-    b = torch.randn(4096, generator=g)
+    w = pattern((64, MiB), torch.float32, 21)
+    b = pattern((4096,), torch.float32, 22)
     if mesh is None:
         return {"w": w, "b": b, "step": 5}
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
@@ -154,12 +166,18 @@ def bytes_per_rank(path: str | Path, world: int) -> list[int]:
     return out
 
 
+@functools.lru_cache
+def case_tensor_bytes(case: str) -> int:
+    sd = replicated_case(case)
+    return sum(t.numel() * t.element_size() for _, t in _tensors(sd) if isinstance(t, torch.Tensor))
+
+
 def imbalance(sizes: list[int]) -> float:
     return max(sizes) / (sum(sizes) / len(sizes))
 
 
 def _save_and_reload(sd: dict[str, Any], path: str) -> None:
-    pyckpt.save(sd, path)
+    pyckpt.save(sd, path, fsync=False)  # durability is not under test here
     got = blank_like(sd)
     pyckpt.load(got, path)
     assert_same(sd, got)
@@ -172,6 +190,8 @@ def _save_world(rank: int, world: int, root: str) -> None:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.device_mesh import init_device_mesh
 
+    torch.set_num_threads(1)  # up to 4 ranks share 2 cores
+
     for case in CASES:
         _save_and_reload(replicated_case(case), os.path.join(root, case))
     mesh = init_device_mesh("cpu", (world,))
@@ -183,7 +203,7 @@ def _save_world(rank: int, world: int, root: str) -> None:
         # pyckpt.Writer with DCP's default planner: DCP's whole-item dedup applies.
         sd = {"w": torch.arange(2 * MiB, dtype=torch.float32)}
         path = os.path.join(root, "default-planner")
-        with pyckpt.Writer(path) as writer:
+        with pyckpt.Writer(path, fsync=False) as writer:
             dcp.save(sd, storage_writer=writer)
         got = blank_like(sd)
         pyckpt.load(got, path)
@@ -192,6 +212,8 @@ def _save_world(rank: int, world: int, root: str) -> None:
 
 def _load_world(rank: int, world: int, root: str) -> None:
     from torch.distributed.device_mesh import init_device_mesh
+
+    torch.set_num_threads(1)
 
     for case in CASES:
         expected = replicated_case(case)
@@ -225,12 +247,7 @@ def test_replicated_bytes_are_balanced_on_disk(
     saved: dict[int, Path], world: int, case: str
 ) -> None:
     sizes = bytes_per_rank(saved[world] / case, world)
-    total = sum(
-        t.numel() * t.element_size()
-        for _, t in _tensors(replicated_case(case))
-        if isinstance(t, torch.Tensor)
-    )
-    assert sum(sizes) >= total
+    assert sum(sizes) >= case_tensor_bytes(case)
     assert imbalance(sizes) <= BALANCE, sizes
 
 

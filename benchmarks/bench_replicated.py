@@ -1,0 +1,273 @@
+"""Replicated-state saves: pyckpt.SavePlanner vs DCP's default planner, and planning cost.
+
+Every rank holds the same bf16 LLM-shaped state dict (DDP / FSDP NO_SHARD). For each world size
+the same pyckpt.Writer saves it once with each planner (fsync on, same machine, same run); the
+table gives the save wall time (slowest rank, barrier to barrier) and the bytes each rank wrote,
+read from the data files on disk. A second table times the coordinator's global planning on
+synthetic local plans of many tensors.
+
+    python benchmarks/bench_replicated.py --size-gib 1 --worlds 1 2 4 --json replicated.json
+
+On a machine whose ranks share one disk (and two cores), wall time is bounded by the disk
+whatever the split, so bytes per rank is the primary figure; save time shows the split's effect
+only where ranks write to separate disks or nodes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import json
+import os
+import pickle
+import platform
+import queue
+import re
+import shutil
+import socket
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+from typing import Any
+
+import torch
+import torch.multiprocessing as mp
+
+PLANNERS = ("pyckpt", "dcp-default")
+_DATA_FILE = re.compile(r"^(\d+)-\d+\..*\.pyckpt$")
+
+
+def bytes_per_rank(path: str, world: int) -> list[int]:
+    """Sizes of each rank's data files (``<rank>-<k>.<save_id>.pyckpt``), summed per rank."""
+    out = [0] * world
+    for name in os.listdir(path):
+        m = _DATA_FILE.match(name)
+        if m:
+            out[int(m.group(1))] += os.path.getsize(os.path.join(path, name))
+    return out
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _save_rank(
+    rank: int, world: int, port: int, size: int, root: str, planners: list[str], q: Any
+) -> None:
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    import pyckpt
+    from pyckpt import bench
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    try:
+        dist.init_process_group(
+            "gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=600)
+        )
+        try:
+            sd = bench.llm_state_dict(size, seed=0)  # identical on every rank
+            times = {}
+            for name in planners:
+                path = os.path.join(root, f"w{world}-{name}")
+                planner = pyckpt.SavePlanner() if name == "pyckpt" else None
+                gc.collect()
+                with pyckpt.Writer(path) as writer:
+                    dist.barrier()
+                    start = time.perf_counter()
+                    dcp.save(sd, storage_writer=writer, planner=planner)
+                    dist.barrier()
+                    times[name] = time.perf_counter() - start
+            q.put((rank, "ok", times))
+        finally:
+            dist.destroy_process_group()
+    except BaseException:
+        q.put((rank, "error", traceback.format_exc()))
+        raise
+
+
+def _single_process_save(size: int, root: str, planners: list[str]) -> dict[str, float]:
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+
+    import pyckpt
+    from pyckpt import bench
+
+    sd = bench.llm_state_dict(size, seed=0)
+    times = {}
+    for name in planners:
+        path = os.path.join(root, f"w1-{name}")
+        planner = pyckpt.SavePlanner() if name == "pyckpt" else None
+        gc.collect()
+        with pyckpt.Writer(path) as writer, warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            start = time.perf_counter()
+            dcp.save(sd, storage_writer=writer, planner=planner)
+            times[name] = time.perf_counter() - start
+    return times
+
+
+def run_saves(world: int, size: int, root: str, planners: list[str]) -> dict[str, float]:
+    """Saves on ``world`` spawned gloo ranks; returns the slowest rank's time per planner."""
+    if world == 1:
+        return _single_process_save(size, root, planners)
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    port = _free_port()
+    procs = [
+        ctx.Process(target=_save_rank, args=(r, world, port, size, root, planners, q))
+        for r in range(world)
+    ]
+    for p in procs:
+        p.start()
+    results: dict[int, Any] = {}
+    try:
+        while len(results) < world:
+            try:
+                rank, status, payload = q.get(timeout=1)
+            except queue.Empty:
+                if not any(p.is_alive() for p in procs):
+                    raise RuntimeError("a rank died without reporting") from None
+                continue
+            if status != "ok":
+                raise RuntimeError(f"rank {rank} failed:\n{payload}")
+            results[rank] = payload
+    finally:
+        for p in procs:
+            p.join(10)
+            if p.is_alive():
+                p.kill()
+                p.join()
+    return {name: max(results[r][name] for r in range(world)) for name in planners}
+
+
+# --------------------------------------------------------------------------- planning cost
+
+
+def synthetic_local_plans(count: int, world: int) -> list[Any]:
+    """Local plans of ``world`` ranks each holding the same ``count`` tensors (1-16 KiB each).
+
+    Made by the planner's own local planning, then pickled and unpickled per rank as DCP's
+    gather does, so the coordinator sees distinct objects per rank.
+    """
+    import pyckpt
+
+    sd = {f"layers.{i}.p{i % 5}": torch.empty(16 * (1 + i % 8), 32) for i in range(count)}
+    planner = pyckpt.SavePlanner()
+    planner.set_up_planner(sd, is_coordinator=True)
+    blob = pickle.dumps(planner.create_local_plan())
+    return [pickle.loads(blob) for _ in range(world)]
+
+
+def time_planning(count: int, world: int, repeats: int) -> dict[str, float]:
+    """Median seconds of ``create_global_plan`` for pyckpt's and DCP's default planner."""
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+
+    import pyckpt
+
+    out = {}
+    for name, cls in (("pyckpt", pyckpt.SavePlanner), ("dcp-default", DefaultSavePlanner)):
+        samples = []
+        for _ in range(repeats):
+            plans = synthetic_local_plans(count, world)
+            gc.collect()
+            start = time.perf_counter()
+            cls().create_global_plan(plans)
+            samples.append(time.perf_counter() - start)
+        out[name] = statistics.median(samples)
+    return out
+
+
+# ------------------------------------------------------------------------------------ main
+
+
+def _mib(n: float) -> str:
+    return f"{n / (1 << 20):.1f}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--size-gib", type=float, default=1.0, help="state dict size per rank")
+    parser.add_argument("--worlds", type=int, nargs="+", default=[1, 2, 4])
+    parser.add_argument("--dir", default=None, help="where to write checkpoints (default: tmp)")
+    parser.add_argument("--plan-counts", type=int, nargs="+", default=[2500, 5000, 10000, 20000])
+    parser.add_argument("--plan-world", type=int, default=4)
+    parser.add_argument("--plan-repeats", type=int, default=5)
+    parser.add_argument("--skip-saves", action="store_true")
+    parser.add_argument("--json", default=None, help="also write the results here")
+    args = parser.parse_args(argv)
+
+    size = int(args.size_gib * (1 << 30))
+    report: dict[str, Any] = {
+        "machine": {
+            "cpus": os.cpu_count(),
+            "platform": platform.platform(),
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+        },
+        "command": " ".join([os.path.basename(sys.argv[0]), *sys.argv[1:]]),
+        "size_bytes": size,
+        "saves": [],
+        "planning": [],
+    }
+
+    if not args.skip_saves:
+        from pyckpt import bench
+
+        total = bench.state_dict_bytes(bench.llm_state_dict(size, seed=0))
+        report["state_dict_bytes"] = total
+        print(f"replicated state dict: {_mib(total)} MiB bf16 on every rank; fsync on")
+        print(f"{'world':>5} {'planner':<12} {'save s':>7} {'GB/s':>6} {'max/mean':>8}  MiB per rank")
+        base = tempfile.mkdtemp(prefix="pyckpt-bench-repl-", dir=args.dir)
+        try:
+            for world in args.worlds:
+                root = os.path.join(base, f"w{world}")
+                os.makedirs(root)
+                times = run_saves(world, size, root, list(PLANNERS))
+                for name in PLANNERS:
+                    per_rank = bytes_per_rank(os.path.join(root, f"w{world}-{name}"), world)
+                    ratio = max(per_rank) / (sum(per_rank) / world)
+                    row = {
+                        "world": world,
+                        "planner": name,
+                        "save_s": times[name],
+                        "gb_per_s": total / times[name] / 1e9,
+                        "bytes_per_rank": per_rank,
+                        "max_over_mean": ratio,
+                    }
+                    report["saves"].append(row)
+                    print(
+                        f"{world:>5} {name:<12} {times[name]:>7.2f} {row['gb_per_s']:>6.2f} "
+                        f"{ratio:>8.3f}  {' '.join(_mib(b) for b in per_rank)}"
+                    )
+                shutil.rmtree(root)
+        finally:
+            shutil.rmtree(base, ignore_errors=True)
+
+    print(
+        f"\nglobal planning, {args.plan_world} ranks, median of {args.plan_repeats} "
+        "(create_global_plan on the coordinator)"
+    )
+    print(f"{'tensors':>8} {'pyckpt ms':>10} {'us/tensor':>9} {'dcp ms':>8} {'us/tensor':>9}")
+    for count in args.plan_counts:
+        t = time_planning(count, args.plan_world, args.plan_repeats)
+        report["planning"].append({"tensors": count, "world": args.plan_world, **t})
+        print(
+            f"{count:>8} {t['pyckpt'] * 1e3:>10.1f} {t['pyckpt'] / count * 1e6:>9.2f} "
+            f"{t['dcp-default'] * 1e3:>8.1f} {t['dcp-default'] / count * 1e6:>9.2f}"
+        )
+
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
