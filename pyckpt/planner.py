@@ -84,14 +84,20 @@ class ByteRanges:
     ranges: dict[MetadataIndex, tuple[int, int]] = dataclasses.field(default_factory=dict)
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(eq=False)
 class _Entry:
-    """One distinct item (one ``MetadataIndex``) over all plans."""
+    """One distinct item (one ``MetadataIndex``) over all plans, and where it is written."""
 
-    item: WriteItem
+    item: WriteItem  # the lowest holder's copy
     nbytes: int  # bytes of the item's data; the weight used for BYTE_IO items
     splittable: bool
     holders: list[int]  # ranks whose plan holds the item, ascending
+    parts: dict[int, tuple[int, int] | None] = dataclasses.field(default_factory=dict)
+    """Writing ranks -> byte range, or None when that rank writes the item whole."""
+    hinted: MetadataIndex | None = None  # the index with its metadata hint, once known
+
+# A rank's items, each with the entry shared by all copies of its index.
+_RankItems = list[tuple[WriteItem, _Entry]]
 
 
 def _item_nbytes(item: WriteItem) -> int:
@@ -127,14 +133,20 @@ def _check_same_item(first: WriteItem, other: WriteItem, rank: int) -> None:
         )
 
 
-def _collect(all_plans: Sequence[SavePlan]) -> dict[MetadataIndex, _Entry]:
-    entries: dict[MetadataIndex, _Entry] = {}
+def _collect(all_plans: Sequence[SavePlan]) -> tuple[list[_Entry], list[_RankItems]]:
+    """Group the copies of each index over all plans (one hash lookup per copy)."""
+    # Keyed by (fqn, offset), which is what MetadataIndex equality compares, without calling
+    # the dataclass's Python-level __hash__/__eq__ for every copy.
+    entries: dict[tuple[str, Any], _Entry] = {}
+    per_rank: list[_RankItems] = []
     for rank, plan in enumerate(all_plans):
+        mine: _RankItems = []
         for item in plan.items:
-            entry = entries.get(item.index)
+            key = (item.index.fqn, item.index.offset)
+            entry = entries.get(key)
             if entry is None:
                 splittable = item.type != WriteItemType.BYTE_IO and item.tensor_data is not None
-                entries[item.index] = _Entry(item, _item_nbytes(item), splittable, [rank])
+                entry = entries[key] = _Entry(item, _item_nbytes(item), splittable, [rank])
             elif entry.holders[-1] == rank:  # ranks are visited in ascending order
                 raise ValueError(
                     f"rank {rank}'s plan holds item {item.index.fqn!r} "
@@ -143,7 +155,9 @@ def _collect(all_plans: Sequence[SavePlan]) -> dict[MetadataIndex, _Entry]:
             else:
                 _check_same_item(entry.item, item, rank)
                 entry.holders.append(rank)
-    return entries
+            mine.append((item, entry))
+        per_rank.append(mine)
+    return list(entries.values()), per_rank
 
 
 def _water_fill(loads: list[int], holders: Sequence[int], total: int) -> list[tuple[int, int]]:
@@ -207,13 +221,9 @@ def _cut_points(
 
 
 def _assign_group(
-    group: list[_Entry],
-    holders: tuple[int, ...],
-    loads: list[int],
-    alignment: int,
-    out: list[dict[MetadataIndex, tuple[int, int] | None]],
+    group: list[_Entry], holders: tuple[int, ...], loads: list[int], alignment: int
 ) -> None:
-    """Assign one holder group's items; updates ``loads`` and ``out`` (``None`` = whole)."""
+    """Assign one holder group's items (fills their ``parts``) and update ``loads``."""
     stream = [e for e in group if e.nbytes > 0]
     empty = [e for e in group if e.nbytes == 0]
     stream.sort(key=_sort_key)
@@ -244,12 +254,11 @@ def _assign_group(
                 e, begin = stream[j], starts[j]
                 lo = max(seg_begin, begin) - begin
                 hi = min(seg_end, begin + e.nbytes) - begin
-                out[rank][e.item.index] = None if (lo, hi) == (0, e.nbytes) else (lo, hi)
+                e.parts[rank] = None if (lo, hi) == (0, e.nbytes) else (lo, hi)
                 loads[rank] += hi - lo
                 j += 1
     for e in sorted(empty, key=_sort_key):
-        rank = min(holders, key=lambda r: (loads[r], r))
-        out[rank][e.item.index] = None
+        e.parts[min(holders, key=lambda r: (loads[r], r))] = None
 
 
 def balance_save_plans(
@@ -277,57 +286,59 @@ def balance_save_plans(
         ValueError: If ``split_alignment`` is invalid, a plan holds one index twice, or the
             copies of one index differ in type, shape or dtype.
     """
-    if split_alignment <= 0 or split_alignment % 16:
-        raise ValueError(f"split_alignment must be a positive multiple of 16, got {split_alignment}")
-    entries = _collect(all_plans)
-    loads = [0] * len(all_plans)
-    out: list[dict[MetadataIndex, tuple[int, int] | None]] = [{} for _ in all_plans]
-    groups: dict[tuple[int, ...], list[_Entry]] = {}
-    for index, entry in entries.items():
-        if len(entry.holders) == 1:
-            rank = entry.holders[0]
-            out[rank][index] = None
-            loads[rank] += entry.nbytes
-        else:
-            groups.setdefault(tuple(entry.holders), []).append(entry)
-    for holders in sorted(groups, key=lambda h: (len(h), h)):
-        _assign_group(groups[holders], holders, loads, split_alignment, out)
-
     plans = []
-    for plan, assigned in zip(all_plans, out):
-        items = [item for item in plan.items if item.index in assigned]
-        ranges = {index: span for index, span in assigned.items() if span is not None}
+    for rank, (plan, mine) in enumerate(zip(all_plans, _balance(all_plans, split_alignment))):
+        items = []
+        ranges = {}
+        for item, entry in mine:
+            if rank in entry.parts:
+                items.append(item)
+                span = entry.parts[rank]
+                if span is not None:
+                    ranges[item.index] = span
         plans.append(dataclasses.replace(plan, items=items, storage_data=ByteRanges(ranges)))
     return plans
 
 
-def _build_metadata(
-    plans: Sequence[SavePlan],
-) -> tuple[Metadata, dict[MetadataIndex, MetadataIndex]]:
-    """Build the checkpoint metadata from balanced plans, naming every index once.
+def _balance(all_plans: Sequence[SavePlan], alignment: int) -> list[_RankItems]:
+    """Fill every entry's ``parts``; returns each rank's items paired with their entries."""
+    if alignment <= 0 or alignment % 16:
+        raise ValueError(f"split_alignment must be a positive multiple of 16, got {alignment}")
+    entries, per_rank = _collect(all_plans)
+    loads = [0] * len(all_plans)
+    groups: dict[tuple[int, ...], list[_Entry]] = {}
+    for entry in entries:
+        if len(entry.holders) == 1:
+            rank = entry.holders[0]
+            entry.parts[rank] = None
+            loads[rank] += entry.nbytes
+        else:
+            groups.setdefault(tuple(entry.holders), []).append(entry)
+    for holders in sorted(groups, key=lambda h: (len(h), h)):
+        _assign_group(groups[holders], holders, loads, alignment)
+    return per_rank
+
+
+def _build_metadata(per_rank: Sequence[_RankItems]) -> Metadata:
+    """Build the checkpoint metadata from balanced entries, naming every index once.
 
     Mirrors DCP's ``create_default_global_save_plan`` (one chunk per item, index hint = the
     chunk's position), but visits each index once: in the plan of the rank that writes the
-    item's first byte. DCP's function would append one chunk per copy of a split item.
-
-    Returns:
-        The metadata, and for every index the ``MetadataIndex`` carrying its index hint (one
-        object shared by all ranks' copies).
+    item's first byte (DCP's function would append one chunk per copy of a split item). Sets
+    each entry's ``hinted`` index, shared by all ranks' copies.
     """
     md: dict[str, Any] = {}
-    hinted: dict[MetadataIndex, MetadataIndex] = {}
-    for plan in plans:
-        ranges = plan.storage_data.ranges
-        for item in plan.items:
-            span = ranges.get(item.index)
-            if span is not None and span[0] != 0:
-                continue
+    for rank, mine in enumerate(per_rank):
+        for item, entry in mine:
+            span = entry.parts.get(rank, ())
+            if span == () or (span is not None and span[0] != 0):
+                continue  # not written here, or not this item's first bytes
             index = item.index
             if item.type != WriteItemType.SHARD and index.fqn in md:
                 raise ValueError(f"{index.fqn!r} is saved both as a whole value and as shards")
             if item.type == WriteItemType.BYTE_IO:
                 md[index.fqn] = BytesStorageMetadata()
-                hinted[index] = index
+                entry.hinted = index
                 continue
             data = item.tensor_data
             if data is None:
@@ -338,9 +349,9 @@ def _build_metadata(
             )
             if not isinstance(tensor_md, TensorStorageMetadata):
                 raise ValueError(f"{index.fqn!r} is saved both as a non-tensor and as shards")
-            hinted[index] = MetadataIndex(index.fqn, index.offset, len(tensor_md.chunks))
+            entry.hinted = MetadataIndex(index.fqn, index.offset, len(tensor_md.chunks))
             tensor_md.chunks.append(data.chunk)
-    return Metadata(md), hinted
+    return Metadata(md)
 
 
 def _validate(metadata: Metadata, world_size: int) -> list[str]:
@@ -351,6 +362,8 @@ def _validate(metadata: Metadata, world_size: int) -> list[str]:
             continue
         if len(md.size) == 0:
             continue
+        if len(md.chunks) == 1 and md.chunks[0].sizes == md.size and not any(md.chunks[0].offsets):
+            continue  # the common case: one whole chunk
         volume = 0
         for chunk in md.chunks:
             if any(
@@ -422,20 +435,28 @@ class SavePlanner(DefaultSavePlanner):
             ValueError: If the plans are inconsistent (see :func:`balance_save_plans`) or the
                 shards of a tensor do not cover it exactly.
         """
-        balanced = balance_save_plans(all_plans, split_alignment=self.split_alignment)
-        metadata, hinted = _build_metadata(balanced)
+        per_rank = _balance(all_plans, self.split_alignment)
+        metadata = _build_metadata(per_rank)
         global_plan = []
-        for plan in balanced:
-            items = [
-                WriteItem(
-                    index=hinted[item.index],
-                    type=item.type,
-                    bytes_io_data=item.bytes_io_data,
-                    tensor_data=item.tensor_data,
+        for rank, (plan, mine) in enumerate(zip(all_plans, per_rank)):
+            items = []
+            ranges = {}
+            for item, entry in mine:
+                if rank not in entry.parts:
+                    continue
+                index = entry.hinted
+                assert index is not None  # every written index has a primary writer
+                items.append(
+                    WriteItem(
+                        index=index,
+                        type=item.type,
+                        bytes_io_data=item.bytes_io_data,
+                        tensor_data=item.tensor_data,
+                    )
                 )
-                for item in plan.items
-            ]
-            ranges = {hinted[index]: span for index, span in plan.storage_data.ranges.items()}
+                span = entry.parts[rank]
+                if span is not None:
+                    ranges[index] = span
             global_plan.append(
                 dataclasses.replace(plan, items=items, storage_data=ByteRanges(ranges))
             )
