@@ -7,6 +7,7 @@ read from the data files on disk. A second table times the coordinator's global 
 synthetic local plans of many tensors.
 
     python benchmarks/bench_replicated.py --size-gib 1 --worlds 1 2 4 --json replicated.json
+    python benchmarks/bench_replicated.py --workload single --plan-counts   # saves only
 
 On a machine whose ranks share one disk (and two cores), wall time is bounded by the disk
 whatever the split, so bytes per rank is the primary figure; save time shows the split's effect
@@ -56,14 +57,31 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def make_state_dict(workload: str, size: int) -> dict[str, Any]:
+    """The replicated state dict: ``llm`` (bf16 LLM-shaped, many tensors) or ``single`` (one
+    fp32 tensor, DCP's worst case: the dedup gives it whole to one rank)."""
+    from pyckpt import bench
+
+    if workload == "llm":
+        return bench.llm_state_dict(size, seed=0)
+    g = torch.Generator().manual_seed(0)
+    return {"weight": torch.randn(size // 4, generator=g)}
+
+
 def _save_rank(
-    rank: int, world: int, port: int, size: int, root: str, planners: list[str], q: Any
+    rank: int,
+    world: int,
+    port: int,
+    workload: str,
+    size: int,
+    root: str,
+    planners: list[str],
+    q: Any,
 ) -> None:
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
 
     import pyckpt
-    from pyckpt import bench
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     try:
@@ -71,7 +89,7 @@ def _save_rank(
             "gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=600)
         )
         try:
-            sd = bench.llm_state_dict(size, seed=0)  # identical on every rank
+            sd = make_state_dict(workload, size)  # identical on every rank
             times = {}
             for name in planners:
                 path = os.path.join(root, f"w{world}-{name}")
@@ -91,15 +109,16 @@ def _save_rank(
         raise
 
 
-def _single_process_save(size: int, root: str, planners: list[str]) -> dict[str, float]:
+def _single_process_save(
+    workload: str, size: int, root: str, planners: list[str]
+) -> dict[str, float]:
     import warnings
 
     import torch.distributed.checkpoint as dcp
 
     import pyckpt
-    from pyckpt import bench
 
-    sd = bench.llm_state_dict(size, seed=0)
+    sd = make_state_dict(workload, size)
     times = {}
     for name in planners:
         path = os.path.join(root, f"w1-{name}")
@@ -113,15 +132,17 @@ def _single_process_save(size: int, root: str, planners: list[str]) -> dict[str,
     return times
 
 
-def run_saves(world: int, size: int, root: str, planners: list[str]) -> dict[str, float]:
+def run_saves(
+    world: int, workload: str, size: int, root: str, planners: list[str]
+) -> dict[str, float]:
     """Saves on ``world`` spawned gloo ranks; returns the slowest rank's time per planner."""
     if world == 1:
-        return _single_process_save(size, root, planners)
+        return _single_process_save(workload, size, root, planners)
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     port = _free_port()
     procs = [
-        ctx.Process(target=_save_rank, args=(r, world, port, size, root, planners, q))
+        ctx.Process(target=_save_rank, args=(r, world, port, workload, size, root, planners, q))
         for r in range(world)
     ]
     for p in procs:
@@ -194,9 +215,13 @@ def _mib(n: float) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--size-gib", type=float, default=1.0, help="state dict size per rank")
+    parser.add_argument("--workload", choices=("llm", "single"), default="llm")
     parser.add_argument("--worlds", type=int, nargs="+", default=[1, 2, 4])
     parser.add_argument("--dir", default=None, help="where to write checkpoints (default: tmp)")
-    parser.add_argument("--plan-counts", type=int, nargs="+", default=[2500, 5000, 10000, 20000])
+    parser.add_argument(
+        "--plan-counts", type=int, nargs="*", default=[2500, 5000, 10000, 20000],
+        help="tensor counts for the planning table (none: skip it)",
+    )
     parser.add_argument("--plan-world", type=int, default=4)
     parser.add_argument("--plan-repeats", type=int, default=5)
     parser.add_argument("--skip-saves", action="store_true")
@@ -210,8 +235,10 @@ def main(argv: list[str] | None = None) -> int:
             "platform": platform.platform(),
             "python": platform.python_version(),
             "torch": torch.__version__,
+            "loadavg_at_start": os.getloadavg(),
         },
         "command": " ".join([os.path.basename(sys.argv[0]), *sys.argv[1:]]),
+        "workload": args.workload,
         "size_bytes": size,
         "saves": [],
         "planning": [],
@@ -220,16 +247,16 @@ def main(argv: list[str] | None = None) -> int:
     if not args.skip_saves:
         from pyckpt import bench
 
-        total = bench.state_dict_bytes(bench.llm_state_dict(size, seed=0))
+        total = bench.state_dict_bytes(make_state_dict(args.workload, size))
         report["state_dict_bytes"] = total
-        print(f"replicated state dict: {_mib(total)} MiB bf16 on every rank; fsync on")
+        print(f"replicated {args.workload} state dict: {_mib(total)} MiB on every rank; fsync on")
         print(f"{'world':>5} {'planner':<12} {'save s':>7} {'GB/s':>6} {'max/mean':>8}  MiB per rank")
         base = tempfile.mkdtemp(prefix="pyckpt-bench-repl-", dir=args.dir)
         try:
             for world in args.worlds:
                 root = os.path.join(base, f"w{world}")
                 os.makedirs(root)
-                times = run_saves(world, size, root, list(PLANNERS))
+                times = run_saves(world, args.workload, size, root, list(PLANNERS))
                 for name in PLANNERS:
                     per_rank = bytes_per_rank(os.path.join(root, f"w{world}-{name}"), world)
                     ratio = max(per_rank) / (sum(per_rank) / world)
@@ -250,6 +277,16 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             shutil.rmtree(base, ignore_errors=True)
 
+    if args.plan_counts:
+        print_planning(args, report)
+
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=2)
+    return 0
+
+
+def print_planning(args: argparse.Namespace, report: dict[str, Any]) -> None:
     print(
         f"\nglobal planning, {args.plan_world} ranks, median of {args.plan_repeats} "
         "(create_global_plan on the coordinator)"
@@ -262,11 +299,6 @@ def main(argv: list[str] | None = None) -> int:
             f"{count:>8} {t['pyckpt'] * 1e3:>10.1f} {t['pyckpt'] / count * 1e6:>9.2f} "
             f"{t['dcp-default'] * 1e3:>8.1f} {t['dcp-default'] / count * 1e6:>9.2f}"
         )
-
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=2)
-    return 0
 
 
 if __name__ == "__main__":

@@ -94,7 +94,7 @@ class _Entry:
     holders: list[int]  # ranks whose plan holds the item, ascending
     parts: dict[int, tuple[int, int] | None] = dataclasses.field(default_factory=dict)
     """Writing ranks -> byte range, or None when that rank writes the item whole."""
-    hinted: MetadataIndex | None = None  # the index with its metadata hint, once known
+    final: WriteItem | None = None  # the primary copy with its metadata index hint, once known
 
 # A rank's items, each with the entry shared by all copies of its index.
 _RankItems = list[tuple[WriteItem, _Entry]]
@@ -325,7 +325,9 @@ def _build_metadata(per_rank: Sequence[_RankItems]) -> Metadata:
     Mirrors DCP's ``create_default_global_save_plan`` (one chunk per item, index hint = the
     chunk's position), but visits each index once: in the plan of the rank that writes the
     item's first byte (DCP's function would append one chunk per copy of a split item). Sets
-    each entry's ``hinted`` index, shared by all ranks' copies.
+    each entry's ``final`` item, which every writing rank's plan then shares: copies differ at
+    most in tensor properties that only the metadata uses (writers resolve an item's data
+    from their own state dict by index).
     """
     md: dict[str, Any] = {}
     for rank, mine in enumerate(per_rank):
@@ -338,7 +340,7 @@ def _build_metadata(per_rank: Sequence[_RankItems]) -> Metadata:
                 raise ValueError(f"{index.fqn!r} is saved both as a whole value and as shards")
             if item.type == WriteItemType.BYTE_IO:
                 md[index.fqn] = BytesStorageMetadata()
-                entry.hinted = index
+                entry.final = item
                 continue
             data = item.tensor_data
             if data is None:
@@ -349,7 +351,8 @@ def _build_metadata(per_rank: Sequence[_RankItems]) -> Metadata:
             )
             if not isinstance(tensor_md, TensorStorageMetadata):
                 raise ValueError(f"{index.fqn!r} is saved both as a non-tensor and as shards")
-            entry.hinted = MetadataIndex(index.fqn, index.offset, len(tensor_md.chunks))
+            hinted = MetadataIndex(index.fqn, index.offset, len(tensor_md.chunks))
+            entry.final = WriteItem(index=hinted, type=item.type, tensor_data=data)
             tensor_md.chunks.append(data.chunk)
     return Metadata(md)
 
@@ -441,22 +444,16 @@ class SavePlanner(DefaultSavePlanner):
         for rank, (plan, mine) in enumerate(zip(all_plans, per_rank)):
             items = []
             ranges = {}
-            for item, entry in mine:
+            for _, entry in mine:
                 if rank not in entry.parts:
                     continue
-                index = entry.hinted
-                assert index is not None  # every written index has a primary writer
-                items.append(
-                    WriteItem(
-                        index=index,
-                        type=item.type,
-                        bytes_io_data=item.bytes_io_data,
-                        tensor_data=item.tensor_data,
-                    )
-                )
+                final = entry.final
+                if final is None:  # every written index has a writer of its first bytes
+                    raise AssertionError(f"no primary writer for {entry.item.index}")
+                items.append(final)
                 span = entry.parts[rank]
                 if span is not None:
-                    ranges[index] = span
+                    ranges[final.index] = span
             global_plan.append(
                 dataclasses.replace(plan, items=items, storage_data=ByteRanges(ranges))
             )
