@@ -44,7 +44,8 @@ StDtype dtype_arg(const std::string& name) {
 using ItemTuple =
     std::tuple<std::string, std::vector<std::uint64_t>, std::vector<std::uint64_t>,
                std::vector<std::uint64_t>, std::uint32_t, std::string, std::uint64_t,
-               std::string, std::uint64_t, std::uint64_t, std::uint64_t>;
+               std::string, std::uint64_t, std::uint64_t, std::uint64_t, std::uint64_t,
+               std::uint64_t>;
 
 }  // namespace
 
@@ -134,7 +135,7 @@ void bind_safetensors(py::module_& m) {
         std::vector<StitchItem> work;
         work.reserve(items.size());
         for (const auto& [name, shape, offsets, sizes, item_bytes, src_path, src_offset, out_path,
-                          out_offset, lo, hi] : items) {
+                          out_offset, lo, hi, block_lo, block_hi] : items) {
           StitchItem it;
           it.name = name;
           it.shape = shape;
@@ -148,6 +149,8 @@ void bind_safetensors(py::module_& m) {
           it.out_offset = out_offset;
           it.lo = lo;
           it.hi = hi;
+          it.block_lo = block_lo;
+          it.block_hi = block_hi;
           work.push_back(std::move(it));
         }
         StitchOptions opts;
@@ -176,7 +179,7 @@ void bind_safetensors(py::module_& m) {
       },
       py::arg("items"), py::arg("threads"), py::arg("task_bytes"), py::arg("input_mode"),
       py::arg("fsync"), py::arg("progress") = nullptr,
-      R"pbdoc(Copy shard blocks into pre-sized outputs; items are (name, shape, offsets, sizes, item_bytes, src_path, src_offset, out_path, out_offset, lo, hi).)pbdoc");
+      R"pbdoc(Copy shard blocks into pre-sized outputs; items are (name, shape, offsets, sizes, item_bytes, src_path, src_offset, out_path, out_offset, lo, hi, block_lo, block_hi).)pbdoc");
 }
 
 }  // namespace pyckpt::bindings

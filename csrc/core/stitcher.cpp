@@ -123,18 +123,19 @@ std::uint64_t run_task(const Task& t, InputMode mode) {
   const BlockLayout& layout = *t.layout;
   const std::uint64_t e = item.item_bytes;
   std::byte* dst = t.out->data() + item.out_offset;
-  const std::uint64_t src_base = item.source.offset;
+  // Byte offset in the input of block element k (k >= block_lo; the source starts at block_lo).
+  auto src_off = [&](std::uint64_t k) { return item.source.offset + (k - item.block_lo) * e; };
   std::uint64_t runs = 0;
   if (mode == InputMode::Mmap) {
-    const std::byte* src = t.in->data() + src_base;
+    const std::byte* base = t.in->data();
     // Ask for the task's input pages up front: copying out of a cold mapping otherwise runs at
     // page-fault speed (readahead driven one fault at a time).
     const auto page = static_cast<std::uintptr_t>(::sysconf(_SC_PAGESIZE));
-    const auto lo = reinterpret_cast<std::uintptr_t>(src + t.a * e) & ~(page - 1);
-    const auto hi = reinterpret_cast<std::uintptr_t>(src + t.b * e);
+    const auto lo = reinterpret_cast<std::uintptr_t>(base + src_off(t.a)) & ~(page - 1);
+    const auto hi = reinterpret_cast<std::uintptr_t>(base + src_off(t.b));
     (void)::madvise(reinterpret_cast<void*>(lo), hi - lo, MADV_WILLNEED);
     layout.for_each_run(t.a, t.b, [&](std::uint64_t k, std::uint64_t g, std::uint64_t n) {
-      std::memcpy(dst + g * e, src + k * e, n * e);
+      std::memcpy(dst + g * e, base + src_off(k), n * e);
       ++runs;
     });
     return runs;
@@ -142,14 +143,14 @@ std::uint64_t run_task(const Task& t, InputMode mode) {
   const std::uint64_t first = layout.global_index(t.a);
   if (layout.global_index(t.b - 1) - first == t.b - 1 - t.a) {
     // The whole task lands contiguously: read straight into the output mapping (one copy).
-    pread_exact(*t.in, dst + first * e, (t.b - t.a) * e, src_base + t.a * e, item.name);
+    pread_exact(*t.in, dst + first * e, (t.b - t.a) * e, src_off(t.a), item.name);
     return 1;
   }
   // Scattered destination: one large read into a bounded per-thread buffer, then the runs.
   thread_local std::vector<std::byte> buffer;
   const std::uint64_t n_bytes = (t.b - t.a) * e;
   if (buffer.size() < n_bytes) buffer.resize(static_cast<std::size_t>(n_bytes));
-  pread_exact(*t.in, buffer.data(), n_bytes, src_base + t.a * e, item.name);
+  pread_exact(*t.in, buffer.data(), n_bytes, src_off(t.a), item.name);
   layout.for_each_run(t.a, t.b, [&](std::uint64_t k, std::uint64_t g, std::uint64_t n) {
     std::memcpy(dst + g * e, buffer.data() + (k - t.a) * e, n * e);
     ++runs;
@@ -322,9 +323,12 @@ StitchStats stitch(const std::vector<StitchItem>& items, const StitchOptions& op
       in = std::make_unique<OpenFile>(item.source.path, false);
       if (options.input == InputMode::Mmap) in->map(true);
     }
+    const std::uint64_t block_hi = std::min(item.block_hi, layout.elements());
+    PYCKPT_EXPECT(item.block_lo <= block_hi, std::invalid_argument, "tensor '", item.name,
+                  "': source range [", item.block_lo, ", ", block_hi, ") is empty or reversed");
     std::uint64_t block_bytes = 0;
-    PYCKPT_EXPECT(mul_ok(layout.elements(), e, block_bytes), std::invalid_argument, "tensor '",
-                  item.name, "' block size overflows");
+    PYCKPT_EXPECT(mul_ok(block_hi - item.block_lo, e, block_bytes), std::invalid_argument,
+                  "tensor '", item.name, "' block size overflows");
     PYCKPT_EXPECT_FORMAT(item.source.offset <= in->size() &&
                              block_bytes <= in->size() - item.source.offset,
                          FormatKind::Truncated, "input file '", item.source.path, "' is ",
@@ -343,8 +347,8 @@ StitchStats stitch(const std::vector<StitchItem>& items, const StitchOptions& op
                   std::invalid_argument, "output file '", item.out_path, "' is ", out->size(),
                   " bytes, too short for tensor '", item.name, "' at offset ", item.out_offset);
 
-    const std::uint64_t a = layout.lower_bound(item.lo);
-    const std::uint64_t b = layout.lower_bound(item.hi);
+    const std::uint64_t a = std::max(layout.lower_bound(item.lo), item.block_lo);
+    const std::uint64_t b = std::min(layout.lower_bound(item.hi), block_hi);
     if (a >= b) continue;
     std::uint64_t step = std::max<std::uint64_t>(1, options.task_bytes / e);
     // Keep tasks made of whole runs when runs are shorter than a task (fewer partial copies).

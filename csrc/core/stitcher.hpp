@@ -119,7 +119,7 @@ struct StitchSource {
   enum class Kind : std::uint8_t { RawFile = 0 };
   Kind kind = Kind::RawFile;  ///< which of the fields below apply
   std::string path;           ///< RawFile: the input file
-  std::uint64_t offset = 0;   ///< RawFile: absolute offset of the block's first byte
+  std::uint64_t offset = 0;   ///< RawFile: absolute offset of the source's first byte
 };
 
 /** @brief Copy the part of one block that falls in [lo, hi) of its tensor into an output file. */
@@ -134,6 +134,10 @@ struct StitchItem {
   std::uint64_t out_offset = 0;        ///< absolute offset of the full tensor's first byte
   std::uint64_t lo = 0;                ///< first flat element of the tensor to write
   std::uint64_t hi = 0;                ///< one past the last flat element to write
+  /// The source holds only block elements [block_lo, block_hi) (a chunk of a piece); its first
+  /// byte is block element block_lo. The default (0, max) means the whole block.
+  std::uint64_t block_lo = 0;
+  std::uint64_t block_hi = UINT64_MAX;  ///< clamped to the block's element count
 };
 
 /** @brief How stitch() reads RawFile sources. */
