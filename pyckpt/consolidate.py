@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import re
 import threading
 import time
 import uuid
@@ -27,7 +26,6 @@ logger = logging.getLogger(__name__)
 #: Name of the Hugging Face index written next to the output files.
 INDEX_NAME = "model.safetensors.index.json"
 _SHARDING_KEY = "DCP_SHARDING_INFO"
-_SHARD_FILE = re.compile(r"^shard-(\d+)-model-(\d+)-of-(\d+)\.safetensors$")
 _TASK_BYTES = 16 << 20
 
 ProgressFn = Callable[[int, int], None]
@@ -111,23 +109,6 @@ def _int_tuple(value: Any, what: str) -> tuple[int, ...]:
     return tuple(value)
 
 
-def _check_shard_numbering(names: list[str], src: str) -> None:
-    """DCP names rank r's file ``shard-<r+1>-model-<i>-of-<n>``: a gap means a lost file."""
-    seen: dict[tuple[int, int], set[int]] = {}
-    for name in names:
-        m = _SHARD_FILE.match(name)
-        if m:
-            seen.setdefault((int(m.group(2)), int(m.group(3))), set()).add(int(m.group(1)))
-    all_shards = set().union(*seen.values()) if seen else set()
-    if all_shards:
-        missing = sorted(set(range(1, max(all_shards) + 1)) - all_shards)
-        if missing:
-            raise CheckpointFormatError(
-                f"{src}: shard file(s) numbered {missing} are missing "
-                f"(found shard numbers {sorted(all_shards)})"
-            )
-
-
 def _scan_safetensors(src: str) -> dict[str, _Tensor]:
     """Reads every ``*.safetensors`` header in ``src`` and groups the shards by tensor."""
     names = sorted(
@@ -135,7 +116,6 @@ def _scan_safetensors(src: str) -> dict[str, _Tensor]:
     )
     if not names:
         raise CheckpointFormatError(f"{src}: no *.safetensors files to consolidate")
-    _check_shard_numbering(names, src)
     tensors: dict[str, _Tensor] = {}
     origin: dict[str, str] = {}
     for fname in names:
