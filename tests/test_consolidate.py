@@ -186,17 +186,21 @@ def test_gil_released_during_stitch(tmp_path):
     out = tmp_path / "out.bin"
     with open(out, "wb") as fh:
         fh.truncate(n)
-    rows, cols = 3072, 4096  # dim-1 block of a (3072, 8192) u16 tensor -> scattered copies
-    item = ("w", [rows, 2 * cols], [0, 0], [rows, cols], 2, str(src), 0, str(out), 0, 0,
-            rows * 2 * cols, 0, 2**64 - 1)
+    rows, cols = 3072, 4096  # two dim-1 blocks of a (3072, 8192) u16 tensor -> scattered copies
+    half = rows * cols * 2
+    items = [
+        ("w", [rows, 2 * cols], [0, c * cols], [rows, cols], 2, str(src), c * half, str(out), 0,
+         0, rows * 2 * cols, 0, 2**64 - 1)
+        for c in (0, 1)
+    ]
     prog = _C.StitchProgress()
-    t = threading.Thread(target=_C.stitch, args=([item], 1, 64 << 10, "pread", False, prog))
+    t = threading.Thread(target=_C.stitch, args=(items, 1, 64 << 10, "pread", False, prog))
     t.start()
     observed = set()
     while t.is_alive():
         observed.add(prog.bytes)
     t.join()
-    assert prog.bytes == rows * cols * 2
+    assert prog.bytes == n
     assert any(0 < b < prog.bytes for b in observed)
 
 

@@ -75,8 +75,6 @@ class OpenFile {
     if (sequential) (void)::madvise(_map, _size, MADV_SEQUENTIAL);
   }
   void sync() {
-    // Linux keeps MAP_SHARED pages in the page cache, so fsync() flushes what went through the
-    // mapping as well as what pread() wrote into it.
     PYCKPT_SYSCALL_CHECK(::fsync(_fd), "fsync", _path);
   }
   int fd() const noexcept { return _fd; }
@@ -109,53 +107,151 @@ void pread_exact(const OpenFile& f, std::byte* dst, std::uint64_t n, std::uint64
   }
 }
 
-struct Task {
+void pwrite_exact(const OpenFile& f, const std::byte* src, std::uint64_t n, std::uint64_t off,
+                  const std::string& tensor) {
+  std::uint64_t done = 0;
+  while (done < n) {
+    const std::size_t want = static_cast<std::size_t>(std::min<std::uint64_t>(n - done, 1u << 30));
+    const ssize_t r = ::pwrite(f.fd(), src + done, want, static_cast<off_t>(off + done));
+    if (r == -1) {
+      if (errno == EINTR) continue;
+      throw SysError(errno, "pwrite", f.path(), "tensor '" + tensor + "'");
+    }
+    done += static_cast<std::uint64_t>(r);
+  }
+}
+
+// In-kernel copy (no user-space pass over the bytes); false when the kernel or filesystem
+// refuses, so the caller falls back to pread + pwrite.
+bool copy_range(const OpenFile& in, std::uint64_t in_off, const OpenFile& out,
+                std::uint64_t out_off, std::uint64_t n, const std::string& tensor) {
+#ifdef __linux__
+  while (n > 0) {
+    loff_t io = static_cast<loff_t>(in_off);
+    loff_t oo = static_cast<loff_t>(out_off);
+    const ssize_t r = ::copy_file_range(in.fd(), &io, out.fd(), &oo,
+                                        static_cast<std::size_t>(std::min<std::uint64_t>(n, 1u << 30)), 0);
+    if (r == -1) {
+      if (errno == EINTR) continue;
+      if (errno == EXDEV || errno == ENOSYS || errno == EINVAL || errno == EOPNOTSUPP ||
+          errno == EBADF) {
+        return false;
+      }
+      throw SysError(errno, "copy_file_range", in.path(), "tensor '" + tensor + "'");
+    }
+    PYCKPT_EXPECT_FORMAT(r > 0, FormatKind::Truncated, "input file '", in.path(),
+                         "' ended at offset ", in_off, " while reading tensor '", tensor, "'");
+    in_off += static_cast<std::uint64_t>(r);
+    out_off += static_cast<std::uint64_t>(r);
+    n -= static_cast<std::uint64_t>(r);
+  }
+  return true;
+#else
+  (void)in; (void)in_off; (void)out; (void)out_off; (void)n; (void)tensor;
+  return false;
+#endif
+}
+
+/** One block of a tensor, ready to copy. */
+struct Part {
   const StitchItem* item;
-  const BlockLayout* layout;
+  BlockLayout layout;
   const OpenFile* in;
-  OpenFile* out;
-  std::uint64_t a;
-  std::uint64_t b;
+  std::uint64_t block_hi;  // clamped
 };
 
-std::uint64_t run_task(const Task& t, InputMode mode) {
-  const StitchItem& item = *t.item;
-  const BlockLayout& layout = *t.layout;
-  const std::uint64_t e = item.item_bytes;
-  std::byte* dst = t.out->data() + item.out_offset;
-  // Byte offset in the input of block element k (k >= block_lo; the source starts at block_lo).
-  auto src_off = [&](std::uint64_t k) { return item.source.offset + (k - item.block_lo) * e; };
+/** All blocks of one output tensor and the flat range [lo, hi) this call writes. */
+struct Group {
+  std::string name;
+  OpenFile* out = nullptr;
+  std::uint64_t out_offset = 0;
+  std::uint64_t item_bytes = 1;
+  std::uint64_t lo = 0;
+  std::uint64_t hi = 0;
+  std::vector<Part> parts;
+};
+
+/** Output-driven task: the tensor elements [x, y) of one group. */
+struct Task {
+  const Group* group;
+  std::uint64_t x;
+  std::uint64_t y;
+};
+
+struct TaskResult {
   std::uint64_t runs = 0;
+};
+
+// Reads source bytes [src_off, src_off + n) of a part into dst.
+void read_source(const Part& p, std::uint64_t src_off, std::uint64_t n, std::byte* dst,
+                 InputMode mode) {
   if (mode == InputMode::Mmap) {
-    const std::byte* base = t.in->data();
-    // Ask for the task's input pages up front: copying out of a cold mapping otherwise runs at
-    // page-fault speed (readahead driven one fault at a time).
+    const std::byte* src = p.in->data() + src_off;
     const auto page = static_cast<std::uintptr_t>(::sysconf(_SC_PAGESIZE));
-    const auto lo = reinterpret_cast<std::uintptr_t>(base + src_off(t.a)) & ~(page - 1);
-    const auto hi = reinterpret_cast<std::uintptr_t>(base + src_off(t.b));
-    (void)::madvise(reinterpret_cast<void*>(lo), hi - lo, MADV_WILLNEED);
-    layout.for_each_run(t.a, t.b, [&](std::uint64_t k, std::uint64_t g, std::uint64_t n) {
-      std::memcpy(dst + g * e, base + src_off(k), n * e);
-      ++runs;
-    });
-    return runs;
+    const auto lo = reinterpret_cast<std::uintptr_t>(src) & ~(page - 1);
+    // Ask for the pages up front: copying out of a cold mapping otherwise runs at page-fault
+    // speed (readahead driven one fault at a time).
+    (void)::madvise(reinterpret_cast<void*>(lo), reinterpret_cast<std::uintptr_t>(src + n) - lo,
+                    MADV_WILLNEED);
+    std::memcpy(dst, src, n);
+  } else {
+    pread_exact(*p.in, dst, n, src_off, p.item->name);
   }
-  const std::uint64_t first = layout.global_index(t.a);
-  if (layout.global_index(t.b - 1) - first == t.b - 1 - t.a) {
-    // The whole task lands contiguously: read straight into the output mapping (one copy).
-    pread_exact(*t.in, dst + first * e, (t.b - t.a) * e, src_off(t.a), item.name);
-    return 1;
+}
+
+TaskResult run_task(const Task& t, InputMode mode, std::size_t buffer_bytes) {
+  const Group& g = *t.group;
+  const std::uint64_t e = g.item_bytes;
+  const std::uint64_t out_bytes = (t.y - t.x) * e;
+  TaskResult res;
+  // Fast path: one block supplies the whole range contiguously (dim-0 shards, whole tensors):
+  // an in-kernel copy from the input file to the output file.
+  for (const Part& p : g.parts) {
+    const std::uint64_t a = std::max(p.layout.lower_bound(t.x), p.item->block_lo);
+    const std::uint64_t b = std::min(p.layout.lower_bound(t.y), p.block_hi);
+    if (a >= b) continue;
+    if (b - a == t.y - t.x && p.layout.global_index(a) == t.x &&
+        p.layout.global_index(b - 1) == t.y - 1) {
+      const std::uint64_t src_off = p.item->source.offset + (a - p.item->block_lo) * e;
+      const std::uint64_t dst_off = g.out_offset + t.x * e;
+      if (mode == InputMode::Pread && copy_range(*p.in, src_off, *g.out, dst_off, out_bytes, g.name)) {
+        res.runs = 1;
+        return res;
+      }
+      break;
+    }
   }
-  // Scattered destination: one large read into a bounded per-thread buffer, then the runs.
-  thread_local std::vector<std::byte> buffer;
-  const std::uint64_t n_bytes = (t.b - t.a) * e;
-  if (buffer.size() < n_bytes) buffer.resize(static_cast<std::size_t>(n_bytes));
-  pread_exact(*t.in, buffer.data(), n_bytes, src_off(t.a), item.name);
-  layout.for_each_run(t.a, t.b, [&](std::uint64_t k, std::uint64_t g, std::uint64_t n) {
-    std::memcpy(dst + g * e, buffer.data() + (k - t.a) * e, n * e);
-    ++runs;
-  });
-  return runs;
+  // General path: gather every block's part of [x, y) into a bounded output buffer, then one
+  // pwrite. Each block contributes one contiguous source range (row-major order is preserved).
+  thread_local std::vector<std::byte> obuf;
+  thread_local std::vector<std::byte> rbuf;
+  if (obuf.size() < out_bytes) obuf.resize(static_cast<std::size_t>(out_bytes));
+  std::uint64_t filled = 0;
+  for (const Part& p : g.parts) {
+    const std::uint64_t a = std::max(p.layout.lower_bound(t.x), p.item->block_lo);
+    const std::uint64_t b = std::min(p.layout.lower_bound(t.y), p.block_hi);
+    if (a >= b) continue;
+    const std::uint64_t src_off = p.item->source.offset + (a - p.item->block_lo) * e;
+    const std::uint64_t n = (b - a) * e;
+    const std::uint64_t first = p.layout.global_index(a);
+    if (p.layout.global_index(b - 1) - first == b - 1 - a) {
+      read_source(p, src_off, n, obuf.data() + (first - t.x) * e, mode);
+      ++res.runs;
+    } else {
+      if (rbuf.size() < n) rbuf.resize(std::max<std::size_t>(static_cast<std::size_t>(n), buffer_bytes));
+      read_source(p, src_off, n, rbuf.data(), mode);
+      p.layout.for_each_run(a, b, [&](std::uint64_t k, std::uint64_t gi, std::uint64_t cnt) {
+        std::memcpy(obuf.data() + (gi - t.x) * e, rbuf.data() + (k - a) * e, cnt * e);
+        ++res.runs;
+      });
+    }
+    filled += n;
+  }
+  PYCKPT_EXPECT_FORMAT(filled == out_bytes, FormatKind::Coverage, "tensor '", g.name,
+                       "': its shards supply ", filled, " of the ", out_bytes,
+                       " bytes of elements [", t.x, ", ", t.y, ")");
+  pwrite_exact(*g.out, obuf.data(), out_bytes, g.out_offset + t.x * e, g.name);
+  return res;
 }
 
 }  // namespace
@@ -304,15 +400,13 @@ StitchStats stitch(const std::vector<StitchItem>& items, const StitchOptions& op
 
   std::map<std::string, std::unique_ptr<OpenFile>> inputs;
   std::map<std::string, std::unique_ptr<OpenFile>> outputs;
-  std::vector<BlockLayout> layouts;
-  layouts.reserve(items.size());
-  std::vector<Task> tasks;
+  // Items writing the same tensor (same output file and offset) form one group.
+  std::map<std::pair<std::string, std::uint64_t>, Group> groups;
 
   for (const StitchItem& item : items) {
     PYCKPT_EXPECT(item.item_bytes >= 1, std::invalid_argument, "tensor '", item.name,
                   "': item_bytes must be >= 1");
-    layouts.emplace_back(item.shape, item.offsets, item.sizes);
-    const BlockLayout& layout = layouts.back();
+    BlockLayout layout(item.shape, item.offsets, item.sizes);
     const std::uint64_t e = item.item_bytes;
     PYCKPT_EXPECT(item.lo <= item.hi && item.hi <= layout.tensor_elements(),
                   std::invalid_argument, "tensor '", item.name, "': range [", item.lo, ", ",
@@ -325,7 +419,7 @@ StitchStats stitch(const std::vector<StitchItem>& items, const StitchOptions& op
     }
     const std::uint64_t block_hi = std::min(item.block_hi, layout.elements());
     PYCKPT_EXPECT(item.block_lo <= block_hi, std::invalid_argument, "tensor '", item.name,
-                  "': source range [", item.block_lo, ", ", block_hi, ") is empty or reversed");
+                  "': source range [", item.block_lo, ", ", block_hi, ") is reversed");
     std::uint64_t block_bytes = 0;
     PYCKPT_EXPECT(mul_ok(block_hi - item.block_lo, e, block_bytes), std::invalid_argument,
                   "tensor '", item.name, "' block size overflows");
@@ -336,10 +430,7 @@ StitchStats stitch(const std::vector<StitchItem>& items, const StitchOptions& op
                          item.source.offset, ", ", item.source.offset + block_bytes, ")");
 
     auto& out = outputs[item.out_path];
-    if (!out) {
-      out = std::make_unique<OpenFile>(item.out_path, true);
-      out->map(false);
-    }
+    if (!out) out = std::make_unique<OpenFile>(item.out_path, true);
     std::uint64_t tensor_bytes = 0;
     PYCKPT_EXPECT(mul_ok(layout.tensor_elements(), e, tensor_bytes), std::invalid_argument,
                   "tensor '", item.name, "' size overflows");
@@ -347,14 +438,27 @@ StitchStats stitch(const std::vector<StitchItem>& items, const StitchOptions& op
                   std::invalid_argument, "output file '", item.out_path, "' is ", out->size(),
                   " bytes, too short for tensor '", item.name, "' at offset ", item.out_offset);
 
-    const std::uint64_t a = std::max(layout.lower_bound(item.lo), item.block_lo);
-    const std::uint64_t b = std::min(layout.lower_bound(item.hi), block_hi);
-    if (a >= b) continue;
-    std::uint64_t step = std::max<std::uint64_t>(1, options.task_bytes / e);
-    // Keep tasks made of whole runs when runs are shorter than a task (fewer partial copies).
-    if (layout.run_elements() < step) step -= step % layout.run_elements();
-    for (std::uint64_t s = a; s < b; s += step) {
-      tasks.push_back(Task{&item, &layout, in.get(), out.get(), s, std::min(b, s + step)});
+    Group& g = groups[{item.out_path, item.out_offset}];
+    if (g.parts.empty()) {
+      g.name = item.name;
+      g.out = out.get();
+      g.out_offset = item.out_offset;
+      g.item_bytes = e;
+      g.lo = item.lo;
+      g.hi = item.hi;
+    } else {
+      PYCKPT_EXPECT(g.item_bytes == e && g.lo == item.lo && g.hi == item.hi && g.name == item.name,
+                    std::invalid_argument, "items writing tensor '", g.name,
+                    "' disagree on name, item size or range");
+    }
+    g.parts.push_back(Part{&item, std::move(layout), in.get(), block_hi});
+  }
+
+  std::vector<Task> tasks;
+  for (const auto& [key, g] : groups) {
+    const std::uint64_t step = std::max<std::uint64_t>(1, options.task_bytes / g.item_bytes);
+    for (std::uint64_t x = g.lo; x < g.hi; x += step) {
+      tasks.push_back(Task{&g, x, std::min(g.hi, x + step)});
     }
   }
 
@@ -366,16 +470,17 @@ StitchStats stitch(const std::vector<StitchItem>& items, const StitchOptions& op
     std::vector<std::future<void>> futures;
     futures.reserve(tasks.size());
     const InputMode mode = options.input;
+    const std::size_t buffer_bytes = options.task_bytes;
     std::atomic<std::uint64_t>* progress = options.progress;
     for (const Task& t : tasks) {
-      futures.push_back(pool.submit([&t, mode, progress, &runs] {
-        runs.fetch_add(run_task(t, mode), std::memory_order_relaxed);
+      futures.push_back(pool.submit([&t, mode, buffer_bytes, progress, &runs] {
+        runs.fetch_add(run_task(t, mode, buffer_bytes).runs, std::memory_order_relaxed);
         if (progress) {
-          progress->fetch_add((t.b - t.a) * t.item->item_bytes, std::memory_order_relaxed);
+          progress->fetch_add((t.y - t.x) * t.group->item_bytes, std::memory_order_relaxed);
         }
       }));
     }
-    // Drain every task before reporting, so no worker touches a mapping after it is unmapped.
+    // Drain every task before reporting, so no worker touches a file after it is closed.
     for (auto& f : futures) {
       try {
         f.get();
@@ -385,7 +490,7 @@ StitchStats stitch(const std::vector<StitchItem>& items, const StitchOptions& op
     }
   }
   if (first_error) std::rethrow_exception(first_error);
-  for (const Task& t : tasks) stats.bytes += (t.b - t.a) * t.item->item_bytes;
+  for (const Task& t : tasks) stats.bytes += (t.y - t.x) * t.group->item_bytes;
   stats.tasks = tasks.size();
   stats.runs = runs.load();
   if (options.fsync) {
