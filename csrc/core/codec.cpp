@@ -416,6 +416,11 @@ PlaneRecord store_plane(const std::uint8_t* src, std::size_t n, bool force_raw, 
                          ? plane_cctx()
                          : cctx_for(params.level);
       const std::size_t r = ZSTD_compress2(c, dst, cap, src, n);
+      if (ZSTD_isError(r)) {
+        // A failed compress2 leaves the session mid-frame, where the context refuses parameter
+        // changes; reset it so the next chunk (maybe at another level) starts clean.
+        ZSTD_CCtx_reset(c, ZSTD_reset_session_only);
+      }
       if (!ZSTD_isError(r)) {
         if (static_cast<double>(r) < params.raw_threshold * static_cast<double>(n)) {
           return PlaneRecord{PlaneMode::Zstd, r};
