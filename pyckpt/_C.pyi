@@ -1,7 +1,135 @@
-# Type stubs of the private native module pyckpt._C.
+"""Type stubs for the private native module ``pyckpt._C`` (each component owns one section)."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from types import TracebackType
+from typing import Literal, TypedDict
+
+from typing_extensions import Buffer
 
 __version__: str
 zstd_version: str
+
+# --- core ---
+
+# Codec parameters: (codec, level, elem_size, transform[, raw_threshold]).
+# codec "none" stores raw bytes (transform ignored); "zstd" compresses. elem_size in {1, 2, 4, 8}.
+# transform "group" splits elements into byte planes, "group_rotl1" first rotates each element left
+# by one bit (bf16/fp32: the whole exponent lands in the top byte). raw_threshold defaults to 0.97.
+CodecName = Literal["none", "zstd"]
+TransformName = Literal["none", "group", "group_rotl1"]
+CodecParams = (
+    tuple[CodecName, int, int, TransformName] | tuple[CodecName, int, int, TransformName, float]
+)
+
+# Chunk record: (file_offset, raw_len, checksum, transform, planes) where transform is
+# 0 none / 1 group / 2 group_rotl1 and planes is the flat tuple (mode0, len0, mode1, len1, ...),
+# mode 0 = raw, 1 = zstd frame. stored_len = sum of the lens. Inputs accept any sequence of this
+# shape (e.g. lists decoded from JSON); outputs are tuples.
+PlaneLayout = tuple[int, ...]
+ChunkRecord = tuple[int, int, int, int, PlaneLayout]
+ChunkRecordLike = Sequence[int | Sequence[int]]
+
+# write_items item: (name, data_ptr, nbytes, params). SAFETY: data_ptr must point to nbytes
+# readable bytes that stay alive and unmodified until write_items returns.
+WriteItem = tuple[str, int, int, CodecParams]
+# write_items result per item: (file offset of its first stored byte, stored bytes, chunk records).
+WrittenItem = tuple[int, int, list[ChunkRecord]]
+
+# read_requests: segment = (path, raw_begin, params, chunks); request = (name, segments, lo, hi,
+# dst_ptr). SAFETY: dst_ptr must point to hi - lo writable bytes kept alive until the call returns.
+ReadSegment = tuple[str | os.PathLike[str], int, CodecParams, Sequence[ChunkRecordLike]]
+ReadRequest = tuple[str, Sequence[ReadSegment], int, int, int]
+
+class PoolStats(TypedDict):
+    block_bytes: int
+    max_blocks: int
+    allocated: int
+    in_use: int
+    peak_in_use: int
+    acquires: int
+    pinned: bool
+
+class ThreadPool:
+    """Fixed pool of native worker threads (started lazily; joined by shutdown())."""
+
+    def __init__(self, num_threads: int) -> None: ...
+    @property
+    def size(self) -> int: ...
+    def shutdown(self) -> None: ...
+    def __enter__(self) -> ThreadPool: ...
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> bool: ...
+
+class BufferPool:
+    """Bounded pool of 4 KiB-aligned host blocks (block_bytes rounded up to 4096)."""
+
+    def __init__(self, block_bytes: int, max_blocks: int) -> None: ...
+    @property
+    def block_bytes(self) -> int: ...
+    def stats(self) -> PoolStats: ...
+
+def xxh64(data: Buffer, seed: int = 0) -> int: ...
+def max_encoded_size(raw_len: int, params: CodecParams) -> int: ...
+def encode_chunk(data: Buffer, params: CodecParams) -> tuple[bytes, ChunkRecord]: ...
+def encode_chunk_into(data: Buffer, params: CodecParams, out: Buffer) -> ChunkRecord: ...
+def decode_chunk(
+    stored: Buffer, record: ChunkRecordLike, params: CodecParams, out: Buffer
+) -> None: ...
+def group_bytes(data: Buffer, elem_size: int, rotl1: bool, out: Buffer) -> None: ...
+def ungroup_bytes(planes: Buffer, elem_size: int, rotl1: bool, out: Buffer) -> None: ...
+
+class FileWriter:
+    """Writes ``path`` through a sibling temp file renamed into place by commit().
+
+    Used by one thread at a time. ``direct``: "auto" (O_DIRECT where accepted), "on", "off".
+    ``staging`` reuses a caller-owned BufferPool for the staging blocks (must not be the pool
+    passed as ``blocks`` to write_items). ``_test_fault`` ("direct_open" / "direct_write") makes
+    the writer act as if O_DIRECT were refused; tests only.
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        direct: Literal["auto", "on", "off"] = "auto",
+        fsync: bool = True,
+        staging_block_bytes: int = 8 << 20,
+        staging_blocks: int = 3,
+        *,
+        staging: BufferPool | None = None,
+        _test_fault: str = "",
+    ) -> None: ...
+    def append(self, data: Buffer) -> int: ...
+    def write_items(
+        self, items: Sequence[WriteItem], chunk_bytes: int, pool: ThreadPool, blocks: BufferPool
+    ) -> list[WrittenItem]: ...
+    def commit(self) -> None: ...
+    def abort(self) -> None: ...
+    @property
+    def size(self) -> int: ...
+    @property
+    def direct(self) -> bool: ...
+    @property
+    def path(self) -> str: ...
+    @property
+    def temp_path(self) -> str: ...
+    @property
+    def committed(self) -> bool: ...
+    def __enter__(self) -> FileWriter: ...
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> bool: ...
+
+def read_requests(requests: Sequence[ReadRequest], pool: ThreadPool) -> tuple[int, int]: ...
 
 # --- safetensors ---
 
