@@ -381,6 +381,16 @@ class Reader(StorageReader):
         path: checkpoint directory (``dcp.load(checkpoint_id=...)`` overrides it).
         threads: native worker threads (default ``PYCKPT_NUM_THREADS`` or min(8, cpus)).
 
+    Raises:
+        FileNotFoundError: ``path`` has no ``pyckpt.json`` (not a complete checkpoint) or a data
+            file it lists is missing; ``filename`` names the file.
+        CheckpointFormatError: the metadata is malformed, of an unknown version, or a data file
+            is shorter than recorded.
+
+    Corruption inside data files (``ChecksumError``) is found while loading; DCP then raises a
+    ``CheckpointException`` whose ``failures`` hold the typed error (``pyckpt.load`` re-raises
+    it directly).
+
     Attributes:
         bytes_read: stored bytes read from data files by this reader so far.
         chunks_decoded: chunks read, verified and decoded so far.
@@ -394,8 +404,10 @@ class Reader(StorageReader):
         self.bytes_read = 0
         self.chunks_decoded = 0
         self._native = _Native(threads)
-        self._index: _format.CheckpointIndex | None = None
         self._storage: dict[MetadataIndex, Any] = {}
+        # Validated eagerly so that a missing, truncated or unknown-version checkpoint raises its
+        # typed error here: DCP turns read_metadata() failures into an untyped AssertionError.
+        self._index: _format.CheckpointIndex | None = _format.read_index(self.path)
 
     def close(self) -> None:
         """Stops the native worker threads."""
@@ -415,15 +427,16 @@ class Reader(StorageReader):
     # -- StorageReader ---------------------------------------------------------------------
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
+        self.load_id = uuid.uuid4().hex[:12]
+        self._storage = {}
         if checkpoint_id is not None:
             self.path = os.fspath(checkpoint_id)
-        self.load_id = uuid.uuid4().hex[:12]
-        self._index = None
-        self._storage = {}
+            self._index = _format.read_index(self.path)  # raises typed errors, see __init__
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        index = _format.read_index(self.path)
-        self._index = index
+        # The index validated at construction serves the first load; later loads re-read it.
+        index = self._index if self._index is not None else _format.read_index(self.path)
+        self._index = None
         sd_md: dict[str, Any] = {}
         storage: dict[MetadataIndex, Any] = {}
         for fqn, st in index.tensors.items():
