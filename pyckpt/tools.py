@@ -1,0 +1,181 @@
+"""Checkpoint tools behind the ``pyckpt`` command line: inspect, verify, convert.
+
+Each function takes paths and returns plain data (or raises typed errors); the CLI formats it.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+from pyckpt import _C, _format, _knobs
+
+__all__ = ["CheckpointSummary", "VerifyReport", "summarize", "verify", "convert"]
+
+_VERIFY_WINDOW = 64 << 20  # raw bytes decoded at once per piece while verifying
+
+
+@dataclass
+class CheckpointSummary:
+    """What ``pyckpt inspect`` shows."""
+
+    path: str
+    version: int
+    save_id: str
+    created_by: str
+    files: dict[str, int]
+    tensors: int
+    bytes_items: int
+    raw_bytes: int
+    stored_bytes: int
+    dtypes: dict[str, int]  # dtype -> raw bytes
+    codecs: dict[str, int]  # codec/transform -> raw bytes
+    largest: list[tuple[str, str, tuple[int, ...], int]]  # fqn, dtype, shape, raw bytes
+
+
+def summarize(path: str | os.PathLike[str], top: int = 10) -> CheckpointSummary:
+    """Reads a checkpoint's metadata (no tensor data) and summarises it."""
+    index = _format.read_index(path)
+    dtypes: Counter[str] = Counter()
+    codecs: Counter[str] = Counter()
+    sizes = []
+    raw_total = 0
+    for fqn, t in index.tensors.items():
+        nbytes = sum(p.nbytes for p in t.pieces)
+        raw_total += nbytes
+        dtypes[t.dtype] += nbytes
+        sizes.append((fqn, t.dtype, t.shape, nbytes))
+        for p in t.pieces:
+            for _, _, params, chunks in p.segments:
+                codecs[f"{params[0]}/{params[3]}"] += sum(c[1] for c in chunks)
+    raw_total += sum(b.nbytes for b in index.bytes_items.values())
+    sizes.sort(key=lambda s: -s[3])
+    return CheckpointSummary(
+        path=index.path,
+        version=_format.FORMAT_VERSION,
+        save_id=index.save_id,
+        created_by=index.created_by,
+        files=dict(index.files),
+        tensors=len(index.tensors),
+        bytes_items=len(index.bytes_items),
+        raw_bytes=raw_total,
+        stored_bytes=sum(index.files.values()),
+        dtypes=dict(dtypes),
+        codecs=dict(codecs),
+        largest=sizes[:top],
+    )
+
+
+@dataclass
+class VerifyReport:
+    """What ``pyckpt verify`` found: checked items and the errors, by item name."""
+
+    items_checked: int = 0
+    chunks_checked: int = 0
+    bytes_read: int = 0
+    errors: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def ok(self) -> bool:
+        return not self.errors
+
+
+def _verify_piece(name: str, segments: list[Any], nbytes: int, pool: Any,
+                  report: VerifyReport) -> None:
+    import numpy as np
+
+    buf = np.empty(min(nbytes, _VERIFY_WINDOW), dtype=np.uint8)
+    lo = 0
+    while lo < nbytes:
+        hi = min(nbytes, lo + _VERIFY_WINDOW)
+        nread, nchunks = _C.read_requests([(name, segments, lo, hi, buf.ctypes.data)], pool)
+        report.bytes_read += nread
+        report.chunks_checked += nchunks
+        lo = hi
+
+
+def verify(path: str | os.PathLike[str], threads: int | None = None) -> VerifyReport:
+    """Reads every chunk of a checkpoint, checking sizes, checksums and zstd frames.
+
+    Raises:
+        FileNotFoundError / CheckpointFormatError: the metadata itself is missing or invalid
+            (per-item data errors are collected in the report instead).
+    """
+    index = _format.read_index(path)
+    pool = _C.ThreadPool(threads or _knobs.num_threads())
+    report = VerifyReport()
+    try:
+        work: list[tuple[str, list[Any], int]] = [
+            (b.fqn, b.segments, b.nbytes) for b in index.bytes_items.values()
+        ]
+        for t in index.tensors.values():
+            for i, p in enumerate(t.pieces):
+                label = t.fqn if len(t.pieces) == 1 else f"{t.fqn}[piece {i}]"
+                work.append((label, p.segments, p.nbytes))
+        for name, segments, nbytes in work:
+            report.items_checked += 1
+            try:
+                _verify_piece(name, segments, nbytes, pool, report)
+            except (OSError, ValueError, RuntimeError) as e:  # typed errors from the core
+                report.errors[name] = f"{type(e).__name__}: {e}"
+    finally:
+        pool.shutdown()
+    return report
+
+
+def _empty_state_dict(metadata: Any) -> dict[str, Any]:
+    import torch
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    sd: dict[str, Any] = {}
+    for fqn, md in metadata.state_dict_metadata.items():
+        if isinstance(md, TensorStorageMetadata):
+            sd[fqn] = torch.empty(md.size, dtype=md.properties.dtype)
+        else:
+            sd[fqn] = None  # a BYTE_IO value: DCP's planner replaces it on load
+    return sd
+
+
+def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], *,
+            to: str | None = None, compression: str | None = "zstd") -> str:
+    """Converts a checkpoint between DCP's ``FileSystemWriter`` format and pyckpt's.
+
+    The whole state is materialised in host memory once (single process).
+
+    Args:
+        src: source checkpoint directory (format detected from its metadata file).
+        dst: destination directory.
+        to: ``"pyckpt"`` or ``"dcp"``; default: the other format.
+        compression: for ``to="pyckpt"``: ``None`` or ``"zstd"``.
+
+    Returns:
+        The destination format.
+
+    Raises:
+        FileNotFoundError: ``src`` holds neither format's metadata.
+    """
+    import torch.distributed.checkpoint as dcp
+
+    from pyckpt.storage import Reader, Writer
+
+    src_s = os.fspath(src)
+    if os.path.isfile(os.path.join(src_s, _format.METADATA_FILE)):
+        src_fmt, reader = "pyckpt", Reader(src_s)
+    elif os.path.isfile(os.path.join(src_s, ".metadata")):
+        src_fmt, reader = "dcp", dcp.FileSystemReader(src_s)
+    else:
+        raise FileNotFoundError(2, "no pyckpt.json or DCP .metadata: not a checkpoint", src_s)
+    target = to or ("dcp" if src_fmt == "pyckpt" else "pyckpt")
+    if target not in ("pyckpt", "dcp"):
+        raise ValueError(f"unknown target format {target!r}; expected 'pyckpt' or 'dcp'")
+    sd = _empty_state_dict(reader.read_metadata())
+    reader.reset()
+    dcp.load(sd, storage_reader=reader, no_dist=True)
+    if target == "pyckpt":
+        with Writer(dst, compression=compression) as w:
+            dcp.save(sd, storage_writer=w, no_dist=True)
+    else:
+        dcp.save(sd, storage_writer=dcp.FileSystemWriter(dst), no_dist=True)
+    return target

@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# Sets up everything pyckpt needs on a Debian/Ubuntu machine with Python >= 3.10, idempotently:
+#   - system packages: libzstd-dev, pkg-config, a C++ compiler, python3-venv (apt, only if missing)
+#   - a virtual environment in .venv with torch==2.13.0 (CPU) and pyckpt built from this checkout
+#     (non-editable, with the test/bench/model extras)
+# Usage: scripts/setup.sh            (PYTHON=python3.11 scripts/setup.sh to pick an interpreter)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PYTHON=${PYTHON:-python3}
+SUDO=""
+[ "$(id -u)" -ne 0 ] && SUDO="sudo"
+
+missing=()
+if ! { [ -f /usr/include/zstd.h ] || pkg-config --exists libzstd 2>/dev/null; }; then
+  missing+=(libzstd-dev)
+fi
+command -v pkg-config >/dev/null 2>&1 || missing+=(pkg-config)
+command -v g++ >/dev/null 2>&1 || missing+=(g++)
+if ! "$PYTHON" -c 'import ensurepip, venv' >/dev/null 2>&1; then
+  missing+=("python3-venv")
+fi
+if [ "${#missing[@]}" -gt 0 ]; then
+  echo "[pyckpt setup] installing system packages: ${missing[*]}"
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${missing[@]}" >/dev/null
+fi
+
+if [ ! -x .venv/bin/python ]; then
+  echo "[pyckpt setup] creating .venv"
+  "$PYTHON" -m venv .venv
+fi
+PY=.venv/bin/python
+
+# torch first, pinned: a bare 'torch' requirement could pull a multi-GB CUDA build.
+if ! "$PY" -c 'import torch, sys; sys.exit(torch.__version__.split("+")[0] != "2.13.0")' 2>/dev/null; then
+  echo "[pyckpt setup] installing torch==2.13.0"
+  "$PY" -m pip install -q --disable-pip-version-check "torch==2.13.0"
+fi
+
+echo "[pyckpt setup] building and installing pyckpt"
+"$PY" -m pip install -q --disable-pip-version-check ".[test,bench,model]" 2>&1 \
+  | grep -v "is ignored: it is neither a file nor a directory" || true
+"$PY" -c 'import pyckpt, pyckpt._C; print("[pyckpt setup] pyckpt", pyckpt.__version__, "with zstd", pyckpt._C.zstd_version)'
