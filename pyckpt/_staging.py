@@ -36,11 +36,12 @@ from pyckpt import _C, _knobs
 from pyckpt.errors import CudaError
 
 __all__ = [
-    "runtime",
+    "AsyncStagingMixin",
     "DeviceStaging",
     "StagedPiece",
+    "StagingMixin",
     "block_bytes_for",
-    "AsyncStagingMixin",
+    "runtime",
 ]
 
 logger = logging.getLogger(__name__)
@@ -458,7 +459,63 @@ class DeviceStaging:
             st.synchronize()
 
 
-class AsyncStagingMixin:
+class StagingMixin:
+    """Staging state and helpers shared by pyckpt's writer and reader (kept out of their
+    bodies so storage.py only calls into it at a few well-defined points)."""
+
+    def _device_staging(self) -> DeviceStaging:
+        """This object's staging state (created on first use, dropped by pickling)."""
+        st = self.__dict__.get("_pyckpt_staging")
+        if st is None:
+            st = DeviceStaging(block_bytes=self._staging_block_bytes())
+            self.__dict__["_pyckpt_staging"] = st
+        return st
+
+    def _staging_block_bytes(self) -> int | None:
+        """Streaming block size (None: the default); writers align it with their chunks."""
+        return None
+
+    def _stages_on_device(self, t: Any) -> bool:
+        """True when ``t`` is device memory that the C++ stager can copy (else use torch)."""
+        return (
+            isinstance(t, torch.Tensor)
+            and _device_api.is_device(_local(t))
+            and self._device_staging().available
+        )
+
+    def _close_staging(self) -> None:
+        st = self.__dict__.pop("_pyckpt_staging", None)
+        if st is not None:
+            st.close()
+
+    @staticmethod
+    def _drop_staging_state(state: dict[str, Any]) -> dict[str, Any]:
+        state.pop("_pyckpt_staging", None)
+        return state
+
+    def _release_staged_after(self, fut: Any, plan: Any, planner: Any) -> Any:
+        """Frees the pinned regions this plan's tensors live in once ``fut`` (write_data's
+        result) completed: the bytes are then in the file, the region may be refilled."""
+        st = self.__dict__.get("_pyckpt_staging")
+        if st is None or not st._regions:
+            return fut
+        from torch.distributed.checkpoint.planner import WriteItemType
+
+        addresses = []
+        for item in plan.items:
+            if item.type != WriteItemType.BYTE_IO:
+                data = planner.resolve_data(item)
+                if isinstance(data, torch.Tensor) and data.numel() > 0:
+                    addresses.append(_local(data).data_ptr())
+
+        def release(_: Any) -> None:
+            st.release_regions(addresses)
+
+        fut.add_done_callback(release)
+        return fut
+
+
+class AsyncStagingMixin(StagingMixin):
     """Makes a DCP ``StorageWriter`` a full ``AsyncStager`` backed by :class:`DeviceStaging`.
 
     Put it first in the bases (``class Writer(AsyncStagingMixin, StorageWriter)``).
@@ -483,13 +540,6 @@ class AsyncStagingMixin:
         """Whether DCP should call :meth:`synchronize_staging` after starting the save."""
         return self._synchronize_after_execute
 
-    def _device_staging(self) -> DeviceStaging:
-        st = self.__dict__.get("_pyckpt_staging")
-        if st is None:
-            st = DeviceStaging()
-            self.__dict__["_pyckpt_staging"] = st
-        return st
-
     def stage(self, state_dict: Any) -> Any:
         """Returns a training-safe copy of ``state_dict`` in pinned host memory.
 
@@ -501,37 +551,19 @@ class AsyncStagingMixin:
     def synchronize_staging(self) -> None:
         """No-op: :meth:`stage` returns only after its copies completed."""
 
+    # -- generic versions, for writers that do not override these ----------------------------
+
     def close(self) -> None:
         """Releases staging resources, then the writer's own."""
-        st = self.__dict__.pop("_pyckpt_staging", None)
-        if st is not None:
-            st.close()
+        self._close_staging()
         parent_close = getattr(super(), "close", None)
         if parent_close is not None:
             parent_close()
 
     def __getstate__(self) -> dict[str, Any]:
         parent = getattr(super(), "__getstate__", None)
-        state = dict(parent() if parent is not None else self.__dict__)
-        state.pop("_pyckpt_staging", None)
-        return state
+        return self._drop_staging_state(dict(parent() if parent is not None else self.__dict__))
 
     def write_data(self, plan: Any, planner: Any) -> Any:
         fut = super().write_data(plan, planner)  # type: ignore[misc]
-        st = self.__dict__.get("_pyckpt_staging")
-        if st is None or not st._regions:
-            return fut
-        from torch.distributed.checkpoint.planner import WriteItemType
-
-        addresses = []
-        for item in plan.items:
-            if item.type != WriteItemType.BYTE_IO:
-                data = planner.resolve_data(item)
-                if isinstance(data, torch.Tensor) and data.numel() > 0:
-                    addresses.append(_local(data).data_ptr())
-
-        def release(_: Any) -> None:
-            st.release_regions(addresses)
-
-        fut.add_done_callback(release)
-        return fut
+        return self._release_staged_after(fut, plan, planner)
