@@ -381,6 +381,16 @@ def test_coverage_gap_and_overlap(tmp_path, make_data, thread_pool_factory) -> N
     assert dst[:PAGE].tobytes() == data[:PAGE]
 
 
+def test_malformed_record_names_the_tensor(tmp_path, thread_pool_factory) -> None:
+    pool = thread_pool_factory(1)
+    dst = np.empty(10, np.uint8)
+    seg = [str(tmp_path / "f"), 0, list(RAW), [[0, 10, 0, 9, [0, 10]]]]  # JSON-shaped, bad transform
+    with pytest.raises(CheckpointFormatError, match="emb.weight"):
+        _C.read_requests([["emb.weight", [seg], 0, 10, dst.ctypes.data]], pool)
+    with pytest.raises(TypeError, match="read request"):
+        _C.read_requests([("emb.weight", [seg], 0, 10)], pool)
+
+
 def test_create_under_regular_file_is_enotdir(tmp_path) -> None:
     """Works as root too (root bypasses permission bits, not ENOTDIR)."""
     blocker = tmp_path / "file"

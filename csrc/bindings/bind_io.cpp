@@ -7,6 +7,7 @@
 
 #include "bindings/bindings.hpp"
 #include "bindings/core_convert.hpp"
+#include "core/error.hpp"
 #include "core/file_io.hpp"
 
 namespace pyckpt::bindings {
@@ -24,13 +25,20 @@ void* ptr_from_py(py::handle obj, const char* what) {
   return reinterpret_cast<void*>(static_cast<std::uintptr_t>(u64_from_py(obj, what)));
 }
 
+// Accepts any sequence (tuples, or lists decoded from JSON) of exactly n fields.
+py::sequence as_tuple(py::handle h, std::size_t n, const char* shape) {
+  if (!PySequence_Check(h.ptr()) || PyUnicode_Check(h.ptr()) ||
+      PySequence_Size(h.ptr()) != static_cast<Py_ssize_t>(n)) {
+    PyErr_Clear();
+    throw py::type_error(std::string("expected ") + shape);
+  }
+  return py::reinterpret_borrow<py::sequence>(h);
+}
+
 std::vector<WriteRequest> items_from_py(py::handle items) {
   std::vector<WriteRequest> out;
   for (py::handle h : py::reinterpret_borrow<py::iterable>(items)) {
-    auto t = py::reinterpret_borrow<py::sequence>(h);
-    if (!PySequence_Check(h.ptr()) || t.size() != 4) {
-      throw py::type_error("write item must be (name, data_ptr, nbytes, params)");
-    }
+    py::sequence t = as_tuple(h, 4, "write item (name, data_ptr, nbytes, params)");
     WriteRequest r;
     r.name = py::cast<std::string>(t[0]);
     r.data = ptr_from_py(t[1], "data_ptr");
@@ -41,28 +49,32 @@ std::vector<WriteRequest> items_from_py(py::handle items) {
   return out;
 }
 
+std::vector<ReadSegment> segments_from_py(py::handle segments) {
+  std::vector<ReadSegment> out;
+  for (py::handle sh : py::reinterpret_borrow<py::iterable>(segments)) {
+    py::sequence s = as_tuple(sh, 4, "segment (path, raw_begin, params, chunks)");
+    ReadSegment seg;
+    seg.path = path_from_py(s[0]);
+    seg.raw_begin = u64_from_py(s[1], "raw_begin");
+    seg.params = params_from_py(s[2]);
+    for (py::handle c : py::reinterpret_borrow<py::iterable>(s[3])) {
+      seg.chunks.push_back(record_from_py(c));
+    }
+    out.push_back(std::move(seg));
+  }
+  return out;
+}
+
 std::vector<ReadRequest> requests_from_py(py::handle requests) {
   std::vector<ReadRequest> out;
   for (py::handle h : py::reinterpret_borrow<py::iterable>(requests)) {
-    auto t = py::reinterpret_borrow<py::sequence>(h);
-    if (!PySequence_Check(h.ptr()) || t.size() != 5) {
-      throw py::type_error("read request must be (name, segments, lo, hi, dst_ptr)");
-    }
+    py::sequence t = as_tuple(h, 5, "read request (name, segments, lo, hi, dst_ptr)");
     ReadRequest r;
     r.name = py::cast<std::string>(t[0]);
-    for (py::handle sh : py::reinterpret_borrow<py::iterable>(t[1])) {
-      auto s = py::reinterpret_borrow<py::sequence>(sh);
-      if (!PySequence_Check(sh.ptr()) || s.size() != 4) {
-        throw py::type_error("segment must be (path, raw_begin, params, chunks)");
-      }
-      ReadSegment seg;
-      seg.path = path_from_py(s[0]);
-      seg.raw_begin = u64_from_py(s[1], "raw_begin");
-      seg.params = params_from_py(s[2]);
-      for (py::handle c : py::reinterpret_borrow<py::iterable>(s[3])) {
-        seg.chunks.push_back(record_from_py(c));
-      }
-      r.segments.push_back(std::move(seg));
+    try {
+      r.segments = segments_from_py(t[1]);
+    } catch (const FormatError&) {
+      rethrow_with_context(std::current_exception(), "tensor '" + r.name + "'");
     }
     r.lo = u64_from_py(t[2], "lo");
     r.hi = u64_from_py(t[3], "hi");
