@@ -15,6 +15,10 @@ from typing import Any
 
 from pyckpt import errors
 from pyckpt._C import __version__
+
+# Imported eagerly (it does not import torch): importing the submodule pyckpt.consolidate would
+# otherwise rebind the package attribute `consolidate` from the function to the module.
+from pyckpt.consolidate import consolidate
 from pyckpt.errors import (
     CheckpointFormatError,
     ChecksumError,
@@ -47,7 +51,6 @@ _LAZY = {
     "SavePlanner": "pyckpt.planner",
     "save": "pyckpt.api",
     "load": "pyckpt.api",
-    "consolidate": "pyckpt.consolidate",
 }
 
 

@@ -23,6 +23,7 @@ __all__ = [
     "cuda_mode",
     "cudart_path",
     "pinned_pool_bytes",
+    "consolidate_input",
     "override",
 ]
 
@@ -112,6 +113,11 @@ def cudart_path() -> str | None:
 def pinned_pool_bytes() -> int:
     """``PYCKPT_PINNED_POOL_BYTES``: bound on the pinned staging pool (default 1 GiB)."""
     return _int("pinned_pool_bytes", "PYCKPT_PINNED_POOL_BYTES", 1 << 30, 1 << 20)
+
+
+def consolidate_input() -> str:
+    """``PYCKPT_CONSOLIDATE_INPUT``: how consolidation reads shards, ``pread`` (default) or ``mmap``."""
+    return _choice("consolidate_input", "PYCKPT_CONSOLIDATE_INPUT", "pread", ("pread", "mmap"))
 
 
 @contextlib.contextmanager

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import numpy as np
 import pytest
 from hypothesis import HealthCheck, settings
 
@@ -40,3 +42,73 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip_gpu)
         if "slow" in item.keywords and not run_slow:
             item.add_marker(skip_slow)
+
+
+@pytest.fixture
+def rng() -> np.random.Generator:
+    """A seeded generator, so failures reproduce."""
+    return np.random.default_rng(20240607)
+
+
+def _bf16_like(rng: np.random.Generator, nbytes: int) -> bytes:
+    """Bytes of bf16 values distributed like trained weights (normal, std 0.02)."""
+    torch = pytest.importorskip("torch")
+    n = (nbytes + 1) // 2
+    gen = torch.Generator().manual_seed(int(rng.integers(1 << 31)))
+    t = (torch.randn(n, generator=gen) * 0.02).to(torch.bfloat16)
+    return t.view(torch.uint8).numpy().tobytes()[:nbytes]
+
+
+def _fp32_like(rng: np.random.Generator, nbytes: int) -> bytes:
+    n = (nbytes + 3) // 4
+    return (rng.standard_normal(n).astype(np.float32) * 0.02).tobytes()[:nbytes]
+
+
+def _fp64_like(rng: np.random.Generator, nbytes: int) -> bytes:
+    n = (nbytes + 7) // 8
+    return (rng.standard_normal(n) * 0.02).tobytes()[:nbytes]
+
+
+def _low_entropy(rng: np.random.Generator, nbytes: int) -> bytes:
+    # Few distinct symbols with runs: compresses well under any transform.
+    return rng.choice(np.array([0, 1, 2, 255], np.uint8), size=nbytes, p=[0.7, 0.1, 0.1, 0.1]).tobytes()
+
+
+def _random(rng: np.random.Generator, nbytes: int) -> bytes:
+    return rng.integers(0, 256, size=nbytes, dtype=np.uint8).tobytes()
+
+
+DATA_KINDS: dict[str, Callable[[np.random.Generator, int], bytes]] = {
+    "random": _random,
+    "low_entropy": _low_entropy,
+    "bf16": _bf16_like,
+    "fp32": _fp32_like,
+    "fp64": _fp64_like,
+}
+
+
+@pytest.fixture
+def make_data(rng: np.random.Generator) -> Callable[[str, int], bytes]:
+    """``make_data(kind, nbytes)`` with kind in random / low_entropy / bf16 / fp32 / fp64."""
+
+    def make(kind: str, nbytes: int) -> bytes:
+        return DATA_KINDS[kind](rng, nbytes)
+
+    return make
+
+
+@pytest.fixture
+def thread_pool_factory() -> Iterator[Callable[[int], object]]:
+    """``thread_pool_factory(n)`` -> a native ThreadPool shut down after the test."""
+    from pyckpt import _C
+
+    pools: list[object] = []
+
+    def make(n: int) -> object:
+        pool = _C.ThreadPool(n)
+        pools.append(pool)
+        return pool
+
+    yield make
+    for pool in pools:
+        pool.shutdown()

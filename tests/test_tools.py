@@ -62,7 +62,7 @@ def test_convert_roundtrip(tmp_path: Path) -> None:
     for src, reader in ((tmp_path / "pk", pyckpt.Reader), (tmp_path / "back",
                                                          dcp.FileSystemReader)):
         out = {"w": torch.zeros(300, 200, dtype=torch.bfloat16), "b": torch.zeros(200),
-               "ids": torch.zeros(1000, dtype=torch.int64), "meta": {}}
+               "ids": torch.zeros(1000, dtype=torch.int64), "meta": {"step": 0}}
         dcp.load(out, storage_reader=reader(src))
         for k in ("w", "b", "ids"):
             assert torch.equal(out[k], sd[k])

@@ -1,5 +1,141 @@
+// Chunk codec and checksum bindings (mostly for tests and tools; the pipelines live in bind_io).
+#include <memory>
+
 #include "bindings/bindings.hpp"
+#include "bindings/core_convert.hpp"
+#include "core/checksum.hpp"
+#include "core/codec.hpp"
+#include "core/error.hpp"
 
 namespace pyckpt::bindings {
-void bind_codec(py::module_&) {}
+
+namespace {
+
+ChunkRecord encode_into(py::handle data, py::handle params, py::handle out) {
+  const CodecParams p = params_from_py(params);
+  BufferRef src(data, false);
+  BufferRef dst(out, true);
+  const std::size_t need = max_encoded_size(src.size(), p);
+  if (dst.size() < need) {
+    throw py::value_error("output buffer has " + std::to_string(dst.size()) +
+                          " bytes, encoding needs " + std::to_string(need));
+  }
+  py::gil_scoped_release nogil;
+  return encode_chunk(src.data(), src.size(), p, dst.data());
+}
+
+std::uint32_t plane_count(std::uint32_t elem_size) {
+  if (elem_size != 1 && elem_size != 2 && elem_size != 4 && elem_size != 8) {
+    throw py::value_error("elem_size must be 1, 2, 4 or 8");
+  }
+  return elem_size;
+}
+
+}  // namespace
+
+void bind_codec(py::module_& m) {
+  m.def(
+      "xxh64",
+      [](py::handle data, std::uint64_t seed) {
+        BufferRef b(data, false);
+        py::gil_scoped_release nogil;
+        return xxh64(b.data(), b.size(), seed);
+      },
+      py::arg("data"), py::arg("seed") = 0, R"pbdoc(XXH64 of a contiguous buffer.)pbdoc");
+
+  m.def(
+      "max_encoded_size",
+      [](std::uint64_t raw_len, py::handle params) {
+        return max_encoded_size(static_cast<std::size_t>(raw_len), params_from_py(params));
+      },
+      py::arg("raw_len"), py::arg("params"),
+      R"pbdoc(Upper bound of a chunk's stored size for these params.)pbdoc");
+
+  m.def(
+      "encode_chunk",
+      [](py::handle data, py::handle params) {
+        const CodecParams p = params_from_py(params);
+        BufferRef src(data, false);
+        std::unique_ptr<std::uint8_t[]> out(new std::uint8_t[max_encoded_size(src.size(), p) + 1]);
+        ChunkRecord rec;
+        {
+          py::gil_scoped_release nogil;
+          rec = encode_chunk(src.data(), src.size(), p, out.get());
+        }
+        return py::make_tuple(
+            py::bytes(reinterpret_cast<const char*>(out.get()), rec.stored_len),
+            record_to_py(rec));
+      },
+      py::arg("data"), py::arg("params"),
+      R"pbdoc(Encode one chunk; returns (stored_bytes, chunk_record).)pbdoc");
+
+  m.def(
+      "encode_chunk_into",
+      [](py::handle data, py::handle params, py::handle out) {
+        return record_to_py(encode_into(data, params, out));
+      },
+      py::arg("data"), py::arg("params"), py::arg("out"),
+      R"pbdoc(Encode one chunk into a writable buffer of max_encoded_size bytes; returns the record (stored bytes are out[:sum of plane lengths]).)pbdoc");
+
+  m.def(
+      "decode_chunk",
+      [](py::handle stored, py::handle record, py::handle params, py::handle out) {
+        const ChunkRecord rec = record_from_py(record);
+        const CodecParams p = params_from_py(params);
+        BufferRef src(stored, false);
+        BufferRef dst(out, true);
+        if (dst.size() != rec.raw_len) {
+          throw py::value_error("output buffer has " + std::to_string(dst.size()) +
+                                " bytes, the chunk decodes to " + std::to_string(rec.raw_len));
+        }
+        PYCKPT_EXPECT_FORMAT(src.size() >= rec.stored_len, FormatKind::Truncated,
+                             "stored buffer has ", src.size(), " bytes, the record needs ",
+                             rec.stored_len);
+        py::gil_scoped_release nogil;
+        decode_chunk(src.data(), rec, p, dst.data());
+      },
+      py::arg("stored"), py::arg("record"), py::arg("params"), py::arg("out"),
+      R"pbdoc(Verify the checksum of one chunk, then decode it into out (raw_len bytes).)pbdoc");
+
+  m.def(
+      "group_bytes",
+      [](py::handle data, std::uint32_t elem_size, bool rotl1, py::handle out) {
+        const std::uint32_t E = plane_count(elem_size);
+        BufferRef src(data, false);
+        BufferRef dst(out, true);
+        if (src.size() % E != 0 || dst.size() != src.size()) {
+          throw py::value_error("group_bytes: len(data) must be a multiple of elem_size and "
+                                "equal len(out)");
+        }
+        const std::size_t n = src.size() / E;
+        std::uint8_t* planes[8];
+        for (std::uint32_t p = 0; p < E; ++p) planes[p] = static_cast<std::uint8_t*>(dst.data()) + p * n;
+        py::gil_scoped_release nogil;
+        group_bytes(src.data(), n, E, rotl1, planes);
+      },
+      py::arg("data"), py::arg("elem_size"), py::arg("rotl1"), py::arg("out"),
+      R"pbdoc(Byte-group elements into contiguous planes in out (plane p at p * len/elem_size).)pbdoc");
+
+  m.def(
+      "ungroup_bytes",
+      [](py::handle planes_buf, std::uint32_t elem_size, bool rotl1, py::handle out) {
+        const std::uint32_t E = plane_count(elem_size);
+        BufferRef src(planes_buf, false);
+        BufferRef dst(out, true);
+        if (src.size() % E != 0 || dst.size() != src.size()) {
+          throw py::value_error("ungroup_bytes: len(planes) must be a multiple of elem_size and "
+                                "equal len(out)");
+        }
+        const std::size_t n = src.size() / E;
+        const std::uint8_t* planes[8];
+        for (std::uint32_t p = 0; p < E; ++p) {
+          planes[p] = static_cast<const std::uint8_t*>(src.data()) + p * n;
+        }
+        py::gil_scoped_release nogil;
+        ungroup_bytes(planes, n, E, rotl1, dst.data());
+      },
+      py::arg("planes"), py::arg("elem_size"), py::arg("rotl1"), py::arg("out"),
+      R"pbdoc(Inverse of group_bytes.)pbdoc");
+}
+
 }  // namespace pyckpt::bindings

@@ -1,5 +1,169 @@
+// FileWriter, the encode+write pipeline and the parallel reader. Arguments are converted to core
+// structs with the GIL held; the GIL is released for the I/O, compression and waiting.
+#include <pybind11/stl.h>
+
+#include <memory>
+#include <optional>
+
 #include "bindings/bindings.hpp"
+#include "bindings/core_convert.hpp"
+#include "core/error.hpp"
+#include "core/file_io.hpp"
 
 namespace pyckpt::bindings {
-void bind_io(py::module_&) {}
+
+namespace {
+
+DirectFault fault_from_py(const std::string& s) {
+  if (s.empty() || s == "none") return DirectFault::None;
+  if (s == "direct_open") return DirectFault::OpenEinval;
+  if (s == "direct_write") return DirectFault::FirstWriteEinval;
+  throw py::value_error("_test_fault must be '', 'direct_open' or 'direct_write'");
+}
+
+void* ptr_from_py(py::handle obj, const char* what) {
+  return reinterpret_cast<void*>(static_cast<std::uintptr_t>(u64_from_py(obj, what)));
+}
+
+// Accepts any sequence (tuples, or lists decoded from JSON) of exactly n fields.
+py::sequence as_tuple(py::handle h, std::size_t n, const char* shape) {
+  if (!PySequence_Check(h.ptr()) || PyUnicode_Check(h.ptr()) ||
+      PySequence_Size(h.ptr()) != static_cast<Py_ssize_t>(n)) {
+    PyErr_Clear();
+    throw py::type_error(std::string("expected ") + shape);
+  }
+  return py::reinterpret_borrow<py::sequence>(h);
+}
+
+std::vector<WriteRequest> items_from_py(py::handle items) {
+  std::vector<WriteRequest> out;
+  for (py::handle h : py::reinterpret_borrow<py::iterable>(items)) {
+    py::sequence t = as_tuple(h, 4, "write item (name, data_ptr, nbytes, params)");
+    WriteRequest r;
+    r.name = py::cast<std::string>(t[0]);
+    r.data = ptr_from_py(t[1], "data_ptr");
+    r.nbytes = u64_from_py(t[2], "nbytes");
+    r.params = params_from_py(t[3]);
+    out.push_back(std::move(r));
+  }
+  return out;
+}
+
+std::vector<ReadSegment> segments_from_py(py::handle segments) {
+  std::vector<ReadSegment> out;
+  for (py::handle sh : py::reinterpret_borrow<py::iterable>(segments)) {
+    py::sequence s = as_tuple(sh, 4, "segment (path, raw_begin, params, chunks)");
+    ReadSegment seg;
+    seg.path = path_from_py(s[0]);
+    seg.raw_begin = u64_from_py(s[1], "raw_begin");
+    seg.params = params_from_py(s[2]);
+    for (py::handle c : py::reinterpret_borrow<py::iterable>(s[3])) {
+      seg.chunks.push_back(record_from_py(c));
+    }
+    out.push_back(std::move(seg));
+  }
+  return out;
+}
+
+std::vector<ReadRequest> requests_from_py(py::handle requests) {
+  std::vector<ReadRequest> out;
+  for (py::handle h : py::reinterpret_borrow<py::iterable>(requests)) {
+    py::sequence t = as_tuple(h, 5, "read request (name, segments, lo, hi, dst_ptr)");
+    ReadRequest r;
+    r.name = py::cast<std::string>(t[0]);
+    try {
+      r.segments = segments_from_py(t[1]);
+    } catch (const FormatError&) {
+      rethrow_with_context(std::current_exception(), "tensor '" + r.name + "'");
+    }
+    r.lo = u64_from_py(t[2], "lo");
+    r.hi = u64_from_py(t[3], "hi");
+    r.dst = ptr_from_py(t[4], "dst_ptr");
+    out.push_back(std::move(r));
+  }
+  return out;
+}
+
+}  // namespace
+
+void bind_io(py::module_& m) {
+  py::class_<FileWriter>(m, "FileWriter",
+                         R"pbdoc(Writes a data file via a sibling temp file, renamed into place on commit(). One thread at a time.)pbdoc")
+      .def(py::init([](py::handle path, const std::string& direct, bool fsync,
+                       std::size_t staging_block_bytes, std::size_t staging_blocks,
+                       std::optional<std::shared_ptr<BufferPool>> staging,
+                       const std::string& test_fault) {
+             const std::string p = path_from_py(path);
+             const DirectMode mode = direct_mode_from_py(direct);
+             const DirectFault fault = fault_from_py(test_fault);
+             std::shared_ptr<BufferPool> pool = staging ? *staging : nullptr;
+             py::gil_scoped_release nogil;
+             return std::make_unique<FileWriter>(p, mode, fsync, staging_block_bytes,
+                                                 staging_blocks, fault, std::move(pool));
+           }),
+           py::arg("path"), py::arg("direct") = "auto", py::arg("fsync") = true,
+           py::arg("staging_block_bytes") = std::size_t{8} << 20, py::arg("staging_blocks") = 3,
+           py::kw_only(), py::arg("staging") = py::none(), py::arg("_test_fault") = "")
+      .def(
+          "append",
+          [](FileWriter& self, py::handle data) {
+            BufferRef b(data, false);
+            py::gil_scoped_release nogil;
+            return self.append(b.data(), b.size());
+          },
+          py::arg("data"), R"pbdoc(Append bytes (copied before returning); returns their file offset.)pbdoc")
+      .def(
+          "write_items",
+          [](FileWriter& self, py::handle items, std::size_t chunk_bytes, ThreadPool& pool,
+             BufferPool& blocks) {
+            const std::vector<WriteRequest> reqs = items_from_py(items);
+            std::vector<WrittenItem> written;
+            {
+              py::gil_scoped_release nogil;
+              written = encode_and_write(self, reqs, chunk_bytes, pool, blocks);
+            }
+            py::list out;
+            for (const WrittenItem& w : written) {
+              py::list chunks;
+              for (const ChunkRecord& c : w.chunks) chunks.append(record_to_py(c));
+              out.append(py::make_tuple(w.offset, w.stored_bytes, chunks));
+            }
+            return out;
+          },
+          py::arg("items"), py::arg("chunk_bytes"), py::arg("pool"), py::arg("blocks"),
+          R"pbdoc(Encode items (name, data_ptr, nbytes, params) in chunks on pool and append them in order. SAFETY: each data_ptr must point to nbytes readable bytes that the caller keeps alive and unmodified until this returns.)pbdoc")
+      .def("commit", &FileWriter::commit, py::call_guard<py::gil_scoped_release>(),
+           R"pbdoc(Flush, fsync, rename into place and fsync the directory.)pbdoc")
+      .def("abort", &FileWriter::abort, py::call_guard<py::gil_scoped_release>(),
+           R"pbdoc(Discard the temp file (idempotent; no-op after commit).)pbdoc")
+      .def_property_readonly("size", &FileWriter::size, R"pbdoc(Bytes appended so far.)pbdoc")
+      .def_property_readonly("direct", &FileWriter::direct, R"pbdoc(True while O_DIRECT is in effect.)pbdoc")
+      .def_property_readonly("path", &FileWriter::path, R"pbdoc(The final path.)pbdoc")
+      .def_property_readonly("temp_path", &FileWriter::temp_path, R"pbdoc(The temp file's path.)pbdoc")
+      .def_property_readonly("committed", &FileWriter::committed, R"pbdoc(True after commit().)pbdoc")
+      .def("__enter__", [](py::object self) { return self; })
+      .def(
+          "__exit__",
+          [](FileWriter& self, py::args) {
+            py::gil_scoped_release nogil;
+            self.abort();  // no-op when committed
+            return false;
+          },
+          R"pbdoc(Abort unless committed.)pbdoc");
+
+  m.def(
+      "read_requests",
+      [](py::handle requests, ThreadPool& pool) {
+        const std::vector<ReadRequest> reqs = requests_from_py(requests);
+        ReadStats st;
+        {
+          py::gil_scoped_release nogil;
+          st = read_requests(reqs, pool);
+        }
+        return py::make_tuple(st.bytes_read, st.chunks_decoded);
+      },
+      py::arg("requests"), py::arg("pool"),
+      R"pbdoc(Read, verify and decode the chunks overlapping each request's [lo, hi) into dst_ptr; returns (bytes_read, chunks_decoded). SAFETY: each dst_ptr must point to hi - lo writable bytes kept alive until this returns.)pbdoc");
+}
+
 }  // namespace pyckpt::bindings

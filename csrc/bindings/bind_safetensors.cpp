@@ -1,6 +1,185 @@
+// Bindings of the safetensors header parser/emitter and the stitcher: argument conversion only.
+#include <pybind11/stl.h>
+
+#include <atomic>
+#include <stdexcept>
+
 #include "bindings/bindings.hpp"
+#include "core/safetensors.hpp"
+#include "core/stitcher.hpp"
 
 namespace pyckpt::bindings {
-// Filled in by the safetensors component.
-void bind_safetensors(py::module_&) {}
+
+namespace {
+
+/** A byte counter that stitch() advances while another Python thread reads it. */
+struct StitchProgress {
+  std::atomic<std::uint64_t> bytes{0};
+};
+
+py::dict header_to_py(const StHeader& h) {
+  py::dict meta;
+  for (const auto& [k, v] : h.metadata) meta[py::str(k)] = py::str(v);
+  py::list tensors;
+  for (const auto& t : h.tensors) {
+    py::tuple shape(t.shape.size());
+    for (std::size_t i = 0; i < t.shape.size(); ++i) shape[i] = py::int_(t.shape[i]);
+    tensors.append(py::make_tuple(py::str(t.name), st_dtype_name(t.dtype), shape, t.begin, t.end));
+  }
+  py::dict out;
+  out["header_len"] = h.header_len;
+  out["data_start"] = h.data_start;
+  out["file_size"] = h.file_size;
+  out["metadata"] = meta;
+  out["tensors"] = tensors;
+  return out;
+}
+
+StDtype dtype_arg(const std::string& name) {
+  const auto dt = st_dtype_from_name(name);
+  if (!dt) throw std::invalid_argument("unknown safetensors dtype '" + name + "'");
+  return *dt;
+}
+
+using ItemTuple =
+    std::tuple<std::string, std::vector<std::uint64_t>, std::vector<std::uint64_t>,
+               std::vector<std::uint64_t>, std::uint32_t, std::string, std::uint64_t,
+               std::string, std::uint64_t, std::uint64_t, std::uint64_t, std::uint64_t,
+               std::uint64_t>;
+
+}  // namespace
+
+void bind_safetensors(py::module_& m) {
+  m.attr("MAX_SAFETENSORS_HEADER") = kMaxSafetensorsHeader;
+
+  m.def(
+      "safetensors_dtype_bits",
+      [](const std::string& name) { return st_dtype_bits(dtype_arg(name)); }, py::arg("dtype"),
+      R"pbdoc(Bits per element of a safetensors dtype name; ValueError if unknown.)pbdoc");
+
+  m.def(
+      "read_safetensors_header",
+      [](const std::string& path) {
+        StHeader h;
+        {
+          py::gil_scoped_release release;
+          h = parse_safetensors_header(path);
+        }
+        return header_to_py(h);
+      },
+      py::arg("path"),
+      R"pbdoc(Read and strictly validate a safetensors file's header (pread; data untouched).)pbdoc");
+
+  m.def(
+      "parse_safetensors_header",
+      [](const py::bytes& json, std::uint64_t file_size, const std::string& origin) {
+        const std::string text = json;
+        StHeader h;
+        {
+          py::gil_scoped_release release;
+          h = parse_safetensors_header_bytes(text, file_size, origin);
+        }
+        return header_to_py(h);
+      },
+      py::arg("json"), py::arg("file_size"), py::arg("origin") = "<bytes>",
+      R"pbdoc(Validate header bytes (without the 8-byte length) against a file size.)pbdoc");
+
+  m.def(
+      "safetensors_header",
+      [](const std::vector<std::tuple<std::string, std::string, std::vector<std::uint64_t>>>&
+             tensors,
+         const std::vector<std::pair<std::string, std::string>>& metadata) {
+        std::vector<StTensorSpec> specs;
+        specs.reserve(tensors.size());
+        for (const auto& [name, dtype, shape] : tensors) {
+          specs.push_back(StTensorSpec{name, dtype_arg(dtype), shape});
+        }
+        StEmitted e = emit_safetensors_header(std::move(specs), metadata);
+        py::list layout;
+        for (std::size_t i = 0; i < e.tensors.size(); ++i) {
+          const std::uint64_t end =
+              i + 1 < e.begins.size() ? e.begins[i + 1] : e.data_bytes;
+          layout.append(py::make_tuple(py::str(e.tensors[i].name), e.begins[i], end));
+        }
+        return py::make_tuple(py::bytes(e.bytes), layout, e.data_bytes);
+      },
+      py::arg("tensors"), py::arg("metadata"),
+      R"pbdoc(Emit a header for (name, dtype, shape) tensors sorted by name -> (bytes, [(name, begin, end)], data_bytes).)pbdoc");
+
+  m.def(
+      "check_tiling",
+      [](const std::string& name, const std::vector<std::uint64_t>& shape,
+         const std::vector<std::tuple<std::vector<std::uint64_t>, std::vector<std::uint64_t>,
+                                      std::string>>& blocks) {
+        std::vector<TileBlock> tiles;
+        tiles.reserve(blocks.size());
+        for (const auto& [offsets, sizes, origin] : blocks) {
+          tiles.push_back(TileBlock{offsets, sizes, origin});
+        }
+        py::gil_scoped_release release;
+        check_tiling(name, shape, tiles);
+      },
+      py::arg("name"), py::arg("shape"), py::arg("blocks"),
+      R"pbdoc(Raise CheckpointFormatError unless (offsets, sizes, origin) blocks tile the shape.)pbdoc");
+
+  py::class_<StitchProgress>(m, "StitchProgress",
+                             R"pbdoc(Bytes copied so far by a running stitch(); thread-safe.)pbdoc")
+      .def(py::init<>())
+      .def_property_readonly(
+          "bytes", [](const StitchProgress& p) { return p.bytes.load(std::memory_order_relaxed); });
+
+  m.def(
+      "stitch",
+      [](const std::vector<ItemTuple>& items, std::size_t threads, std::size_t task_bytes,
+         const std::string& input_mode, bool fsync, StitchProgress* progress) {
+        std::vector<StitchItem> work;
+        work.reserve(items.size());
+        for (const auto& [name, shape, offsets, sizes, item_bytes, src_path, src_offset, out_path,
+                          out_offset, lo, hi, block_lo, block_hi] : items) {
+          StitchItem it;
+          it.name = name;
+          it.shape = shape;
+          it.offsets = offsets;
+          it.sizes = sizes;
+          it.item_bytes = item_bytes;
+          it.source.kind = StitchSource::Kind::RawFile;
+          it.source.path = src_path;
+          it.source.offset = src_offset;
+          it.out_path = out_path;
+          it.out_offset = out_offset;
+          it.lo = lo;
+          it.hi = hi;
+          it.block_lo = block_lo;
+          it.block_hi = block_hi;
+          work.push_back(std::move(it));
+        }
+        StitchOptions opts;
+        opts.threads = threads;
+        opts.task_bytes = task_bytes;
+        if (input_mode == "pread") {
+          opts.input = InputMode::Pread;
+        } else if (input_mode == "mmap") {
+          opts.input = InputMode::Mmap;
+        } else {
+          throw std::invalid_argument("input_mode must be 'pread' or 'mmap', got '" + input_mode +
+                                      "'");
+        }
+        opts.fsync = fsync;
+        opts.progress = progress ? &progress->bytes : nullptr;
+        StitchStats s;
+        {
+          py::gil_scoped_release release;
+          s = stitch(work, opts);
+        }
+        py::dict out;
+        out["bytes"] = s.bytes;
+        out["tasks"] = s.tasks;
+        out["runs"] = s.runs;
+        return out;
+      },
+      py::arg("items"), py::arg("threads"), py::arg("task_bytes"), py::arg("input_mode"),
+      py::arg("fsync"), py::arg("progress") = nullptr,
+      R"pbdoc(Copy shard blocks into pre-sized outputs; items are (name, shape, offsets, sizes, item_bytes, src_path, src_offset, out_path, out_offset, lo, hi, block_lo, block_hi).)pbdoc");
+}
+
 }  // namespace pyckpt::bindings

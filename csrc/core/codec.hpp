@@ -17,6 +17,10 @@
  *    is stored either as one zstd frame or raw, whichever is smaller after an entropy pre-check
  *    that skips compressing near-random planes. Planes are stored back to back in plane order.
  *    If L % E != 0 the chunk is encoded as transform None.
+ *    Grouped planes are compressed, for levels 1..3, with an entropy-oriented zstd profile
+ *    (fast strategy, tiny hash table, 7-byte minimum match) that leaves near-i.i.d. exponent
+ *    bytes to zstd's literal Huffman coder: smaller and faster than level 1 on such planes.
+ *    Levels <= 0 and >= 4 use the standard parameters of that level.
  * The checksum is XXH64 over the chunk's stored bytes (all planes, as stored).
  *
  * Every zstd frame is a standard frame with the content size set: it decodes with any zstd.
@@ -64,8 +68,39 @@ struct ChunkRecord {
   std::vector<PlaneRecord> planes;
 };
 
-/** @return an upper bound of the stored size of a chunk of `raw_len` bytes. */
+/**
+ * @return an upper bound of the stored size of a chunk of `raw_len` bytes.
+ * @note The bound is `raw_len` for every codec: a plane is kept compressed only when it is
+ *       smaller than its raw bytes, and zstd is run with an output capacity below the raw size,
+ *       so no compressBound() slack is ever needed.
+ */
 std::size_t max_encoded_size(std::size_t raw_len, const CodecParams& params) noexcept;
+
+/**
+ * @brief Checks that `params` are usable: zstd level within libzstd's range, elem_size in
+ *        {1, 2, 4, 8}, 0 < raw_threshold <= 1.
+ * @throws std::invalid_argument naming the bad field.
+ */
+void validate_params(const CodecParams& params);
+
+/**
+ * @brief Splits `n_elems` elements of `elem_size` bytes into `elem_size` planes (plane p gets
+ *        byte p of every element), rotating each element left by one bit first when `rotl1`.
+ * @param src n_elems * elem_size bytes.
+ * @param planes elem_size output pointers of n_elems bytes each (must not overlap src).
+ * @throws std::invalid_argument when elem_size is not 1, 2, 4 or 8.
+ * @note Exposed for benchmarks and tests; encode_chunk() uses it internally.
+ */
+void group_bytes(const void* src, std::size_t n_elems, std::uint32_t elem_size, bool rotl1,
+                 std::uint8_t* const* planes);
+
+/**
+ * @brief Inverse of group_bytes(): interleaves `elem_size` planes back into elements and undoes
+ *        the rotation when `rotl1`.
+ * @throws std::invalid_argument when elem_size is not 1, 2, 4 or 8.
+ */
+void ungroup_bytes(const std::uint8_t* const* planes, std::size_t n_elems,
+                   std::uint32_t elem_size, bool rotl1, void* dst);
 
 /**
  * @brief Encodes one chunk into `dst`.
@@ -78,6 +113,12 @@ std::size_t max_encoded_size(std::size_t raw_len, const CodecParams& params) noe
  */
 ChunkRecord encode_chunk(const void* src, std::size_t raw_len, const CodecParams& params,
                          void* dst);
+
+/**
+ * @brief Checks XXH64 of the chunk's rec.stored_len stored bytes against rec.checksum.
+ * @throws FormatError(Checksum) whose message contains "checksum mismatch".
+ */
+void verify_chunk_checksum(const void* stored, const ChunkRecord& rec);
 
 /**
  * @brief Verifies and decodes one chunk.

@@ -13,6 +13,7 @@
  */
 #include <cerrno>
 #include <cstdint>
+#include <exception>
 #include <sstream>
 #include <stdexcept>
 #include <string>
@@ -84,6 +85,19 @@ class CudaError : public std::runtime_error {
  private:
   int _code;
 };
+
+/**
+ * @brief Rethrows `error` as the same pyckpt/std exception type with `context` added.
+ *
+ * SysError keeps errno, operation and path and gets `context` appended to its detail; FormatError
+ * keeps its kind; CompressionError, CudaError, std::invalid_argument, std::logic_error and
+ * std::runtime_error get " (<context>)" appended to the message. Anything else (e.g.
+ * std::bad_alloc) is rethrown unchanged. Used by the parallel pipelines to name the tensor and
+ * file a worker failed on, after every task has been drained.
+ * @param error a non-null exception pointer.
+ * @param context e.g. "tensor 'model.layers.0.weight'".
+ */
+[[noreturn]] void rethrow_with_context(const std::exception_ptr& error, const std::string& context);
 
 namespace detail {
 template <typename... Args>

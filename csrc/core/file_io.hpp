@@ -24,7 +24,16 @@ namespace pyckpt {
 enum class DirectMode : std::uint8_t { Auto = 0, On = 1, Off = 2 };
 
 /**
- * @brief Appends bytes to `<final>.tmp-<unique>` and renames it to `final` on commit().
+ * @brief Test hook: makes the writer behave as if the file system refused O_DIRECT, so the
+ *        fallback paths can be tested on file systems that accept it (tmpfs and ext4 here).
+ *
+ * OpenEinval: the O_DIRECT open() fails with EINVAL. FirstWriteEinval: the first aligned pwrite
+ * through the O_DIRECT descriptor fails with EINVAL. Never used outside tests.
+ */
+enum class DirectFault : std::uint8_t { None = 0, OpenEinval = 1, FirstWriteEinval = 2 };
+
+/**
+ * @brief Appends bytes to `<final>.tmp-<pid>-<counter>` and renames it to `final` on commit().
  *
  * Data is copied into 4 KiB-aligned staging blocks; each full block is written with pwrite at an
  * aligned offset by a background I/O thread (O_DIRECT when in effect), so copying the next block
@@ -32,6 +41,9 @@ enum class DirectMode : std::uint8_t { Auto = 0, On = 1, Off = 2 };
  * descriptor. commit() fsyncs the file (if enabled), renames it and fsyncs the directory.
  * Destroying an uncommitted writer unlinks the temp file, so no file ever appears under its final
  * name half-written, and an existing file of that name is untouched until the rename.
+ *
+ * Thread-safety: one thread at a time may call append()/commit()/abort(); the accessors may be
+ * called from any thread.
  */
 class FileWriter {
  public:
@@ -41,28 +53,50 @@ class FileWriter {
    * @param fsync fsync the file and the directory on commit.
    * @param staging_block_bytes size of each staging block (rounded up to 4 KiB; default 8 MiB).
    * @param staging_blocks number of staging blocks (>= 2, for overlap).
-   * @throws SysError when the temp file cannot be created (e.g. EACCES, ENOENT).
+   * @param fault test hook (see DirectFault); DirectFault::None in production.
+   * @param staging optional pool to take staging blocks from instead of a private one (so a
+   *        long-lived writer component can reuse hot, possibly pinned, memory across files);
+   *        when given, `staging_block_bytes`/`staging_blocks` are ignored. It must not be the
+   *        pool passed to encode_and_write() as `blocks` (both sides block on it).
+   * @throws SysError when the temp file cannot be created (e.g. EACCES, ENOENT, ENOTDIR), or
+   *         with mode On when O_DIRECT is refused; std::invalid_argument on bad sizes.
    */
   FileWriter(std::string final_path, DirectMode mode, bool fsync,
-             std::size_t staging_block_bytes = 8u << 20, std::size_t staging_blocks = 3);
+             std::size_t staging_block_bytes = 8u << 20, std::size_t staging_blocks = 3,
+             DirectFault fault = DirectFault::None,
+             std::shared_ptr<BufferPool> staging = nullptr);
+  /** @brief Aborts (unlinks the temp file) unless committed. Never throws. */
   ~FileWriter();
   FileWriter(const FileWriter&) = delete;
   FileWriter& operator=(const FileWriter&) = delete;
 
   /**
    * @brief Appends `n` bytes; returns the file offset where they start.
-   * @throws SysError when an earlier background write failed (ENOSPC, EFBIG, EIO ...).
+   * @note The bytes are copied before append() returns; `data` may be reused at once.
+   * @throws SysError when an earlier background write failed (ENOSPC, EFBIG, EIO ...);
+   *         std::logic_error after commit() or abort().
    */
   std::uint64_t append(const void* data, std::size_t n);
   /** @return bytes appended so far. */
   std::uint64_t size() const noexcept { return _size; }
-  /** @return true when O_DIRECT is in effect. */
-  bool direct() const noexcept { return _direct; }
+  /**
+   * @return true when O_DIRECT is in effect (it may turn false after the first write in Auto
+   *         mode, when the file system accepted the open but refused the write).
+   */
+  bool direct() const noexcept;
+  /** @return true once commit() has succeeded. */
+  bool committed() const noexcept;
   /** @return the final path. */
   const std::string& path() const noexcept { return _final; }
-  /** @brief Flushes, fsyncs (if enabled) and renames into place. @throws SysError. */
+  /** @return the temp file's path (where the bytes live until commit). */
+  const std::string& temp_path() const noexcept;
+  /**
+   * @brief Flushes, fsyncs (if enabled) and renames into place, then fsyncs the directory.
+   * @throws SysError (the writer is then aborted: the temp file is gone, `final` untouched);
+   *         std::logic_error after abort().
+   */
   void commit();
-  /** @brief Discards the temp file (idempotent, never throws). */
+  /** @brief Discards the temp file (idempotent, never throws; a no-op after commit()). */
   void abort() noexcept;
 
  private:
@@ -70,7 +104,6 @@ class FileWriter {
   std::unique_ptr<Impl> _impl;
   std::string _final;
   std::uint64_t _size = 0;
-  bool _direct = false;
 };
 
 /** @brief One item to encode and append. */
@@ -91,10 +124,15 @@ struct WrittenItem {
 /**
  * @brief Encodes `items` in chunks of `chunk_bytes` on `pool` and appends them in order.
  *
- * At most ~2 x pool.size() chunks are in flight; encoded chunks use blocks of `blocks`
- * (whose block size must be >= max_encoded_size(chunk_bytes)). Chunk records carry file offsets.
+ * At most 2 x pool.size() + 2 chunks are in flight; zstd chunks are encoded into blocks of
+ * `blocks` (whose block size must be >= max_encoded_size(chunk_bytes)). Codec::None chunks are
+ * only checksummed by the workers and appended straight from the source. Zero-byte items get
+ * zero chunks (their offset is the file size at their turn). Chunk records carry file offsets.
+ * @note SAFETY: every items[i].data must stay valid and unmodified until the call returns.
  * @throws the first error of any task (after all tasks are drained), with the item name in the
- *         message; the writer is then left uncommitted.
+ *         message (same exception type; for SysError the name goes in detail()); the writer is
+ *         then left uncommitted. std::invalid_argument for chunk_bytes == 0, bad params or a too
+ *         small `blocks`.
  */
 std::vector<WrittenItem> encode_and_write(FileWriter& out, const std::vector<WriteRequest>& items,
                                           std::size_t chunk_bytes, ThreadPool& pool,

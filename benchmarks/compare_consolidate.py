@@ -1,0 +1,149 @@
+"""Compare pyckpt.consolidate with torch's consolidate_safetensors_files; print a table.
+
+Usage:
+    PYCKPT_BENCH_SCALE=1 python benchmarks/compare_consolidate.py [--repeats 3] [--dir DIR]
+
+Same input, same run, alternating, warm page cache, no fsync on either side (torch's consolidator
+never fsyncs). Then pyckpt with 2 and 4 local gloo workers (one output file, and ~5 files): bytes
+per rank, max/mean, and peak RSS per worker (anonymous memory and file-backed pages separately:
+the output mapping's pages count as RssFile).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import torch  # noqa: E402
+from _consolidate_data import MemSampler, nbytes, scale, state_dict, write_shards  # noqa: E402
+
+
+def run_torch(src: str, dst: str, names: list[str]) -> float:
+    from torch.distributed.checkpoint._consolidate_hf_safetensors import (
+        consolidate_safetensors_files,
+    )
+
+    os.makedirs(dst)
+    t = time.perf_counter()
+    consolidate_safetensors_files(src, dst, dict.fromkeys(names, 1), num_threads=1)
+    return time.perf_counter() - t
+
+
+def run_pyckpt(src: str, dst: str, threads: int) -> float:
+    import pyckpt
+
+    t = time.perf_counter()
+    pyckpt.consolidate(src, dst, threads=threads, fsync=False)
+    return time.perf_counter() - t
+
+
+def _worker(rank: int, world: int, port: int, src: str, dst: str, mfb, out: str) -> None:
+    import torch.distributed as dist
+
+    import pyckpt
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world)
+    try:
+        dist.barrier()
+        with MemSampler() as mem:
+            res = pyckpt.consolidate(src, dst, threads=1, fsync=False, max_file_bytes=mfb)
+        with open(os.path.join(out, f"rank{rank}.json"), "w") as fh:
+            json.dump({"bytes": res.rank_bytes, "total": res.total_bytes, "secs": res.seconds,
+                       "anon": mem.peak_anon, "base_anon": mem.base_anon,
+                       "file": mem.peak_file, "files": len(res.files)}, fh)
+    finally:
+        dist.destroy_process_group()
+
+
+def multi_rank(src: str, work: str, world: int, mfb) -> list[dict]:
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = tempfile.mkdtemp(dir=work)
+    dst = os.path.join(work, "mr-dst")
+    shutil.rmtree(dst, ignore_errors=True)
+    mp.spawn(_worker, args=(world, port, src, dst, mfb, out), nprocs=world, join=True)
+    res = []
+    for r in range(world):
+        with open(os.path.join(out, f"rank{r}.json")) as fh:
+            res.append(json.load(fh))
+    shutil.rmtree(dst)
+    return res
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--dir", default=None, help="work directory (default: a temp dir)")
+    ap.add_argument("--threads", type=int, default=2, help="pyckpt threads (1 process)")
+    args = ap.parse_args()
+    work = tempfile.mkdtemp(prefix="pyckpt-bench-", dir=args.dir)
+    try:
+        sd = state_dict(int(scale() * (1 << 30)))
+        size = nbytes(sd)
+        names = list(sd)
+        print(f"# state dict: {len(sd)} bf16 tensors, {size / 2**20:.0f} MiB; 2 shards; "
+              f"{os.cpu_count()} CPUs; repeats={args.repeats}; warm cache, no fsync")
+        rows = []
+        for dim in (0, 1):
+            src = os.path.join(work, f"src{dim}")
+            write_shards(src, sd, 2, dim)
+            times: dict[str, list[float]] = {"torch": [], "pyckpt": []}
+            for rep in range(args.repeats + 1):  # first round warms the cache, not recorded
+                for who in ("torch", "pyckpt"):
+                    dst = os.path.join(work, f"dst-{who}")
+                    shutil.rmtree(dst, ignore_errors=True)
+                    secs = (run_torch(src, dst, names) if who == "torch"
+                            else run_pyckpt(src, dst, args.threads))
+                    if rep:
+                        times[who].append(secs)
+            from safetensors.torch import load_file
+
+            a = load_file(os.path.join(work, "dst-torch", "model-00001-of-00001.safetensors"))
+            b = load_file(os.path.join(work, "dst-pyckpt", "model-00001-of-00001.safetensors"))
+            assert all(torch.equal(a[k], b[k]) and torch.equal(b[k], sd[k]) for k in sd)
+            mt, mp_ = statistics.median(times["torch"]), statistics.median(times["pyckpt"])
+            rows.append((dim, mt, mp_))
+            for k in ("dst-torch", "dst-pyckpt"):
+                shutil.rmtree(os.path.join(work, k))
+        print("\n| shard dim | torch consolidate_safetensors_files (1 thread) | "
+              f"pyckpt.consolidate (1 process, {args.threads} threads) | speedup |")
+        print("|---|---|---|---|")
+        for dim, mt, mp_ in rows:
+            print(f"| {dim} | {mt:.3f} s ({size / mt / 1e9:.2f} GB/s) | "
+                  f"{mp_:.3f} s ({size / mp_ / 1e9:.2f} GB/s) | {mt / mp_:.1f}x |")
+
+        src = os.path.join(work, "src1")
+        print("\n| workers | outputs | bytes per rank (MiB) | max/mean | wall max (s) | "
+              "peak RssAnon per worker (MiB, +growth) | peak RssFile (MiB) |")
+        print("|---|---|---|---|---|---|---|")
+        for world in (2, 4):
+            for mfb in (None, size // 5):
+                res = multi_rank(src, work, world, mfb)
+                per = [r["bytes"] for r in res]
+                mem = ", ".join(f"{r['anon']:.0f} (+{r['anon'] - r['base_anon']:.0f})" for r in res)
+                mean = sum(per) / len(per)
+                print(f"| {world} | {res[0]['files']} file(s) | "
+                      f"{', '.join(f'{b / 2**20:.1f}' for b in per)} | {max(per) / mean:.3f} | "
+                      f"{max(r['secs'] for r in res):.2f} | "
+                      f"{mem} | "
+                      f"{max(r['file'] for r in res):.0f} |")
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,502 @@
+#include "core/stitcher.hpp"
+
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cstring>
+#include <exception>
+#include <future>
+#include <limits>
+#include <map>
+#include <memory>
+#include <numeric>
+#include <stdexcept>
+
+#include "core/error.hpp"
+#include "core/thread_pool.hpp"
+
+namespace pyckpt {
+
+namespace {
+
+bool mul_ok(std::uint64_t a, std::uint64_t b, std::uint64_t& out) noexcept {
+  if (a != 0 && b > std::numeric_limits<std::uint64_t>::max() / a) return false;
+  out = a * b;
+  return true;
+}
+
+std::uint64_t product(const std::vector<std::uint64_t>& v, const char* what) {
+  std::uint64_t n = 1;
+  for (std::uint64_t d : v) {
+    PYCKPT_EXPECT(mul_ok(n, d, n), std::invalid_argument, what, " element count overflows");
+  }
+  return n;
+}
+
+std::string dims(const std::vector<std::uint64_t>& v) {
+  std::string s = "[";
+  for (std::size_t i = 0; i < v.size(); ++i) {
+    if (i) s += ", ";
+    s += std::to_string(v[i]);
+  }
+  return s + "]";
+}
+
+/** An open file, optionally mapped; closes and unmaps on destruction. */
+class OpenFile {
+ public:
+  OpenFile(const std::string& path, bool writable) : _path(path) {
+    _fd = ::open(path.c_str(), (writable ? O_RDWR : O_RDONLY) | O_CLOEXEC);
+    if (_fd == -1) throw SysError(errno, "open", path);
+    struct stat st {};
+    if (::fstat(_fd, &st) == -1) {
+      const int err = errno;
+      ::close(_fd);
+      throw SysError(err, "fstat", path);
+    }
+    _size = static_cast<std::uint64_t>(st.st_size);
+    _writable = writable;
+  }
+  ~OpenFile() {
+    if (_map) ::munmap(_map, _size);
+    if (_fd != -1) ::close(_fd);
+  }
+  OpenFile(const OpenFile&) = delete;
+  OpenFile& operator=(const OpenFile&) = delete;
+
+  void map(bool sequential) {
+    if (_map || _size == 0) return;
+    const int prot = _writable ? (PROT_READ | PROT_WRITE) : PROT_READ;
+    void* p = ::mmap(nullptr, _size, prot, MAP_SHARED, _fd, 0);
+    if (p == MAP_FAILED) throw SysError(errno, "mmap", _path);
+    _map = static_cast<std::byte*>(p);
+    if (sequential) (void)::madvise(_map, _size, MADV_SEQUENTIAL);
+  }
+  void sync() {
+    PYCKPT_SYSCALL_CHECK(::fsync(_fd), "fsync", _path);
+  }
+  int fd() const noexcept { return _fd; }
+  std::byte* data() const noexcept { return _map; }
+  std::uint64_t size() const noexcept { return _size; }
+  const std::string& path() const noexcept { return _path; }
+
+ private:
+  std::string _path;
+  int _fd = -1;
+  std::uint64_t _size = 0;
+  bool _writable = false;
+  std::byte* _map = nullptr;
+};
+
+void pread_exact(const OpenFile& f, std::byte* dst, std::uint64_t n, std::uint64_t off,
+                 const std::string& tensor) {
+  std::uint64_t done = 0;
+  while (done < n) {
+    // Linux caps a single read at ~2 GiB; ask for at most 1 GiB per call.
+    const std::size_t want = static_cast<std::size_t>(std::min<std::uint64_t>(n - done, 1u << 30));
+    const ssize_t r = ::pread(f.fd(), dst + done, want, static_cast<off_t>(off + done));
+    if (r == -1) {
+      if (errno == EINTR) continue;
+      throw SysError(errno, "pread", f.path(), "tensor '" + tensor + "'");
+    }
+    PYCKPT_EXPECT_FORMAT(r > 0, FormatKind::Truncated, "input file '", f.path(),
+                         "' ended at offset ", off + done, " while reading tensor '", tensor, "'");
+    done += static_cast<std::uint64_t>(r);
+  }
+}
+
+void pwrite_exact(const OpenFile& f, const std::byte* src, std::uint64_t n, std::uint64_t off,
+                  const std::string& tensor) {
+  std::uint64_t done = 0;
+  while (done < n) {
+    const std::size_t want = static_cast<std::size_t>(std::min<std::uint64_t>(n - done, 1u << 30));
+    const ssize_t r = ::pwrite(f.fd(), src + done, want, static_cast<off_t>(off + done));
+    if (r == -1) {
+      if (errno == EINTR) continue;
+      throw SysError(errno, "pwrite", f.path(), "tensor '" + tensor + "'");
+    }
+    done += static_cast<std::uint64_t>(r);
+  }
+}
+
+// In-kernel copy (no user-space pass over the bytes); false when the kernel or filesystem
+// refuses, so the caller falls back to pread + pwrite.
+bool copy_range(const OpenFile& in, std::uint64_t in_off, const OpenFile& out,
+                std::uint64_t out_off, std::uint64_t n, const std::string& tensor) {
+#ifdef __linux__
+  while (n > 0) {
+    loff_t io = static_cast<loff_t>(in_off);
+    loff_t oo = static_cast<loff_t>(out_off);
+    const ssize_t r = ::copy_file_range(in.fd(), &io, out.fd(), &oo,
+                                        static_cast<std::size_t>(std::min<std::uint64_t>(n, 1u << 30)), 0);
+    if (r == -1) {
+      if (errno == EINTR) continue;
+      if (errno == EXDEV || errno == ENOSYS || errno == EINVAL || errno == EOPNOTSUPP ||
+          errno == EBADF) {
+        return false;
+      }
+      throw SysError(errno, "copy_file_range", in.path(), "tensor '" + tensor + "'");
+    }
+    PYCKPT_EXPECT_FORMAT(r > 0, FormatKind::Truncated, "input file '", in.path(),
+                         "' ended at offset ", in_off, " while reading tensor '", tensor, "'");
+    in_off += static_cast<std::uint64_t>(r);
+    out_off += static_cast<std::uint64_t>(r);
+    n -= static_cast<std::uint64_t>(r);
+  }
+  return true;
+#else
+  (void)in; (void)in_off; (void)out; (void)out_off; (void)n; (void)tensor;
+  return false;
+#endif
+}
+
+/** One block of a tensor, ready to copy. */
+struct Part {
+  const StitchItem* item;
+  BlockLayout layout;
+  const OpenFile* in;
+  std::uint64_t block_hi;  // clamped
+};
+
+/** All blocks of one output tensor and the flat range [lo, hi) this call writes. */
+struct Group {
+  std::string name;
+  OpenFile* out = nullptr;
+  std::uint64_t out_offset = 0;
+  std::uint64_t item_bytes = 1;
+  std::uint64_t lo = 0;
+  std::uint64_t hi = 0;
+  std::vector<Part> parts;
+};
+
+/** Output-driven task: the tensor elements [x, y) of one group. */
+struct Task {
+  const Group* group;
+  std::uint64_t x;
+  std::uint64_t y;
+};
+
+struct TaskResult {
+  std::uint64_t runs = 0;
+};
+
+// Reads source bytes [src_off, src_off + n) of a part into dst.
+void read_source(const Part& p, std::uint64_t src_off, std::uint64_t n, std::byte* dst,
+                 InputMode mode) {
+  if (mode == InputMode::Mmap) {
+    const std::byte* src = p.in->data() + src_off;
+    const auto page = static_cast<std::uintptr_t>(::sysconf(_SC_PAGESIZE));
+    const auto lo = reinterpret_cast<std::uintptr_t>(src) & ~(page - 1);
+    // Ask for the pages up front: copying out of a cold mapping otherwise runs at page-fault
+    // speed (readahead driven one fault at a time).
+    (void)::madvise(reinterpret_cast<void*>(lo), reinterpret_cast<std::uintptr_t>(src + n) - lo,
+                    MADV_WILLNEED);
+    std::memcpy(dst, src, n);
+  } else {
+    pread_exact(*p.in, dst, n, src_off, p.item->name);
+  }
+}
+
+TaskResult run_task(const Task& t, InputMode mode, std::size_t buffer_bytes) {
+  const Group& g = *t.group;
+  const std::uint64_t e = g.item_bytes;
+  const std::uint64_t out_bytes = (t.y - t.x) * e;
+  TaskResult res;
+  // Fast path: one block supplies the whole range contiguously (dim-0 shards, whole tensors):
+  // an in-kernel copy from the input file to the output file.
+  for (const Part& p : g.parts) {
+    const std::uint64_t a = std::max(p.layout.lower_bound(t.x), p.item->block_lo);
+    const std::uint64_t b = std::min(p.layout.lower_bound(t.y), p.block_hi);
+    if (a >= b) continue;
+    if (b - a == t.y - t.x && p.layout.global_index(a) == t.x &&
+        p.layout.global_index(b - 1) == t.y - 1) {
+      const std::uint64_t src_off = p.item->source.offset + (a - p.item->block_lo) * e;
+      const std::uint64_t dst_off = g.out_offset + t.x * e;
+      if (mode == InputMode::Pread && copy_range(*p.in, src_off, *g.out, dst_off, out_bytes, g.name)) {
+        res.runs = 1;
+        return res;
+      }
+      break;
+    }
+  }
+  // General path: gather every block's part of [x, y) into a bounded output buffer, then one
+  // pwrite. Each block contributes one contiguous source range (row-major order is preserved).
+  thread_local std::vector<std::byte> obuf;
+  thread_local std::vector<std::byte> rbuf;
+  if (obuf.size() < out_bytes) obuf.resize(static_cast<std::size_t>(out_bytes));
+  std::uint64_t filled = 0;
+  for (const Part& p : g.parts) {
+    const std::uint64_t a = std::max(p.layout.lower_bound(t.x), p.item->block_lo);
+    const std::uint64_t b = std::min(p.layout.lower_bound(t.y), p.block_hi);
+    if (a >= b) continue;
+    const std::uint64_t src_off = p.item->source.offset + (a - p.item->block_lo) * e;
+    const std::uint64_t n = (b - a) * e;
+    const std::uint64_t first = p.layout.global_index(a);
+    if (p.layout.global_index(b - 1) - first == b - 1 - a) {
+      read_source(p, src_off, n, obuf.data() + (first - t.x) * e, mode);
+      ++res.runs;
+    } else {
+      if (rbuf.size() < n) rbuf.resize(std::max<std::size_t>(static_cast<std::size_t>(n), buffer_bytes));
+      read_source(p, src_off, n, rbuf.data(), mode);
+      p.layout.for_each_run(a, b, [&](std::uint64_t k, std::uint64_t gi, std::uint64_t cnt) {
+        std::memcpy(obuf.data() + (gi - t.x) * e, rbuf.data() + (k - a) * e, cnt * e);
+        ++res.runs;
+      });
+    }
+    filled += n;
+  }
+  PYCKPT_EXPECT_FORMAT(filled == out_bytes, FormatKind::Coverage, "tensor '", g.name,
+                       "': its shards supply ", filled, " of the ", out_bytes,
+                       " bytes of elements [", t.x, ", ", t.y, ")");
+  pwrite_exact(*g.out, obuf.data(), out_bytes, g.out_offset + t.x * e, g.name);
+  return res;
+}
+
+}  // namespace
+
+BlockLayout::BlockLayout(const std::vector<std::uint64_t>& shape,
+                         const std::vector<std::uint64_t>& offsets,
+                         const std::vector<std::uint64_t>& sizes) {
+  const std::size_t n = shape.size();
+  PYCKPT_EXPECT(offsets.size() == n && sizes.size() == n, std::invalid_argument,
+                "block rank (offsets ", offsets.size(), ", sizes ", sizes.size(),
+                ") differs from tensor rank ", n);
+  for (std::size_t d = 0; d < n; ++d) {
+    PYCKPT_EXPECT(offsets[d] <= shape[d] && sizes[d] <= shape[d] - offsets[d],
+                  std::invalid_argument, "block offsets ", dims(offsets), " sizes ", dims(sizes),
+                  " leave tensor of shape ", dims(shape));
+  }
+  _tensor_elements = product(shape, "tensor");
+  _elements = product(sizes, "block");
+  // Strides of the full tensor, in elements.
+  std::vector<std::uint64_t> strides(n, 1);
+  for (std::size_t d = n; d-- > 1;) strides[d - 1] = strides[d] * shape[d];
+  // Merge the trailing dimensions the block spans completely into one run.
+  std::size_t j = n;
+  std::uint64_t inner = 1;
+  while (j > 0 && sizes[j - 1] == shape[j - 1]) {
+    inner *= shape[j - 1];
+    --j;
+  }
+  if (j == 0) {  // the block is the whole tensor
+    _run = std::max<std::uint64_t>(_tensor_elements, 1);
+    _base = 0;
+    return;
+  }
+  const std::size_t rd = j - 1;  // the run's dimension
+  _run = std::max<std::uint64_t>(sizes[rd] * inner, 1);
+  _base = offsets[rd] * inner;
+  for (std::size_t d = 0; d < rd; ++d) {
+    _base += offsets[d] * strides[d];
+    if (sizes[d] != 1) {  // size-1 dims only move the base
+      _outer_sizes.push_back(sizes[d]);
+      _outer_strides.push_back(strides[d]);
+    }
+  }
+}
+
+std::uint64_t BlockLayout::run_start(std::uint64_t r) const noexcept {
+  std::uint64_t idx = _base;
+  for (std::size_t d = _outer_sizes.size(); d-- > 0;) {
+    idx += (r % _outer_sizes[d]) * _outer_strides[d];
+    r /= _outer_sizes[d];
+  }
+  return idx;
+}
+
+std::uint64_t BlockLayout::global_index(std::uint64_t k) const noexcept {
+  return run_start(k / _run) + k % _run;
+}
+
+std::uint64_t BlockLayout::lower_bound(std::uint64_t x) const noexcept {
+  std::uint64_t lo = 0;
+  std::uint64_t hi = _elements;
+  while (lo < hi) {
+    const std::uint64_t mid = lo + (hi - lo) / 2;
+    if (global_index(mid) < x) {
+      lo = mid + 1;
+    } else {
+      hi = mid;
+    }
+  }
+  return lo;
+}
+
+void check_tiling(const std::string& name, const std::vector<std::uint64_t>& shape,
+                  const std::vector<TileBlock>& blocks) {
+  const std::size_t n = shape.size();
+  std::uint64_t total = 1;
+  for (std::uint64_t d : shape) {
+    PYCKPT_EXPECT_FORMAT(mul_ok(total, d, total), FormatKind::Mismatch, "tensor '", name,
+                         "' shape ", dims(shape), " overflows");
+  }
+  std::vector<std::size_t> nonempty;
+  std::uint64_t covered = 0;
+  for (std::size_t i = 0; i < blocks.size(); ++i) {
+    const TileBlock& b = blocks[i];
+    PYCKPT_EXPECT_FORMAT(b.offsets.size() == n && b.sizes.size() == n, FormatKind::Mismatch,
+                         "tensor '", name, "': the shard in '", b.origin, "' has rank ",
+                         b.sizes.size(), " (offsets rank ", b.offsets.size(),
+                         ") but the tensor has rank ", n);
+    std::uint64_t vol = 1;
+    for (std::size_t d = 0; d < n; ++d) {
+      PYCKPT_EXPECT_FORMAT(b.offsets[d] <= shape[d] && b.sizes[d] <= shape[d] - b.offsets[d],
+                           FormatKind::Mismatch, "tensor '", name, "': the shard in '", b.origin,
+                           "' (offsets ", dims(b.offsets), ", sizes ", dims(b.sizes),
+                           ") leaves the tensor's shape ", dims(shape));
+      vol *= b.sizes[d];  // cannot overflow: bounded by the tensor's element count
+    }
+    if (vol == 0) continue;
+    nonempty.push_back(i);
+    covered += vol;  // sums of disjoint volumes stay <= total; checked after the overlap test
+    if (covered > total) break;  // some pair must overlap; the sweep below finds it
+  }
+  // Sweep along the dimension with the most distinct offsets so that the common shardings
+  // (every shard along one dimension) compare each block only with its neighbours.
+  std::size_t sweep = 0;
+  if (n > 0) {
+    std::size_t best = 0;
+    for (std::size_t d = 0; d < n; ++d) {
+      std::vector<std::uint64_t> offs;
+      for (std::size_t i : nonempty) offs.push_back(blocks[i].offsets[d]);
+      std::sort(offs.begin(), offs.end());
+      const auto distinct =
+          static_cast<std::size_t>(std::unique(offs.begin(), offs.end()) - offs.begin());
+      if (distinct > best) {
+        best = distinct;
+        sweep = d;
+      }
+    }
+    std::sort(nonempty.begin(), nonempty.end(), [&](std::size_t x, std::size_t y) {
+      return blocks[x].offsets[sweep] < blocks[y].offsets[sweep];
+    });
+  }
+  for (std::size_t p = 0; p < nonempty.size(); ++p) {
+    const TileBlock& a = blocks[nonempty[p]];
+    for (std::size_t q = p + 1; q < nonempty.size(); ++q) {
+      const TileBlock& b = blocks[nonempty[q]];
+      if (n > 0 && b.offsets[sweep] >= a.offsets[sweep] + a.sizes[sweep]) break;
+      bool overlap = true;
+      for (std::size_t d = 0; d < n && overlap; ++d) {
+        overlap = a.offsets[d] < b.offsets[d] + b.sizes[d] &&
+                  b.offsets[d] < a.offsets[d] + a.sizes[d];
+      }
+      PYCKPT_EXPECT_FORMAT(!overlap, FormatKind::Overlap, "tensor '", name, "': the shard in '",
+                           a.origin, "' (offsets ", dims(a.offsets), ", sizes ", dims(a.sizes),
+                           ") overlaps the shard in '", b.origin, "' (offsets ", dims(b.offsets),
+                           ", sizes ", dims(b.sizes), ")");
+    }
+  }
+  PYCKPT_EXPECT_FORMAT(covered == total, FormatKind::Coverage, "tensor '", name, "' of shape ",
+                       dims(shape), ": its shards cover ", covered, " of ", total,
+                       " elements (a shard is missing)");
+}
+
+StitchStats stitch(const std::vector<StitchItem>& items, const StitchOptions& options) {
+  PYCKPT_EXPECT(options.threads >= 1, std::invalid_argument, "stitch needs at least one thread");
+  PYCKPT_EXPECT(options.task_bytes >= 1, std::invalid_argument, "task_bytes must be positive");
+
+  std::map<std::string, std::unique_ptr<OpenFile>> inputs;
+  std::map<std::string, std::unique_ptr<OpenFile>> outputs;
+  // Items writing the same tensor (same output file and offset) form one group.
+  std::map<std::pair<std::string, std::uint64_t>, Group> groups;
+
+  for (const StitchItem& item : items) {
+    PYCKPT_EXPECT(item.item_bytes >= 1, std::invalid_argument, "tensor '", item.name,
+                  "': item_bytes must be >= 1");
+    BlockLayout layout(item.shape, item.offsets, item.sizes);
+    const std::uint64_t e = item.item_bytes;
+    PYCKPT_EXPECT(item.lo <= item.hi && item.hi <= layout.tensor_elements(),
+                  std::invalid_argument, "tensor '", item.name, "': range [", item.lo, ", ",
+                  item.hi, ") outside its ", layout.tensor_elements(), " elements");
+
+    auto& in = inputs[item.source.path];
+    if (!in) {
+      in = std::make_unique<OpenFile>(item.source.path, false);
+      if (options.input == InputMode::Mmap) in->map(true);
+    }
+    const std::uint64_t block_hi = std::min(item.block_hi, layout.elements());
+    PYCKPT_EXPECT(item.block_lo <= block_hi, std::invalid_argument, "tensor '", item.name,
+                  "': source range [", item.block_lo, ", ", block_hi, ") is reversed");
+    std::uint64_t block_bytes = 0;
+    PYCKPT_EXPECT(mul_ok(block_hi - item.block_lo, e, block_bytes), std::invalid_argument,
+                  "tensor '", item.name, "' block size overflows");
+    PYCKPT_EXPECT_FORMAT(item.source.offset <= in->size() &&
+                             block_bytes <= in->size() - item.source.offset,
+                         FormatKind::Truncated, "input file '", item.source.path, "' is ",
+                         in->size(), " bytes but tensor '", item.name, "' needs bytes [",
+                         item.source.offset, ", ", item.source.offset + block_bytes, ")");
+
+    auto& out = outputs[item.out_path];
+    if (!out) out = std::make_unique<OpenFile>(item.out_path, true);
+    std::uint64_t tensor_bytes = 0;
+    PYCKPT_EXPECT(mul_ok(layout.tensor_elements(), e, tensor_bytes), std::invalid_argument,
+                  "tensor '", item.name, "' size overflows");
+    PYCKPT_EXPECT(item.out_offset <= out->size() && tensor_bytes <= out->size() - item.out_offset,
+                  std::invalid_argument, "output file '", item.out_path, "' is ", out->size(),
+                  " bytes, too short for tensor '", item.name, "' at offset ", item.out_offset);
+
+    Group& g = groups[{item.out_path, item.out_offset}];
+    if (g.parts.empty()) {
+      g.name = item.name;
+      g.out = out.get();
+      g.out_offset = item.out_offset;
+      g.item_bytes = e;
+      g.lo = item.lo;
+      g.hi = item.hi;
+    } else {
+      PYCKPT_EXPECT(g.item_bytes == e && g.lo == item.lo && g.hi == item.hi && g.name == item.name,
+                    std::invalid_argument, "items writing tensor '", g.name,
+                    "' disagree on name, item size or range");
+    }
+    g.parts.push_back(Part{&item, std::move(layout), in.get(), block_hi});
+  }
+
+  std::vector<Task> tasks;
+  for (const auto& [key, g] : groups) {
+    const std::uint64_t step = std::max<std::uint64_t>(1, options.task_bytes / g.item_bytes);
+    for (std::uint64_t x = g.lo; x < g.hi; x += step) {
+      tasks.push_back(Task{&g, x, std::min(g.hi, x + step)});
+    }
+  }
+
+  StitchStats stats;
+  std::atomic<std::uint64_t> runs{0};
+  std::exception_ptr first_error;
+  {
+    ThreadPool pool(std::min<std::size_t>(options.threads, std::max<std::size_t>(tasks.size(), 1)));
+    std::vector<std::future<void>> futures;
+    futures.reserve(tasks.size());
+    const InputMode mode = options.input;
+    const std::size_t buffer_bytes = options.task_bytes;
+    std::atomic<std::uint64_t>* progress = options.progress;
+    for (const Task& t : tasks) {
+      futures.push_back(pool.submit([&t, mode, buffer_bytes, progress, &runs] {
+        runs.fetch_add(run_task(t, mode, buffer_bytes).runs, std::memory_order_relaxed);
+        if (progress) {
+          progress->fetch_add((t.y - t.x) * t.group->item_bytes, std::memory_order_relaxed);
+        }
+      }));
+    }
+    // Drain every task before reporting, so no worker touches a file after it is closed.
+    for (auto& f : futures) {
+      try {
+        f.get();
+      } catch (...) {
+        if (!first_error) first_error = std::current_exception();
+      }
+    }
+  }
+  if (first_error) std::rethrow_exception(first_error);
+  for (const Task& t : tasks) stats.bytes += (t.y - t.x) * t.group->item_bytes;
+  stats.tasks = tasks.size();
+  stats.runs = runs.load();
+  if (options.fsync) {
+    for (auto& [path, out] : outputs) out->sync();
+  }
+  return stats;
+}
+
+}  // namespace pyckpt

@@ -1,0 +1,569 @@
+"""GPU <-> host staging through page-locked pool blocks (private; used by the DCP writer/reader).
+
+The copies are done by the C++ stager (``_C.Stager``) on a side stream per device, ordered after
+the caller's current stream by an event (never a device-wide sync). The CUDA runtime is loaded at
+run time (:func:`runtime`): the one torch already loaded, or ``PYCKPT_CUDART`` (tests point it at
+a test double, ``pyckpt/_testing/libpyckpt_fake_cudart.so``). ``PYCKPT_CUDA=off`` disables it.
+
+Three uses:
+
+* :meth:`DeviceStaging.stream_to_host` -- synchronous save: device tensors are cut into pool
+  blocks; the caller consumes batch k (encode + write) while batch k+1 is still being copied.
+  Pinned memory is bounded by ``PYCKPT_PINNED_POOL_BYTES``.
+* :meth:`DeviceStaging.stage_state_dict` -- asynchronous save (``AsyncStager.stage``): the whole
+  state dict is copied into one reused pinned region and returned as CPU tensors that view it.
+* :meth:`DeviceStaging.upload` -- loads: host bytes go to device tensors through pinned blocks,
+  copies overlapping with the filling of the next block.
+
+Thread-safety: one :class:`DeviceStaging` serves one save or load at a time (the writer's
+background thread and the next ``stage()`` call may overlap; regions are double-buffered).
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import threading
+import weakref
+from collections import deque
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from pyckpt import _C, _knobs
+from pyckpt.errors import CudaError
+
+__all__ = [
+    "AsyncStagingMixin",
+    "DeviceStaging",
+    "StagedPiece",
+    "StagingMixin",
+    "block_bytes_for",
+    "runtime",
+]
+
+logger = logging.getLogger(__name__)
+
+_PIECE_ALIGN = 256  # matches D2HStream::kPieceAlign; every dtype's alignment divides it
+_REGION_ROUND = 2 << 20  # async regions are sized in 2 MiB steps so similar saves reuse them
+_DEFAULT_BLOCK = 16 << 20
+
+_runtimes_lock = threading.Lock()
+_runtimes: dict[str | None, Any] = {}
+
+
+def runtime() -> Any | None:
+    """The run-time loaded CUDA runtime used for staging (cached per path).
+
+    Returns:
+        ``None`` when ``PYCKPT_CUDA=off``; otherwise a ``_C.CudaRuntime`` whose ``available`` is
+        False (with ``error`` saying why) when no usable runtime or device was found.
+    """
+    if _knobs.cuda_mode() == "off":
+        return None
+    path = _knobs.cudart_path()
+    with _runtimes_lock:
+        rt = _runtimes.get(path)
+        if rt is None:
+            rt = _C.CudaRuntime.load(path)
+            _runtimes[path] = rt
+            if not rt.available:
+                logger.debug("pyckpt: CUDA staging unavailable: %s", rt.error)
+    return rt
+
+
+def block_bytes_for(chunk_bytes: int) -> int:
+    """Staging block size: a multiple of the codec chunk so split tensors align with chunks."""
+    return max(chunk_bytes, (_DEFAULT_BLOCK // chunk_bytes) * chunk_bytes)
+
+
+class _TorchCuda:
+    """How tensors map to devices and streams. Tests substitute a double (CPU tensors standing
+    in for device memory, streams of the test runtime) through :data:`_device_api`."""
+
+    def is_device(self, t: torch.Tensor) -> bool:
+        return t.device.type == "cuda"
+
+    def device_index(self, t: torch.Tensor) -> int:
+        return t.device.index if t.device.index is not None else torch.cuda.current_device()
+
+    def current_stream(self, device: int) -> int:
+        return int(torch.cuda.current_stream(device).cuda_stream)
+
+
+_device_api: Any = _TorchCuda()
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """The process-local data of ``t`` (a DTensor's shard, else ``t`` itself), detached."""
+    local = getattr(t, "_local_tensor", None)
+    return (local if isinstance(local, torch.Tensor) else t).detach()
+
+
+def _plain(t: torch.Tensor) -> torch.Tensor:
+    """Contiguous, without conj/neg bits, made on ``t``'s device (queued on its current stream,
+    so the staging fence orders the copies after it)."""
+    if t.is_conj():
+        t = t.resolve_conj()
+    if t.is_neg():
+        t = t.resolve_neg()
+    return t.contiguous()
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _align(n: int, a: int) -> int:
+    return (n + a - 1) // a * a
+
+
+@dataclass(frozen=True)
+class StagedPiece:
+    """A contiguous byte range of a staged item, readable at ``address`` until the batch ends.
+
+    SAFETY: ``address`` is valid only until the iterator of :meth:`DeviceStaging.stream_to_host`
+    is advanced again (the block then goes back to the pool).
+    """
+
+    item: int  # index into the list given to stream_to_host
+    offset: int  # first byte of the item this piece holds
+    address: int
+    nbytes: int
+
+
+class DeviceStaging:
+    """Stagers (one per device) and the pinned memory they use, owned by a writer or reader.
+
+    Args:
+        block_bytes: streaming block size (default 16 MiB; use :func:`block_bytes_for`).
+        pool_bytes: bound on streaming pinned memory (default ``PYCKPT_PINNED_POOL_BYTES``).
+        rt: runtime to use (default :func:`runtime`).
+    """
+
+    def __init__(
+        self,
+        *,
+        block_bytes: int | None = None,
+        pool_bytes: int | None = None,
+        rt: Any | None = None,
+    ) -> None:
+        self._rt = rt if rt is not None else runtime()
+        self.block_bytes = _align(block_bytes or _DEFAULT_BLOCK, 4096)
+        bound = pool_bytes if pool_bytes is not None else _knobs.pinned_pool_bytes()
+        self.max_blocks = max(2, bound // self.block_bytes)
+        self._lock = threading.Lock()
+        self._pool: Any = None
+        self._stagers: dict[int, Any] = {}
+        self._region_pool: Any = None
+        # Regions handed out by stage_state_dict and not yet released, by address.
+        self._regions: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary()
+
+    # -- resources ---------------------------------------------------------------------
+
+    @property
+    def available(self) -> bool:
+        """True when a usable CUDA runtime was loaded (device tensors can be staged)."""
+        return self._rt is not None and bool(self._rt.available)
+
+    def _require(self, what: str) -> None:
+        if self._rt is None:
+            raise CudaError(f"{what}: CUDA staging is disabled (PYCKPT_CUDA=off)")
+        if not self._rt.available:
+            raise CudaError(f"{what}: CUDA runtime not available ({self._rt.error})")
+
+    def pool(self) -> Any:
+        """The bounded streaming pool (created on first use)."""
+        with self._lock:
+            if self._pool is None:
+                self._pool = _C.PinnedPool(self._rt, self.block_bytes, self.max_blocks)
+            return self._pool
+
+    def stager(self, device: int) -> Any:
+        """The stager of ``device`` (its side stream is created once, on first use)."""
+        pool = self.pool()
+        with self._lock:
+            st = self._stagers.get(device)
+            if st is None:
+                st = _C.Stager(self._rt, pool, device)
+                self._stagers[device] = st
+            return st
+
+    def stats(self) -> dict[str, Any]:
+        """Pool and stager counters (for tests and benchmarks)."""
+        with self._lock:
+            out: dict[str, Any] = {
+                "pool": self._pool.stats() if self._pool is not None else None,
+                "region_pool": self._region_pool.stats() if self._region_pool is not None else None,
+                "regions_outstanding": len(self._regions),
+            }
+            out["stagers"] = {d: s.stats() for d, s in self._stagers.items()}
+        return out
+
+    def close(self) -> None:
+        """Waits for the side streams and drops stagers and pools (memory is freed once no staged
+        tensor views it any more)."""
+        with self._lock:
+            stagers, self._stagers = self._stagers, {}
+            self._pool = None
+            self._region_pool = None
+        for st in stagers.values():
+            st.synchronize()
+
+    # -- synchronous save: stream blocks ------------------------------------------------
+
+    def stream_to_host(
+        self, items: Sequence[tuple[str, torch.Tensor]], *, batch_blocks: int | None = None
+    ) -> Iterator[list[StagedPiece]]:
+        """Copies device tensors to pinned blocks and yields them batch by batch.
+
+        Each yielded batch's copies are complete; the next batch's copies are already queued and
+        run while the caller consumes this one. Blocks of a batch return to the pool when the
+        iterator is advanced (or closed), so at most ``max_blocks`` blocks are ever leased.
+
+        Args:
+            items: ``(name, tensor)``; every tensor on a device (DTensors give their shard).
+                The tensors must not be modified by work queued after this call until the
+                iterator is exhausted.
+            batch_blocks: blocks per batch (default half the pool, for double buffering).
+
+        Yields:
+            Lists of :class:`StagedPiece` in item order (an item larger than a block comes in
+            several pieces; an empty item as one empty piece).
+
+        Raises:
+            CudaError: the runtime failed; the message names the tensor. No block is returned
+                to the pool while a copy into it may still run.
+        """
+        self._require("staging tensors to host")
+        per_batch = batch_blocks or max(1, self.max_blocks // 2)
+        if not 1 <= per_batch <= self.max_blocks:
+            raise ValueError(f"batch_blocks must be in [1, {self.max_blocks}], got {per_batch}")
+        # Group by device, keeping the caller's order within a device.
+        by_device: dict[int, list[int]] = {}
+        for i, (_, t) in enumerate(items):
+            by_device.setdefault(_device_api.device_index(t), []).append(i)
+        for device, indices in by_device.items():
+            keep = [_plain(_local(items[i][1])) for i in indices]  # alive until consumed
+            specs = [(items[i][0], k.data_ptr(), _nbytes(k)) for i, k in zip(indices, keep)]
+            st = self.stager(device)
+            stream = st.stream_to_host(specs, _device_api.current_stream(device))
+            inflight: deque[Any] = deque()
+
+            def top_up(s: Any = stream, q: deque[Any] = inflight) -> None:
+                while not s.done and len(q) < self.max_blocks:
+                    q.append(s.next())
+
+            try:
+                top_up()
+                while inflight:
+                    batch = [inflight.popleft() for _ in range(min(per_batch, len(inflight)))]
+                    for b in batch:
+                        b.wait()
+                    pieces = [
+                        StagedPiece(indices[item], ioff, b.address + boff, n)
+                        for b in batch
+                        for (item, ioff, boff, n) in b.pieces
+                    ]
+                    yield pieces
+                    for b in batch:
+                        b.release()
+                    top_up()
+            finally:
+                # On error or early close: every leased block waits for its copies, then goes back.
+                for b in inflight:
+                    b.release()
+                del keep
+
+    # -- asynchronous save: one region per staged state dict -----------------------------
+
+    def _acquire_region(self, nbytes: int) -> Any:
+        size = _align(max(nbytes, 1), _REGION_ROUND)
+        with self._lock:
+            pool = self._region_pool
+            if pool is None or pool.block_bytes < size:
+                # Two regions: the next stage() may run while the previous save still writes.
+                pool = _C.PinnedPool(self._rt, size, 2)
+                self._region_pool = pool
+        region = pool.acquire()
+        self._regions[region.address] = region
+        return region
+
+    def release_regions(self, addresses: Sequence[int]) -> int:
+        """Returns to the pool every staged region containing one of ``addresses``.
+
+        Called by the writer once a save's data is written; tensors that still view the region
+        stay valid memory but may be overwritten by a later stage().
+
+        Returns:
+            The number of regions released.
+        """
+        released = 0
+        for region in list(self._regions.values()):
+            lo, hi = region.address, region.address + region.nbytes
+            if not region.released and any(lo <= a < hi for a in addresses):
+                region.release()
+                self._regions.pop(lo, None)
+                released += 1
+        return released
+
+    def stage_state_dict(self, state_dict: Any) -> Any:
+        """Returns a "training-safe" copy of ``state_dict`` whose tensors view one pinned region.
+
+        Device tensors (and DTensor shards) are copied by the stager, ordered after each
+        device's current stream; CPU tensors are copied on the host meanwhile (training may
+        modify them after this returns); other leaves are deep-copied. Returns when every copy
+        is complete. The region is reused by later calls once :meth:`release_regions` freed it,
+        or once nothing views it any more.
+
+        Raises:
+            CudaError: a copy failed; the message names the tensor. The region is released and
+                no staged state dict is returned.
+        """
+        from torch.utils._pytree import keystr, tree_flatten_with_path, tree_unflatten
+
+        leaves_with_path, spec = tree_flatten_with_path(state_dict)
+        layout: list[tuple[int, torch.Tensor, torch.Tensor, int]] = []  # leaf, src, local, offset
+        total = 0
+        for i, (_, leaf) in enumerate(leaves_with_path):
+            if isinstance(leaf, torch.Tensor):
+                local = _local(leaf)
+                src = _plain(local) if _device_api.is_device(local) else local
+                total = _align(total, _PIECE_ALIGN)
+                layout.append((i, src, local, total))
+                total += _nbytes(src)
+        device_items = [x for x in layout if _device_api.is_device(x[2])]
+        if device_items:
+            self._require("staging a state dict")
+        region = self._acquire_region(total)
+        try:
+            by_device: dict[int, list[tuple[int, int, int, str]]] = {}
+            for i, src, local, off in device_items:
+                name = keystr(leaves_with_path[i][0])
+                by_device.setdefault(_device_api.device_index(local), []).append(
+                    (off, src.data_ptr(), _nbytes(src), name)
+                )
+            events = [
+                self.stager(d).copy_into(region, specs, _device_api.current_stream(d))
+                for d, specs in by_device.items()
+            ]
+            views: dict[int, torch.Tensor] = {}
+            for i, src, local, off in layout:
+                view = self._view(region, off, local)
+                if not _device_api.is_device(local):
+                    view.copy_(src)  # host copy overlaps the device copies
+                views[i] = view
+            for ev in events:
+                ev.wait()
+        except BaseException:
+            self.release_regions([region.address])
+            raise
+        out_leaves = []
+        for i, (_, leaf) in enumerate(leaves_with_path):
+            if i in views:
+                out_leaves.append(self._wrap(leaf, views[i]))
+            else:
+                out_leaves.append(copy.deepcopy(leaf))
+        return tree_unflatten(out_leaves, spec)
+
+    @staticmethod
+    def _view(region: Any, offset: int, like: torch.Tensor) -> torch.Tensor:
+        n = _nbytes(like)
+        if n == 0:
+            return torch.empty(like.shape, dtype=like.dtype)
+        flat = torch.frombuffer(region, dtype=torch.uint8, count=n, offset=offset)
+        return flat.view(like.dtype).view(like.shape)
+
+    @staticmethod
+    def _wrap(leaf: torch.Tensor, view: torch.Tensor) -> torch.Tensor:
+        local = getattr(leaf, "_local_tensor", None)
+        if isinstance(local, torch.Tensor):
+            from torch.distributed.tensor import DTensor
+
+            # Same spec (mesh, placements, global shape); only the shard now lives on the host,
+            # which DCP's planners handle (they read `to_local()`). from_local would move it back.
+            return DTensor(view, leaf._spec, requires_grad=False)  # type: ignore[attr-defined]
+        if leaf.requires_grad:
+            view.requires_grad_(True)
+        return view
+
+    # -- loads: host -> device ------------------------------------------------------------
+
+    def upload(
+        self,
+        name: str,
+        dst: torch.Tensor,
+        fill: Callable[[memoryview, int, int], None],
+    ) -> None:
+        """Fills device tensor ``dst`` through pinned blocks.
+
+        ``fill(block_view, offset, n)`` writes bytes ``[offset, offset + n)`` of ``dst``'s
+        row-major contents into ``block_view[:n]``. The copy of one block overlaps the filling
+        of the next. Ordered after ``dst``'s device's current stream, and that stream is
+        ordered after the copies on return (no host wait), so later kernels see the data.
+
+        Raises:
+            CudaError: the runtime failed; the message names ``name``.
+        """
+        self._require(f"loading {name!r} to the device")
+        device = _device_api.device_index(dst)
+        target = dst if dst.is_contiguous() and not dst.is_conj() and not dst.is_neg() else None
+        temp = None
+        if target is None:
+            temp = torch.empty(dst.shape, dtype=dst.dtype, device=dst.device)
+            target = temp
+        st = self.stager(device)
+        stream = _device_api.current_stream(device)
+        st.order_after(stream)
+        total, base, step = _nbytes(target), target.data_ptr(), self.block_bytes
+        for off in range(0, total, step):
+            n = min(step, total - off)
+            blk = st.acquire_upload_block()
+            try:
+                fill(memoryview(blk), off, n)
+            except BaseException:
+                blk.release()
+                raise
+            st.upload(blk, [(0, base + off, n, name)])
+        if temp is None:
+            st.finish_uploads(stream)  # later work on `stream` sees the data; no host wait
+            return
+        # A strided destination goes through a contiguous temporary. Waiting for the side stream
+        # here (a stream sync, not a device one) keeps `temp` alive past its last write however
+        # the caller's stream is modelled; such destinations are rare in DCP loads.
+        st.synchronize()
+        dst.copy_(temp)
+
+    def upload_from_host(self, name: str, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """Copies CPU tensor ``src`` (same shape and dtype as ``dst``) into device tensor ``dst``
+        through pinned blocks (see :meth:`upload`)."""
+        if tuple(src.shape) != tuple(dst.shape) or src.dtype != dst.dtype:
+            raise ValueError(
+                f"tensor {name!r}: source {tuple(src.shape)} {src.dtype} does not match "
+                f"destination {tuple(dst.shape)} {dst.dtype}"
+            )
+        flat = _plain(src).reshape(-1).view(torch.uint8)
+
+        def fill(view: memoryview, offset: int, n: int) -> None:
+            torch.frombuffer(view, dtype=torch.uint8, count=n).copy_(flat[offset : offset + n])
+
+        self.upload(name, dst, fill)
+
+    def synchronize(self) -> None:
+        """Waits for every side stream (and recycles upload blocks)."""
+        with self._lock:
+            stagers = list(self._stagers.values())
+        for st in stagers:
+            st.synchronize()
+
+
+class StagingMixin:
+    """Staging state and helpers shared by pyckpt's writer and reader (kept out of their
+    bodies so storage.py only calls into it at a few well-defined points)."""
+
+    def _device_staging(self) -> DeviceStaging:
+        """This object's staging state (created on first use, dropped by pickling)."""
+        st = self.__dict__.get("_pyckpt_staging")
+        if st is None:
+            st = DeviceStaging(block_bytes=self._staging_block_bytes())
+            self.__dict__["_pyckpt_staging"] = st
+        return st
+
+    def _staging_block_bytes(self) -> int | None:
+        """Streaming block size (None: the default); writers align it with their chunks."""
+        return None
+
+    def _stages_on_device(self, t: Any) -> bool:
+        """True when ``t`` is device memory that the C++ stager can copy (else use torch)."""
+        return (
+            isinstance(t, torch.Tensor)
+            and _device_api.is_device(_local(t))
+            and self._device_staging().available
+        )
+
+    def _close_staging(self) -> None:
+        st = self.__dict__.pop("_pyckpt_staging", None)
+        if st is not None:
+            st.close()
+
+    @staticmethod
+    def _drop_staging_state(state: dict[str, Any]) -> dict[str, Any]:
+        state.pop("_pyckpt_staging", None)
+        return state
+
+    def _release_staged_after(self, fut: Any, plan: Any, planner: Any) -> Any:
+        """Frees the pinned regions this plan's tensors live in once ``fut`` (write_data's
+        result) completed: the bytes are then in the file, the region may be refilled."""
+        st = self.__dict__.get("_pyckpt_staging")
+        if st is None or not st._regions:
+            return fut
+        from torch.distributed.checkpoint.planner import WriteItemType
+
+        addresses = []
+        for item in plan.items:
+            if item.type != WriteItemType.BYTE_IO:
+                data = planner.resolve_data(item)
+                if isinstance(data, torch.Tensor) and data.numel() > 0:
+                    addresses.append(_local(data).data_ptr())
+
+        def release(_: Any) -> None:
+            st.release_regions(addresses)
+
+        fut.add_done_callback(release)
+        return fut
+
+
+class AsyncStagingMixin(StagingMixin):
+    """Makes a DCP ``StorageWriter`` a full ``AsyncStager`` backed by :class:`DeviceStaging`.
+
+    Put it first in the bases (``class Writer(AsyncStagingMixin, StorageWriter)``).
+    ``dcp.async_save(sd, storage_writer=w)`` then calls :meth:`stage`, which copies the state
+    dict into a reused pinned region and returns once the copies are complete; encoding and
+    writing run in DCP's background executor. The region goes back to the pool as soon as the
+    save's ``write_data`` completed (or when nothing views it any more).
+
+    Executors: the thread-based executor (DCP's default) is the supported one: the staged
+    tensors are read in place from pinned memory. With the process-based executor DCP pickles
+    the staged state dict, moving every tensor into shared memory (one more host copy, and the
+    pinned region is not what the child writes from); the writer pickles without its staging
+    state, so it works, but gains nothing over DCP's own stager.
+    """
+
+    # AsyncStager protocol: stage() is blocking (returns after the copies), so DCP need not call
+    # synchronize_staging().
+    _synchronize_after_execute: bool = False
+
+    @property
+    def should_synchronize_after_execute(self) -> bool:
+        """Whether DCP should call :meth:`synchronize_staging` after starting the save."""
+        return self._synchronize_after_execute
+
+    def stage(self, state_dict: Any) -> Any:
+        """Returns a training-safe copy of ``state_dict`` in pinned host memory.
+
+        Raises:
+            CudaError: the CUDA runtime failed (the message names the tensor); nothing is saved.
+        """
+        return self._device_staging().stage_state_dict(state_dict)
+
+    def synchronize_staging(self) -> None:
+        """No-op: :meth:`stage` returns only after its copies completed."""
+
+    # -- generic versions, for writers that do not override these ----------------------------
+
+    def close(self) -> None:
+        """Releases staging resources, then the writer's own."""
+        self._close_staging()
+        parent_close = getattr(super(), "close", None)
+        if parent_close is not None:
+            parent_close()
+
+    def __getstate__(self) -> dict[str, Any]:
+        parent = getattr(super(), "__getstate__", None)
+        return self._drop_staging_state(dict(parent() if parent is not None else self.__dict__))
+
+    def write_data(self, plan: Any, planner: Any) -> Any:
+        fut = super().write_data(plan, planner)  # type: ignore[misc]
+        return self._release_staged_after(fut, plan, planner)

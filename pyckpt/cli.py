@@ -1,0 +1,287 @@
+"""The ``pyckpt`` command line.
+
+* ``pyckpt inspect CKPT`` summarises a checkpoint from its metadata (no tensor data read).
+* ``pyckpt verify CKPT`` reads every chunk, checking sizes, checksums and zstd frames.
+* ``pyckpt convert SRC DST`` converts between DCP ``FileSystemWriter`` checkpoints and pyckpt's.
+* ``pyckpt bench`` compares pyckpt with DCP's writers/readers on one workload in one run.
+* ``pyckpt consolidate SRC DST [--workers N]`` exports a sharded checkpoint to Hugging Face
+safetensors. With ``--workers N > 1`` it starts N local processes that form a gloo group on
+127.0.0.1 (no torchrun needed) and share the work through :func:`pyckpt.consolidate`; a progress
+bar (tqdm when installed, else a plain stderr line) sums the bytes the workers report.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import queue
+import socket
+import sys
+import time
+from typing import Any
+
+__all__ = ["main"]
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class _Progress:
+    """tqdm when importable, else one rewritten stderr line; silent when disabled."""
+
+    def __init__(self, enabled: bool) -> None:
+        self._bar: Any = None
+        self._plain = False
+        self._last = 0.0
+        self._done = 0
+        self._total = 0
+        if not enabled:
+            return
+        try:
+            from tqdm import tqdm
+        except ImportError:
+            self._plain = True
+        else:
+            self._bar = tqdm(total=0, unit="B", unit_scale=True, desc="consolidate", file=sys.stderr)
+
+    def update(self, done: int, total: int) -> None:
+        self._done, self._total = done, total
+        if self._bar is not None:
+            self._bar.total = total
+            self._bar.n = done
+            self._bar.refresh()
+        elif self._plain and (time.monotonic() - self._last > 0.2 or done == total):
+            self._last = time.monotonic()
+            pct = 100.0 * done / total if total else 100.0
+            sys.stderr.write(f"\rconsolidate: {done / 2**20:,.1f} / {total / 2**20:,.1f} MiB ({pct:.0f}%)")
+            sys.stderr.flush()
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+        elif self._plain:
+            sys.stderr.write("\n")
+            sys.stderr.flush()
+
+
+def _consolidate_kwargs(args: argparse.Namespace, threads: int | None) -> dict[str, Any]:
+    return {
+        "max_file_bytes": args.max_file_bytes,
+        "threads": threads,
+        "fsync": False if args.no_fsync else None,
+    }
+
+
+def _worker(
+    rank: int, world: int, port: int, src: str, dst: str, kwargs: dict[str, Any], q: Any
+) -> None:
+    """Body of one ``--workers`` process: join the gloo group, consolidate, report."""
+    import torch.distributed as dist
+
+    from pyckpt.consolidate import consolidate
+
+    try:
+        dist.init_process_group(
+            "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
+        )
+        try:
+            res = consolidate(
+                src, dst, progress=lambda d, t: q.put(("progress", rank, d, t)), **kwargs
+            )
+        finally:
+            dist.destroy_process_group()
+        q.put(("done", rank, res.rank_bytes, res.total_bytes, len(res.files)))
+    except BaseException as e:  # reported to the parent, which decides the exit status
+        q.put(("error", rank, f"{type(e).__name__}: {e}"))
+
+
+def _run_workers(args: argparse.Namespace, bar: _Progress) -> tuple[int, int]:
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("spawn")
+    q = ctx.Queue()
+    port = _free_port()
+    n = args.workers
+    threads = args.threads or max(1, (os.cpu_count() or 1) // n)
+    kwargs = _consolidate_kwargs(args, threads)
+    procs = [
+        ctx.Process(target=_worker, args=(r, n, port, args.src, args.dst, kwargs, q), daemon=True)
+        for r in range(n)
+    ]
+    for p in procs:
+        p.start()
+    done: dict[int, int] = {}
+    totals: dict[int, int] = {}
+    finished: dict[int, tuple[int, int]] = {}
+    errors: dict[int, str] = {}
+    try:
+        while len(finished) + len(errors) < n:
+            try:
+                msg = q.get(timeout=0.5)
+            except queue.Empty:
+                dead = [r for r, p in enumerate(procs) if not p.is_alive() and p.exitcode]
+                for r in dead:
+                    if r not in finished and r not in errors:
+                        errors[r] = f"worker exited with status {procs[r].exitcode}"
+                continue
+            kind, rank = msg[0], msg[1]
+            if kind == "progress":
+                done[rank], totals[rank] = msg[2], msg[3]
+                bar.update(sum(done.values()), sum(totals.values()))
+            elif kind == "done":
+                finished[rank] = (msg[3], msg[4])
+            else:
+                errors[rank] = msg[2]
+    finally:
+        for p in procs:
+            p.join(timeout=60)
+            if p.is_alive():
+                p.kill()
+    if errors:
+        rank = min(errors)
+        raise RuntimeError(f"worker {rank}: {errors[rank]}")
+    return finished[0]
+
+
+def _cmd_consolidate(args: argparse.Namespace) -> int:
+    if args.workers < 1:
+        raise SystemExit("pyckpt consolidate: --workers must be >= 1")
+    bar = _Progress(not args.quiet)
+    start = time.perf_counter()
+    try:
+        if args.workers == 1:
+            from pyckpt.consolidate import consolidate
+
+            res = consolidate(
+                args.src, args.dst, progress=bar.update, **_consolidate_kwargs(args, args.threads)
+            )
+            total, nfiles = res.total_bytes, len(res.files)
+        else:
+            total, nfiles = _run_workers(args, bar)
+    finally:
+        bar.close()
+    secs = time.perf_counter() - start
+    if not args.quiet:
+        sys.stderr.write(
+            f"wrote {nfiles} file(s), {total / 2**20:,.1f} MiB in {secs:.2f} s "
+            f"({total / 2**30 / max(secs, 1e-9):.2f} GiB/s) to {args.dst}\n"
+        )
+    return 0
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:,.1f} MiB"
+
+
+def _cmd_inspect(args: argparse.Namespace) -> int:
+    from pyckpt import tools
+
+    s = tools.summarize(args.path, top=args.top)
+    ratio = s.stored_bytes / s.raw_bytes if s.raw_bytes else 1.0
+    print(f"{s.path}: pyckpt format v{s.version}, save {s.save_id}, {s.created_by}")
+    print(f"  {s.tensors} tensors, {s.bytes_items} other values; {_mib(s.raw_bytes)} raw, "
+          f"{_mib(s.stored_bytes)} stored ({ratio:.3f}x) in {len(s.files)} data file(s)")
+    print("  by dtype:   " + ", ".join(f"{k} {_mib(v)}" for k, v in sorted(s.dtypes.items())))
+    print("  by codec:   " + ", ".join(f"{k} {_mib(v)}" for k, v in sorted(s.codecs.items())))
+    if s.largest:
+        print(f"  largest {len(s.largest)} tensors:")
+        for fqn, dtype, shape, nbytes in s.largest:
+            print(f"    {fqn:<60} {dtype:<10} {list(shape)!s:<20} {_mib(nbytes)}")
+    return 0
+
+
+def _cmd_verify(args: argparse.Namespace) -> int:
+    from pyckpt import tools
+
+    start = time.perf_counter()
+    report = tools.verify(args.path, threads=args.threads)
+    secs = time.perf_counter() - start
+    for name, err in sorted(report.errors.items()):
+        print(f"CORRUPT {name}: {err}")
+    print(f"{'OK' if report.ok else 'FAILED'}: {report.items_checked} items, "
+          f"{report.chunks_checked} chunks, {_mib(report.bytes_read)} read in {secs:.2f} s; "
+          f"{len(report.errors)} bad item(s)")
+    return 0 if report.ok else 2
+
+
+def _cmd_convert(args: argparse.Namespace) -> int:
+    from pyckpt import tools
+
+    compression = None if args.compression == "none" else args.compression
+    target = tools.convert(args.src, args.dst, to=args.to, compression=compression)
+    print(f"converted {args.src} -> {args.dst} ({target} format)")
+    return 0
+
+
+def _cmd_bench(args: argparse.Namespace) -> int:
+    from pyckpt import bench
+
+    return bench.run_cli(args)
+
+
+def _build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pyckpt", description="pyckpt checkpoint tools")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    p = sub.add_parser(
+        "consolidate",
+        help="export a sharded checkpoint to Hugging Face safetensors",
+        description="Export a sharded checkpoint (DCP HuggingFaceStorageWriter output) to "
+        "model-0000i-of-0000N.safetensors files plus model.safetensors.index.json.",
+    )
+    p.add_argument("src", help="input checkpoint directory")
+    p.add_argument("dst", help="output directory (created if needed)")
+    p.add_argument("--workers", type=int, default=1, help="local worker processes (gloo group)")
+    p.add_argument("--threads", type=int, default=None, help="copy threads per worker")
+    p.add_argument(
+        "--max-file-bytes", type=int, default=None, help="start a new output file past this size"
+    )
+    p.add_argument("--no-fsync", action="store_true", help="do not fsync the outputs")
+    p.add_argument("--quiet", action="store_true", help="no progress bar or summary")
+    p.set_defaults(func=_cmd_consolidate)
+
+    p = sub.add_parser("inspect", help="summarise a pyckpt checkpoint (metadata only)")
+    p.add_argument("path", help="checkpoint directory")
+    p.add_argument("--top", type=int, default=10, help="list the N largest tensors")
+    p.set_defaults(func=_cmd_inspect)
+
+    p = sub.add_parser("verify", help="read every chunk and check its checksum and encoding")
+    p.add_argument("path", help="checkpoint directory")
+    p.add_argument("--threads", type=int, default=None, help="reader threads")
+    p.set_defaults(func=_cmd_verify)
+
+    p = sub.add_parser(
+        "convert", help="convert between DCP FileSystemWriter and pyckpt checkpoints",
+        description="Convert a checkpoint between DCP's FileSystemWriter format and pyckpt's "
+        "(format detected from the source; the state is loaded into host memory once).",
+    )
+    p.add_argument("src", help="source checkpoint directory")
+    p.add_argument("dst", help="destination directory")
+    p.add_argument("--to", choices=("pyckpt", "dcp"), default=None,
+                   help="target format (default: the other one)")
+    p.add_argument("--compression", choices=("zstd", "none"), default="zstd",
+                   help="compression of a pyckpt target")
+    p.set_defaults(func=_cmd_convert)
+
+    from pyckpt import bench
+
+    p = sub.add_parser("bench", help="compare pyckpt with DCP on one workload, same run")
+    bench.add_arguments(p)
+    p.set_defaults(func=_cmd_bench)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``pyckpt`` script; returns the exit status."""
+    args = _build_parser().parse_args(argv)
+    try:
+        return int(args.func(args))
+    except (OSError, ValueError, RuntimeError) as e:
+        sys.stderr.write(f"pyckpt {args.command}: error: {e}\n")
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,537 @@
+"""GPU-to-host staging, exercised on CPU through the CUDA runtime test double.
+
+The double (``pyckpt/_testing/libpyckpt_fake_cudart.so``) is loaded through the same run-time path
+as a real runtime (``PYCKPT_CUDART``); "device memory" is host memory, streams are worker threads,
+so copies really are asynchronous and missing waits show up as wrong bytes.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import importlib.resources
+import os
+import threading
+import time
+
+import pytest
+import torch
+from torch.distributed.checkpoint import FileSystemWriter
+
+import pyckpt
+from pyckpt import _C, _knobs, _staging
+
+BLOCK = 8192
+
+
+def _double_path() -> str:
+    return str(importlib.resources.files("pyckpt") / "_testing" / "libpyckpt_fake_cudart.so")
+
+
+class FakeDevice:
+    """CPU tensors registered here play device tensors on device 0; `stream` is the caller's."""
+
+    def __init__(self) -> None:
+        self.ptrs: set[int] = set()
+        self.stream = 0
+
+    def mark(self, t: torch.Tensor) -> torch.Tensor:
+        self.ptrs.add(t.untyped_storage().data_ptr())
+        return t
+
+    def is_device(self, t: torch.Tensor) -> bool:
+        return t.untyped_storage().data_ptr() in self.ptrs
+
+    def device_index(self, t: torch.Tensor) -> int:
+        return 0
+
+    def current_stream(self, device: int) -> int:
+        return self.stream
+
+
+@pytest.fixture
+def fake(monkeypatch: pytest.MonkeyPatch):
+    path = _double_path()
+    assert os.path.isfile(path), "the CUDA runtime test double is part of every build"
+    lib = ctypes.CDLL(path)
+    lib.fake_cudart_counter.restype = ctypes.c_longlong
+    lib.fake_cudart_counter.argtypes = [ctypes.c_char_p]
+    lib.fake_cudart_fail_on.argtypes = [ctypes.c_char_p, ctypes.c_int, ctypes.c_int]
+    lib.fake_cudart_set_copy_delay_us.argtypes = [ctypes.c_long]
+    lib.fake_cudart_enqueue_fill.argtypes = [
+        ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t, ctypes.c_long
+    ]
+    lib.cudaStreamCreateWithFlags.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_uint]
+    lib.cudaStreamDestroy.argtypes = [ctypes.c_void_p]
+    lib.fake_cudart_reset()
+    lib.counter = lambda name: lib.fake_cudart_counter(name.encode())
+    dev = FakeDevice()
+    lib.dev = dev
+    monkeypatch.setattr(_staging, "_device_api", dev)
+    with _knobs.override(cudart_path=path, cuda_mode="auto"):
+        yield lib
+    lib.fake_cudart_reset()
+
+
+def _staging_obj(blocks: int = 4) -> _staging.DeviceStaging:
+    return _staging.DeviceStaging(block_bytes=BLOCK, pool_bytes=blocks * BLOCK)
+
+
+def _rand(n: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g)
+
+
+def _collect(st: _staging.DeviceStaging, items, **kw) -> dict[int, bytearray]:
+    out: dict[int, bytearray] = {i: bytearray(t.numel() * t.element_size()) for i, (_, t) in
+                                 enumerate(items)}
+    for batch in st.stream_to_host(items, **kw):
+        for p in batch:
+            out[p.item][p.offset : p.offset + p.nbytes] = ctypes.string_at(p.address, p.nbytes)
+    return out
+
+
+# -- loading the runtime -------------------------------------------------------------------
+
+
+def test_double_loads_through_the_runtime_path(fake) -> None:
+    rt = _staging.runtime()
+    assert rt.available, rt.error
+    assert rt.library == _double_path()
+    assert rt.device_count == 1
+    assert _staging.runtime() is rt  # cached per path
+
+
+def test_bad_path_is_unavailable_and_staging_raises(fake) -> None:
+    bad = "/nonexistent/libcudart.so.12"
+    with _knobs.override(cudart_path=bad):
+        rt = _staging.runtime()
+        assert rt.available is False
+        assert bad in rt.error
+        st = _staging.DeviceStaging()
+        assert st.available is False
+        t = fake.dev.mark(torch.ones(4))
+        with pytest.raises(pyckpt.CudaError, match="not available"):
+            list(st.stream_to_host([("w", t)]))
+
+
+def test_library_without_entry_points_is_unavailable() -> None:
+    rt = _C.CudaRuntime.load("libc.so.6")
+    assert rt.available is False
+    assert "cudaMemcpyAsync" in rt.error
+
+
+def test_no_device_is_unavailable(fake) -> None:
+    fake.fake_cudart_set_device_count(0)
+    rt = _C.CudaRuntime.load(_double_path())
+    assert rt.available is False
+    assert "no CUDA-capable device" in rt.error
+    with pytest.raises(pyckpt.CudaError):
+        _C.Stager(rt, _C.PinnedPool(None, BLOCK, 2), 0)
+
+
+def test_cuda_off_disables_staging(fake) -> None:
+    with _knobs.override(cuda_mode="off"):
+        assert _staging.runtime() is None
+        assert _staging.DeviceStaging().available is False
+
+
+# -- streaming device -> host ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "sizes",
+    [[0], [1], [4095, 4096, 4097], [BLOCK - 1, BLOCK, BLOCK + 1], [3 * BLOCK + 5, 7, 0, 300]],
+)
+def test_stream_round_trip(fake, sizes: list[int]) -> None:
+    items = [(f"t{i}", fake.dev.mark(_rand(n, i))) for i, n in enumerate(sizes)]
+    got = _collect(_staging_obj(), items)
+    for i, (_, t) in enumerate(items):
+        assert bytes(got[i]) == t.numpy().tobytes()
+    assert fake.counter("unpinned_copies") == 0  # every copy targets a registered block
+    assert fake.counter("bytes_d2h") == sum(sizes)
+
+
+def test_small_items_are_packed_whole_and_large_ones_split(fake) -> None:
+    items = [(f"s{i}", fake.dev.mark(_rand(1000, i))) for i in range(10)]
+    items.append(("big", fake.dev.mark(_rand(2 * BLOCK + 10, 99))))
+    st = _staging_obj()
+    pieces = [p for batch in st.stream_to_host(items) for p in batch]
+    small = [p for p in pieces if p.item < 10]
+    assert len(small) == 10 and all(p.offset == 0 and p.nbytes == 1000 for p in small)
+    big = [p for p in pieces if p.item == 10]
+    assert [(p.offset, p.nbytes) for p in big] == [(0, BLOCK), (BLOCK, BLOCK), (2 * BLOCK, 10)]
+    assert all(p.address % 4096 == 0 for p in big)
+
+
+def test_non_contiguous_and_dtypes(fake) -> None:
+    base = torch.randn(64, 48)
+    items = [
+        ("nc", fake.dev.mark(base.t())),  # contiguous copy is made "on device"
+        ("bf16", fake.dev.mark(torch.randn(1000).to(torch.bfloat16))),
+        ("i64", fake.dev.mark(torch.arange(777, dtype=torch.int64))),
+    ]
+    got = _collect(_staging_obj(), items)
+    assert bytes(got[0]) == base.t().contiguous().numpy().tobytes()
+    assert bytes(got[1]) == items[1][1].view(torch.int16).numpy().tobytes()
+    assert bytes(got[2]) == items[2][1].numpy().tobytes()
+
+
+def test_pool_is_bounded_pinned_and_reused(fake) -> None:
+    st = _staging_obj(blocks=4)
+    items = [(f"t{i}", fake.dev.mark(_rand(BLOCK, i))) for i in range(40)]
+    for _ in range(3):
+        _collect(st, items)
+    stats = st.stats()["pool"]
+    assert stats["pinned"] is True
+    assert stats["allocated"] == 4 and stats["peak_in_use"] <= 4 and stats["in_use"] == 0
+    assert fake.counter("register_calls") == 4  # registered once, reused by every save
+    assert fake.counter("registered_bytes") >= 4 * BLOCK
+    assert fake.counter("streams_created") == 1  # one side stream, created once
+    assert fake.counter("stream_syncs") == 0  # never a (device- or stream-) wide sync
+
+
+def test_blocks_are_freed_and_unregistered_with_the_pool(fake) -> None:
+    before = fake.counter("registered_bytes")
+    st = _staging_obj(blocks=2)
+    _collect(st, [("a", fake.dev.mark(_rand(3 * BLOCK, 1)))])
+    assert fake.counter("registered_bytes") == before + 2 * BLOCK
+    st.close()
+    del st
+    assert fake.counter("registered_bytes") == before
+    assert fake.counter("unregister_calls") == 2
+
+
+def test_copies_are_ordered_after_the_callers_stream(fake) -> None:
+    handle = ctypes.c_void_p()
+    assert fake.cudaStreamCreateWithFlags(ctypes.byref(handle), 1) == 0
+    try:
+        src = fake.dev.mark(torch.zeros(3 * BLOCK, dtype=torch.uint8))
+        # A slow "kernel" on the caller's stream writes the tensor; staging must see its result.
+        fake.fake_cudart_enqueue_fill(handle, src.data_ptr(), 0xAB, src.numel(), 300_000)
+        fake.dev.stream = handle.value
+        got = _collect(_staging_obj(), [("w", src)])
+        assert bytes(got[0]) == b"\xab" * src.numel()
+        assert fake.counter("stream_waits") == 1
+        # Control: ordered after another stream, the copy overtakes the slow kernel.
+        src2 = fake.dev.mark(torch.zeros(BLOCK, dtype=torch.uint8))
+        fake.fake_cudart_enqueue_fill(handle, src2.data_ptr(), 0xCD, src2.numel(), 300_000)
+        fake.dev.stream = 0
+        got = _collect(_staging_obj(), [("w", src2)])
+        assert bytes(got[0]) == b"\x00" * BLOCK
+    finally:
+        fake.cudaStreamSynchronize(handle)
+        fake.cudaStreamDestroy(handle)
+
+
+def test_no_block_is_reused_before_its_consumer_released_it(fake) -> None:
+    fake.fake_cudart_set_copy_delay_us(2000)
+    st = _staging_obj(blocks=2)
+    items = [(f"t{i}", fake.dev.mark(_rand(BLOCK, i))) for i in range(12)]
+    seen = 0
+    for batch in st.stream_to_host(items, batch_blocks=1):
+        time.sleep(0.01)  # slow consumer: the next block's copy is running meanwhile
+        for p in batch:
+            assert ctypes.string_at(p.address, p.nbytes) == items[p.item][1].numpy().tobytes()
+            seen += 1
+        assert st.stats()["pool"]["in_use"] <= 2
+    assert seen == 12
+
+
+def test_generator_closed_early_returns_every_block(fake) -> None:
+    st = _staging_obj(blocks=4)
+    it = st.stream_to_host([(f"t{i}", fake.dev.mark(_rand(BLOCK, i))) for i in range(10)])
+    next(it)
+    it.close()
+    assert st.stats()["pool"]["in_use"] == 0
+
+
+def test_gil_is_released_while_waiting(fake) -> None:
+    fake.fake_cudart_set_copy_delay_us(300_000)
+    st = _staging_obj()
+    items = [("slow", fake.dev.mark(_rand(100, 1)))]
+    ticks = 0
+    done = threading.Event()
+
+    def consume() -> None:
+        _collect(st, items)
+        done.set()
+
+    th = threading.Thread(target=consume)
+    th.start()
+    while not done.is_set():
+        ticks += 1
+        time.sleep(0.001)
+    th.join()
+    assert ticks > 50  # the main thread kept running during the 300 ms wait
+
+
+# -- errors ----------------------------------------------------------------------------------
+
+
+def test_failed_copy_names_the_tensor_and_leaks_nothing(fake) -> None:
+    st = _staging_obj(blocks=4)
+    items = [(f"layer.{i}.weight", fake.dev.mark(_rand(BLOCK, i))) for i in range(6)]
+    fake.fake_cudart_fail_on(b"cudaMemcpyAsync", 2, 700)
+    with pytest.raises(pyckpt.CudaError) as info:
+        _collect(st, items)
+    assert type(info.value) is pyckpt.CudaError
+    assert "'layer.2.weight'" in str(info.value)
+    assert "illegal memory access" in str(info.value)
+    assert st.stats()["pool"]["in_use"] == 0
+
+
+def test_asynchronous_failure_surfaces_at_wait(fake) -> None:
+    st = _staging_obj(blocks=4)
+    items = [(f"p{i}", fake.dev.mark(_rand(BLOCK, i))) for i in range(3)]
+    fake.fake_cudart_fail_async_copy_after(1, 719)
+    with pytest.raises(pyckpt.CudaError, match="unspecified launch failure.*'p"):
+        _collect(st, items)
+    assert st.stats()["pool"]["in_use"] == 0
+
+
+def test_registration_failure_raises_cuda_error(fake) -> None:
+    fake.fake_cudart_fail_on(b"cudaHostRegister", 0, 2)
+    st = _staging_obj()
+    with pytest.raises(pyckpt.CudaError, match="cudaHostRegister failed: out of memory"):
+        _collect(st, [("w", fake.dev.mark(_rand(10, 0)))])
+
+
+# -- async staging (AsyncStager.stage) -------------------------------------------------------
+
+
+def _state_dict(dev: FakeDevice) -> dict:
+    return {
+        "model": {
+            "w": dev.mark(torch.randn(33, 17)),
+            "bf16": dev.mark(torch.randn(100).to(torch.bfloat16)),
+            "nc": dev.mark(torch.randn(8, 6)).t(),
+            "empty": dev.mark(torch.empty(0, 3)),
+        },
+        "cpu": torch.arange(10),
+        "step": 7,
+        "extra": [dev.mark(torch.ones(5, dtype=torch.int32)), "tag"],
+    }
+
+
+def test_stage_state_dict_copies_into_one_region(fake) -> None:
+    sd = _state_dict(fake.dev)
+    st = _staging_obj()
+    staged = st.stage_state_dict(sd)
+    (region,) = st._regions.values()
+    lo, hi = region.address, region.address + region.nbytes
+    flat = [staged["model"]["w"], staged["model"]["bf16"], staged["model"]["nc"],
+            staged["cpu"], staged["extra"][0]]
+    for t in flat:
+        assert lo <= t.data_ptr() < hi
+    assert torch.equal(staged["model"]["w"], sd["model"]["w"])
+    assert torch.equal(staged["model"]["bf16"], sd["model"]["bf16"])
+    assert torch.equal(staged["model"]["nc"], sd["model"]["nc"])
+    assert staged["model"]["empty"].shape == (0, 3)
+    assert staged["step"] == 7 and staged["extra"][1] == "tag"
+    # Training-safe: later updates (device or CPU) do not reach the staged copy.
+    expect = staged["model"]["w"].clone()
+    sd["model"]["w"].add_(1)
+    sd["cpu"].add_(1)
+    assert torch.equal(staged["model"]["w"], expect)
+    assert torch.equal(staged["cpu"], torch.arange(10))
+
+
+def test_regions_are_reused_and_double_buffered(fake) -> None:
+    sd = _state_dict(fake.dev)
+    st = _staging_obj()
+    a = st.stage_state_dict(sd)
+    b = st.stage_state_dict(sd)
+    addr_a, addr_b = a["cpu"].data_ptr(), b["cpu"].data_ptr()
+    assert addr_a != addr_b
+    third: list = []
+    th = threading.Thread(target=lambda: third.append(st.stage_state_dict(sd)))
+    th.start()
+    th.join(0.2)
+    assert th.is_alive()  # both regions still being "written": stage() waits
+    assert st.release_regions([addr_a]) == 1
+    th.join(5)
+    assert not th.is_alive()
+    assert third[0]["cpu"].data_ptr() == addr_a  # the released region, not a new one
+    assert st.stats()["region_pool"]["allocated"] == 2
+    del a, b
+    third.clear()
+    for _ in range(20):
+        s = st.stage_state_dict(sd)
+        st.release_regions([s["cpu"].data_ptr()])
+    assert st.stats()["region_pool"]["allocated"] == 2
+
+
+def test_stage_failure_releases_the_region(fake) -> None:
+    sd = _state_dict(fake.dev)
+    st = _staging_obj()
+    fake.fake_cudart_fail_on(b"cudaMemcpyAsync", 1, 700)
+    with pytest.raises(pyckpt.CudaError, match=r"\['model'\]\['bf16'\]"):
+        st.stage_state_dict(sd)
+    assert st.stats()["region_pool"]["in_use"] == 0
+
+
+# -- loads: host -> device -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("n", [0, 1, BLOCK, 3 * BLOCK + 7])
+def test_upload_round_trip(fake, n: int) -> None:
+    st = _staging_obj(blocks=2)
+    src = _rand(n, 5)
+    dst = fake.dev.mark(torch.zeros(n, dtype=torch.uint8))
+    st.upload_from_host("w", dst, src)
+    st.synchronize()
+    assert torch.equal(dst, src)
+    assert fake.counter("copies_h2d") == (n + BLOCK - 1) // BLOCK
+    assert fake.counter("unpinned_copies") == 0
+
+
+def test_upload_into_non_contiguous_destination(fake) -> None:
+    st = _staging_obj(blocks=2)
+    src = torch.randn(40, 30)
+    dst = fake.dev.mark(torch.zeros(30, 40)).t()
+    st.upload_from_host("w", dst, src)
+    st.synchronize()
+    assert torch.equal(dst, src)
+
+
+def test_upload_failure_names_the_tensor(fake) -> None:
+    st = _staging_obj(blocks=2)
+    fake.fake_cudart_fail_on(b"cudaMemcpyAsync", 0, 700)
+    dst = fake.dev.mark(torch.zeros(10))
+    with pytest.raises(pyckpt.CudaError, match="loading 'opt.state'"):
+        st.upload_from_host("opt.state", dst, torch.ones(10))
+    assert st.stats()["pool"]["in_use"] == 0
+
+
+# -- DCP async_save through the AsyncStager protocol -----------------------------------------
+
+
+class StagingFSWriter(_staging.AsyncStagingMixin, FileSystemWriter):
+    """DCP's own writer with pyckpt's AsyncStager: checks the protocol independently of
+    pyckpt.Writer's file format."""
+
+
+def _fs_writer_cls():
+    return StagingFSWriter
+
+
+def test_writer_is_an_async_stager(fake, tmp_path) -> None:
+    from torch.distributed.checkpoint.staging import AsyncStager
+
+    w = _fs_writer_cls()(str(tmp_path))
+    assert isinstance(w, AsyncStager)
+    assert w.should_synchronize_after_execute is False
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
+def test_dcp_async_save_then_load(fake, tmp_path) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    sd = {"w": fake.dev.mark(torch.randn(64, 64)), "b": fake.dev.mark(torch.randn(64)),
+          "cpu": torch.arange(5)}
+    expect = {k: v.clone() for k, v in sd.items()}
+    w = _fs_writer_cls()(str(tmp_path / "c"))
+    try:
+        fut = dcp.async_save(sd, storage_writer=w, no_dist=True)
+        for v in sd.values():
+            v.add_(1)  # training continues while the checkpoint is written
+        fut.result()
+        st = w._device_staging()
+        assert st.stats()["regions_outstanding"] == 0  # released once written
+    finally:
+        w.close()
+    out = {k: torch.zeros_like(v) for k, v in expect.items()}
+    dcp.load(out, checkpoint_id=str(tmp_path / "c"), no_dist=True)
+    for k, v in expect.items():
+        assert torch.equal(out[k], v)
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
+def test_dcp_async_save_failure_saves_nothing(fake, tmp_path) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    sd = {"a": fake.dev.mark(torch.randn(16)), "b": fake.dev.mark(torch.randn(16))}
+    w = _fs_writer_cls()(str(tmp_path / "c"))
+    fake.fake_cudart_fail_on(b"cudaMemcpyAsync", 1, 700)
+    try:
+        with pytest.raises(pyckpt.CudaError, match=r"\['b'\]"):
+            dcp.async_save(sd, storage_writer=w, no_dist=True)
+    finally:
+        w.close()
+    assert not (tmp_path / "c" / ".metadata").exists()
+
+
+def test_writer_pickles_without_staging_state(fake, tmp_path) -> None:
+    import pickle
+
+    w = _fs_writer_cls()(str(tmp_path))
+    w.stage({"a": fake.dev.mark(torch.ones(3))})
+    clone = pickle.loads(pickle.dumps(w))
+    assert "_pyckpt_staging" not in clone.__dict__
+    w.close()
+
+
+# -- pyckpt.Writer / Reader with device tensors (needs the native file I/O core) ------------
+
+_needs_native_io = pytest.mark.skipif(
+    not hasattr(_C, "FileWriter"), reason="native file I/O core (FileWriter) not built in"
+)
+
+
+@_needs_native_io
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
+@pytest.mark.parametrize("compression", [None, "zstd"])
+def test_sync_save_streams_device_tensors_and_loads_back(fake, tmp_path, compression) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    from pyckpt.storage import Reader, Writer
+
+    sd = {
+        "big": fake.dev.mark(torch.randn(3 * 4096 + 5)),  # larger than a 16 KiB block
+        "bf16": fake.dev.mark(torch.randn(100, 7).to(torch.bfloat16)),
+        "nc": fake.dev.mark(torch.randn(9, 5)).t(),
+        "cpu": torch.arange(11),
+    }
+    with _knobs.override(pinned_pool_bytes=1 << 20):
+        with Writer(tmp_path, compression, chunk_bytes=16384) as w:
+            dcp.save(sd, storage_writer=w, no_dist=True)
+            stats = w._device_staging().stats()["pool"]
+            assert stats["pinned"] and stats["in_use"] == 0
+    assert fake.counter("bytes_d2h") >= sum(
+        v.numel() * v.element_size() for k, v in sd.items() if k != "cpu"
+    )
+    out = {k: fake.dev.mark(torch.zeros_like(v)) for k, v in sd.items()}
+    with Reader(tmp_path) as r:
+        dcp.load(out, storage_reader=r, no_dist=True)
+    for k, v in sd.items():
+        assert torch.equal(out[k], v), k
+    assert fake.counter("copies_h2d") > 0
+
+
+@_needs_native_io
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
+def test_pyckpt_writer_async_save_20_times_reuses_pinned_memory(fake, tmp_path) -> None:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.staging import AsyncStager
+
+    from pyckpt.storage import Reader, Writer
+
+    sd = {"w": fake.dev.mark(torch.randn(256, 64)), "b": fake.dev.mark(torch.randn(64))}
+    w = Writer(tmp_path / "c")
+    assert isinstance(w, AsyncStager)
+    try:
+        registered = None
+        for step in range(20):
+            dcp.async_save(sd, storage_writer=w, no_dist=True).result()
+            if registered is None:
+                registered = fake.counter("registered_bytes")
+            assert fake.counter("registered_bytes") == registered, step
+            expected = sd["w"].clone()  # what this save holds (before training changes it)
+            sd["w"].add_(1)
+        assert w._device_staging().stats()["region_pool"]["allocated"] <= 2
+    finally:
+        w.close()
+    out = {k: torch.zeros_like(v) for k, v in sd.items()}
+    with Reader(tmp_path / "c") as r:
+        dcp.load(out, storage_reader=r, no_dist=True)
+    assert torch.equal(out["w"], expected)

@@ -1,0 +1,150 @@
+"""Staging on a real GPU (``@pytest.mark.gpu``; skipped without CUDA by conftest.py).
+
+Not yet run on a GPU machine: these tests were written without one and await a GPU runner.
+"""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+
+from pyckpt import _staging
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning"),
+]
+
+
+@pytest.fixture
+def staging():
+    rt = _staging.runtime()
+    assert rt is not None and rt.available, rt.error if rt is not None else "PYCKPT_CUDA=off"
+    st = _staging.DeviceStaging(block_bytes=1 << 20, pool_bytes=8 << 20)
+    yield st
+    st.close()
+
+
+def _tensors() -> dict[str, torch.Tensor]:
+    g = torch.Generator(device="cuda").manual_seed(0)
+    return {
+        "bf16": torch.randn(1024, 777, device="cuda", generator=g).to(torch.bfloat16),
+        "fp32": torch.randn(3 << 18, device="cuda", generator=g),
+        "nc": torch.randn(512, 300, device="cuda", generator=g).t(),
+        "i64": torch.arange(12345, device="cuda"),
+        "empty": torch.empty(0, 4, device="cuda"),
+    }
+
+
+def test_runtime_is_shared_with_torch() -> None:
+    torch.cuda.init()
+    rt = _staging.runtime()
+    assert rt.available, rt.error
+    assert rt.reused_loaded  # RTLD_NOLOAD found torch's libcudart
+
+
+def test_stream_round_trip(staging) -> None:
+    sd = _tensors()
+    items = list(sd.items())
+    out = {name: bytearray(t.numel() * t.element_size()) for name, t in items}
+    import ctypes
+
+    for batch in staging.stream_to_host(items):
+        for p in batch:
+            out[items[p.item][0]][p.offset : p.offset + p.nbytes] = ctypes.string_at(
+                p.address, p.nbytes
+            )
+    for name, t in items:
+        host = t.contiguous().cpu()
+        got = torch.frombuffer(out[name], dtype=torch.uint8) if out[name] else torch.empty(0)
+        assert got.numpy().tobytes() == host.view(torch.uint8).numpy().tobytes(), name
+
+
+def test_ordered_after_current_stream_without_device_sync(staging) -> None:
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        x = torch.zeros(1 << 24, device="cuda")
+        torch.cuda._sleep(50_000_000)  # a long kernel before the write
+        x.fill_(3.0)
+        staged = staging.stage_state_dict({"x": x})
+    assert torch.equal(staged["x"], torch.full((1 << 24,), 3.0))
+
+
+def test_stage_and_upload_round_trip(staging) -> None:
+    sd = _tensors()
+    staged = staging.stage_state_dict(sd)
+    for k, v in sd.items():
+        assert staged[k].device.type == "cpu"
+        assert torch.equal(staged[k], v.cpu()), k
+    back = {k: torch.zeros_like(v) for k, v in sd.items()}
+    for k in sd:
+        staging.upload_from_host(k, back[k], staged[k])
+    torch.cuda.current_stream().synchronize()
+    for k, v in sd.items():
+        assert torch.equal(back[k], v), k
+
+
+def test_dtensor_shard_on_one_device(staging, tmp_path) -> None:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    dist.init_process_group(
+        "cpu:gloo,cuda:nccl", init_method=f"file://{tmp_path}/store", rank=0, world_size=1
+    )
+    try:
+        mesh = init_device_mesh("cuda", (1,))
+        full = torch.randn(64, 32, device="cuda")
+        dt = distribute_tensor(full, mesh, [Shard(0)])
+        staged = staging.stage_state_dict({"dt": dt})["dt"]
+        assert staged.to_local().device.type == "cpu"
+        assert torch.equal(staged.to_local(), full.cpu())
+    finally:
+        dist.destroy_process_group()
+
+
+def test_writer_sync_and_async_save_then_load(tmp_path) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    from pyckpt.storage import Reader, Writer
+
+    sd = _tensors()
+    with Writer(tmp_path / "sync", "zstd") as w:
+        dcp.save(sd, storage_writer=w, no_dist=True)
+    w = Writer(tmp_path / "async")
+    try:
+        dcp.async_save(sd, storage_writer=w, no_dist=True).result()
+    finally:
+        w.close()
+    for d in ("sync", "async"):
+        out = {k: torch.zeros_like(v) for k, v in sd.items()}
+        with Reader(tmp_path / d) as r:
+            dcp.load(out, storage_reader=r, no_dist=True)
+        for k, v in sd.items():
+            assert torch.equal(out[k], v), (d, k)
+
+
+def test_twenty_async_saves_do_not_grow_rss_or_pinned_memory(tmp_path) -> None:
+    import psutil
+    import torch.distributed.checkpoint as dcp
+
+    from pyckpt.storage import Writer
+
+    sd = {f"layer{i}": torch.randn(1 << 20, device="cuda") for i in range(16)}  # 64 MiB
+    w = Writer(tmp_path / "c")
+    proc = psutil.Process()
+    try:
+        rss = []
+        for _ in range(20):
+            dcp.async_save(sd, storage_writer=w, no_dist=True).result()
+            gc.collect()
+            rss.append(proc.memory_info().rss)
+        stats = w._device_staging().stats()
+        assert stats["region_pool"]["allocated"] <= 2
+        assert stats["regions_outstanding"] == 0
+        # After warm-up (two regions), RSS stays flat within 64 MiB of noise.
+        assert max(rss[3:]) - rss[2] < 64 << 20, rss
+    finally:
+        w.close()

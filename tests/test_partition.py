@@ -1,0 +1,73 @@
+"""pyckpt._partition: byte ranges tile every file, cuts sit on element boundaries, loads balance."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from pyckpt._partition import partition
+
+ITEMS = st.sampled_from([1, 2, 4, 8])
+TENSOR = st.tuples(st.integers(0, 5000), ITEMS).map(lambda t: (t[0] * t[1], t[1]))
+FILES = st.lists(st.lists(TENSOR, min_size=0, max_size=6), min_size=1, max_size=6)
+
+
+def _check_tiling(files, shares):
+    per_file: dict[int, list[tuple[int, int]]] = {}
+    for share in shares:
+        for f, lo, hi in share:
+            assert lo < hi
+            per_file.setdefault(f, []).append((lo, hi))
+    for f, tensors in enumerate(files):
+        size = sum(n for n, _ in tensors)
+        ranges = sorted(per_file.get(f, []))
+        cursor = 0
+        for lo, hi in ranges:
+            assert lo == cursor
+            cursor = hi
+        assert cursor == size
+        # Every boundary is an element boundary of the tensor holding it.
+        bounds = {b for r in ranges for b in r}
+        start = 0
+        for n, item in tensors:
+            for b in bounds:
+                if start < b < start + n:
+                    assert (b - start) % item == 0
+            start += n
+
+
+@given(FILES, st.integers(1, 6))
+def test_ranges_tile_each_file(files, nranks):
+    shares = partition(files, nranks)
+    assert len(shares) == nranks
+    _check_tiling(files, shares)
+
+
+@given(FILES, st.integers(1, 6))
+def test_balanced_when_feasible(files, nranks):
+    total = sum(n for tensors in files for n, _ in tensors)
+    shares = partition(files, nranks)
+    loads = [sum(hi - lo for _, lo, hi in share) for share in shares]
+    assert sum(loads) == total
+    # Each cut moves by at most half an element (<= 4 bytes): feasible once the mean is >= 80 B.
+    if total / nranks >= 80:
+        assert max(loads) <= 1.10 * total / nranks
+
+
+def test_whole_files_when_they_balance():
+    files = [[(100, 1)], [(100, 1)], [(100, 1)], [(100, 1)]]
+    shares = partition(files, 2)
+    assert all(len(s) == 2 and all(lo == 0 and hi == 100 for _, lo, hi in s) for s in shares)
+
+
+def test_single_file_split_by_byte_range():
+    shares = partition([[(1000, 2), (24, 8)]], 4)
+    assert [s for s in shares] == [[(0, 0, 256)], [(0, 256, 512)], [(0, 512, 768)], [(0, 768, 1024)]]
+
+
+def test_rejects_bad_input():
+    with pytest.raises(ValueError, match="nranks"):
+        partition([[(8, 8)]], 0)
+    with pytest.raises(ValueError, match="bad tensor entry"):
+        partition([[(6, 4)]], 1)
