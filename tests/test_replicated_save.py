@@ -200,6 +200,15 @@ def _save_world(rank: int, world: int, root: str) -> None:
         mesh2 = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
         _save_and_reload(hsdp_case(mesh2), os.path.join(root, "hsdp"))
     if world == 2:
+        # Split points inside compressed data and odd-sized tensors of 8- and 2-byte elements.
+        sd = {
+            "f64": pattern((5 * MiB // 8 + 3,), torch.float64, 31),
+            "bf16": pattern((3, MiB + 1), torch.bfloat16, 32),
+        }
+        pyckpt.save(sd, os.path.join(root, "zstd"), fsync=False, compression="zstd")
+        got = blank_like(sd)
+        pyckpt.load(got, os.path.join(root, "zstd"))
+        assert_same(sd, got)
         # pyckpt.Writer with DCP's default planner: DCP's whole-item dedup applies.
         sd = {"w": torch.arange(2 * MiB, dtype=torch.float32)}
         path = os.path.join(root, "default-planner")
@@ -211,16 +220,31 @@ def _save_world(rank: int, world: int, root: str) -> None:
 
 
 def _load_world(rank: int, world: int, root: str) -> None:
+    import torch.distributed.checkpoint as dcp
     from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
 
     torch.set_num_threads(1)
+    mesh = init_device_mesh("cpu", (world,))
+    # A Shard(0) DTensor over the 256 MiB tensor that two ranks saved in two byte ranges: each
+    # rank reads about its own third, not whole segments.
+    full = replicated_case("single")["weight"]
+    got_dt = {"weight": distribute_tensor(torch.zeros_like(full), mesh, [Shard(0)])}
+    with pyckpt.Reader(os.path.join(root, "single")) as reader:
+        dcp.load(got_dt, storage_reader=reader)
+    local = got_dt["weight"].to_local()
+    expected = full.chunk(world)[rank]
+    assert torch.equal(local.view(torch.int32), expected.view(torch.int32))
+    needed = local.numel() * local.element_size()
+    assert needed <= reader.bytes_read <= needed + 2 * (4 * MiB + 64 * 1024), reader.bytes_read
+    del full, got_dt, local, expected
 
     for case in CASES:
         expected = replicated_case(case)
         got = blank_like(expected)
         pyckpt.load(got, os.path.join(root, case))
         assert_same(expected, got)
-    expected = mixed_layouts(init_device_mesh("cpu", (world,)))
+    expected = mixed_layouts(mesh)
     got = blank_like(expected)
     pyckpt.load(got, os.path.join(root, "layouts"))
     assert_same(expected, got)
@@ -261,6 +285,19 @@ def test_hsdp_replica_groups_share_their_shard(saved: dict[int, Path]) -> None:
         part = [sizes[r] for r in group]
         assert sum(part) >= shard
         assert max(part) / (sum(part) / 2) <= BALANCE, sizes
+
+
+@pytest.mark.distributed
+def test_split_compressed_items_load_in_one_process(saved: dict[int, Path]) -> None:
+    sizes = bytes_per_rank(saved[2] / "zstd", 2)
+    assert min(sizes) > 0  # both ranks wrote part of the two tensors
+    expected = {
+        "f64": pattern((5 * MiB // 8 + 3,), torch.float64, 31),
+        "bf16": pattern((3, MiB + 1), torch.bfloat16, 32),
+    }
+    got = blank_like(expected)
+    pyckpt.load(got, saved[2] / "zstd")
+    assert_same(expected, got)
 
 
 @pytest.mark.distributed
