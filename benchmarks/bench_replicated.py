@@ -1,9 +1,9 @@
 """Replicated-state saves: pyckpt.SavePlanner vs DCP's default planner, and planning cost.
 
 Every rank holds the same bf16 LLM-shaped state dict (DDP / FSDP NO_SHARD). For each world size
-the same pyckpt.Writer saves it once with each planner (fsync on, same machine, same run); the
-table gives the save wall time (slowest rank, barrier to barrier) and the bytes each rank wrote,
-read from the data files on disk. A second table times the coordinator's global planning on
+the same pyckpt.Writer saves it with each planner (fsync on, same machine, same run, the order of
+the planners alternating between repeats); the table gives the median save wall time (slowest
+rank, barrier to barrier) and the bytes each rank wrote, read from the data files on disk. A second table times the coordinator's global planning on
 synthetic local plans of many tensors.
 
     python benchmarks/bench_replicated.py --size-gib 1 --worlds 1 2 4 --json replicated.json
@@ -68,6 +68,15 @@ def make_state_dict(workload: str, size: int) -> dict[str, Any]:
     return {"weight": torch.randn(size // 4, generator=g)}
 
 
+def _alternating(planners: list[str], repeats: int) -> list[str]:
+    """Save order: every planner once per repeat, the order reversed on odd repeats, so that
+    neither planner always runs first (the second of two back-to-back saves is often slower)."""
+    order: list[str] = []
+    for r in range(repeats):
+        order += planners if r % 2 == 0 else planners[::-1]
+    return order
+
+
 def _save_rank(
     rank: int,
     world: int,
@@ -76,6 +85,7 @@ def _save_rank(
     size: int,
     root: str,
     planners: list[str],
+    repeats: int,
     q: Any,
 ) -> None:
     import torch.distributed as dist
@@ -90,8 +100,8 @@ def _save_rank(
         )
         try:
             sd = make_state_dict(workload, size)  # identical on every rank
-            times = {}
-            for name in planners:
+            times: dict[str, list[float]] = {name: [] for name in planners}
+            for name in _alternating(planners, repeats):
                 path = os.path.join(root, f"w{world}-{name}")
                 planner = pyckpt.SavePlanner() if name == "pyckpt" else None
                 gc.collect()
@@ -100,7 +110,7 @@ def _save_rank(
                     start = time.perf_counter()
                     dcp.save(sd, storage_writer=writer, planner=planner)
                     dist.barrier()
-                    times[name] = time.perf_counter() - start
+                    times[name].append(time.perf_counter() - start)
             q.put((rank, "ok", times))
         finally:
             dist.destroy_process_group()
@@ -110,8 +120,8 @@ def _save_rank(
 
 
 def _single_process_save(
-    workload: str, size: int, root: str, planners: list[str]
-) -> dict[str, float]:
+    workload: str, size: int, root: str, planners: list[str], repeats: int
+) -> dict[str, list[float]]:
     import warnings
 
     import torch.distributed.checkpoint as dcp
@@ -119,8 +129,8 @@ def _single_process_save(
     import pyckpt
 
     sd = make_state_dict(workload, size)
-    times = {}
-    for name in planners:
+    times: dict[str, list[float]] = {name: [] for name in planners}
+    for name in _alternating(planners, repeats):
         path = os.path.join(root, f"w1-{name}")
         planner = pyckpt.SavePlanner() if name == "pyckpt" else None
         gc.collect()
@@ -128,21 +138,24 @@ def _single_process_save(
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
             start = time.perf_counter()
             dcp.save(sd, storage_writer=writer, planner=planner)
-            times[name] = time.perf_counter() - start
+            times[name].append(time.perf_counter() - start)
     return times
 
 
 def run_saves(
-    world: int, workload: str, size: int, root: str, planners: list[str]
-) -> dict[str, float]:
-    """Saves on ``world`` spawned gloo ranks; returns the slowest rank's time per planner."""
+    world: int, workload: str, size: int, root: str, planners: list[str], repeats: int
+) -> dict[str, list[float]]:
+    """Saves on ``world`` spawned gloo ranks; returns per planner the time of each repeat
+    (slowest rank, barrier to barrier)."""
     if world == 1:
-        return _single_process_save(workload, size, root, planners)
+        return _single_process_save(workload, size, root, planners, repeats)
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     port = _free_port()
     procs = [
-        ctx.Process(target=_save_rank, args=(r, world, port, workload, size, root, planners, q))
+        ctx.Process(
+            target=_save_rank, args=(r, world, port, workload, size, root, planners, repeats, q)
+        )
         for r in range(world)
     ]
     for p in procs:
@@ -165,7 +178,10 @@ def run_saves(
             if p.is_alive():
                 p.kill()
                 p.join()
-    return {name: max(results[r][name] for r in range(world)) for name in planners}
+    return {
+        name: [max(results[r][name][k] for r in range(world)) for k in range(repeats)]
+        for name in planners
+    }
 
 
 # --------------------------------------------------------------------------- planning cost
@@ -216,10 +232,16 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--size-gib", type=float, default=1.0, help="state dict size per rank")
     parser.add_argument("--workload", choices=("llm", "single"), default="llm")
+    parser.add_argument(
+        "--repeats", type=int, default=3, help="saves per planner and world (order alternates)"
+    )
     parser.add_argument("--worlds", type=int, nargs="+", default=[1, 2, 4])
     parser.add_argument("--dir", default=None, help="where to write checkpoints (default: tmp)")
     parser.add_argument(
-        "--plan-counts", type=int, nargs="*", default=[2500, 5000, 10000, 20000],
+        "--plan-counts",
+        type=int,
+        nargs="*",
+        default=[2500, 5000, 10000, 20000],
         help="tensor counts for the planning table (none: skip it)",
     )
     parser.add_argument("--plan-world", type=int, default=4)
@@ -249,28 +271,35 @@ def main(argv: list[str] | None = None) -> int:
 
         total = bench.state_dict_bytes(make_state_dict(args.workload, size))
         report["state_dict_bytes"] = total
-        print(f"replicated {args.workload} state dict: {_mib(total)} MiB on every rank; fsync on")
-        print(f"{'world':>5} {'planner':<12} {'save s':>7} {'GB/s':>6} {'max/mean':>8}  MiB per rank")
+        print(
+            f"replicated {args.workload} state dict: {_mib(total)} MiB on every rank; fsync on; "
+            f"save time = median of {args.repeats} (order alternating)"
+        )
+        print(
+            f"{'world':>5} {'planner':<12} {'save s':>7} {'GB/s':>6} {'max/mean':>8}  MiB per rank"
+        )
         base = tempfile.mkdtemp(prefix="pyckpt-bench-repl-", dir=args.dir)
         try:
             for world in args.worlds:
                 root = os.path.join(base, f"w{world}")
                 os.makedirs(root)
-                times = run_saves(world, args.workload, size, root, list(PLANNERS))
+                times = run_saves(world, args.workload, size, root, list(PLANNERS), args.repeats)
                 for name in PLANNERS:
                     per_rank = bytes_per_rank(os.path.join(root, f"w{world}-{name}"), world)
                     ratio = max(per_rank) / (sum(per_rank) / world)
+                    median = statistics.median(times[name])
                     row = {
                         "world": world,
                         "planner": name,
-                        "save_s": times[name],
-                        "gb_per_s": total / times[name] / 1e9,
+                        "save_s": median,
+                        "save_s_samples": times[name],
+                        "gb_per_s": total / median / 1e9,
                         "bytes_per_rank": per_rank,
                         "max_over_mean": ratio,
                     }
                     report["saves"].append(row)
                     print(
-                        f"{world:>5} {name:<12} {times[name]:>7.2f} {row['gb_per_s']:>6.2f} "
+                        f"{world:>5} {name:<12} {median:>7.2f} {row['gb_per_s']:>6.2f} "
                         f"{ratio:>8.3f}  {' '.join(_mib(b) for b in per_rank)}"
                     )
                 shutil.rmtree(root)

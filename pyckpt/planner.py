@@ -96,6 +96,7 @@ class _Entry:
     """Writing ranks -> byte range, or None when that rank writes the item whole."""
     final: WriteItem | None = None  # the primary copy with its metadata index hint, once known
 
+
 # A rank's items, each with the entry shared by all copies of its index.
 _RankItems = list[tuple[WriteItem, _Entry]]
 

@@ -77,7 +77,7 @@ def spans(plans: list[SavePlan]) -> dict[MetadataIndex, list[tuple[int, int, int
 
 def loads(plans: list[SavePlan]) -> list[int]:
     out = [0] * len(plans)
-    for index, parts in spans(plans).items():
+    for parts in spans(plans).values():
         for start, end, rank in parts:
             out[rank] += end - start
     return out
@@ -105,8 +105,8 @@ def check_tiling(
         parts.sort()
         size = nbytes(item)
         assert parts[0][0] == 0 and parts[-1][1] == size
-        for (s0, e0, _), (s1, e1, _) in zip(parts, parts[1:]):
-            assert e0 == s1
+        for (_, end, _), (start, _, _) in zip(parts, parts[1:]):
+            assert end == start
         for start, end, _ in parts:
             assert start < end or size == 0
             assert start % alignment == 0
@@ -402,10 +402,12 @@ def test_metadata_matches_dcp_default_planner() -> None:
 
     full = (6, 2 * MiB)
     shards = [tensor_item("w", (2, 2 * MiB), offset=(2 * k, 0), full=full) for k in range(3)]
-    common = [tensor_item("rep", (3 * MiB + 5,), torch.bfloat16), bytes_item("epoch"),
-              tensor_item("scalar", ())]
-    before = [SavePlan([*common, shards[r % 3]], planner_data={"rep": ("rep",)})
-              for r in range(6)]
+    common = [
+        tensor_item("rep", (3 * MiB + 5,), torch.bfloat16),
+        bytes_item("epoch"),
+        tensor_item("scalar", ()),
+    ]
+    before = [SavePlan([*common, shards[r % 3]], planner_data={"rep": ("rep",)}) for r in range(6)]
     ours = SavePlanner().create_global_plan(before)[1]
     dcp = DefaultSavePlanner().create_global_plan(before)[1]
     assert ours.planner_data == dcp.planner_data

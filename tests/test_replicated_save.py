@@ -18,9 +18,9 @@ from typing import Any
 
 import pytest
 import torch
+from dist_utils import run_distributed
 
 import pyckpt
-from dist_utils import run_distributed
 
 MiB = 1 << 20
 CASES = ("single", "equal", "mixed")
@@ -49,7 +49,9 @@ def replicated_case(name: str) -> dict[str, Any]:
     if name == "single":  # one 256 MiB tensor
         return {"weight": pattern((64 * MiB,), torch.float32, seed)}
     if name == "equal":  # 128 tensors of 2 MiB
-        return {f"layers.{i}.w": pattern((1024, 1024), torch.bfloat16, seed + i) for i in range(128)}
+        return {
+            f"layers.{i}.w": pattern((1024, 1024), torch.bfloat16, seed + i) for i in range(128)
+        }
     # One 192 MiB tensor after 64 MiB of small tensors of assorted shapes and dtypes (the order
     # in which DCP's greedy dedup spreads the small ones evenly and then gives the huge one to a
     # single rank), plus non-tensor values.
@@ -75,7 +77,9 @@ def mixed_layouts(mesh: Any | None) -> dict[str, Any]:
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     torch.manual_seed(11)
-    model = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.ReLU(), torch.nn.Linear(512, 64))
+    model = torch.nn.Sequential(
+        torch.nn.Linear(256, 512), torch.nn.ReLU(), torch.nn.Linear(512, 64)
+    )
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
     model(torch.randn(8, 256)).square().sum().backward()
     opt.step()
@@ -151,7 +155,9 @@ def assert_same(expected: Any, got: Any) -> None:
                 e, a = e.to_local(), a.to_local()
             assert isinstance(a, torch.Tensor), key
             assert (a.dtype, a.shape) == (e.dtype, e.shape), key
-            assert torch.equal(a.reshape(-1).view(torch.uint8), e.reshape(-1).view(torch.uint8)), key
+            assert torch.equal(a.reshape(-1).view(torch.uint8), e.reshape(-1).view(torch.uint8)), (
+                key
+            )
         else:
             assert a == e, key
 
