@@ -621,13 +621,22 @@ def consolidate(
 ) -> ConsolidationResult:
     """Writes the full tensors of a sharded checkpoint as standard Hugging Face safetensors files.
 
-    Accepted input (``src``, a directory): the ``*.safetensors`` files written by DCP's
-    ``HuggingFaceStorageWriter(save_distributed=True)`` (each file's ``__metadata__`` carries
-    ``DCP_SHARDING_INFO`` with every shard's ``saved_offsets``), and plain safetensors files
-    without that key (each tensor then is whole, at offset 0). Every file header is validated
-    strictly; all safetensors dtypes are accepted, any tensor rank, shards along any dimension
-    or several, of uneven sizes. pyckpt's own checkpoint format is not accepted by this build
-    (see ``docs/CONSOLIDATE.md``).
+    Accepted input (``src``, a directory):
+
+    * a pyckpt checkpoint (the directory holds ``pyckpt.json``; written by
+      ``dcp.save(sd, storage_writer=pyckpt.Writer(src, compression=None | "zstd"))``): its
+      chunks are read, checksum-verified and decoded natively on the way, one chunk at a time
+      per copy thread. Every pyckpt dtype with a safetensors spelling is accepted (all but
+      complex128 and complex32); non-tensor items (DCP ``BYTE_IO`` values such as a step
+      counter) have no safetensors form and are skipped;
+    * the ``*.safetensors`` files written by DCP's
+      ``HuggingFaceStorageWriter(save_distributed=True)`` (each file's ``__metadata__`` carries
+      ``DCP_SHARDING_INFO`` with every shard's ``saved_offsets``), and plain safetensors files
+      without that key (each tensor then is whole, at offset 0). Every file header is validated
+      strictly; all safetensors dtypes are accepted.
+
+    Either way: any tensor rank, shards (DTensor pieces) along any dimension or several, of
+    uneven sizes.
 
     Output (``dst``, created if needed): ``model-0000i-of-0000N.safetensors`` files (8-byte
     aligned header padded with spaces, ``__metadata__ = {"format": "pt"}``, tensors contiguous
@@ -638,10 +647,10 @@ def consolidate(
 
     Every rank of ``process_group`` must call this with the same arguments; each copies a share
     of the output balanced by bytes (whole files when that balances within 5%, else byte ranges
-    that may split a file or a tensor). Rank 0 reads the headers, plans, creates and sizes the
-    temp files; all ranks write their ranges (native threads, GIL released, memory bounded by
-    ``threads`` x 16 MiB); rank 0 fsyncs, renames and writes the index. Processes outside the
-    group must not call it. After ``dcp.async_save``, wait for the returned future
+    that may split a file or a tensor). Rank 0 reads the headers or metadata, plans, creates
+    and sizes the temp files; all ranks write their ranges (native threads, GIL released, memory
+    bounded by ``threads`` x 2 x 16 MiB, or ``threads`` x 2 chunks for pyckpt inputs); rank 0
+    fsyncs, renames and writes the index. Processes outside the group must not call it. After ``dcp.async_save``, wait for the returned future
     (``fut.result()``) on every rank before consolidating its output.
 
     Args:
@@ -664,10 +673,14 @@ def consolidate(
         A :class:`ConsolidationResult`.
 
     Raises:
-        CheckpointFormatError: malformed or inconsistent input (bad header, offsets beyond a file,
-            overlapping shards, a missing shard, mismatched dtypes or ranks); names the tensor
-            and file.
-        UnsupportedDtypeError: a sub-byte dtype sharded at a non-byte boundary.
+        CheckpointFormatError: malformed or inconsistent input (bad header or metadata, offsets
+            beyond a file, overlapping shards, a missing shard, mismatched dtypes or ranks);
+            names the tensor and file.
+        ChecksumError: a pyckpt chunk does not match its recorded checksum (names the tensor,
+            the data file and the chunk's offset); no output file is left behind.
+        CompressionError: a pyckpt chunk's zstd frame does not decode.
+        UnsupportedDtypeError: a pyckpt tensor whose dtype safetensors cannot represent (names
+            the tensor), or a sub-byte dtype sharded at a non-byte boundary.
         FileNotFoundError / OSError: I/O failures, with the file name.
         ValueError: bad arguments.
     """

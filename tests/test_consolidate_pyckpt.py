@@ -10,6 +10,8 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import threading
+import time
 
 import numpy as np
 import pytest
@@ -183,6 +185,36 @@ def test_stitch_encoded_chunks_scatter(tmp_path, input_mode, cols):
     assert np.array_equal(np.fromfile(out, dtype=np.uint8), expect)
     assert stats["bytes"] == hi - lo
     assert stats["runs"] >= 3 * 4 - 2  # one run per row of each band reached
+
+
+def test_gil_released_while_decoding(tmp_path):
+    # A concurrent Python thread sees the byte counter move while encoded chunks are stitched.
+    g = torch.Generator().manual_seed(6)
+    bands = [torch.randint(0, 1 << 15, (2048, 4096), dtype=torch.int16, generator=g)
+             for _ in range(2)]
+    _save(tmp_path / "ck", {"b0": bands[0], "b1": bands[1]}, None, chunk_bytes=64 << 10)
+    tensors = read_index(tmp_path / "ck").tensors
+    row = 4096 * 2
+    shape, n = [2048, 2 * row], 2048 * 2 * row
+    out = tmp_path / "out.bin"
+    with open(out, "wb") as fh:
+        fh.truncate(n)
+    items = []
+    for i in range(2):
+        (piece,) = tensors[f"b{i}"].pieces
+        items += _chunk_items(piece.segments, shape, [0, i * row], [2048, row], str(out), 0, n)
+    prog = _C.StitchProgress()
+    t = threading.Thread(target=_C.stitch, args=(items, 1, 1 << 20, "pread", False, prog))
+    t.start()
+    observed = set()
+    while t.is_alive():
+        observed.add(prog.bytes)
+        time.sleep(0.0005)
+    t.join()
+    assert prog.bytes == n
+    assert len(observed - {0, n}) >= 2, observed
+    full = torch.cat(bands, dim=1).contiguous().view(torch.uint8).reshape(-1).numpy()
+    assert np.array_equal(np.fromfile(out, dtype=np.uint8), full)
 
 
 def test_stitch_piece_from_segments_split_mid_element(tmp_path):
