@@ -158,7 +158,7 @@ def minilm_state_dict(train_steps: int = 3, *, seed: int = 0) -> tuple[dict[str,
         source += ", trained with transformers.BertModel"
     else:
         holder = torch.nn.Module()
-        for i, (k, v) in enumerate(weights.items()):
+        for i, v in enumerate(weights.values()):
             holder.register_parameter(f"p{i}", torch.nn.Parameter(v.float().clone()))
         params = list(holder.parameters())
 

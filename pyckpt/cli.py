@@ -1,9 +1,14 @@
 """The ``pyckpt`` command line.
 
-``pyckpt consolidate SRC DST [--workers N]`` exports a sharded checkpoint (pyckpt's own format or
-DCP's sharded safetensors) to Hugging Face safetensors. With ``--workers N > 1`` it starts N local processes that form a gloo group on
-127.0.0.1 (no torchrun needed) and share the work through :func:`pyckpt.consolidate`; a progress
-bar (tqdm when installed, else a plain stderr line) sums the bytes the workers report.
+* ``pyckpt inspect CKPT`` summarises a checkpoint from its metadata (no tensor data read).
+* ``pyckpt verify CKPT`` reads every chunk, checking sizes, checksums and zstd frames.
+* ``pyckpt convert SRC DST`` converts between DCP ``FileSystemWriter`` checkpoints and pyckpt's.
+* ``pyckpt bench`` compares pyckpt with DCP's writers/readers on one workload in one run.
+* ``pyckpt consolidate SRC DST [--workers N]`` exports a sharded checkpoint (pyckpt's own format
+  or DCP's sharded safetensors) to Hugging Face safetensors. With ``--workers N > 1`` it starts
+  N local processes that form a gloo group on 127.0.0.1 (no torchrun needed) and share the work
+  through :func:`pyckpt.consolidate`; a progress bar (tqdm when installed, else a plain stderr
+  line) sums the bytes the workers report.
 """
 
 from __future__ import annotations
@@ -168,6 +173,56 @@ def _cmd_consolidate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _mib(n: int) -> str:
+    return f"{n / 2**20:,.1f} MiB"
+
+
+def _cmd_inspect(args: argparse.Namespace) -> int:
+    from pyckpt import tools
+
+    s = tools.summarize(args.path, top=args.top)
+    ratio = s.stored_bytes / s.raw_bytes if s.raw_bytes else 1.0
+    print(f"{s.path}: pyckpt format v{s.version}, save {s.save_id}, {s.created_by}")
+    print(f"  {s.tensors} tensors, {s.bytes_items} other values; {_mib(s.raw_bytes)} raw, "
+          f"{_mib(s.stored_bytes)} stored ({ratio:.3f}x) in {len(s.files)} data file(s)")
+    print("  by dtype:   " + ", ".join(f"{k} {_mib(v)}" for k, v in sorted(s.dtypes.items())))
+    print("  by codec:   " + ", ".join(f"{k} {_mib(v)}" for k, v in sorted(s.codecs.items())))
+    if s.largest:
+        print(f"  largest {len(s.largest)} tensors:")
+        for fqn, dtype, shape, nbytes in s.largest:
+            print(f"    {fqn:<60} {dtype:<10} {list(shape)!s:<20} {_mib(nbytes)}")
+    return 0
+
+
+def _cmd_verify(args: argparse.Namespace) -> int:
+    from pyckpt import tools
+
+    start = time.perf_counter()
+    report = tools.verify(args.path, threads=args.threads)
+    secs = time.perf_counter() - start
+    for name, err in sorted(report.errors.items()):
+        print(f"CORRUPT {name}: {err}")
+    print(f"{'OK' if report.ok else 'FAILED'}: {report.items_checked} items, "
+          f"{report.chunks_checked} chunks, {_mib(report.bytes_read)} read in {secs:.2f} s; "
+          f"{len(report.errors)} bad item(s)")
+    return 0 if report.ok else 2
+
+
+def _cmd_convert(args: argparse.Namespace) -> int:
+    from pyckpt import tools
+
+    compression = None if args.compression == "none" else args.compression
+    target = tools.convert(args.src, args.dst, to=args.to, compression=compression)
+    print(f"converted {args.src} -> {args.dst} ({target} format)")
+    return 0
+
+
+def _cmd_bench(args: argparse.Namespace) -> int:
+    from pyckpt import bench
+
+    return bench.run_cli(args)
+
+
 def _build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pyckpt", description="pyckpt checkpoint tools")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -187,6 +242,35 @@ def _build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-fsync", action="store_true", help="do not fsync the outputs")
     p.add_argument("--quiet", action="store_true", help="no progress bar or summary")
     p.set_defaults(func=_cmd_consolidate)
+
+    p = sub.add_parser("inspect", help="summarise a pyckpt checkpoint (metadata only)")
+    p.add_argument("path", help="checkpoint directory")
+    p.add_argument("--top", type=int, default=10, help="list the N largest tensors")
+    p.set_defaults(func=_cmd_inspect)
+
+    p = sub.add_parser("verify", help="read every chunk and check its checksum and encoding")
+    p.add_argument("path", help="checkpoint directory")
+    p.add_argument("--threads", type=int, default=None, help="reader threads")
+    p.set_defaults(func=_cmd_verify)
+
+    p = sub.add_parser(
+        "convert", help="convert between DCP FileSystemWriter and pyckpt checkpoints",
+        description="Convert a checkpoint between DCP's FileSystemWriter format and pyckpt's "
+        "(format detected from the source; the state is loaded into host memory once).",
+    )
+    p.add_argument("src", help="source checkpoint directory")
+    p.add_argument("dst", help="destination directory")
+    p.add_argument("--to", choices=("pyckpt", "dcp"), default=None,
+                   help="target format (default: the other one)")
+    p.add_argument("--compression", choices=("zstd", "none"), default="zstd",
+                   help="compression of a pyckpt target")
+    p.set_defaults(func=_cmd_convert)
+
+    from pyckpt import bench
+
+    p = sub.add_parser("bench", help="compare pyckpt with DCP on one workload, same run")
+    bench.add_arguments(p)
+    p.set_defaults(func=_cmd_bench)
     return parser
 
 

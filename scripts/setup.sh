@@ -30,15 +30,17 @@ if [ ! -x .venv/bin/python ]; then
   echo "[pyckpt setup] creating .venv"
   "$PYTHON" -m venv .venv
 fi
-PY=.venv/bin/python
+PY="$PWD/.venv/bin/python"
+QUIET_PIP='is ignored: it is neither a file nor a directory'  # noise from this machine's pip config
 
 # torch first, pinned: a bare 'torch' requirement could pull a multi-GB CUDA build.
 if ! "$PY" -c 'import torch, sys; sys.exit(torch.__version__.split("+")[0] != "2.13.0")' 2>/dev/null; then
   echo "[pyckpt setup] installing torch==2.13.0"
-  "$PY" -m pip install -q --disable-pip-version-check "torch==2.13.0"
+  "$PY" -m pip install -q --disable-pip-version-check "torch==2.13.0" 2>&1 | { grep -v "$QUIET_PIP" || true; }
 fi
 
 echo "[pyckpt setup] building and installing pyckpt"
 "$PY" -m pip install -q --disable-pip-version-check ".[test,bench,model]" 2>&1 \
-  | grep -v "is ignored: it is neither a file nor a directory" || true
-"$PY" -c 'import pyckpt, pyckpt._C; print("[pyckpt setup] pyckpt", pyckpt.__version__, "with zstd", pyckpt._C.zstd_version)'
+  | { grep -v "$QUIET_PIP" || true; }
+# Checked from outside the checkout, whose pyckpt/ (without the built _C) would shadow the install.
+(cd / && "$PY" -c 'import pyckpt, pyckpt._C; print("[pyckpt setup] pyckpt", pyckpt.__version__, "with zstd", pyckpt._C.zstd_version)')

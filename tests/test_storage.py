@@ -16,11 +16,10 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 import zstandard
+from dist_utils import run_distributed
 
 import pyckpt
 from pyckpt import _format
-
-from dist_utils import run_distributed
 
 CHUNK = 16 << 10  # small chunks so modest tensors span many of them
 
@@ -284,7 +283,7 @@ def _root_cause(exc: BaseException) -> BaseException:
 def _raises(excinfo_type, fn):  # type: ignore[no-untyped-def]
     try:
         fn()
-    except BaseException as e:  # noqa: BLE001 - unwrapped and checked below
+    except BaseException as e:
         cause = _root_cause(e)
         assert isinstance(cause, excinfo_type), repr(e)
         return cause
