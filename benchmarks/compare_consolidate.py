@@ -26,8 +26,8 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import torch  # noqa: E402
-from _consolidate_data import (  # noqa: E402
+import torch
+from _consolidate_data import (
     MemSampler,
     nbytes,
     scale,

@@ -16,10 +16,10 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import torch  # noqa: E402
-from _consolidate_data import nbytes, scale, state_dict, write_pyckpt, write_shards  # noqa: E402
+import torch
+from _consolidate_data import nbytes, scale, state_dict, write_pyckpt, write_shards
 
-import pyckpt  # noqa: E402
+import pyckpt
 
 
 @pytest.fixture(scope="module")

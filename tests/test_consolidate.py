@@ -30,7 +30,7 @@ from _st_workers import (
 )
 
 import pyckpt
-from pyckpt import CheckpointFormatError, PyckptError, UnsupportedDtypeError, _C
+from pyckpt import _C, CheckpointFormatError, PyckptError, UnsupportedDtypeError
 from pyckpt.consolidate import INDEX_NAME
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
