@@ -25,7 +25,6 @@ from pyckpt import _C, ChecksumError, UnsupportedDtypeError
 from pyckpt._format import read_index
 from pyckpt.consolidate import INDEX_NAME
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 COMPRESSIONS = [None, "zstd"]
 
 # Every pyckpt dtype that safetensors can hold.
@@ -131,7 +130,7 @@ def test_cli_pyckpt_input(tmp_path):
     full = {"w": sample_tensor((50, 40), torch.bfloat16, 3), "v": sample_tensor((7,), torch.int64, 4)}
     src, dst = str(tmp_path / "src"), str(tmp_path / "dst")
     _save(src, full, "zstd")
-    env = dict(os.environ, PYTHONPATH=REPO)
+    env = dict(os.environ)  # the installed pyckpt (or the caller's PYTHONPATH), never the checkout
     proc = subprocess.run(
         [sys.executable, "-m", "pyckpt", "consolidate", src, dst, "--workers", "1", "--no-fsync",
          "--quiet"],
