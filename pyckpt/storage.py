@@ -231,9 +231,6 @@ class Writer(_NativeUser, AsyncStagingMixin, StorageWriter):
 
     _transient = ("_blocks", "_blocks_key", "_staging")
 
-    # -- lifecycle -------------------------------------------------------------------------
-
-
     # -- StorageWriter ---------------------------------------------------------------------
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
