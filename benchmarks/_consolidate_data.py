@@ -95,3 +95,43 @@ class MemSampler:
         self._t.join()
         a, f = self.read()
         self.peak_anon, self.peak_file = max(self.peak_anon, a), max(self.peak_file, f)
+
+
+def _pyckpt_save_worker(
+    rank: int, world: int, port: int, src: str, target_bytes: int, dim: int, compression
+) -> None:
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    import pyckpt
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world)
+    try:
+        mesh = init_device_mesh("cpu", (world,))
+        sd = {  # every rank builds the full tensors (seeded) and keeps its slice: no scatter
+            k: distribute_tensor(v, mesh, [Shard(dim if v.dim() > dim else 0)], src_data_rank=None)
+            for k, v in state_dict(target_bytes).items()
+        }
+        dcp.save(sd, storage_writer=pyckpt.Writer(src, compression=compression, fsync=False))
+    finally:
+        dist.destroy_process_group()
+
+
+def write_pyckpt(src: str, target_bytes: int, nranks: int, dim: int, compression) -> None:
+    """pyckpt checkpoint of ``state_dict(target_bytes)`` saved as DTensors by ``nranks`` gloo ranks.
+
+    The same pieces as :func:`write_shards` (``Shard(dim)``, 1-D tensors along dim 0), so both
+    inputs describe the same sharded state.
+    """
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_pyckpt_save_worker, args=(nranks, port, src, target_bytes, dim, compression),
+             nprocs=nranks, join=True)

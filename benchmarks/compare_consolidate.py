@@ -1,10 +1,14 @@
-"""Compare pyckpt.consolidate with torch's consolidate_safetensors_files; print a table.
+"""Compare pyckpt.consolidate with torch's consolidate_safetensors_files; print tables.
 
 Usage:
     PYCKPT_BENCH_SCALE=1 python benchmarks/compare_consolidate.py [--repeats 3] [--dir DIR]
 
-Same input, same run, alternating, warm page cache, no fsync on either side (torch's consolidator
-never fsyncs). Then pyckpt with 2 and 4 local gloo workers (one output file, and ~5 files): bytes
+Same tensors, same run, alternating, warm page cache, no fsync on either side (torch's
+consolidator never fsyncs). Inputs per shard dim: the DCP-HF sharded safetensors (2 shard files,
+as HuggingFaceStorageWriter(save_distributed=True) writes them), read by torch and by pyckpt, and
+pyckpt checkpoints of the same DTensor pieces saved by 2 gloo ranks with pyckpt.Writer (raw and
+zstd), read by pyckpt (chunks verified and decoded on the way). Then pyckpt with 2 and 4 local
+gloo workers (one output file, and ~5 files): bytes
 per rank, max/mean, and peak RSS per worker (anonymous memory and file-backed pages separately:
 the output mapping's pages count as RssFile).
 """
@@ -22,8 +26,15 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import torch  # noqa: E402
-from _consolidate_data import MemSampler, nbytes, scale, state_dict, write_shards  # noqa: E402
+import torch
+from _consolidate_data import (
+    MemSampler,
+    nbytes,
+    scale,
+    state_dict,
+    write_pyckpt,
+    write_shards,
+)
 
 
 def run_torch(src: str, dst: str, names: list[str]) -> float:
@@ -89,43 +100,77 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--dir", default=None, help="work directory (default: a temp dir)")
     ap.add_argument("--threads", type=int, default=2, help="pyckpt threads (1 process)")
+    ap.add_argument("--no-multi-rank", action="store_true", help="skip the multi-rank table")
     args = ap.parse_args()
     work = tempfile.mkdtemp(prefix="pyckpt-bench-", dir=args.dir)
     try:
-        sd = state_dict(int(scale() * (1 << 30)))
+        target = int(scale() * (1 << 30))
+        sd = state_dict(target)
         size = nbytes(sd)
         names = list(sd)
+        load = os.getloadavg()
         print(f"# state dict: {len(sd)} bf16 tensors, {size / 2**20:.0f} MiB; 2 shards; "
-              f"{os.cpu_count()} CPUs; repeats={args.repeats}; warm cache, no fsync")
+              f"{os.cpu_count()} CPUs; load average {load[0]:.1f}/{load[1]:.1f}/{load[2]:.1f}; "
+              f"repeats={args.repeats}; warm cache, no fsync")
+        # who -> (implementation, input)
+        cases = {
+            "torch": ("torch", "hf"),
+            "pyckpt": ("pyckpt", "hf"),
+            "pyckpt-raw": ("pyckpt", "raw"),
+            "pyckpt-zstd": ("pyckpt", "zstd"),
+        }
         rows = []
+        stored = {}
         for dim in (0, 1):
-            src = os.path.join(work, f"src{dim}")
-            write_shards(src, sd, 2, dim)
-            times: dict[str, list[float]] = {"torch": [], "pyckpt": []}
+            srcs = {"hf": os.path.join(work, f"src{dim}")}
+            write_shards(srcs["hf"], sd, 2, dim)
+            for comp in ("raw", "zstd"):
+                srcs[comp] = os.path.join(work, f"pyckpt{dim}-{comp}")
+                write_pyckpt(srcs[comp], target, 2, dim, None if comp == "raw" else comp)
+                stored[(dim, comp)] = sum(
+                    os.path.getsize(os.path.join(srcs[comp], n)) for n in os.listdir(srcs[comp])
+                    if n.endswith(".pyckpt")
+                )
+            times: dict[str, list[float]] = {who: [] for who in cases}
             for rep in range(args.repeats + 1):  # first round warms the cache, not recorded
-                for who in ("torch", "pyckpt"):
+                for who, (impl, inp) in cases.items():
                     dst = os.path.join(work, f"dst-{who}")
                     shutil.rmtree(dst, ignore_errors=True)
-                    secs = (run_torch(src, dst, names) if who == "torch"
-                            else run_pyckpt(src, dst, args.threads))
+                    secs = (run_torch(srcs[inp], dst, names) if impl == "torch"
+                            else run_pyckpt(srcs[inp], dst, args.threads))
                     if rep:
                         times[who].append(secs)
             from safetensors.torch import load_file
 
-            a = load_file(os.path.join(work, "dst-torch", "model-00001-of-00001.safetensors"))
-            b = load_file(os.path.join(work, "dst-pyckpt", "model-00001-of-00001.safetensors"))
-            assert all(torch.equal(a[k], b[k]) and torch.equal(b[k], sd[k]) for k in sd)
-            mt, mp_ = statistics.median(times["torch"]), statistics.median(times["pyckpt"])
-            rows.append((dim, mt, mp_))
-            for k in ("dst-torch", "dst-pyckpt"):
-                shutil.rmtree(os.path.join(work, k))
-        print("\n| shard dim | torch consolidate_safetensors_files (1 thread) | "
-              f"pyckpt.consolidate (1 process, {args.threads} threads) | speedup |")
+            ref = load_file(os.path.join(work, "dst-torch", "model-00001-of-00001.safetensors"))
+            assert all(torch.equal(ref[k], sd[k]) for k in sd)
+            for who in cases:
+                out = load_file(os.path.join(work, f"dst-{who}", "model-00001-of-00001.safetensors"))
+                assert sorted(out) == sorted(sd) and all(torch.equal(out[k], sd[k]) for k in sd), who
+                shutil.rmtree(os.path.join(work, f"dst-{who}"))
+            for comp in ("raw", "zstd"):
+                shutil.rmtree(srcs[comp])
+            rows.append((dim, {who: statistics.median(t) for who, t in times.items()}))
+        print("\n| shard dim | torch `consolidate_safetensors_files` (1 thread), DCP-HF input | "
+              f"pyckpt.consolidate (1 process, {args.threads} threads), DCP-HF input | speedup |")
         print("|---|---|---|---|")
-        for dim, mt, mp_ in rows:
+        for dim, med in rows:
+            mt, mp_ = med["torch"], med["pyckpt"]
             print(f"| {dim} | {mt:.3f} s ({size / mt / 1e9:.2f} GB/s) | "
                   f"{mp_:.3f} s ({size / mp_ / 1e9:.2f} GB/s) | {mt / mp_:.1f}x |")
+        print("\n| shard dim | pyckpt input | stored MiB | pyckpt.consolidate "
+              f"({args.threads} threads) | speedup vs torch on DCP-HF | "
+              "time / pyckpt on DCP-HF |")
+        print("|---|---|---|---|---|---|")
+        for dim, med in rows:
+            for comp in ("raw", "zstd"):
+                m = med[f"pyckpt-{comp}"]
+                print(f"| {dim} | {comp} | {stored[(dim, comp)] / 2**20:.0f} | {m:.3f} s "
+                      f"({size / m / 1e9:.2f} GB/s) | {med['torch'] / m:.2f}x | "
+                      f"{m / med['pyckpt']:.2f} |")
 
+        if args.no_multi_rank:
+            return
         src = os.path.join(work, "src1")
         print("\n| workers | outputs | bytes per rank (MiB) | max/mean | wall max (s) | "
               "peak RssAnon per worker (MiB, +growth) | peak RssFile (MiB) |")

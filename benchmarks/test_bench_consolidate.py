@@ -1,7 +1,9 @@
 """pytest-benchmark: pyckpt.consolidate vs torch's consolidate_safetensors_files.
 
-Scaled by PYCKPT_BENCH_SCALE (default 0.03, about 30 MiB); `pytest benchmarks --benchmark-disable`
-is a quick smoke run. Every timed output is checked against the original tensors afterwards.
+Inputs: DCP-HF sharded safetensors (2 shard files, read by both) and pyckpt checkpoints of the
+same DTensor pieces saved by 2 gloo ranks, raw and zstd (read by pyckpt). Scaled by
+PYCKPT_BENCH_SCALE (default 0.03, about 30 MiB); `pytest benchmarks --benchmark-disable` is a
+quick smoke run. Every timed output is checked against the original tensors afterwards.
 """
 
 from __future__ import annotations
@@ -14,10 +16,10 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import torch  # noqa: E402
-from _consolidate_data import nbytes, scale, state_dict, write_shards  # noqa: E402
+import torch
+from _consolidate_data import nbytes, scale, state_dict, write_pyckpt, write_shards
 
-import pyckpt  # noqa: E402
+import pyckpt
 
 
 @pytest.fixture(scope="module")
@@ -32,15 +34,36 @@ def _check(dst, sd):
     assert all(torch.equal(out[k], v) for k, v in sd.items())
 
 
+@pytest.fixture(scope="module")
+def pyckpt_inputs(tmp_path_factory):
+    """(dim, compression) -> pyckpt checkpoint directory, saved on first use."""
+    made: dict[tuple[int, str], str] = {}
+
+    def get(dim: int, comp: str) -> str:
+        if (dim, comp) not in made:
+            path = str(tmp_path_factory.mktemp(f"pyckpt{dim}{comp}"))
+            write_pyckpt(path, int(scale() * (1 << 30)), 2, dim, None if comp == "raw" else comp)
+            made[(dim, comp)] = path
+        return made[(dim, comp)]
+
+    return get
+
+
 @pytest.mark.parametrize("dim", [0, 1])
-@pytest.mark.parametrize("impl", ["pyckpt", "torch"])
-def test_consolidate(benchmark, tmp_path, sd, dim, impl):
+@pytest.mark.parametrize(
+    "impl,source", [("pyckpt", "hf"), ("torch", "hf"), ("pyckpt", "raw"), ("pyckpt", "zstd")]
+)
+def test_consolidate(benchmark, tmp_path, sd, pyckpt_inputs, dim, impl, source):
     from torch.distributed.checkpoint._consolidate_hf_safetensors import (
         consolidate_safetensors_files,
     )
 
-    src, dst = str(tmp_path / "src"), str(tmp_path / "dst")
-    write_shards(src, sd, 2, dim)
+    dst = str(tmp_path / "dst")
+    if source == "hf":
+        src = str(tmp_path / "src")
+        write_shards(src, sd, 2, dim)
+    else:
+        src = pyckpt_inputs(dim, source)
 
     def setup():
         shutil.rmtree(dst, ignore_errors=True)
@@ -52,6 +75,7 @@ def test_consolidate(benchmark, tmp_path, sd, dim, impl):
         else:
             pyckpt.consolidate(src, dst, threads=2, fsync=False)
 
+    benchmark.extra_info["input"] = source
     benchmark.pedantic(run, setup=setup, rounds=3, warmup_rounds=1)
     _check(dst, sd)
     if benchmark.stats is not None:

@@ -242,7 +242,11 @@ class StitchProgress:
 
 def stitch(
     items: list[
-        tuple[str, list[int], list[int], list[int], int, str, int, str, int, int, int, int, int]
+        tuple[
+            str, list[int], list[int], list[int], int, str,
+            int | tuple[tuple[int, int, int, int, tuple[int, ...]], tuple[str, int, int, str]],
+            str, int, int, int, int, int,
+        ]
     ],
     threads: int,
     task_bytes: int,

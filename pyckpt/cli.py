@@ -4,10 +4,11 @@
 * ``pyckpt verify CKPT`` reads every chunk, checking sizes, checksums and zstd frames.
 * ``pyckpt convert SRC DST`` converts between DCP ``FileSystemWriter`` checkpoints and pyckpt's.
 * ``pyckpt bench`` compares pyckpt with DCP's writers/readers on one workload in one run.
-* ``pyckpt consolidate SRC DST [--workers N]`` exports a sharded checkpoint to Hugging Face
-safetensors. With ``--workers N > 1`` it starts N local processes that form a gloo group on
-127.0.0.1 (no torchrun needed) and share the work through :func:`pyckpt.consolidate`; a progress
-bar (tqdm when installed, else a plain stderr line) sums the bytes the workers report.
+* ``pyckpt consolidate SRC DST [--workers N]`` exports a sharded checkpoint (pyckpt's own format
+  or DCP's sharded safetensors) to Hugging Face safetensors. With ``--workers N > 1`` it starts
+  N local processes that form a gloo group on 127.0.0.1 (no torchrun needed) and share the work
+  through :func:`pyckpt.consolidate`; a progress bar (tqdm when installed, else a plain stderr
+  line) sums the bytes the workers report.
 """
 
 from __future__ import annotations
@@ -231,7 +232,7 @@ def _build_parser() -> argparse.ArgumentParser:
         description="Export a sharded checkpoint (DCP HuggingFaceStorageWriter output) to "
         "model-0000i-of-0000N.safetensors files plus model.safetensors.index.json.",
     )
-    p.add_argument("src", help="input checkpoint directory")
+    p.add_argument("src", help="input: a pyckpt checkpoint or DCP sharded safetensors directory")
     p.add_argument("dst", help="output directory (created if needed)")
     p.add_argument("--workers", type=int, default=1, help="local worker processes (gloo group)")
     p.add_argument("--threads", type=int, default=None, help="copy threads per worker")

@@ -33,12 +33,17 @@ ProgressFn = Callable[[int, int], None]
 
 @dataclass(frozen=True)
 class _Block:
-    """Row-major bytes of one shard: ``path`` at absolute ``offset``, hyper-rectangle geometry."""
+    """Row-major bytes of one shard: ``path`` at absolute ``offset``, hyper-rectangle geometry.
+
+    For a pyckpt piece, ``segments`` holds its stored segments (``_format`` tuples) and the bytes
+    come from decoding their chunks; ``path`` is then the first segment's file (for messages).
+    """
 
     path: str
     offset: int
     offsets: tuple[int, ...]
     sizes: tuple[int, ...]
+    segments: tuple[Any, ...] | None = None
 
 
 @dataclass
@@ -48,6 +53,7 @@ class _Tensor:
     shape: tuple[int, ...]
     bits: int
     blocks: list[_Block] = field(default_factory=list)
+    encoded: bool = False  # pyckpt input: blocks are decoded from chunks, stitched as bytes
 
     @property
     def nbytes(self) -> int:
@@ -170,6 +176,72 @@ def _scan_safetensors(src: str) -> dict[str, _Tensor]:
     return tensors
 
 
+#: pyckpt dtype (torch name) -> safetensors dtype. Absent: no safetensors spelling exists
+#: (complex128, complex32), refused with UnsupportedDtypeError.
+_ST_DTYPES: dict[str, str] = {
+    "float64": "F64",
+    "float32": "F32",
+    "float16": "F16",
+    "bfloat16": "BF16",
+    "float8_e4m3fn": "F8_E4M3",
+    "float8_e5m2": "F8_E5M2",
+    "float8_e8m0fnu": "F8_E8M0",
+    "float8_e4m3fnuz": "F8_E4M3FNUZ",
+    "float8_e5m2fnuz": "F8_E5M2FNUZ",
+    "complex64": "C64",
+    "int64": "I64",
+    "int32": "I32",
+    "int16": "I16",
+    "int8": "I8",
+    "uint64": "U64",
+    "uint32": "U32",
+    "uint16": "U16",
+    "uint8": "U8",
+    "bool": "BOOL",
+}
+
+
+def _is_pyckpt(src: str) -> bool:
+    from pyckpt._format import METADATA_FILE
+
+    return os.path.isfile(os.path.join(src, METADATA_FILE))
+
+
+def _scan_pyckpt(src: str) -> dict[str, _Tensor]:
+    """Reads a pyckpt checkpoint's metadata; every stored tensor becomes a _Tensor of pieces."""
+    from pyckpt._format import DTYPE_SIZES, read_index
+
+    index = read_index(src)
+    if index.bytes_items:
+        logger.info(
+            "%s: skipping %d non-tensor item(s) (DCP BYTE_IO values have no safetensors form)",
+            src, len(index.bytes_items),
+        )
+    if not index.tensors:
+        raise CheckpointFormatError(f"{src}: the checkpoint holds no tensors to consolidate")
+    tensors: dict[str, _Tensor] = {}
+    for name in sorted(index.tensors):
+        st = index.tensors[name]
+        dtype = _ST_DTYPES.get(st.dtype)
+        if dtype is None:
+            raise UnsupportedDtypeError(
+                f"tensor {name!r} has dtype {st.dtype}, which safetensors cannot represent"
+            )
+        bits = _C.safetensors_dtype_bits(dtype)
+        if bits != 8 * DTYPE_SIZES[st.dtype]:  # the two tables must agree
+            raise PyckptError(f"dtype tables disagree on {st.dtype} / {dtype}")
+        t = tensors[name] = _Tensor(name, dtype, tuple(st.shape), bits, encoded=True)
+        for piece in st.pieces:
+            segs = tuple(piece.segments)
+            origin = os.path.join(src, "<no data>") if not segs else segs[0][0]
+            t.blocks.append(_Block(origin, 0, tuple(piece.offsets), tuple(piece.sizes), segs))
+        _C.check_tiling(
+            name, list(t.shape),
+            [(b.offsets, b.sizes, os.path.basename(b.path)) for b in t.blocks],
+        )
+    return tensors
+
+
 # --------------------------------------------------------------------------- planning
 
 
@@ -226,8 +298,21 @@ def _byte_geometry(t: _Tensor, b: _Block) -> tuple[list[int], list[int], list[in
     """(shape, offsets, sizes, item_bytes) in whole elements of >= 1 byte.
 
     Sub-byte dtypes (F4, F6_*) are stitched as bytes: the last dimension is rescaled, which needs
-    every shard boundary along it to fall on a byte boundary.
+    every shard boundary along it to fall on a byte boundary. pyckpt pieces are always stitched
+    as bytes (last dimension times the element size, a scalar as a vector of its bytes): their
+    chunks are byte ranges that may start or end inside an element.
     """
+    if t.encoded:
+        item = t.bits // 8
+        if not t.shape:
+            return [item], [0], [item], 1
+        last = len(t.shape) - 1
+        return (
+            list(t.shape[:last]) + [t.shape[last] * item],
+            list(b.offsets[:last]) + [b.offsets[last] * item],
+            list(b.sizes[:last]) + [b.sizes[last] * item],
+            1,
+        )
     if t.bits % 8 == 0:
         return list(t.shape), list(b.offsets), list(b.sizes), t.bits // 8
     if len(t.blocks) == 1:  # the whole tensor in one shard: a plain byte vector
@@ -252,7 +337,7 @@ def _make_plan(
     fqn_to_file: Mapping[str, int | str] | None,
     max_file_bytes: int | None,
 ) -> _Plan:
-    tensors = _scan_safetensors(src)
+    tensors = _scan_pyckpt(src) if _is_pyckpt(src) else _scan_safetensors(src)
     groups = _assign_files(tensors, fqn_to_file, max_file_bytes)
     token = uuid.uuid4().hex[:12]
     files: list[_OutFile] = []
@@ -334,6 +419,14 @@ def _items(plan: _Plan, dst: str, share: list[tuple[int, int, int]]) -> list[tup
             t = plan.tensors[name]
             for blk in t.blocks:
                 shape, offsets, sizes, item = _byte_geometry(t, blk)
+                if blk.segments is not None:
+                    items.extend(
+                        _chunk_items(
+                            name, shape, offsets, sizes, blk.segments, out_path,
+                            f.data_start + begin, a - begin, b - begin,
+                        )
+                    )
+                    continue
                 items.append(
                     (
                         name, shape, offsets, sizes, item, blk.path, blk.offset, out_path,
@@ -341,6 +434,50 @@ def _items(plan: _Plan, dst: str, share: list[tuple[int, int, int]]) -> list[tup
                         0, 2**64 - 1,
                     )
                 )
+    return items
+
+
+def _chunk_items(
+    name: str,
+    shape: list[int],
+    offsets: list[int],
+    sizes: list[int],
+    segments: tuple[Any, ...],
+    out_path: str,
+    out_offset: int,
+    lo: int,
+    hi: int,
+) -> list[tuple]:
+    """Stitcher items (one per chunk) for the chunks of a pyckpt piece that reach [lo, hi).
+
+    Byte geometry (item size 1): chunk ``[p, q)`` of the piece's raw bytes is block elements
+    ``[p, q)``. A chunk whose first and last byte both land before ``lo`` or at/after ``hi`` of
+    the tensor is left out (the stitcher would skip it anyway; this keeps the item list short
+    when ranks split a large tensor).
+    """
+    strides = [1] * len(shape)
+    for d in range(len(shape) - 1, 0, -1):
+        strides[d - 1] = strides[d] * shape[d]
+
+    def global_index(k: int) -> int:
+        g = 0
+        for d in range(len(sizes) - 1, -1, -1):
+            k, r = divmod(k, sizes[d])
+            g += (offsets[d] + r) * strides[d]
+        return g
+
+    items = []
+    for path, raw_begin, params, chunks in segments:
+        pos = raw_begin
+        for rec in chunks:
+            p, q = pos, pos + rec[1]
+            pos = q
+            if p == q or global_index(q - 1) < lo or global_index(p) >= hi:
+                continue
+            items.append(
+                (name, shape, offsets, sizes, 1, path, (rec, params), out_path, out_offset,
+                 lo, hi, p, q)
+            )
     return items
 
 
@@ -484,13 +621,22 @@ def consolidate(
 ) -> ConsolidationResult:
     """Writes the full tensors of a sharded checkpoint as standard Hugging Face safetensors files.
 
-    Accepted input (``src``, a directory): the ``*.safetensors`` files written by DCP's
-    ``HuggingFaceStorageWriter(save_distributed=True)`` (each file's ``__metadata__`` carries
-    ``DCP_SHARDING_INFO`` with every shard's ``saved_offsets``), and plain safetensors files
-    without that key (each tensor then is whole, at offset 0). Every file header is validated
-    strictly; all safetensors dtypes are accepted, any tensor rank, shards along any dimension
-    or several, of uneven sizes. pyckpt's own checkpoint format is not accepted by this build
-    (see ``docs/CONSOLIDATE.md``).
+    Accepted input (``src``, a directory):
+
+    * a pyckpt checkpoint (the directory holds ``pyckpt.json``; written by
+      ``dcp.save(sd, storage_writer=pyckpt.Writer(src, compression=None | "zstd"))``): its
+      chunks are read, checksum-verified and decoded natively on the way, one chunk at a time
+      per copy thread. Every pyckpt dtype with a safetensors spelling is accepted (all but
+      complex128 and complex32); non-tensor items (DCP ``BYTE_IO`` values such as a step
+      counter) have no safetensors form and are skipped;
+    * the ``*.safetensors`` files written by DCP's
+      ``HuggingFaceStorageWriter(save_distributed=True)`` (each file's ``__metadata__`` carries
+      ``DCP_SHARDING_INFO`` with every shard's ``saved_offsets``), and plain safetensors files
+      without that key (each tensor then is whole, at offset 0). Every file header is validated
+      strictly; all safetensors dtypes are accepted.
+
+    Either way: any tensor rank, shards (DTensor pieces) along any dimension or several, of
+    uneven sizes.
 
     Output (``dst``, created if needed): ``model-0000i-of-0000N.safetensors`` files (8-byte
     aligned header padded with spaces, ``__metadata__ = {"format": "pt"}``, tensors contiguous
@@ -501,10 +647,10 @@ def consolidate(
 
     Every rank of ``process_group`` must call this with the same arguments; each copies a share
     of the output balanced by bytes (whole files when that balances within 5%, else byte ranges
-    that may split a file or a tensor). Rank 0 reads the headers, plans, creates and sizes the
-    temp files; all ranks write their ranges (native threads, GIL released, memory bounded by
-    ``threads`` x 16 MiB); rank 0 fsyncs, renames and writes the index. Processes outside the
-    group must not call it. After ``dcp.async_save``, wait for the returned future
+    that may split a file or a tensor). Rank 0 reads the headers or metadata, plans, creates
+    and sizes the temp files; all ranks write their ranges (native threads, GIL released, memory
+    bounded by ``threads`` x 2 x 16 MiB, or ``threads`` x 2 chunks for pyckpt inputs); rank 0
+    fsyncs, renames and writes the index. Processes outside the group must not call it. After ``dcp.async_save``, wait for the returned future
     (``fut.result()``) on every rank before consolidating its output.
 
     Args:
@@ -527,10 +673,14 @@ def consolidate(
         A :class:`ConsolidationResult`.
 
     Raises:
-        CheckpointFormatError: malformed or inconsistent input (bad header, offsets beyond a file,
-            overlapping shards, a missing shard, mismatched dtypes or ranks); names the tensor
-            and file.
-        UnsupportedDtypeError: a sub-byte dtype sharded at a non-byte boundary.
+        CheckpointFormatError: malformed or inconsistent input (bad header or metadata, offsets
+            beyond a file, overlapping shards, a missing shard, mismatched dtypes or ranks);
+            names the tensor and file.
+        ChecksumError: a pyckpt chunk does not match its recorded checksum (names the tensor,
+            the data file and the chunk's offset); no output file is left behind.
+        CompressionError: a pyckpt chunk's zstd frame does not decode.
+        UnsupportedDtypeError: a pyckpt tensor whose dtype safetensors cannot represent (names
+            the tensor), or a sub-byte dtype sharded at a non-byte boundary.
         FileNotFoundError / OSError: I/O failures, with the file name.
         ValueError: bad arguments.
     """

@@ -137,7 +137,36 @@ class _Native:
             self._pool = None
 
 
-class Writer(AsyncStagingMixin, StorageWriter):
+class _NativeUser:
+    """Lifecycle shared by Writer and Reader: native resources are created lazily, released by
+    :meth:`close` (or ``with``), and never pickled (DCP's process-based async save pickles the
+    writer); the object stays usable after ``close()``."""
+
+    threads: int | None
+    _native: _Native
+    _transient: tuple[str, ...] = ()  # attributes dropped by close() and pickling
+
+    def close(self) -> None:
+        """Stops the native worker threads and frees staging and encode buffers."""
+        self._close_staging()  # type: ignore[attr-defined]
+        self._native.close()
+        for name in self._transient:
+            setattr(self, name, None)
+
+    def __enter__(self) -> Any:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state["_native"] = _Native(self.threads)
+        state.update(dict.fromkeys(self._transient))
+        return self._drop_staging_state(state)  # type: ignore[attr-defined,no-any-return]
+
+
+class Writer(_NativeUser, AsyncStagingMixin, StorageWriter):
     """DCP ``StorageWriter`` writing pyckpt checkpoints.
 
     Args:
@@ -200,29 +229,7 @@ class Writer(AsyncStagingMixin, StorageWriter):
         self._blocks_key: tuple[int, Any] | None = None
         self._staging: Any = None  # aligned staging blocks of the data-file writer, reused
 
-    # -- lifecycle -------------------------------------------------------------------------
-
-    def close(self) -> None:
-        """Stops the native worker threads and frees the encode buffers (reusable afterwards)."""
-        self._close_staging()
-        self._native.close()
-        self._blocks = None
-        self._blocks_key = None
-        self._staging = None
-
-    def __enter__(self) -> Writer:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def __getstate__(self) -> dict[str, Any]:
-        state = self.__dict__.copy()
-        state["_native"] = _Native(self.threads)
-        state["_blocks"] = None
-        state["_blocks_key"] = None
-        state["_staging"] = None
-        return self._drop_staging_state(state)
+    _transient = ("_blocks", "_blocks_key", "_staging")
 
     # -- StorageWriter ---------------------------------------------------------------------
 
@@ -461,7 +468,7 @@ class Writer(AsyncStagingMixin, StorageWriter):
         return isinstance(checkpoint_id, (str, os.PathLike))
 
 
-class Reader(StagingMixin, StorageReader):
+class Reader(_NativeUser, StagingMixin, StorageReader):
     """DCP ``StorageReader`` for pyckpt checkpoints, including resharded loads.
 
     Each ``ReadItem`` is served by reading, verifying and decoding only the chunks that overlap
@@ -502,21 +509,6 @@ class Reader(StagingMixin, StorageReader):
         # typed error here: DCP turns read_metadata() failures into an untyped AssertionError.
         self._index: _format.CheckpointIndex | None = _format.read_index(self.path)
 
-    def close(self) -> None:
-        """Stops the native worker threads."""
-        self._close_staging()
-        self._native.close()
-
-    def __enter__(self) -> Reader:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def __getstate__(self) -> dict[str, Any]:
-        state = self.__dict__.copy()
-        state["_native"] = _Native(self.threads)
-        return self._drop_staging_state(state)
 
     # -- StorageReader ---------------------------------------------------------------------
 

@@ -112,3 +112,12 @@ def thread_pool_factory() -> Iterator[Callable[[int], object]]:
     yield make
     for pool in pools:
         pool.shutdown()
+
+
+@pytest.fixture(autouse=True)
+def _run_outside_the_checkout(tmp_path_factory: pytest.TempPathFactory,
+                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """Runs every test from a scratch directory: subprocesses started with ``python -c`` or
+    ``python -m`` put their working directory on sys.path, and the checkout's ``pyckpt/`` (without
+    the built ``_C``) must never shadow the installed package."""
+    monkeypatch.chdir(tmp_path_factory.getbasetemp())

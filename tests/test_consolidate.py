@@ -30,10 +30,8 @@ from _st_workers import (
 )
 
 import pyckpt
-from pyckpt import CheckpointFormatError, PyckptError, UnsupportedDtypeError, _C
+from pyckpt import _C, CheckpointFormatError, PyckptError, UnsupportedDtypeError
 from pyckpt.consolidate import INDEX_NAME
-
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 ALL_DTYPES = [
     torch.bool,
@@ -385,7 +383,7 @@ def test_crash_mid_export_leaves_no_final_file(tmp_path):
         "import os, pyckpt\n"
         f"pyckpt.consolidate({src!r}, {dst!r}, progress=lambda d, t: os._exit(17))\n"
     )
-    env = dict(os.environ, PYTHONPATH=REPO)
+    env = dict(os.environ)  # the installed pyckpt (or the caller's PYTHONPATH), never the checkout
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, timeout=120)
     assert proc.returncode == 17, proc.stderr.decode()
     leftovers = os.listdir(dst)
@@ -417,7 +415,7 @@ def test_cli_workers(tmp_path):
     full = {"w": sample_tensor((40, 12), torch.bfloat16, 3), "v": sample_tensor((7,), torch.int64, 4)}
     src, dst = str(tmp_path / "src"), str(tmp_path / "dst")
     write_dcp_shards(src, full, {"w": grid_blocks((40, 12), [1, 3]), "v": grid_blocks((7,), [3])}, 3)
-    env = dict(os.environ, PYTHONPATH=REPO)
+    env = dict(os.environ)  # the installed pyckpt (or the caller's PYTHONPATH), never the checkout
     proc = subprocess.run(
         [sys.executable, "-m", "pyckpt", "consolidate", src, dst, "--workers", "2", "--no-fsync"],
         env=env, capture_output=True, timeout=180,

@@ -447,7 +447,6 @@ def test_write_failing_midway_reports_efbig(tmp_path, direct) -> None:
     target = tmp_path / "out" / "0-0.pyckpt"
     target.parent.mkdir()
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parents[1]), env.get("PYTHONPATH", "")])
     proc = subprocess.run(
         [sys.executable, "-c", _EFBIG_SCRIPT, str(target), direct],
         capture_output=True,

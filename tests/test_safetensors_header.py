@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from pyckpt import CheckpointFormatError, _C
+from pyckpt import _C, CheckpointFormatError
 
 DTYPES = ["BOOL", "U8", "I8", "F8_E5M2", "F8_E4M3", "F8_E8M0", "I16", "U16", "F16", "BF16",
           "I32", "U32", "F32", "C64", "F64", "I64", "U64"]

@@ -58,19 +58,6 @@ std::shared_ptr<PinnedPool> make_pinned_pool(const std::shared_ptr<CudaRuntime>&
       PinnedPool{BufferPool::create(block_bytes, max_blocks, std::move(alloc))});
 }
 
-py::dict pool_stats(const BufferPool& pool) {
-  const PoolStats s = pool.stats();
-  py::dict d;
-  d["block_bytes"] = s.block_bytes;
-  d["max_blocks"] = s.max_blocks;
-  d["allocated"] = s.allocated;
-  d["in_use"] = s.in_use;
-  d["peak_in_use"] = s.peak_in_use;
-  d["acquires"] = s.acquires;
-  d["pinned"] = s.pinned;
-  return d;
-}
-
 std::vector<CopySpec> to_specs(const std::vector<SpecTuple>& specs) {
   std::vector<CopySpec> out;
   out.reserve(specs.size());

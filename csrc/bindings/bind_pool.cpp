@@ -33,19 +33,21 @@ void bind_pool(py::module_& m) {
                              R"pbdoc(Block size in bytes (a multiple of 4096).)pbdoc")
       .def(
           "stats",
-          [](const BufferPool& self) {
-            const PoolStats s = self.stats();
-            py::dict d;
-            d["block_bytes"] = s.block_bytes;
-            d["max_blocks"] = s.max_blocks;
-            d["allocated"] = s.allocated;
-            d["in_use"] = s.in_use;
-            d["peak_in_use"] = s.peak_in_use;
-            d["acquires"] = s.acquires;
-            d["pinned"] = s.pinned;
-            return d;
-          },
+          [](const BufferPool& self) { return pool_stats(self); },
           R"pbdoc(Counters as a dict with the PoolStats field names.)pbdoc");
+}
+
+py::dict pool_stats(const BufferPool& pool) {
+  const PoolStats s = pool.stats();
+  py::dict d;
+  d["block_bytes"] = s.block_bytes;
+  d["max_blocks"] = s.max_blocks;
+  d["allocated"] = s.allocated;
+  d["in_use"] = s.in_use;
+  d["peak_in_use"] = s.peak_in_use;
+  d["acquires"] = s.acquires;
+  d["pinned"] = s.pinned;
+  return d;
 }
 
 }  // namespace pyckpt::bindings

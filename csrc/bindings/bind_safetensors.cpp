@@ -5,6 +5,7 @@
 #include <stdexcept>
 
 #include "bindings/bindings.hpp"
+#include "bindings/core_convert.hpp"
 #include "core/safetensors.hpp"
 #include "core/stitcher.hpp"
 
@@ -41,11 +42,46 @@ StDtype dtype_arg(const std::string& name) {
   return *dt;
 }
 
-using ItemTuple =
-    std::tuple<std::string, std::vector<std::uint64_t>, std::vector<std::uint64_t>,
-               std::vector<std::uint64_t>, std::uint32_t, std::string, std::uint64_t,
-               std::string, std::uint64_t, std::uint64_t, std::uint64_t, std::uint64_t,
-               std::uint64_t>;
+// (name, shape, offsets, sizes, item_bytes, src_path, source, out_path, out_offset, lo, hi,
+//  block_lo, block_hi); source is an int (RawFile offset) or (chunk record, codec params).
+constexpr std::size_t kItemFields = 13;
+
+StitchItem item_from_py(py::handle obj) {
+  if (!py::isinstance<py::tuple>(obj) && !py::isinstance<py::list>(obj)) {
+    throw py::type_error("stitch item must be a tuple");
+  }
+  auto seq = py::reinterpret_borrow<py::sequence>(obj);
+  if (seq.size() != kItemFields) {
+    throw py::value_error("stitch item has " + std::to_string(seq.size()) + " fields, expected " +
+                          std::to_string(kItemFields));
+  }
+  StitchItem it;
+  it.name = py::cast<std::string>(seq[0]);
+  it.shape = py::cast<std::vector<std::uint64_t>>(seq[1]);
+  it.offsets = py::cast<std::vector<std::uint64_t>>(seq[2]);
+  it.sizes = py::cast<std::vector<std::uint64_t>>(seq[3]);
+  it.item_bytes = py::cast<std::uint32_t>(seq[4]);
+  it.source.path = py::cast<std::string>(seq[5]);
+  py::object source = seq[6];
+  if (PyLong_Check(source.ptr())) {
+    it.source.kind = StitchSource::Kind::RawFile;
+    it.source.offset = u64_from_py(source, "source offset");
+  } else {
+    if (!py::isinstance<py::tuple>(source) || py::len(source) != 2) {
+      throw py::type_error("stitch source must be an int offset or a (chunk, params) tuple");
+    }
+    it.source.kind = StitchSource::Kind::EncodedChunk;
+    it.source.chunk = record_from_py(source[py::int_(0)]);
+    it.source.params = params_from_py(source[py::int_(1)]);
+  }
+  it.out_path = py::cast<std::string>(seq[7]);
+  it.out_offset = u64_from_py(seq[8], "out_offset");
+  it.lo = u64_from_py(seq[9], "lo");
+  it.hi = u64_from_py(seq[10], "hi");
+  it.block_lo = u64_from_py(seq[11], "block_lo");
+  it.block_hi = u64_from_py(seq[12], "block_hi");
+  return it;
+}
 
 }  // namespace
 
@@ -130,29 +166,11 @@ void bind_safetensors(py::module_& m) {
 
   m.def(
       "stitch",
-      [](const std::vector<ItemTuple>& items, std::size_t threads, std::size_t task_bytes,
+      [](const py::sequence& items, std::size_t threads, std::size_t task_bytes,
          const std::string& input_mode, bool fsync, StitchProgress* progress) {
         std::vector<StitchItem> work;
         work.reserve(items.size());
-        for (const auto& [name, shape, offsets, sizes, item_bytes, src_path, src_offset, out_path,
-                          out_offset, lo, hi, block_lo, block_hi] : items) {
-          StitchItem it;
-          it.name = name;
-          it.shape = shape;
-          it.offsets = offsets;
-          it.sizes = sizes;
-          it.item_bytes = item_bytes;
-          it.source.kind = StitchSource::Kind::RawFile;
-          it.source.path = src_path;
-          it.source.offset = src_offset;
-          it.out_path = out_path;
-          it.out_offset = out_offset;
-          it.lo = lo;
-          it.hi = hi;
-          it.block_lo = block_lo;
-          it.block_hi = block_hi;
-          work.push_back(std::move(it));
-        }
+        for (py::handle item : items) work.push_back(item_from_py(item));
         StitchOptions opts;
         opts.threads = threads;
         opts.task_bytes = task_bytes;
@@ -179,7 +197,7 @@ void bind_safetensors(py::module_& m) {
       },
       py::arg("items"), py::arg("threads"), py::arg("task_bytes"), py::arg("input_mode"),
       py::arg("fsync"), py::arg("progress") = nullptr,
-      R"pbdoc(Copy shard blocks into pre-sized outputs; items are (name, shape, offsets, sizes, item_bytes, src_path, src_offset, out_path, out_offset, lo, hi, block_lo, block_hi).)pbdoc");
+      R"pbdoc(Copy shard blocks or decoded chunks into pre-sized outputs; items are (name, shape, offsets, sizes, item_bytes, src_path, src_offset | (chunk, params), out_path, out_offset, lo, hi, block_lo, block_hi).)pbdoc");
 }
 
 }  // namespace pyckpt::bindings

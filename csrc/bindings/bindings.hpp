@@ -2,6 +2,8 @@
 // Registration functions of the pyckpt._C submodules; one bind_<area>.cpp each.
 #include <pybind11/pybind11.h>
 
+#include "core/buffer_pool.hpp"
+
 namespace pyckpt::bindings {
 namespace py = pybind11;
 
@@ -10,5 +12,8 @@ void bind_codec(py::module_& m);
 void bind_io(py::module_& m);
 void bind_safetensors(py::module_& m);
 void bind_cuda(py::module_& m);
+
+/** @return a BufferPool's counters as a dict keyed by the PoolStats field names. */
+py::dict pool_stats(const BufferPool& pool);
 
 }  // namespace pyckpt::bindings

@@ -14,6 +14,8 @@
 #include <numeric>
 #include <stdexcept>
 
+#include "core/codec.hpp"
+#include "core/detail/scratch.hpp"
 #include "core/error.hpp"
 #include "core/thread_pool.hpp"
 
@@ -75,6 +77,9 @@ class OpenFile {
     if (sequential) (void)::madvise(_map, _size, MADV_SEQUENTIAL);
   }
   void sync() {
+    // Pages dirtied through the mapping are written back by fsync on Linux; msync first keeps
+    // that true on systems without dirty tracking of shared mappings.
+    if (_map && _writable) PYCKPT_SYSCALL_CHECK(::msync(_map, _size, MS_SYNC), "msync", _path);
     PYCKPT_SYSCALL_CHECK(::fsync(_fd), "fsync", _path);
   }
   int fd() const noexcept { return _fd; }
@@ -152,7 +157,7 @@ bool copy_range(const OpenFile& in, std::uint64_t in_off, const OpenFile& out,
 #endif
 }
 
-/** One block of a tensor, ready to copy. */
+/** One block of a tensor (or one encoded chunk of it), ready to copy. */
 struct Part {
   const StitchItem* item;
   BlockLayout layout;
@@ -168,8 +173,21 @@ struct Group {
   std::uint64_t item_bytes = 1;
   std::uint64_t lo = 0;
   std::uint64_t hi = 0;
+  bool encoded = false;  // every part is an EncodedChunk source (never mixed with RawFile)
   std::vector<Part> parts;
 };
+
+/** Source-driven task: decode one chunk, write its block elements [a, b) (within [lo, hi)). */
+struct ChunkTask {
+  const Group* group;
+  const Part* part;
+  std::uint64_t a;
+  std::uint64_t b;
+  bool map_out;  // scattered short runs: memcpy into the output mapping instead of pwrite
+};
+
+// Runs shorter than this are copied into the output mapping rather than written one pwrite each.
+constexpr std::uint64_t kMinPwriteRun = 64u << 10;
 
 /** Output-driven task: the tensor elements [x, y) of one group. */
 struct Task {
@@ -252,6 +270,73 @@ TaskResult run_task(const Task& t, InputMode mode, std::size_t buffer_bytes) {
                        " bytes of elements [", t.x, ", ", t.y, ")");
   pwrite_exact(*g.out, obuf.data(), out_bytes, g.out_offset + t.x * e, g.name);
   return res;
+}
+
+/** Per-thread buffers of the chunk path: stored bytes and decoded bytes, grown, never shrunk. */
+struct ChunkScratch {
+  detail::Scratch stored;
+  detail::Scratch decoded;
+};
+
+ChunkScratch& chunk_scratch() {
+  thread_local ChunkScratch s;
+  return s;
+}
+
+std::uint64_t run_chunk_task(const ChunkTask& t, InputMode mode) {
+  const Group& g = *t.group;
+  const Part& p = *t.part;
+  const StitchSource& src = p.item->source;
+  const ChunkRecord& rec = src.chunk;
+  const std::uint64_t e = g.item_bytes;
+  ChunkScratch& cs = chunk_scratch();
+
+  // The whole chunk is read and verified even when only part of it is wanted: the checksum
+  // covers all stored bytes, and a zstd frame decodes only whole.
+  const std::uint8_t* stored = nullptr;
+  if (mode == InputMode::Mmap && p.in->data() != nullptr) {
+    stored = reinterpret_cast<const std::uint8_t*>(p.in->data()) + rec.file_offset;
+    const auto page = static_cast<std::uintptr_t>(::sysconf(_SC_PAGESIZE));
+    const auto lo = reinterpret_cast<std::uintptr_t>(stored) & ~(page - 1);
+    (void)::madvise(reinterpret_cast<void*>(lo),
+                    reinterpret_cast<std::uintptr_t>(stored + rec.stored_len) - lo, MADV_WILLNEED);
+  } else {
+    std::uint8_t* buf = cs.stored.get(static_cast<std::size_t>(rec.stored_len));
+    pread_exact(*p.in, reinterpret_cast<std::byte*>(buf), rec.stored_len, rec.file_offset,
+                g.name);
+    stored = buf;
+  }
+  const bool plain = rec.transform == Transform::None && rec.planes.size() == 1 &&
+                     rec.planes[0].mode == PlaneMode::Raw && rec.stored_len == rec.raw_len;
+  const std::uint8_t* raw = stored;
+  if (plain) {
+    verify_chunk_checksum(stored, rec);  // raw chunk: its stored bytes are its decoded bytes
+  } else {
+    std::uint8_t* dec = cs.decoded.get(static_cast<std::size_t>(rec.raw_len));
+    decode_chunk(stored, rec, src.params, dec);
+    raw = dec;
+  }
+
+  // Block element k of this chunk is at raw + (k - block_lo) * e.
+  const std::uint64_t block_lo = p.item->block_lo;
+  const auto* from = reinterpret_cast<const std::byte*>(raw + (t.a - block_lo) * e);
+  const std::uint64_t first = p.layout.global_index(t.a);
+  std::uint64_t runs = 0;
+  if (p.layout.global_index(t.b - 1) - first == t.b - 1 - t.a) {
+    pwrite_exact(*g.out, from, (t.b - t.a) * e, g.out_offset + first * e, g.name);
+    return 1;
+  }
+  p.layout.for_each_run(t.a, t.b, [&](std::uint64_t k, std::uint64_t gi, std::uint64_t cnt) {
+    const std::byte* run = from + (k - t.a) * e;
+    const std::uint64_t dst = g.out_offset + gi * e;
+    if (t.map_out) {
+      std::memcpy(g.out->data() + dst, run, cnt * e);
+    } else {
+      pwrite_exact(*g.out, run, cnt * e, dst, g.name);
+    }
+    ++runs;
+  });
+  return runs;
 }
 
 }  // namespace
@@ -423,11 +508,26 @@ StitchStats stitch(const std::vector<StitchItem>& items, const StitchOptions& op
     std::uint64_t block_bytes = 0;
     PYCKPT_EXPECT(mul_ok(block_hi - item.block_lo, e, block_bytes), std::invalid_argument,
                   "tensor '", item.name, "' block size overflows");
-    PYCKPT_EXPECT_FORMAT(item.source.offset <= in->size() &&
-                             block_bytes <= in->size() - item.source.offset,
-                         FormatKind::Truncated, "input file '", item.source.path, "' is ",
-                         in->size(), " bytes but tensor '", item.name, "' needs bytes [",
-                         item.source.offset, ", ", item.source.offset + block_bytes, ")");
+    const bool encoded = item.source.kind == StitchSource::Kind::EncodedChunk;
+    if (encoded) {
+      const ChunkRecord& rec = item.source.chunk;
+      PYCKPT_EXPECT(block_bytes == rec.raw_len, std::invalid_argument, "tensor '", item.name,
+                    "': the chunk at offset ", rec.file_offset, " of '", item.source.path,
+                    "' decodes to ", rec.raw_len, " bytes but is given block elements [",
+                    item.block_lo, ", ", block_hi, ") (", block_bytes, " bytes)");
+      PYCKPT_EXPECT_FORMAT(rec.file_offset <= in->size() &&
+                               rec.stored_len <= in->size() - rec.file_offset,
+                           FormatKind::Truncated, "input file '", item.source.path, "' is ",
+                           in->size(), " bytes but tensor '", item.name,
+                           "' has a chunk stored at bytes [", rec.file_offset, ", ",
+                           rec.file_offset + rec.stored_len, ")");
+    } else {
+      PYCKPT_EXPECT_FORMAT(item.source.offset <= in->size() &&
+                               block_bytes <= in->size() - item.source.offset,
+                           FormatKind::Truncated, "input file '", item.source.path, "' is ",
+                           in->size(), " bytes but tensor '", item.name, "' needs bytes [",
+                           item.source.offset, ", ", item.source.offset + block_bytes, ")");
+    }
 
     auto& out = outputs[item.out_path];
     if (!out) out = std::make_unique<OpenFile>(item.out_path, true);
@@ -446,29 +546,55 @@ StitchStats stitch(const std::vector<StitchItem>& items, const StitchOptions& op
       g.item_bytes = e;
       g.lo = item.lo;
       g.hi = item.hi;
+      g.encoded = encoded;
     } else {
       PYCKPT_EXPECT(g.item_bytes == e && g.lo == item.lo && g.hi == item.hi && g.name == item.name,
                     std::invalid_argument, "items writing tensor '", g.name,
                     "' disagree on name, item size or range");
+      PYCKPT_EXPECT(g.encoded == encoded, std::invalid_argument, "items writing tensor '", g.name,
+                    "' mix raw-file and encoded-chunk sources");
     }
     g.parts.push_back(Part{&item, std::move(layout), in.get(), block_hi});
   }
 
   std::vector<Task> tasks;
-  for (const auto& [key, g] : groups) {
-    const std::uint64_t step = std::max<std::uint64_t>(1, options.task_bytes / g.item_bytes);
-    for (std::uint64_t x = g.lo; x < g.hi; x += step) {
-      tasks.push_back(Task{&g, x, std::min(g.hi, x + step)});
+  std::vector<ChunkTask> chunk_tasks;
+  for (auto& [key, g] : groups) {
+    if (!g.encoded) {
+      const std::uint64_t step = std::max<std::uint64_t>(1, options.task_bytes / g.item_bytes);
+      for (std::uint64_t x = g.lo; x < g.hi; x += step) {
+        tasks.push_back(Task{&g, x, std::min(g.hi, x + step)});
+      }
+      continue;
     }
+    // One task per chunk that overlaps [lo, hi): its block elements [a, b) land there.
+    std::uint64_t supplied = 0;
+    for (const Part& p : g.parts) {
+      const std::uint64_t a = std::max(p.layout.lower_bound(g.lo), p.item->block_lo);
+      const std::uint64_t b = std::min(p.layout.lower_bound(g.hi), p.block_hi);
+      if (a >= b) continue;
+      supplied += b - a;
+      const bool scattered =
+          p.layout.global_index(b - 1) - p.layout.global_index(a) != b - 1 - a;
+      const bool map_out = scattered && p.layout.run_elements() * g.item_bytes < kMinPwriteRun;
+      if (map_out) g.out->map(false);  // before any task runs: map() is not thread-safe
+      chunk_tasks.push_back(ChunkTask{&g, &p, a, b, map_out});
+    }
+    // Pieces were checked to tile the tensor and chunks to tile each piece, so a count that
+    // differs means the items themselves are inconsistent.
+    PYCKPT_EXPECT_FORMAT(supplied == g.hi - g.lo, FormatKind::Coverage, "tensor '", g.name,
+                         "': its chunks supply ", supplied, " of the ", g.hi - g.lo,
+                         " elements [", g.lo, ", ", g.hi, ")");
   }
 
   StitchStats stats;
   std::atomic<std::uint64_t> runs{0};
   std::exception_ptr first_error;
   {
-    ThreadPool pool(std::min<std::size_t>(options.threads, std::max<std::size_t>(tasks.size(), 1)));
+    const std::size_t ntasks = tasks.size() + chunk_tasks.size();
+    ThreadPool pool(std::min<std::size_t>(options.threads, std::max<std::size_t>(ntasks, 1)));
     std::vector<std::future<void>> futures;
-    futures.reserve(tasks.size());
+    futures.reserve(ntasks);
     const InputMode mode = options.input;
     const std::size_t buffer_bytes = options.task_bytes;
     std::atomic<std::uint64_t>* progress = options.progress;
@@ -477,6 +603,23 @@ StitchStats stitch(const std::vector<StitchItem>& items, const StitchOptions& op
         runs.fetch_add(run_task(t, mode, buffer_bytes).runs, std::memory_order_relaxed);
         if (progress) {
           progress->fetch_add((t.y - t.x) * t.group->item_bytes, std::memory_order_relaxed);
+        }
+      }));
+    }
+    for (const ChunkTask& t : chunk_tasks) {
+      futures.push_back(pool.submit([&t, mode, progress, &runs] {
+        try {
+          runs.fetch_add(run_chunk_task(t, mode), std::memory_order_relaxed);
+        } catch (...) {
+          // Name the file, tensor and chunk here, where they are known.
+          const StitchItem& it = *t.part->item;
+          rethrow_with_context(std::current_exception(),
+                               detail::concat("file '", it.source.path, "', tensor '", it.name,
+                                              "', chunk at file offset ",
+                                              it.source.chunk.file_offset));
+        }
+        if (progress) {
+          progress->fetch_add((t.b - t.a) * t.group->item_bytes, std::memory_order_relaxed);
         }
       }));
     }
@@ -491,7 +634,8 @@ StitchStats stitch(const std::vector<StitchItem>& items, const StitchOptions& op
   }
   if (first_error) std::rethrow_exception(first_error);
   for (const Task& t : tasks) stats.bytes += (t.y - t.x) * t.group->item_bytes;
-  stats.tasks = tasks.size();
+  for (const ChunkTask& t : chunk_tasks) stats.bytes += (t.b - t.a) * t.group->item_bytes;
+  stats.tasks = tasks.size() + chunk_tasks.size();
   stats.runs = runs.load();
   if (options.fsync) {
     for (auto& [path, out] : outputs) out->sync();

@@ -5,7 +5,7 @@
  *
  * The central primitive: a block is a hyper-rectangle `offsets`/`sizes` of a full tensor of
  * `shape`, whose elements are stored row-major and contiguously somewhere (a safetensors shard's
- * data range; later also the decoded chunks of a pyckpt piece). Because both the block and the
+ * data range, or the decoded chunks of a pyckpt piece). Because both the block and the
  * full tensor are row-major, the position in the full tensor grows strictly with the position in
  * the block, so "the part of a block that lands in the full tensor's flat range [x, y)" is itself
  * a flat range [a, b) of the block. Copying [a, b) then walks maximal contiguous runs: every
@@ -14,6 +14,8 @@
  *
  * This serves:
  *  - splitting one big shard into bounded tasks (parallelism, bounded memory);
+ *  - encoded pyckpt chunks: each chunk decodes to a flat range of its piece, which is scattered
+ *    the same way (one task per chunk, decoded once into a reused per-thread buffer);
  *  - splitting one output tensor or file between ranks by byte range: each rank writes the flat
  *    range of each block that falls in its share.
  *
@@ -26,6 +28,8 @@
 #include <cstdint>
 #include <string>
 #include <vector>
+
+#include "core/codec.hpp"
 
 namespace pyckpt {
 
@@ -111,15 +115,24 @@ void check_tiling(const std::string& name, const std::vector<std::uint64_t>& sha
  * @brief Where the row-major bytes of a block come from.
  *
  * Kind RawFile: `size` bytes at `offset` of the file `path` (a safetensors shard's data range).
- * The encoded-chunk kind (pyckpt pieces decoded with decode_chunk) plugs in here as another kind;
- * the rest of the stitcher only asks a source for the bytes of a flat range [a, b).
+ * The source holds block elements [StitchItem::block_lo, block_hi) starting at `offset`.
+ *
+ * Kind EncodedChunk: one independently decodable chunk of a pyckpt piece, stored in `path` at
+ * `chunk.file_offset` (chunk.stored_len bytes, codec `params`). It decodes to chunk.raw_len
+ * bytes, which are block elements [StitchItem::block_lo, block_hi) of the piece (so
+ * (block_hi - block_lo) x item_bytes must equal chunk.raw_len; byte geometry with item_bytes 1
+ * lets a chunk start or end inside an element). stitch() reads the stored bytes (pread, or the
+ * input mapping in InputMode::Mmap), verifies the XXH64 checksum, decodes into a per-thread
+ * scratch buffer and scatters the part that falls in the item's [lo, hi) into the output.
  */
 struct StitchSource {
   /** @brief The source kinds. */
-  enum class Kind : std::uint8_t { RawFile = 0 };
+  enum class Kind : std::uint8_t { RawFile = 0, EncodedChunk = 1 };
   Kind kind = Kind::RawFile;  ///< which of the fields below apply
-  std::string path;           ///< RawFile: the input file
+  std::string path;           ///< the input file (both kinds)
   std::uint64_t offset = 0;   ///< RawFile: absolute offset of the source's first byte
+  ChunkRecord chunk;          ///< EncodedChunk: the chunk's record (absolute file_offset)
+  CodecParams params;         ///< EncodedChunk: codec parameters of its segment
 };
 
 /** @brief Copy the part of one block that falls in [lo, hi) of its tensor into an output file. */
@@ -166,16 +179,24 @@ struct StitchStats {
  * @brief Runs every item: each writes the elements of its block that fall in [lo, hi) of its
  *        tensor, at their place in the tensor stored at `out_offset` of `out_path`.
  *
- * Every input and output file is opened once; outputs are mapped MAP_SHARED and must already have
- * their final size (so several processes can fill disjoint parts of one file). Work is split into
- * tasks of about `task_bytes`; memory use is bounded by threads x task_bytes plus the mappings.
+ * Every input and output file is opened once; outputs must already have their final size (so
+ * several processes can fill disjoint parts of one file). RawFile groups are split into tasks of
+ * about `task_bytes` of output; each EncodedChunk item that overlaps [lo, hi) is one task (the
+ * chunk is read, verified and decoded once, even when it lands in scattered runs). Outputs are
+ * written with pwrite; scattered runs shorter than 64 KiB of decoded chunks are copied into a
+ * MAP_SHARED mapping of the output instead (one syscall per run would dominate). Memory use is
+ * bounded by threads x (2 x task_bytes + 2 x the largest chunk) plus the mappings.
  * @param items the copies; items may share inputs and outputs; their destinations must not overlap.
  * @param options see StitchOptions.
  * @return counters.
  * @throws SysError when a file cannot be opened, read, mapped or synced (detail names the tensor).
- * @throws FormatError(Truncated) when an input is shorter than a block needs (naming file and
- *         tensor); std::invalid_argument for inconsistent items (bad geometry, zero item size,
- *         an output range beyond the output file). The first failure is thrown after every task
+ * @throws FormatError(Truncated) when an input is shorter than a block or chunk needs (naming
+ *         file and tensor); FormatError(Checksum) for a corrupted chunk and CompressionError for
+ *         an undecodable one (naming file, tensor and chunk offset); FormatError(Coverage) when
+ *         the chunks of a tensor do not supply exactly its range [lo, hi);
+ *         std::invalid_argument for inconsistent items (bad geometry, zero item size, an output
+ *         range beyond the output file, a chunk whose raw_len does not match its block range,
+ *         raw and encoded sources mixed in one tensor). The first failure is thrown after every task
  *         has finished; outputs are then partially written (the caller owns cleanup).
  */
 StitchStats stitch(const std::vector<StitchItem>& items, const StitchOptions& options);
