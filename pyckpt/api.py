@@ -18,12 +18,32 @@ from typing import Any
 
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata
 
 from pyckpt.planner import SavePlanner
 from pyckpt.storage import Reader, Writer
 
 __all__ = ["save", "load"]
+
+
+@contextlib.contextmanager
+def _typed_errors() -> Iterator[None]:
+    """Re-raises the original exception of the lowest failing rank instead of DCP's
+    ``CheckpointException`` wrapper (a ``BaseException`` that hides the type): callers can catch
+    ``FileNotFoundError``, :class:`pyckpt.ChecksumError`, ``OSError`` (disk full) and so on.
+    The wrapper, with every rank's failure, stays attached as ``__cause__``."""
+    try:
+        yield
+    except CheckpointException as wrapped:
+        failures = getattr(wrapped, "failures", None) or {}
+        if not failures:
+            raise
+        first = failures[min(failures)]
+        original = first[0] if isinstance(first, tuple) else first
+        if not isinstance(original, Exception):
+            raise
+        raise original from wrapped
 
 
 @contextlib.contextmanager
@@ -65,10 +85,11 @@ def save(
 
     Raises:
         ValueError: Invalid writer options.
-        torch.distributed.checkpoint.api.CheckpointException: A rank failed while planning or
-            writing (DCP wraps each rank's exception, e.g. an ``OSError`` from a data file).
+        OSError, pyckpt.PyckptError, ...: the exception of the lowest failing rank, re-raised
+            from DCP's ``CheckpointException`` (attached as ``__cause__``), e.g. ``OSError``
+            (ENOSPC, EFBIG) from a data file or :class:`pyckpt.UnsupportedDtypeError`.
     """
-    with Writer(path, **writer_options) as writer, _single_process_quiet():
+    with Writer(path, **writer_options) as writer, _single_process_quiet(), _typed_errors():
         return dcp.save(
             state_dict,
             storage_writer=writer,
@@ -96,10 +117,12 @@ def load(
         process_group: Process group of the load (default: the default group, if any).
 
     Raises:
-        torch.distributed.checkpoint.api.CheckpointException: A rank failed (DCP wraps each
-            rank's exception: ``FileNotFoundError`` when ``path`` holds no complete checkpoint,
-            :class:`pyckpt.CheckpointFormatError` for invalid metadata or data, ``RuntimeError``
-            for a key missing from the checkpoint).
+        FileNotFoundError: ``path`` holds no complete checkpoint or a data file is missing.
+        pyckpt.CheckpointFormatError: invalid metadata, unknown format version, truncated
+            data; :class:`pyckpt.ChecksumError` for corrupted chunks (naming file and tensor).
+        RuntimeError: a key of ``state_dict`` is missing from the checkpoint (DCP's error).
+        Errors are the lowest failing rank's own exception, re-raised from DCP's
+        ``CheckpointException`` (attached as ``__cause__``).
     """
-    with Reader(path) as reader, _single_process_quiet():
+    with _typed_errors(), Reader(path) as reader, _single_process_quiet():
         dcp.load(state_dict, storage_reader=reader, process_group=process_group)

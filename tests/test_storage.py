@@ -514,3 +514,29 @@ def test_resharded_load_reads_only_overlapping_chunks(tmp_path: Path) -> None:
     for nread, ndecoded in results:
         assert ndecoded == 4
         assert nread == stored // 4
+
+
+# ------------------------------------------------------------ pyckpt.save / pyckpt.load errors
+
+
+def test_pyckpt_load_raises_typed_errors(tmp_path: Path) -> None:
+    sd = _saved(tmp_path)
+    out = {"w": torch.zeros(256, 256), "b": torch.zeros(256)}
+    pyckpt.load(out, tmp_path)
+    assert torch.equal(out["w"], sd["w"])
+    index = _format.read_index(tmp_path)
+    path, _, _, chunks = index.tensors["b"].pieces[0].segments[0]
+    with open(path, "r+b") as f:
+        f.seek(chunks[0][0])
+        f.write(b"\xff\xff\xff\xff")
+    with pytest.raises(pyckpt.ChecksumError, match="'b'") as info:
+        pyckpt.load(out, tmp_path)
+    assert type(info.value.__cause__).__name__ == "CheckpointException"
+    with pytest.raises(FileNotFoundError):
+        pyckpt.load(out, tmp_path / "nowhere")
+
+
+def test_pyckpt_save_raises_typed_errors(tmp_path: Path) -> None:
+    with pytest.raises(pyckpt.UnsupportedDtypeError, match="'sp'"):
+        pyckpt.save({"sp": torch.eye(3).to_sparse()}, tmp_path)
+    assert not (tmp_path / _format.METADATA_FILE).exists()
