@@ -260,12 +260,13 @@ def test_piece_split_into_segments_by_save_planner(tmp_path):
 
 
 def _replicated_state():
-    return {"emb": sample_tensor((333, 17), torch.float32, 8),
+    # Larger than two 1 MiB split steps, so the planner gives each rank a byte range of it.
+    return {"emb": sample_tensor((1024, 1024), torch.float32, 8),
             "norm": sample_tensor((51,), torch.bfloat16, 9)}
 
 
 def _planner_save_worker(rank, world, path, planner_cls):
-    dcp.save(_replicated_state(), storage_writer=pyckpt.Writer(path, chunk_bytes=4096),
+    dcp.save(_replicated_state(), storage_writer=pyckpt.Writer(path, chunk_bytes=256 << 10),
              planner=planner_cls())
 
 
