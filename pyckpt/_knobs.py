@@ -16,6 +16,7 @@ from typing import Any
 
 __all__ = [
     "num_threads",
+    "read_threads",
     "direct_io",
     "chunk_bytes",
     "fsync",
@@ -66,6 +67,16 @@ def _choice(name: str, env: str, default: str, choices: tuple[str, ...]) -> str:
 def num_threads() -> int:
     """``PYCKPT_NUM_THREADS``: worker threads per writer/reader (default ``min(8, cpus)``)."""
     return _int("num_threads", "PYCKPT_NUM_THREADS", max(1, min(8, os.cpu_count() or 1)), 1)
+
+
+def read_threads() -> int:
+    """``PYCKPT_READ_THREADS``: reader threads (default ``max(8, PYCKPT_NUM_THREADS)``).
+
+    Reads wait on the device more than they compute: more reads in flight raised cold-load
+    throughput on the 2-core VM measured here (see BENCHMARKS.md), while decoding still uses
+    every core.
+    """
+    return _int("read_threads", "PYCKPT_READ_THREADS", max(8, num_threads()), 1)
 
 
 def direct_io() -> str:

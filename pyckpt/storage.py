@@ -122,13 +122,14 @@ class _Written:
 class _Native:
     """Lazily created native thread pool (shared by a Writer's or Reader's operations)."""
 
-    def __init__(self, threads: int | None) -> None:
+    def __init__(self, threads: int | None, default: Any = _knobs.num_threads) -> None:
         self._threads = threads
+        self._default = default
         self._pool: Any = None
 
     def pool(self) -> Any:
         if self._pool is None:
-            self._pool = _C.ThreadPool(self._threads or _knobs.num_threads())
+            self._pool = _C.ThreadPool(self._threads or self._default())
         return self._pool
 
     def close(self) -> None:
@@ -161,7 +162,7 @@ class _NativeUser:
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
-        state["_native"] = _Native(self.threads)
+        state["_native"] = _Native(self.threads, self._native._default)
         state.update(dict.fromkeys(self._transient))
         return self._drop_staging_state(state)  # type: ignore[attr-defined,no-any-return]
 
@@ -476,7 +477,8 @@ class Reader(_NativeUser, StagingMixin, StorageReader):
 
     Args:
         path: checkpoint directory (``dcp.load(checkpoint_id=...)`` overrides it).
-        threads: native worker threads (default ``PYCKPT_NUM_THREADS`` or min(8, cpus)).
+        threads: native worker threads (default ``PYCKPT_READ_THREADS`` or
+            ``max(8, PYCKPT_NUM_THREADS)``: reads in flight matter more than cores).
 
     Raises:
         FileNotFoundError: ``path`` has no ``pyckpt.json`` (not a complete checkpoint) or a data
@@ -503,7 +505,7 @@ class Reader(_NativeUser, StagingMixin, StorageReader):
         self.load_id = uuid.uuid4().hex[:12]
         self.bytes_read = 0
         self.chunks_decoded = 0
-        self._native = _Native(threads)
+        self._native = _Native(threads, _knobs.read_threads)
         self._storage: dict[MetadataIndex, Any] = {}
         # Validated eagerly so that a missing, truncated or unknown-version checkpoint raises its
         # typed error here: DCP turns read_metadata() failures into an untyped AssertionError.

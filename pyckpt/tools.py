@@ -104,7 +104,7 @@ def verify(path: str | os.PathLike[str], threads: int | None = None) -> VerifyRe
             (per-item data errors are collected in the report instead).
     """
     index = _format.read_index(path)
-    pool = _C.ThreadPool(threads or _knobs.num_threads())
+    pool = _C.ThreadPool(threads or _knobs.read_threads())
     report = VerifyReport()
     try:
         work: list[tuple[str, list[Any], int]] = [
