@@ -66,39 +66,38 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def _host_bytes(tensor: torch.Tensor, fqn: str) -> torch.Tensor:
-    """Returns a CPU, contiguous, plain (no conj/neg bit) tensor with ``tensor``'s values."""
-    name = _dtype_name(tensor.dtype)
-    if name not in DTYPE_SIZES:
+def _storable(tensor: torch.Tensor, fqn: str) -> torch.Tensor:
+    """``tensor``'s local values, detached, without conj/neg bits; refuses what cannot be stored.
+
+    Raises:
+        UnsupportedDtypeError: a dtype outside the format's table, or a non-strided layout.
+    """
+    if _dtype_name(tensor.dtype) not in DTYPE_SIZES:
         raise UnsupportedDtypeError(f"tensor {fqn!r}: dtype {tensor.dtype} cannot be stored")
     if tensor.layout != torch.strided:
         raise UnsupportedDtypeError(f"tensor {fqn!r}: layout {tensor.layout} cannot be stored")
     t = tensor.detach()
-    if t.device.type != "cpu":
-        t = t.to("cpu")
-    if t.is_conj():
-        t = t.resolve_conj()
-    if t.is_neg():
-        t = t.resolve_neg()
-    return t.contiguous()
-
-
-def _device_bytes(tensor: torch.Tensor, fqn: str) -> torch.Tensor:
-    """A device tensor's bytes as a flat uint8 tensor on the device (made contiguous there)."""
-    name = _dtype_name(tensor.dtype)
-    if name not in DTYPE_SIZES:
-        raise UnsupportedDtypeError(f"tensor {fqn!r}: dtype {tensor.dtype} cannot be stored")
-    if tensor.layout != torch.strided:
-        raise UnsupportedDtypeError(f"tensor {fqn!r}: layout {tensor.layout} cannot be stored")
-    t = tensor.detach()
-    local = getattr(t, "_local_tensor", None)
+    local = getattr(t, "_local_tensor", None)  # a DTensor handed over whole: its local shard
     if isinstance(local, torch.Tensor):
         t = local
     if t.is_conj():
         t = t.resolve_conj()
     if t.is_neg():
         t = t.resolve_neg()
-    t = t.contiguous()
+    return t
+
+
+def _host_bytes(tensor: torch.Tensor, fqn: str) -> torch.Tensor:
+    """Returns a CPU, contiguous, plain tensor with ``tensor``'s values."""
+    t = _storable(tensor, fqn)
+    if t.device.type != "cpu":
+        t = t.to("cpu")
+    return t.contiguous()
+
+
+def _device_bytes(tensor: torch.Tensor, fqn: str) -> torch.Tensor:
+    """A device tensor's bytes as a flat uint8 tensor on the device (made contiguous there)."""
+    t = _storable(tensor, fqn).contiguous()
     return t.reshape(-1).view(torch.uint8) if t.numel() else t.new_empty(0, dtype=torch.uint8)
 
 
