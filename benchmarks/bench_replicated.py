@@ -24,7 +24,6 @@ import os
 import pickle
 import platform
 import queue
-import re
 import shutil
 import socket
 import statistics
@@ -37,18 +36,15 @@ from typing import Any
 import torch
 import torch.multiprocessing as mp
 
+from pyckpt import tools
+
 PLANNERS = ("pyckpt", "dcp-default")
-_DATA_FILE = re.compile(r"^(\d+)-\d+\..*\.pyckpt$")
 
 
 def bytes_per_rank(path: str, world: int) -> list[int]:
     """Sizes of each rank's data files (``<rank>-<k>.<save_id>.pyckpt``), summed per rank."""
-    out = [0] * world
-    for name in os.listdir(path):
-        m = _DATA_FILE.match(name)
-        if m:
-            out[int(m.group(1))] += os.path.getsize(os.path.join(path, name))
-    return out
+    by_rank = tools.bytes_per_rank(path)
+    return [by_rank.get(r, 0) for r in range(world)]
 
 
 def _free_port() -> int:

@@ -40,6 +40,7 @@ __all__ = [
     "codec_params_for",
     "data_file_name",
     "is_data_file",
+    "data_file_rank",
     "read_index",
     "tensor_index",
     "encode_metadata",
@@ -106,6 +107,14 @@ def data_file_name(rank: int, k: int, save_id: str) -> str:
 def is_data_file(name: str) -> bool:
     """True when ``name`` is a pyckpt data file name (of any save)."""
     return _DATA_FILE_RE.match(name) is not None
+
+
+def data_file_rank(name: str) -> int:
+    """The rank that wrote data file ``name``. Raises ValueError for other names."""
+    m = _DATA_FILE_RE.match(name)
+    if m is None:
+        raise ValueError(f"{name!r} is not a pyckpt data file name")
+    return int(m.group(1))
 
 
 def codec_params_for(

@@ -187,6 +187,11 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
           f"{_mib(s.stored_bytes)} stored ({ratio:.3f}x) in {len(s.files)} data file(s)")
     print("  by dtype:   " + ", ".join(f"{k} {_mib(v)}" for k, v in sorted(s.dtypes.items())))
     print("  by codec:   " + ", ".join(f"{k} {_mib(v)}" for k, v in sorted(s.codecs.items())))
+    if s.rank_bytes:
+        per_rank = list(s.rank_bytes.values())
+        print(f"  by rank:    {len(per_rank)} rank(s), max/mean "
+              f"{max(per_rank) * len(per_rank) / max(1, sum(per_rank)):.3f}: "
+              + ", ".join(f"{r}: {_mib(v)}" for r, v in s.rank_bytes.items()))
     if s.largest:
         print(f"  largest {len(s.largest)} tensors:")
         for fqn, dtype, shape, nbytes in s.largest:

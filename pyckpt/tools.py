@@ -12,7 +12,14 @@ from typing import Any
 
 from pyckpt import _C, _format, _knobs
 
-__all__ = ["CheckpointSummary", "VerifyReport", "summarize", "verify", "convert"]
+__all__ = [
+    "CheckpointSummary",
+    "VerifyReport",
+    "bytes_per_rank",
+    "summarize",
+    "verify",
+    "convert",
+]
 
 _VERIFY_WINDOW = 64 << 20  # raw bytes decoded at once per piece while verifying
 
@@ -33,6 +40,20 @@ class CheckpointSummary:
     dtypes: dict[str, int]  # dtype -> raw bytes
     codecs: dict[str, int]  # codec/transform -> raw bytes
     largest: list[tuple[str, str, tuple[int, ...], int]]  # fqn, dtype, shape, raw bytes
+    rank_bytes: dict[int, int]  # rank -> bytes of the data files it wrote
+
+
+def bytes_per_rank(path: str | os.PathLike[str]) -> dict[int, int]:
+    """Bytes on disk of the data files each rank wrote for the checkpoint at ``path``.
+
+    Sizes are read from the files themselves (``stat``), for the files the metadata lists.
+    """
+    index = _format.read_index(path)
+    out: dict[int, int] = {}
+    for name in index.files:
+        rank = _format.data_file_rank(name)
+        out[rank] = out.get(rank, 0) + os.stat(os.path.join(index.path, name)).st_size
+    return dict(sorted(out.items()))
 
 
 def summarize(path: str | os.PathLike[str], top: int = 10) -> CheckpointSummary:
@@ -65,6 +86,7 @@ def summarize(path: str | os.PathLike[str], top: int = 10) -> CheckpointSummary:
         dtypes=dict(dtypes),
         codecs=dict(codecs),
         largest=sizes[:top],
+        rank_bytes=bytes_per_rank(path),
     )
 
 

@@ -28,6 +28,7 @@ def test_inspect(ckpt: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = capsys.readouterr().out
     assert "2 tensors, 1 other values" in out
     assert "layer.weight" in out and "bfloat16" in out and "zstd/group_rotl1" in out
+    assert "by rank:    1 rank(s), max/mean 1.000: 0: " in out
 
 
 def test_inspect_not_a_checkpoint(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -11,7 +11,6 @@ from __future__ import annotations
 import functools
 import math
 import os
-import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -21,11 +20,11 @@ import torch
 from dist_utils import run_distributed
 
 import pyckpt
+from pyckpt import tools
 
 MiB = 1 << 20
 CASES = ("single", "equal", "mixed")
 BALANCE = 1.05
-_DATA_FILE = re.compile(r"^(\d+)-\d+\..*\.pyckpt$")
 
 
 # --- state dicts (deterministic: every rank builds the same replicated values) ---------------
@@ -164,12 +163,8 @@ def assert_same(expected: Any, got: Any) -> None:
 
 def bytes_per_rank(path: str | Path, world: int) -> list[int]:
     """Sum of the sizes of each rank's data files (``<rank>-<k>.<save_id>.pyckpt``)."""
-    out = [0] * world
-    for name in os.listdir(path):
-        m = _DATA_FILE.match(name)
-        if m:
-            out[int(m.group(1))] += os.path.getsize(os.path.join(path, name))
-    return out
+    by_rank = tools.bytes_per_rank(path)
+    return [by_rank.get(r, 0) for r in range(world)]
 
 
 @functools.lru_cache

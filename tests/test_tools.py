@@ -72,3 +72,10 @@ def test_convert_roundtrip(tmp_path: Path) -> None:
 def test_convert_rejects_non_checkpoint(tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError):
         tools.convert(tmp_path, tmp_path / "out")
+
+
+def test_bytes_per_rank_counts_only_this_saves_files(tmp_path: Path) -> None:
+    dcp.save(_state(), storage_writer=pyckpt.Writer(tmp_path))
+    (tmp_path / "7-0.0123456789ab.pyckpt").write_bytes(b"x" * 100)  # not listed by the metadata
+    (data,) = (p for p in tmp_path.glob("0-0.*.pyckpt"))
+    assert tools.bytes_per_rank(tmp_path) == {0: data.stat().st_size}
