@@ -48,7 +48,10 @@ def bytes_per_rank(path: str | os.PathLike[str]) -> dict[int, int]:
 
     Sizes are read from the files themselves (``stat``), for the files the metadata lists.
     """
-    index = _format.read_index(path)
+    return _rank_bytes(_format.read_index(path))
+
+
+def _rank_bytes(index: _format.CheckpointIndex) -> dict[int, int]:
     out: dict[int, int] = {}
     for name in index.files:
         rank = _format.data_file_rank(name)
@@ -86,7 +89,7 @@ def summarize(path: str | os.PathLike[str], top: int = 10) -> CheckpointSummary:
         dtypes=dict(dtypes),
         codecs=dict(codecs),
         largest=sizes[:top],
-        rank_bytes=bytes_per_rank(path),
+        rank_bytes=_rank_bytes(index),
     )
 
 
