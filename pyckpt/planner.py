@@ -677,7 +677,12 @@ class SavePlanner(DefaultSavePlanner):
             if not _may_be_replicated(self.state_dict.get(item.index.fqn), item):
                 continue
             data = self.lookup_object(item.index)
-            if isinstance(data, torch.Tensor):
+            # Layouts the writer refuses are left to its typed error.
+            if (
+                isinstance(data, torch.Tensor)
+                and data.layout == torch.strided
+                and not (data.is_quantized or data.is_meta)
+            ):
                 keys.append(_key(item.index))
                 tensors.append(data)
         digests = dict(zip(keys, replica_digests(tensors)))
