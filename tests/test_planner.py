@@ -481,13 +481,15 @@ def test_device_checksum_sees_one_or_two_changed_bytes() -> None:
     swapped[10], swapped[block - 3] = int(base[block - 3]), int(base[10])
     assert int(base[10]) != int(base[block - 3])
     assert planner_mod._device_digests([swapped])[0] != reference
-    # Largest possible sums (all bytes 255, weights near 2**31) stay exact in int64.
+    # Largest possible values (all bytes 255): the int32 products and int64 sums stay exact.
     top = torch.full((block,), 255, dtype=torch.uint8)
-    weights = torch.arange(block, dtype=torch.int64)
-    assert int(weights.add(1).mul(255).sum()) == 255 * block * (block + 1) // 2
-    worst = 255 * planner_mod._DEVICE_WEIGHT_MODULUS * block
-    assert worst < 2**63
+    assert 255 * block < 2**31
+    weighted = torch.mul(top, torch.arange(1, block + 1, dtype=torch.int32))
+    assert weighted.dtype == torch.int32 and int(weighted.min()) > 0
+    assert int(weighted.sum(dtype=torch.int64)) == 255 * block * (block + 1) // 2
     assert planner_mod._device_digests([top]) == planner_mod._device_digests([top.clone()])
+    assert planner_mod._device_digests([]) == []
+    assert len(planner_mod._device_digests([torch.zeros(0, dtype=torch.uint8)])) == 1
 
 
 def test_mismatching_replicas_are_refused_by_rank_groups() -> None:
