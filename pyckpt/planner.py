@@ -41,7 +41,7 @@ import math
 from collections import ChainMap
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -468,6 +468,11 @@ def _flat_bytes(tensor: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1).view(torch.uint8)
 
 
+def _xxh64(data: np.ndarray, seed: int = 0) -> int:
+    """XXH64 of a contiguous array (numpy's stubs do not declare the buffer protocol)."""
+    return _C.xxh64(cast(Any, data), seed)
+
+
 def _host_digests(flats: Sequence[torch.Tensor], threads: int) -> list[int]:
     """XXH64 digests of host byte tensors: each is cut into blocks hashed by the native XXH64
     (which releases the GIL) on ``threads`` threads; an item's digest is the XXH64, seeded with
@@ -490,7 +495,7 @@ def _host_digests(flats: Sequence[torch.Tensor], threads: int) -> list[int]:
 
     def run(work: list[tuple[int, int, np.ndarray]]) -> None:
         for slot, b, part in work:
-            blocks[slot][b] = _C.xxh64(part)
+            blocks[slot][b] = _xxh64(part)
 
     if threads > 1 and len(tasks) > 1:
         with ThreadPoolExecutor(min(threads, len(tasks)), "pyckpt-hash") as pool:
@@ -500,8 +505,7 @@ def _host_digests(flats: Sequence[torch.Tensor], threads: int) -> list[int]:
         for work in tasks:
             run(work)
     return [
-        _C.xxh64(np.array(digests, dtype="<u8"), seed=arr.nbytes)
-        for arr, digests in zip(arrays, blocks)
+        _xxh64(np.array(digests, dtype="<u8"), arr.nbytes) for arr, digests in zip(arrays, blocks)
     ]
 
 
@@ -544,7 +548,7 @@ def _device_digests(flats: Sequence[torch.Tensor]) -> list[int]:
             n = per_item[i].numel()
             values[i] = np.ascontiguousarray(joined[pos : pos + n])
             pos += n
-    return [_C.xxh64(v, seed=f.numel()) for v, f in zip(values, flats)]
+    return [_xxh64(v, f.numel()) for v, f in zip(values, flats)]
 
 
 def replica_digests(tensors: Sequence[torch.Tensor], *, threads: int | None = None) -> list[Digest]:
