@@ -405,15 +405,23 @@ _ItemKey = tuple[str, tuple[int, ...] | None]
 """An item's identity: its fqn and chunk offset (what ``MetadataIndex`` equality compares)."""
 
 Digest = tuple[str, int]
-"""A content digest: its kind (``"xxh64"`` for host memory, ``"wsum"`` on a device) and value."""
+"""A content digest: its kind (``"xxh64"`` of the bytes, or ``"rowcol"`` for the device
+checksum of large device tensors) and value."""
 
 _HASH_BLOCK_BYTES = 4 << 20
 """Host copies are hashed in blocks of this many bytes on several threads; small tensors are
 batched so that each task hashes at least this many bytes."""
 
-_DEVICE_BLOCK_BYTES = 8 << 20
-"""Device copies are reduced in blocks of this many bytes: with weights up to 2**23, a byte
-times its weight fits in int32 (255 * 2**23 < 2**31), so no int64 copy of the data is made."""
+_DEVICE_SMALL_BYTES = 1 << 20
+"""Device tensors up to this size are copied to the host in one batch per device and hashed
+there (one transfer instead of several kernel launches each); larger ones are reduced on the
+device."""
+
+_DEVICE_ROW_WORDS = 512
+"""The device checksum sums rows of this many int32 words (2 KiB): a row sum stays below 2**40."""
+
+_DEVICE_CHUNK_ROWS = 16384
+"""Rows (32 MiB of data) widened to int64 at once: the bound on the checksum's temporary."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -473,11 +481,10 @@ def _xxh64(data: np.ndarray, seed: int = 0) -> int:
     return _C.xxh64(cast(Any, data), seed)
 
 
-def _host_digests(flats: Sequence[torch.Tensor], threads: int) -> list[int]:
+def _host_digests(arrays: Sequence[np.ndarray], threads: int) -> list[int]:
     """XXH64 digests of host byte tensors: each is cut into blocks hashed by the native XXH64
     (which releases the GIL) on ``threads`` threads; an item's digest is the XXH64, seeded with
     its length, of its block digests. Every byte is read once."""
-    arrays = [f.numpy() for f in flats]
     blocks: list[list[int]] = [[0] * max(1, -(-a.nbytes // _HASH_BLOCK_BYTES)) for a in arrays]
     tasks: list[list[tuple[int, int, np.ndarray]]] = []
     task: list[tuple[int, int, np.ndarray]] = []
@@ -509,55 +516,76 @@ def _host_digests(flats: Sequence[torch.Tensor], threads: int) -> list[int]:
     ]
 
 
-def _device_digests(flats: Sequence[torch.Tensor]) -> list[int]:
-    """Position-weighted checksums of device byte tensors, computed on the device.
+def _rowcol_checksum(flat: torch.Tensor) -> torch.Tensor:
+    """The device checksum of one byte tensor, as an int64 tensor on its device.
 
-    For each block of :data:`_DEVICE_BLOCK_BYTES` bytes ``b[i]`` the device computes
-    ``sum(b[i])`` and ``sum(b[i] * (i + 1))``, exactly (int32 products, int64 sums): any change
-    of one or two bytes in a block changes a sum, since no two positions share a weight. Not a
-    cryptographic hash, but copying every replicated byte to the host instead would cost each
-    rank a device-to-host transfer of the whole replicated state. About 14 bytes of device
-    memory traffic per byte checked; one synchronisation per device; the sums are then hashed
-    on the host.
+    The bytes are read as int32 words in rows of :data:`_DEVICE_ROW_WORDS`; the checksum is
+    every row's sum, every column's sum (words at the same position in their rows) and the
+    tail bytes after the last whole row, all exact in int64. A change confined to one or two
+    words always changes a row or a column sum. The data is widened to int64 in chunks of
+    :data:`_DEVICE_CHUNK_ROWS` rows (a 64 MiB temporary): about 7 bytes of device memory
+    traffic per byte checked; the checksum is 1/256 of the data's size.
     """
-    weights: dict[torch.device, torch.Tensor] = {}  # 1 .. block size, one per device
-    per_item: list[torch.Tensor] = []
-    for flat in flats:
-        if flat.numel() and flat.device not in weights:
-            weights[flat.device] = torch.arange(
-                1, _DEVICE_BLOCK_BYTES + 1, dtype=torch.int32, device=flat.device
-            )
-        sums = []
-        for start in range(0, flat.numel(), _DEVICE_BLOCK_BYTES):
-            block = flat[start : start + _DEVICE_BLOCK_BYTES]
-            # uint8 * int32 -> int32, without an int32 or int64 copy of the block.
-            weighted = torch.mul(block, weights[flat.device][: block.numel()])
-            sums.append(
-                torch.stack((block.sum(dtype=torch.int64), weighted.sum(dtype=torch.int64)))
-            )
-        per_item.append(
-            torch.cat(sums) if sums else torch.zeros(0, dtype=torch.int64, device=flat.device)
-        )
-    # One copy to the host per device (a synchronisation each), not one per item.
-    values: list[np.ndarray] = [np.empty(0, dtype="<i8")] * len(per_item)
-    for device in {s.device for s in per_item}:
-        slots = [i for i, s in enumerate(per_item) if s.device == device]
-        joined = torch.cat([per_item[i] for i in slots]).cpu().numpy().astype("<i8")
+    row_bytes = 4 * _DEVICE_ROW_WORDS
+    rows = flat.numel() // row_bytes
+    parts = []
+    if rows:
+        body = flat[: rows * row_bytes]
+        if body.storage_offset() % 4:  # a view into a buffer of 1- or 2-byte elements
+            body = body.clone()
+        words = body.view(torch.int32).view(rows, _DEVICE_ROW_WORDS)
+        columns = torch.zeros(_DEVICE_ROW_WORDS, dtype=torch.int64, device=flat.device)
+        for first in range(0, rows, _DEVICE_CHUNK_ROWS):
+            wide = words[first : first + _DEVICE_CHUNK_ROWS].to(torch.int64)
+            parts.append(wide.sum(dim=1))
+            columns += wide.sum(dim=0)
+        parts.append(columns)
+    parts.append(flat[rows * row_bytes :].to(torch.int64))
+    return torch.cat(parts)
+
+
+def _device_digests(flats: Sequence[torch.Tensor]) -> tuple[list[np.ndarray], list[int]]:
+    """Prepares digests of byte tensors on devices without copying their bulk to the host.
+
+    Tensors up to :data:`_DEVICE_SMALL_BYTES` are concatenated on their device and copied to
+    the host in one transfer, to be hashed like host tensors (so their digest is the same as a
+    host copy's); larger ones get the device checksum of :func:`_rowcol_checksum`, hashed on
+    the host. One synchronisation per device.
+
+    Returns:
+        Per tensor, in order: the host bytes to hash (an empty array for a large tensor) and
+        the XXH64 of the device checksum (0 for a small tensor).
+    """
+    arrays = [np.empty(0, dtype=np.uint8)] * len(flats)
+    checksums = [0] * len(flats)
+    for device in {f.device for f in flats}:
+        slots = [i for i, f in enumerate(flats) if f.device == device]
+        small = [i for i in slots if flats[i].numel() <= _DEVICE_SMALL_BYTES]
+        large = [i for i in slots if flats[i].numel() > _DEVICE_SMALL_BYTES]
+        sums = [_rowcol_checksum(flats[i]) for i in large]
+        pieces = [flats[i] for i in small] + [s.view(torch.uint8) for s in sums]
+        if not pieces:
+            continue
+        host = torch.cat(pieces).cpu().numpy()
         pos = 0
-        for i in slots:
-            n = per_item[i].numel()
-            values[i] = np.ascontiguousarray(joined[pos : pos + n])
+        for i in small:
+            arrays[i] = host[pos : pos + flats[i].numel()]
+            pos += flats[i].numel()
+        for i, checksum in zip(large, sums):
+            n = checksum.numel() * 8
+            checksums[i] = _xxh64(host[pos : pos + n], flats[i].numel())
             pos += n
-    return [_xxh64(v, f.numel()) for v, f in zip(values, flats)]
+    return arrays, checksums
 
 
 def replica_digests(tensors: Sequence[torch.Tensor], *, threads: int | None = None) -> list[Digest]:
     """Content digests of tensors, for comparing copies of replicated state across ranks.
 
     Host tensors get an XXH64-based digest (hashed in blocks on ``threads`` threads with the GIL
-    released; each byte read once); tensors on a device get a position-weighted checksum
-    computed on the device (see ``_device_digests``), so their bytes are not copied to the host.
-    Digests depend only on the values' bytes (row-major), not on strides.
+    released; each byte read once), and so do device tensors of up to 1 MiB, copied to the host
+    in one batch. Larger device tensors get a checksum computed on the device (row and column
+    sums, see ``_rowcol_checksum``), so their bytes are not copied to the host. Digests depend
+    only on the values' bytes (row-major), not on strides or, for one kind, on the device.
 
     Args:
         tensors: Plain tensors (a DTensor's local tensor, not the DTensor).
@@ -568,14 +596,21 @@ def replica_digests(tensors: Sequence[torch.Tensor], *, threads: int | None = No
         same kind.
     """
     flats = [_flat_bytes(t) for t in tensors]
-    host = [i for i, f in enumerate(flats) if f.device.type == "cpu"]
-    device = [i for i, f in enumerate(flats) if f.device.type != "cpu"]
+    on_device = [i for i, f in enumerate(flats) if f.device.type != "cpu"]
+    arrays = [f.numpy() if f.device.type == "cpu" else None for f in flats]
     out: list[Digest] = [("", 0)] * len(flats)
+    if on_device:
+        small, checksums = _device_digests([flats[i] for i in on_device])
+        for i, array, checksum in zip(on_device, small, checksums):
+            if flats[i].numel() <= _DEVICE_SMALL_BYTES:
+                arrays[i] = array
+            else:
+                out[i] = ("rowcol", checksum)
+    hashed = [i for i, a in enumerate(arrays) if a is not None]
     nthreads = threads if threads is not None else _knobs.num_threads()
-    for i, value in zip(host, _host_digests([flats[i] for i in host], nthreads)):
+    values = _host_digests([cast(np.ndarray, arrays[i]) for i in hashed], nthreads)
+    for i, value in zip(hashed, values):
         out[i] = ("xxh64", value)
-    for i, value in zip(device, _device_digests([flats[i] for i in device])):
-        out[i] = ("wsum", value)
     return out
 
 

@@ -466,30 +466,54 @@ def test_replica_digest_sees_any_single_byte() -> None:
     assert replica_digests([torch.zeros(4)]) != replica_digests([torch.zeros(3)])
 
 
-def test_device_checksum_sees_one_or_two_changed_bytes() -> None:
-    # The device path is plain torch: run on CPU tensors it gives the same sums as on a GPU.
-    block = planner_mod._DEVICE_BLOCK_BYTES
+def test_device_checksum_sees_one_or_two_changed_words() -> None:
+    # The device path is plain torch: on CPU tensors it computes what it computes on a GPU.
+    row = 4 * planner_mod._DEVICE_ROW_WORDS
+    rows = planner_mod._DEVICE_CHUNK_ROWS + 3  # two chunks: column sums add up across them
     g = torch.Generator().manual_seed(5)
-    base = torch.randint(0, 256, (2 * block + 33,), dtype=torch.uint8, generator=g)
-    (reference,) = planner_mod._device_digests([base])
-    assert planner_mod._device_digests([base.clone()]) == [reference]
-    for pos in (0, block - 1, block, base.numel() - 1):
+    base = torch.randint(0, 256, (rows * row + 1001,), dtype=torch.uint8, generator=g)
+    reference = planner_mod._rowcol_checksum(base)
+    assert reference.dtype == torch.int64
+    assert reference.numel() == rows + planner_mod._DEVICE_ROW_WORDS + 1001
+    assert torch.equal(planner_mod._rowcol_checksum(base.clone()), reference)
+    for positions in (
+        [0],
+        [row - 1],
+        [rows * row - 1],  # last byte of the last whole row
+        [rows * row + 1000],  # in the tail
+        [5, 6],  # two bytes of one word
+        [8, 8 + row],  # one column, two rows
+        [3 * row + 12, 3 * row + 40],  # one row, two columns
+    ):
         changed = base.clone()
-        changed[pos] ^= 0x80
-        assert planner_mod._device_digests([changed])[0] != reference, pos
-    swapped = base.clone()  # two bytes exchanged: the plain sum stays, the weighted one moves
-    swapped[10], swapped[block - 3] = int(base[block - 3]), int(base[10])
-    assert int(base[10]) != int(base[block - 3])
-    assert planner_mod._device_digests([swapped])[0] != reference
-    # Largest possible values (all bytes 255): the int32 products and int64 sums stay exact.
-    top = torch.full((block,), 255, dtype=torch.uint8)
-    assert 255 * block < 2**31
-    weighted = torch.mul(top, torch.arange(1, block + 1, dtype=torch.int32))
-    assert weighted.dtype == torch.int32 and int(weighted.min()) > 0
-    assert int(weighted.sum(dtype=torch.int64)) == 255 * block * (block + 1) // 2
-    assert planner_mod._device_digests([top]) == planner_mod._device_digests([top.clone()])
-    assert planner_mod._device_digests([]) == []
-    assert len(planner_mod._device_digests([torch.zeros(0, dtype=torch.uint8)])) == 1
+        for pos in positions:
+            changed[pos] ^= 0x41
+        assert not torch.equal(planner_mod._rowcol_checksum(changed), reference), positions
+    # Exact at the extremes: all words -1 / INT32_MIN sum without wrapping.
+    ones = torch.full((2 * row,), 0xFF, dtype=torch.uint8)
+    assert planner_mod._rowcol_checksum(ones)[:2].tolist() == [-planner_mod._DEVICE_ROW_WORDS] * 2
+    # A view that starts off a 4-byte boundary (a bf16 parameter inside a flat buffer).
+    buffer = torch.randint(0, 256, (3 * row + 2,), dtype=torch.uint8, generator=g)
+    view = buffer[2:]
+    assert view.storage_offset() % 4 == 2
+    assert torch.equal(
+        planner_mod._rowcol_checksum(view), planner_mod._rowcol_checksum(view.clone())
+    )
+
+
+def test_device_digests_batch_small_tensors_and_sum_large_ones() -> None:
+    small = torch.arange(1000, dtype=torch.int16).view(torch.uint8)
+    large = torch.randint(0, 256, (planner_mod._DEVICE_SMALL_BYTES + 4096,), dtype=torch.uint8)
+    arrays, checksums = planner_mod._device_digests([small, large, small[:0]])
+    # Small ones come back as bytes, hashed like a host copy: the same digest kind and value.
+    assert arrays[0].tobytes() == small.numpy().tobytes() and checksums[0] == 0
+    assert arrays[2].nbytes == 0
+    assert replica_digests([small])[0][0] == "xxh64"
+    assert arrays[1].nbytes == 0 and checksums[1] != 0
+    changed = large.clone()
+    changed[-5000] += 1
+    assert planner_mod._device_digests([changed])[1][0] != checksums[1]
+    assert planner_mod._device_digests([large.clone()])[1][0] == checksums[1]
 
 
 def test_mismatching_replicas_are_refused_by_rank_groups() -> None:
@@ -541,9 +565,9 @@ def test_replica_check_names_shards_and_limits_the_message() -> None:
 def test_replica_digests_of_different_kinds_are_not_compared() -> None:
     # One copy in host memory, one on a device: the digests are of different kinds.
     items = [tensor_item("w", (8,))]
-    plans = [checked_plan(items, {"w": ("xxh64", 1)}), checked_plan(items, {"w": ("wsum", 2)})]
+    plans = [checked_plan(items, {"w": ("xxh64", 1)}), checked_plan(items, {"w": ("rowcol", 2)})]
     check_replica_digests(plans)
-    plans.append(checked_plan(items, {"w": ("wsum", 3)}))
+    plans.append(checked_plan(items, {"w": ("rowcol", 3)}))
     with pytest.raises(ReplicaMismatchError) as info:
         check_replica_digests(plans)
     assert info.value.mismatches == {"w": [[0], [1], [2]]}
