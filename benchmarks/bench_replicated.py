@@ -6,6 +6,16 @@ the planners alternating between repeats); the table gives the median save wall 
 rank, barrier to barrier) and the bytes each rank wrote, read from the data files on disk. A second table times the coordinator's global planning on
 synthetic local plans of many tensors.
 
+The replica check (every rank hashes every replicated byte it holds, the coordinator compares
+the digests) is measured twice: end to end, as the save time of ``pyckpt`` (check on, the
+default) against ``pyckpt-nocheck`` (``SavePlanner(check_replicas=False)``); and directly, as
+the time each rank spends in ``pyckpt.planner.replica_digests`` over its state dict (``check
+s``, slowest rank, median of the repeats; ``check %`` = that over the ``pyckpt-nocheck`` save
+time). At world size 1 the check does not run (nothing to compare), but ``check s`` is still
+measured.
+
+    python benchmarks/bench_replicated.py --worlds 2 4 --plan-counts   # check cost only
+
     python benchmarks/bench_replicated.py --size-gib 1 --worlds 1 2 4 --json replicated.json
     python benchmarks/bench_replicated.py --workload single --plan-counts   # saves only
 
@@ -38,7 +48,39 @@ import torch.multiprocessing as mp
 
 from pyckpt import tools
 
-PLANNERS = ("pyckpt", "dcp-default")
+PLANNERS = ("pyckpt", "pyckpt-nocheck", "dcp-default")
+
+
+def _planner(name: str) -> Any:
+    import pyckpt
+
+    if name == "pyckpt":
+        return pyckpt.SavePlanner()
+    if name == "pyckpt-nocheck":
+        return pyckpt.SavePlanner(check_replicas=False)
+    return None  # DCP's DefaultSavePlanner
+
+
+def _tensors(tree: Any) -> list[torch.Tensor]:
+    if isinstance(tree, dict):
+        return [t for v in tree.values() for t in _tensors(v)]
+    if isinstance(tree, (list, tuple)):
+        return [t for v in tree for t in _tensors(v)]
+    return [tree] if isinstance(tree, torch.Tensor) else []
+
+
+def time_hashing(sd: dict[str, Any], repeats: int) -> list[float]:
+    """Seconds per repeat for the replica check's hashing of every tensor of ``sd`` (what each
+    rank does in SavePlanner.create_local_plan when every tensor is replicated)."""
+    from pyckpt.planner import replica_digests
+
+    tensors = _tensors(sd)
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        replica_digests(tensors)
+        times.append(time.perf_counter() - start)
+    return times
 
 
 def bytes_per_rank(path: str, world: int) -> list[int]:
@@ -97,9 +139,11 @@ def _save_rank(
         try:
             sd = make_state_dict(workload, size)  # identical on every rank
             times: dict[str, list[float]] = {name: [] for name in planners}
+            dist.barrier()
+            times["check"] = time_hashing(sd, repeats)
             for name in _alternating(planners, repeats):
                 path = os.path.join(root, f"w{world}-{name}")
-                planner = pyckpt.SavePlanner() if name == "pyckpt" else None
+                planner = _planner(name)
                 gc.collect()
                 with pyckpt.Writer(path) as writer:
                     dist.barrier()
@@ -126,9 +170,10 @@ def _single_process_save(
 
     sd = make_state_dict(workload, size)
     times: dict[str, list[float]] = {name: [] for name in planners}
+    times["check"] = time_hashing(sd, repeats)
     for name in _alternating(planners, repeats):
         path = os.path.join(root, f"w1-{name}")
-        planner = pyckpt.SavePlanner() if name == "pyckpt" else None
+        planner = _planner(name)
         gc.collect()
         with pyckpt.Writer(path) as writer, warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
@@ -142,7 +187,8 @@ def run_saves(
     world: int, workload: str, size: int, root: str, planners: list[str], repeats: int
 ) -> dict[str, list[float]]:
     """Saves on ``world`` spawned gloo ranks; returns per planner the time of each repeat
-    (slowest rank, barrier to barrier)."""
+    (slowest rank, barrier to barrier), and under ``"check"`` the replica hashing time of each
+    repeat (slowest rank)."""
     if world == 1:
         return _single_process_save(workload, size, root, planners, repeats)
     ctx = mp.get_context("spawn")
@@ -176,7 +222,7 @@ def run_saves(
                 p.join()
     return {
         name: [max(results[r][name][k] for r in range(world)) for k in range(repeats)]
-        for name in planners
+        for name in [*planners, "check"]
     }
 
 
@@ -268,6 +314,7 @@ def main(argv: list[str] | None = None) -> int:
         "workload": args.workload,
         "size_bytes": size,
         "saves": [],
+        "checks": [],
         "planning": [],
     }
 
@@ -281,7 +328,7 @@ def main(argv: list[str] | None = None) -> int:
             f"save time = median of {args.repeats} (order alternating)"
         )
         print(
-            f"{'world':>5} {'planner':<12} {'save s':>7} {'GB/s':>6} {'max/mean':>8}  MiB per rank"
+            f"{'world':>5} {'planner':<14} {'save s':>7} {'GB/s':>6} {'max/mean':>8}  MiB per rank"
         )
         base = tempfile.mkdtemp(prefix="pyckpt-bench-repl-", dir=args.dir)
         try:
@@ -304,9 +351,25 @@ def main(argv: list[str] | None = None) -> int:
                     }
                     report["saves"].append(row)
                     print(
-                        f"{world:>5} {name:<12} {median:>7.2f} {row['gb_per_s']:>6.2f} "
+                        f"{world:>5} {name:<14} {median:>7.2f} {row['gb_per_s']:>6.2f} "
                         f"{ratio:>8.3f}  {' '.join(_mib(b) for b in per_rank)}"
                     )
+                check = statistics.median(times["check"])
+                base_save = statistics.median(times["pyckpt-nocheck"])
+                report["checks"].append(
+                    {
+                        "world": world,
+                        "check_s": check,
+                        "check_s_samples": times["check"],
+                        "check_gb_per_s": total / check / 1e9,
+                        "check_over_save": check / base_save,
+                    }
+                )
+                print(
+                    f"{world:>5} replica check: {check:.3f} s per rank "
+                    f"({total / check / 1e9:.1f} GB/s), {100 * check / base_save:.1f} % of the "
+                    "pyckpt-nocheck save"
+                )
                 shutil.rmtree(root)
         finally:
             shutil.rmtree(base, ignore_errors=True)

@@ -14,6 +14,7 @@ __all__ = [
     "CompressionError",
     "CudaError",
     "UnsupportedDtypeError",
+    "ReplicaMismatchError",
 ]
 
 
@@ -39,3 +40,23 @@ class CudaError(PyckptError, RuntimeError):
 
 class UnsupportedDtypeError(PyckptError, TypeError):
     """A tensor's dtype cannot be stored in the requested format."""
+
+
+class ReplicaMismatchError(PyckptError, ValueError):
+    """Copies of replicated state differ across ranks (e.g. desynchronised DDP); nothing written.
+
+    Attributes:
+        mismatches: Maps each differing item (its name, with `` at offset [...]`` for a shard
+            that does not start at the origin) to the ranks holding it, grouped by content:
+            ``{"w": [[0, 2], [1, 3]]}``.
+    """
+
+    def __init__(self, message: str, mismatches: dict[str, list[list[int]]] | None = None) -> None:
+        super().__init__(message)
+        self.mismatches = dict(mismatches or {})
+
+    def __reduce__(
+        self,
+    ) -> tuple[type[ReplicaMismatchError], tuple[str, dict[str, list[list[int]]]]]:
+        # Pickled by DCP to reach every rank: keep the attribute, not only the message.
+        return type(self), (str(self), self.mismatches)

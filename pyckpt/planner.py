@@ -17,6 +17,13 @@ bytes, which rank writes which part of each replicated item:
   one per holder, at multiples of :data:`SPLIT_ALIGNMENT` bytes;
 * non-tensor values (``BYTE_IO`` items) are never split and are written once.
 
+Before any of that, the planner checks that the copies of replicated tensors agree: each rank
+hashes every tensor it holds that other ranks may hold too (:func:`replica_digests`, in the local
+plan step), and the coordinator compares the digests of each item's holders. Copies that differ
+(desynchronised DDP replicas, say) would otherwise be saved as a silent mix of the ranks' bytes;
+instead every rank raises :class:`pyckpt.errors.ReplicaMismatchError` before anything is
+written. ``SavePlanner(check_replicas=False)`` skips the check.
+
 The outcome reaches the storage layer in ``SavePlan.storage_data`` as a :class:`ByteRanges`:
 for every item a rank writes only partially, the half-open byte range of the item's row-major
 contiguous bytes that this rank writes. The ranges of the copies of one item tile
@@ -33,8 +40,12 @@ import logging
 import math
 from collections import ChainMap
 from collections.abc import Sequence
-from typing import Any
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, cast
 
+import numpy as np
+import torch
+import torch.distributed as dist
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
@@ -44,11 +55,16 @@ from torch.distributed.checkpoint.metadata import (
 )
 from torch.distributed.checkpoint.planner import SavePlan, WriteItem, WriteItemType
 
+from pyckpt import _C, _knobs
+from pyckpt.errors import ReplicaMismatchError
+
 __all__ = [
     "SPLIT_ALIGNMENT",
     "ByteRanges",
     "SavePlanner",
     "balance_save_plans",
+    "check_replica_digests",
+    "replica_digests",
 ]
 
 logger = logging.getLogger(__name__)
@@ -383,6 +399,260 @@ def _validate(metadata: Metadata, world_size: int) -> list[str]:
     return errors
 
 
+# --- replica check -----------------------------------------------------------------------
+
+_ItemKey = tuple[str, tuple[int, ...] | None]
+"""An item's identity: its fqn and chunk offset (what ``MetadataIndex`` equality compares)."""
+
+Digest = tuple[str, int]
+"""A content digest: its kind (``"xxh64"`` of the bytes, or ``"rowcol"`` for the device
+checksum of large device tensors) and value."""
+
+_HASH_BLOCK_BYTES = 4 << 20
+"""Host copies are hashed in blocks of this many bytes on several threads; small tensors are
+batched so that each task hashes at least this many bytes."""
+
+_DEVICE_SMALL_BYTES = 1 << 20
+"""Device tensors up to this size are copied to the host in one batch per device and hashed
+there (one transfer instead of several kernel launches each); larger ones are reduced on the
+device."""
+
+_DEVICE_ROW_WORDS = 512
+"""The device checksum sums rows of this many int32 words (2 KiB): a row sum stays below 2**40."""
+
+_DEVICE_CHUNK_ROWS = 16384
+"""Rows (32 MiB of data) widened to int64 at once: the bound on the checksum's temporary."""
+
+
+@dataclasses.dataclass(frozen=True)
+class _CheckedPlan(SavePlan):
+    """A local plan that carries the content digests of its replicable items to the coordinator.
+
+    The digests ride in a field of their own (not ``storage_data``, which belongs to the storage
+    writer's ``prepare_local_plan``); ``dataclasses.replace`` keeps them.
+    """
+
+    replica_digests: dict[_ItemKey, Digest] = dataclasses.field(default_factory=dict)
+
+
+def _key(index: MetadataIndex) -> _ItemKey:
+    return index.fqn, tuple(index.offset) if index.offset is not None else None
+
+
+def _item_name(key: _ItemKey) -> str:
+    fqn, offset = key
+    return fqn if not offset or not any(offset) else f"{fqn} at offset {list(offset)}"
+
+
+def _may_be_replicated(obj: Any, item: WriteItem) -> bool:
+    """Whether other ranks may hold a copy of this item's data.
+
+    A DTensor's local data is replicated over its mesh dimensions that are not ``Shard``
+    (``Replicate()``, and ``Partial()``, whose copies differ by design and must not be saved);
+    a plain tensor is replicated under DDP / FSDP ``NO_SHARD`` (DCP names it the same on every
+    rank); a ``ShardedTensor`` shard (a chunk smaller than its tensor) belongs to one rank.
+    """
+    if item.type == WriteItemType.BYTE_IO or item.tensor_data is None:
+        return False
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(obj, DTensor):
+        mesh = obj.device_mesh
+        return any(not p.is_shard() and mesh.size(d) > 1 for d, p in enumerate(obj.placements))
+    data = item.tensor_data
+    return data.chunk.sizes == data.size and not any(data.chunk.offsets)
+
+
+def _flat_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor's values as a flat contiguous uint8 tensor on its own device."""
+    t = tensor.detach()
+    if t.is_conj():
+        t = t.resolve_conj()
+    if t.is_neg():
+        t = t.resolve_neg()
+    t = t.contiguous()
+    if t.numel() == 0:
+        return torch.empty(0, dtype=torch.uint8, device=t.device)
+    return t.reshape(-1).view(torch.uint8)
+
+
+def _xxh64(data: np.ndarray, seed: int = 0) -> int:
+    """XXH64 of a contiguous array (numpy's stubs do not declare the buffer protocol)."""
+    return _C.xxh64(cast(Any, data), seed)
+
+
+def _host_digests(arrays: Sequence[np.ndarray], threads: int) -> list[int]:
+    """XXH64 digests of host byte tensors: each is cut into blocks hashed by the native XXH64
+    (which releases the GIL) on ``threads`` threads; an item's digest is the XXH64, seeded with
+    its length, of its block digests. Every byte is read once."""
+    blocks: list[list[int]] = [[0] * max(1, -(-a.nbytes // _HASH_BLOCK_BYTES)) for a in arrays]
+    tasks: list[list[tuple[int, int, np.ndarray]]] = []
+    task: list[tuple[int, int, np.ndarray]] = []
+    task_bytes = 0
+    for slot, arr in enumerate(arrays):
+        for b in range(len(blocks[slot])):
+            part = arr[b * _HASH_BLOCK_BYTES : (b + 1) * _HASH_BLOCK_BYTES]
+            task.append((slot, b, part))
+            task_bytes += part.nbytes + 256  # small items still cost a call each
+            if task_bytes >= _HASH_BLOCK_BYTES:
+                tasks.append(task)
+                task, task_bytes = [], 0
+    if task:
+        tasks.append(task)
+
+    def run(work: list[tuple[int, int, np.ndarray]]) -> None:
+        for slot, b, part in work:
+            blocks[slot][b] = _xxh64(part)
+
+    if threads > 1 and len(tasks) > 1:
+        with ThreadPoolExecutor(min(threads, len(tasks)), "pyckpt-hash") as pool:
+            for _ in pool.map(run, tasks):
+                pass
+    else:
+        for work in tasks:
+            run(work)
+    return [
+        _xxh64(np.array(digests, dtype="<u8"), arr.nbytes) for arr, digests in zip(arrays, blocks)
+    ]
+
+
+def _rowcol_checksum(flat: torch.Tensor) -> torch.Tensor:
+    """The device checksum of one byte tensor, as an int64 tensor on its device.
+
+    The bytes are read as int32 words in rows of :data:`_DEVICE_ROW_WORDS`; the checksum is
+    every row's sum, every column's sum (words at the same position in their rows) and the
+    tail bytes after the last whole row, all exact in int64. A change confined to one or two
+    words always changes a row or a column sum. The data is widened to int64 in chunks of
+    :data:`_DEVICE_CHUNK_ROWS` rows (a 64 MiB temporary): about 7 bytes of device memory
+    traffic per byte checked; the checksum is 1/256 of the data's size.
+    """
+    row_bytes = 4 * _DEVICE_ROW_WORDS
+    rows = flat.numel() // row_bytes
+    parts = []
+    if rows:
+        body = flat[: rows * row_bytes]
+        if body.storage_offset() % 4:  # a view into a buffer of 1- or 2-byte elements
+            body = body.clone()
+        words = body.view(torch.int32).view(rows, _DEVICE_ROW_WORDS)
+        columns = torch.zeros(_DEVICE_ROW_WORDS, dtype=torch.int64, device=flat.device)
+        for first in range(0, rows, _DEVICE_CHUNK_ROWS):
+            wide = words[first : first + _DEVICE_CHUNK_ROWS].to(torch.int64)
+            parts.append(wide.sum(dim=1))
+            columns += wide.sum(dim=0)
+        parts.append(columns)
+    parts.append(flat[rows * row_bytes :].to(torch.int64))
+    return torch.cat(parts)
+
+
+def _device_digests(flats: Sequence[torch.Tensor]) -> tuple[list[np.ndarray], list[int]]:
+    """Prepares digests of byte tensors on devices without copying their bulk to the host.
+
+    Tensors up to :data:`_DEVICE_SMALL_BYTES` are concatenated on their device and copied to
+    the host in one transfer, to be hashed like host tensors (so their digest is the same as a
+    host copy's); larger ones get the device checksum of :func:`_rowcol_checksum`, hashed on
+    the host. One synchronisation per device.
+
+    Returns:
+        Per tensor, in order: the host bytes to hash (an empty array for a large tensor) and
+        the XXH64 of the device checksum (0 for a small tensor).
+    """
+    arrays = [np.empty(0, dtype=np.uint8)] * len(flats)
+    checksums = [0] * len(flats)
+    for device in {f.device for f in flats}:
+        slots = [i for i, f in enumerate(flats) if f.device == device]
+        small = [i for i in slots if flats[i].numel() <= _DEVICE_SMALL_BYTES]
+        large = [i for i in slots if flats[i].numel() > _DEVICE_SMALL_BYTES]
+        sums = [_rowcol_checksum(flats[i]) for i in large]
+        pieces = [flats[i] for i in small] + [s.view(torch.uint8) for s in sums]
+        if not pieces:
+            continue
+        host = torch.cat(pieces).cpu().numpy()
+        pos = 0
+        for i in small:
+            arrays[i] = host[pos : pos + flats[i].numel()]
+            pos += flats[i].numel()
+        for i, checksum in zip(large, sums):
+            n = checksum.numel() * 8
+            checksums[i] = _xxh64(host[pos : pos + n], flats[i].numel())
+            pos += n
+    return arrays, checksums
+
+
+def replica_digests(tensors: Sequence[torch.Tensor], *, threads: int | None = None) -> list[Digest]:
+    """Content digests of tensors, for comparing copies of replicated state across ranks.
+
+    Host tensors get an XXH64-based digest (hashed in blocks on ``threads`` threads with the GIL
+    released; each byte read once), and so do device tensors of up to 1 MiB, copied to the host
+    in one batch. Larger device tensors get a checksum computed on the device (row and column
+    sums, see ``_rowcol_checksum``), so their bytes are not copied to the host. Digests depend
+    only on the values' bytes (row-major), not on strides or, for one kind, on the device.
+
+    Args:
+        tensors: Plain tensors (a DTensor's local tensor, not the DTensor).
+        threads: Hashing threads (default ``PYCKPT_NUM_THREADS``).
+
+    Returns:
+        One ``(kind, value)`` digest per tensor, in order; equal bytes give equal digests of the
+        same kind.
+    """
+    flats = [_flat_bytes(t) for t in tensors]
+    on_device = [i for i, f in enumerate(flats) if f.device.type != "cpu"]
+    arrays = [f.numpy() if f.device.type == "cpu" else None for f in flats]
+    out: list[Digest] = [("", 0)] * len(flats)
+    if on_device:
+        small, checksums = _device_digests([flats[i] for i in on_device])
+        for i, array, checksum in zip(on_device, small, checksums):
+            if flats[i].numel() <= _DEVICE_SMALL_BYTES:
+                arrays[i] = array
+            else:
+                out[i] = ("rowcol", checksum)
+    hashed = [i for i, a in enumerate(arrays) if a is not None]
+    nthreads = threads if threads is not None else _knobs.num_threads()
+    values = _host_digests([cast(np.ndarray, arrays[i]) for i in hashed], nthreads)
+    for i, value in zip(hashed, values):
+        out[i] = ("xxh64", value)
+    return out
+
+
+def check_replica_digests(all_plans: Sequence[SavePlan]) -> None:
+    """Raise if the holders of one replicated item reported different digests.
+
+    Args:
+        all_plans: Local plans, one per rank; plans made by :class:`SavePlanner` with
+            ``check_replicas=True`` carry the digests of their replicable items, others none.
+
+    Raises:
+        ReplicaMismatchError: Naming every differing item and its holders grouped by content
+            (``ranks [0, 2] vs [1, 3]``). Digests of different kinds (one copy in host memory,
+            another on a device) are compared only within their kind.
+    """
+    seen: dict[_ItemKey, dict[Digest, list[int]]] = {}
+    for rank, plan in enumerate(all_plans):
+        for key, digest in getattr(plan, "replica_digests", {}).items():
+            seen.setdefault(key, {}).setdefault(digest, []).append(rank)
+    mismatches: dict[str, list[list[int]]] = {}
+    for key, by_digest in seen.items():
+        if len(by_digest) < 2:
+            continue
+        kinds = [kind for kind, _ in by_digest]
+        if all(kinds.count(kind) < 2 for kind in kinds):
+            continue  # one digest per kind: nothing comparable differs
+        mismatches[_item_name(key)] = sorted(by_digest.values())
+    if not mismatches:
+        return
+    shown = []
+    for name in sorted(mismatches)[:8]:
+        groups = " vs ".join(str(g) for g in mismatches[name])
+        shown.append(f"{name!r}: ranks {groups}")
+    more = f"; and {len(mismatches) - 8} more" if len(mismatches) > 8 else ""
+    raise ReplicaMismatchError(
+        f"replicated state differs across ranks, nothing was written: {'; '.join(shown)}{more}. "
+        "The replicas are out of sync; SavePlanner(check_replicas=False) saves anyway, each "
+        "byte range then taken from whichever rank writes it",
+        mismatches,
+    )
+
+
 class SavePlanner(DefaultSavePlanner):
     """DCP save planner that balances the bytes each rank writes, splitting replicated items.
 
@@ -406,6 +676,10 @@ class SavePlanner(DefaultSavePlanner):
         flatten_sharded_tensors: Flatten nested ``ShardedTensor``\\ s (FSDP 2D), as DCP does.
         split_alignment: Interior split points lie at multiples of this many bytes (a positive
             multiple of 16; default :data:`SPLIT_ALIGNMENT`, 1 MiB).
+        check_replicas: Before planning, check that every copy of replicated state is
+            identical and raise :class:`pyckpt.errors.ReplicaMismatchError` (on every rank,
+            before anything is written) if not. Costs each rank one read of every replicated
+            byte it holds (on its device for GPU tensors). Skipped in a single process.
     """
 
     def __init__(
@@ -414,6 +688,7 @@ class SavePlanner(DefaultSavePlanner):
         flatten_sharded_tensors: bool = True,
         *,
         split_alignment: int = SPLIT_ALIGNMENT,
+        check_replicas: bool = True,
     ) -> None:
         if split_alignment <= 0 or split_alignment % 16:
             raise ValueError(
@@ -424,6 +699,45 @@ class SavePlanner(DefaultSavePlanner):
             flatten_sharded_tensors=flatten_sharded_tensors,
         )
         self.split_alignment = split_alignment
+        self.check_replicas = check_replicas
+
+    def create_local_plan(self) -> SavePlan:
+        """DCP's local plan, plus the digests of the items other ranks may also hold.
+
+        Returns:
+            The local plan; with ``check_replicas`` in a process group of several ranks, a plan
+            that also carries the content digest of every item that may be replicated (see
+            :func:`replica_digests`).
+        """
+        plan = super().create_local_plan()
+        if not self.check_replicas or not (
+            dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+        ):
+            return plan
+        keys: list[_ItemKey] = []
+        tensors: list[torch.Tensor] = []
+        for item in plan.items:
+            if not _may_be_replicated(self.state_dict.get(item.index.fqn), item):
+                continue
+            data = self.lookup_object(item.index)
+            # Layouts the writer refuses are left to its typed error.
+            if (
+                isinstance(data, torch.Tensor)
+                and data.layout == torch.strided
+                and not (data.is_quantized or data.is_meta)
+            ):
+                keys.append(_key(item.index))
+                tensors.append(data)
+        digests = dict(zip(keys, replica_digests(tensors)))
+        plan = _CheckedPlan(
+            items=plan.items,
+            storage_data=plan.storage_data,
+            planner_data=plan.planner_data,
+            usable=plan.usable,
+            replica_digests=digests,
+        )
+        self.plan = plan
+        return plan
 
     def create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
         """Balance the local plans and build the checkpoint metadata.
@@ -436,9 +750,13 @@ class SavePlanner(DefaultSavePlanner):
             global ``Metadata``.
 
         Raises:
+            ReplicaMismatchError: With ``check_replicas``, if copies of a replicated item differ
+                (see :func:`check_replica_digests`).
             ValueError: If the plans are inconsistent (see :func:`balance_save_plans`) or the
                 shards of a tensor do not cover it exactly.
         """
+        if self.check_replicas:
+            check_replica_digests(all_plans)
         per_rank = _balance(all_plans, self.split_alignment)
         metadata = _build_metadata(per_rank)
         global_plan = []
@@ -455,8 +773,13 @@ class SavePlanner(DefaultSavePlanner):
                 span = entry.parts[rank]
                 if span is not None:
                     ranges[final.index] = span
-            global_plan.append(
-                dataclasses.replace(plan, items=items, storage_data=ByteRanges(ranges))
+            global_plan.append(  # a plain SavePlan: the digests need not travel back
+                SavePlan(
+                    items=items,
+                    storage_data=ByteRanges(ranges),
+                    planner_data=plan.planner_data,
+                    usable=plan.usable,
+                )
             )
 
         if self.flatten_state_dict:

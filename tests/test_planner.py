@@ -25,7 +25,16 @@ from torch.distributed.checkpoint.planner import (
     WriteItemType,
 )
 
-from pyckpt.planner import SPLIT_ALIGNMENT, ByteRanges, SavePlanner, balance_save_plans
+from pyckpt import planner as planner_mod
+from pyckpt.errors import ReplicaMismatchError
+from pyckpt.planner import (
+    SPLIT_ALIGNMENT,
+    ByteRanges,
+    SavePlanner,
+    balance_save_plans,
+    check_replica_digests,
+    replica_digests,
+)
 
 MiB = 1 << 20
 
@@ -419,3 +428,155 @@ def test_metadata_matches_dcp_default_planner() -> None:
             assert (mine.size, mine.properties) == (md.size, md.properties)
             key = lambda c: tuple(c.offsets)  # noqa: E731
             assert sorted(mine.chunks, key=key) == sorted(md.chunks, key=key)
+
+
+# --- replica check -----------------------------------------------------------------------
+
+
+def checked_plan(items: list[WriteItem], digests: dict[str, tuple[str, int]]) -> SavePlan:
+    """A local plan carrying digests, as SavePlanner.create_local_plan makes it."""
+    keyed = {}
+    for item in items:
+        if item.index.fqn in digests:
+            keyed[planner_mod._key(item.index)] = digests[item.index.fqn]
+    return planner_mod._CheckedPlan(items=items, replica_digests=keyed)
+
+
+def test_replica_digest_sees_any_single_byte() -> None:
+    # Three host blocks and a tail: flip one byte at the edges and at the block boundaries.
+    block = planner_mod._HASH_BLOCK_BYTES
+    base = torch.arange(3 * block + 100, dtype=torch.uint8)
+    (reference,) = replica_digests([base])
+    assert reference[0] == "xxh64"
+    for pos in (0, 1, block - 1, block, 2 * block + 7, base.numel() - 1):
+        changed = base.clone()
+        changed[pos] ^= 1
+        assert replica_digests([changed])[0] != reference, pos
+    # Values, not layout: a transposed view and its contiguous copy agree; the thread count
+    # and batching with other tensors do not change a digest.
+    m = torch.randn(300, 77)
+    assert replica_digests([m.t()]) == replica_digests([m.t().contiguous()])
+    many = [base, m, torch.zeros(0), torch.tensor(3.5)]
+    assert replica_digests(many, threads=1) == replica_digests(many, threads=4)
+    assert replica_digests(many, threads=3)[0] == reference
+    # Same bytes, different dtype view: the same bytes (shape/dtype are checked separately).
+    assert replica_digests([torch.zeros(4)]) == replica_digests(
+        [torch.zeros(16, dtype=torch.uint8)]
+    )
+    assert replica_digests([torch.zeros(4)]) != replica_digests([torch.zeros(3)])
+
+
+def test_device_checksum_sees_one_or_two_changed_words() -> None:
+    # The device path is plain torch: on CPU tensors it computes what it computes on a GPU.
+    row = 4 * planner_mod._DEVICE_ROW_WORDS
+    rows = planner_mod._DEVICE_CHUNK_ROWS + 3  # two chunks: column sums add up across them
+    g = torch.Generator().manual_seed(5)
+    base = torch.randint(0, 256, (rows * row + 1001,), dtype=torch.uint8, generator=g)
+    reference = planner_mod._rowcol_checksum(base)
+    assert reference.dtype == torch.int64
+    assert reference.numel() == rows + planner_mod._DEVICE_ROW_WORDS + 1001
+    assert torch.equal(planner_mod._rowcol_checksum(base.clone()), reference)
+    for positions in (
+        [0],
+        [row - 1],
+        [rows * row - 1],  # last byte of the last whole row
+        [rows * row + 1000],  # in the tail
+        [5, 6],  # two bytes of one word
+        [8, 8 + row],  # one column, two rows
+        [3 * row + 12, 3 * row + 40],  # one row, two columns
+    ):
+        changed = base.clone()
+        for pos in positions:
+            changed[pos] ^= 0x41
+        assert not torch.equal(planner_mod._rowcol_checksum(changed), reference), positions
+    # Exact at the extremes: all words -1 / INT32_MIN sum without wrapping.
+    ones = torch.full((2 * row,), 0xFF, dtype=torch.uint8)
+    assert planner_mod._rowcol_checksum(ones)[:2].tolist() == [-planner_mod._DEVICE_ROW_WORDS] * 2
+    # A view that starts off a 4-byte boundary (a bf16 parameter inside a flat buffer).
+    buffer = torch.randint(0, 256, (3 * row + 2,), dtype=torch.uint8, generator=g)
+    view = buffer[2:]
+    assert view.storage_offset() % 4 == 2
+    assert torch.equal(
+        planner_mod._rowcol_checksum(view), planner_mod._rowcol_checksum(view.clone())
+    )
+
+
+def test_device_digests_batch_small_tensors_and_sum_large_ones() -> None:
+    small = torch.arange(1000, dtype=torch.int16).view(torch.uint8)
+    large = torch.randint(0, 256, (planner_mod._DEVICE_SMALL_BYTES + 4096,), dtype=torch.uint8)
+    arrays, checksums = planner_mod._device_digests([small, large, small[:0]])
+    # Small ones come back as bytes, hashed like a host copy: the same digest kind and value.
+    assert arrays[0].tobytes() == small.numpy().tobytes() and checksums[0] == 0
+    assert arrays[2].nbytes == 0
+    assert replica_digests([small])[0][0] == "xxh64"
+    assert arrays[1].nbytes == 0 and checksums[1] != 0
+    changed = large.clone()
+    changed[-5000] += 1
+    assert planner_mod._device_digests([changed])[1][0] != checksums[1]
+    assert planner_mod._device_digests([large.clone()])[1][0] == checksums[1]
+
+
+def test_mismatching_replicas_are_refused_by_rank_groups() -> None:
+    items = [tensor_item("w", (4 * MiB,)), tensor_item("b", (16,)), bytes_item("meta")]
+    same = {"w": ("xxh64", 1), "b": ("xxh64", 2)}
+    odd = {"w": ("xxh64", 9), "b": ("xxh64", 2)}
+    plans = [checked_plan(items, d) for d in (same, odd, same, odd)]
+    with pytest.raises(ReplicaMismatchError) as info:
+        SavePlanner().create_global_plan(plans)
+    assert info.value.mismatches == {"w": [[0, 2], [1, 3]]}
+    assert "'w': ranks [0, 2] vs [1, 3]" in str(info.value)
+    assert "'b'" not in str(info.value)
+    assert isinstance(info.value, ValueError)
+    # DCP pickles the error to send it to every rank: the groups survive.
+    import pickle
+
+    again = pickle.loads(pickle.dumps(info.value))
+    assert type(again) is ReplicaMismatchError
+    assert again.mismatches == info.value.mismatches and str(again) == str(info.value)
+    # Opting out: the same plans are balanced as before.
+    global_plan, _ = SavePlanner(check_replicas=False).create_global_plan(plans)
+    assert sum(len(p.items) for p in global_plan) >= 3
+    assert all(type(p) is SavePlan for p in global_plan)  # the digests do not travel back
+
+
+def test_replica_check_names_shards_and_limits_the_message() -> None:
+    # HSDP: ranks 0/2 hold rows [0, 2) of 'h', ranks 1/3 rows [2, 4); rank 3 disagrees.
+    def shard(offset: int) -> WriteItem:
+        return tensor_item("h", (2, 8), offset=(offset, 0), full=(4, 8))
+
+    plans = [
+        checked_plan([shard(0)], {"h": ("xxh64", 1)}),
+        checked_plan([shard(2)], {"h": ("xxh64", 2)}),
+        checked_plan([shard(0)], {"h": ("xxh64", 1)}),
+        checked_plan([shard(2)], {"h": ("xxh64", 3)}),
+    ]
+    with pytest.raises(ReplicaMismatchError) as info:
+        check_replica_digests(plans)
+    assert info.value.mismatches == {"h at offset [2, 0]": [[1], [3]]}
+    # Many differing items: every one in the attribute, the message stays short.
+    items = [tensor_item(f"t{i:02d}", (4,)) for i in range(20)]
+    plans = [checked_plan(items, {f"t{i:02d}": ("xxh64", r) for i in range(20)}) for r in range(2)]
+    with pytest.raises(ReplicaMismatchError) as info:
+        check_replica_digests(plans)
+    assert len(info.value.mismatches) == 20
+    assert "and 12 more" in str(info.value) and len(str(info.value)) < 1000
+
+
+def test_replica_digests_of_different_kinds_are_not_compared() -> None:
+    # One copy in host memory, one on a device: the digests are of different kinds.
+    items = [tensor_item("w", (8,))]
+    plans = [checked_plan(items, {"w": ("xxh64", 1)}), checked_plan(items, {"w": ("rowcol", 2)})]
+    check_replica_digests(plans)
+    plans.append(checked_plan(items, {"w": ("rowcol", 3)}))
+    with pytest.raises(ReplicaMismatchError) as info:
+        check_replica_digests(plans)
+    assert info.value.mismatches == {"w": [[0], [1], [2]]}
+    # Plans without digests (DCP's planner, check_replicas=False) are not checked.
+    check_replica_digests([SavePlan(items), SavePlan(items)])
+
+
+def test_local_plan_has_no_digests_in_one_process() -> None:
+    planner = SavePlanner()
+    planner.set_up_planner({"w": torch.ones(4)}, is_coordinator=True)
+    plan = planner.create_local_plan()
+    assert not getattr(plan, "replica_digests", None)

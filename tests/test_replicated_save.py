@@ -251,6 +251,118 @@ def _load_world(rank: int, world: int, root: str) -> None:
     assert_same(expected, got)
 
 
+def replica_state(
+    mesh: Any, *, plain_off: bool = False, dtensor_off: bool = False
+) -> dict[str, Any]:
+    """DDP-style plain tensors, a ``Replicate()`` DTensor and a non-tensor, about 5 MiB.
+
+    ``plain_off`` / ``dtensor_off`` change one element of this rank's copy of ``ddp.w`` and
+    ``ddp.b`` / of ``rep`` (the caller decides on which ranks).
+    """
+    from torch.distributed.tensor import DTensor, Replicate
+
+    w = pattern((3 * MiB // 4 + 7,), torch.float32, 41).clone()  # 3 MiB: split across ranks
+    b = pattern((33,), torch.bfloat16, 42).clone()  # small: written whole by one rank
+    rep = pattern((MiB // 2,), torch.float32, 43).clone()  # 2 MiB
+    if plain_off:
+        w[123457] += 1
+        b[5] += 1
+    if dtensor_off:
+        rep[MiB // 2 - 1] *= 2
+    # from_local keeps this rank's values (distribute_tensor would broadcast rank 0's).
+    return {
+        "ddp": {"w": w, "b": b},
+        "rep": DTensor.from_local(rep, mesh, [Replicate()], run_check=False),
+        "step": 7,
+    }
+
+
+def _checkpoint_files(path: str) -> dict[str, bytes | int]:
+    """The metadata's bytes and every data file's size: what a refused save must not change."""
+    out: dict[str, bytes | int] = {}
+    for name in sorted(os.listdir(path)):
+        full = os.path.join(path, name)
+        if name == "pyckpt.json":
+            with open(full, "rb") as f:
+                out[name] = f.read()
+        else:
+            out[name] = os.path.getsize(full)
+    return out
+
+
+def _refused(save: Any) -> Any:
+    """Runs ``save()``; returns the ReplicaMismatchError it raised (directly or in DCP's
+    CheckpointException), failing if it raised nothing."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        save()
+    except pyckpt.errors.ReplicaMismatchError as e:
+        return e
+    except CheckpointException as e:
+        # Only the coordinator's global planning failed; DCP keeps (exception, traceback).
+        assert list(e.failures) == [0]
+        failure = e.failures[0]
+        original = failure[0] if isinstance(failure, tuple) else failure
+        assert isinstance(original, pyckpt.errors.ReplicaMismatchError)
+        return original
+    raise AssertionError("a save with differing replicas succeeded")
+
+
+def _mismatch_world(rank: int, world: int, root: str) -> list[tuple[dict[str, Any], str]]:
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.device_mesh import init_device_mesh
+
+    torch.set_num_threads(1)
+    mesh = init_device_mesh("cpu", (world,))
+    path = os.path.join(root, "ckpt")
+    # Identical replicas: saved and loaded bit-exact, as before the check existed.
+    good = replica_state(mesh)
+    _save_and_reload(good, path)
+    dist.barrier()
+    before = _checkpoint_files(path)
+    errors = []
+
+    # Plain tensors differ on the odd ranks: every rank raises, naming both and the groups.
+    bad = replica_state(mesh, plain_off=rank % 2 == 1)
+    errors.append(_refused(lambda: pyckpt.save(bad, path, fsync=False)))
+    # A Replicate() DTensor differs on the last rank, saved through dcp.save directly.
+    bad = replica_state(mesh, dtensor_off=rank == world - 1)
+
+    def dcp_save() -> None:
+        with pyckpt.Writer(path, fsync=False) as writer:
+            dcp.save(bad, storage_writer=writer, planner=pyckpt.SavePlanner())
+
+    errors.append(_refused(dcp_save))
+    if world == 4:
+        # HSDP: mesh [[0, 1], [2, 3]], 'h' sharded over columns and replicated over rows:
+        # ranks 1 and 3 hold rows [2, 4), and rank 3's copy differs.
+        from torch.distributed.tensor import DTensor, Replicate, Shard
+
+        mesh2 = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+        local = pattern((2, 1024), torch.float32, 44 + rank % 2).clone()
+        if rank == 3:
+            local[1, 1000] = -local[1, 1000]
+        hsdp = {"h": DTensor.from_local(local, mesh2, [Replicate(), Shard(0)], run_check=False)}
+        errors.append(_refused(lambda: pyckpt.save(hsdp, path, fsync=False)))
+
+    # Nothing was written: the previous checkpoint is intact, byte for byte, and loads.
+    dist.barrier()
+    assert _checkpoint_files(path) == before
+    got = blank_like(good)
+    pyckpt.load(got, path)
+    assert_same(good, got)
+
+    # Opting out saves the differing replicas (as the planner did before the check).
+    bad = replica_state(mesh, plain_off=rank % 2 == 1, dtensor_off=rank == world - 1)
+    unchecked = os.path.join(root, "unchecked")
+    with pyckpt.Writer(unchecked, fsync=False) as writer:
+        dcp.save(bad, storage_writer=writer, planner=pyckpt.SavePlanner(check_replicas=False))
+    assert os.path.isfile(os.path.join(unchecked, "pyckpt.json"))
+    return [(e.mismatches, str(e)) for e in errors]
+
+
 # --- tests -------------------------------------------------------------------------------
 
 
@@ -323,3 +435,24 @@ def test_load_four_ranks_checkpoint_in_one_process(saved: dict[int, Path]) -> No
 @pytest.mark.distributed
 def test_load_two_ranks_checkpoint_on_three(saved: dict[int, Path]) -> None:
     run_distributed(_load_world, 3, str(saved[2]))
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("world", [2, 4])
+def test_differing_replicas_are_refused_before_writing(tmp_path: Path, world: int) -> None:
+    results = run_distributed(_mismatch_world, world, str(tmp_path))
+    odd = [r for r in range(world) if r % 2]
+    even = [r for r in range(world) if r % 2 == 0]
+    expected = [
+        {"ddp.w": [even, odd], "ddp.b": [even, odd]},
+        {"rep": [list(range(world - 1)), [world - 1]]},
+    ]
+    if world == 4:
+        expected.append({"h at offset [2, 0]": [[1], [3]]})
+    for rank, errors in enumerate(results):  # the same error on every rank
+        assert [m for m, _ in errors] == expected, rank
+        plain, dtensor = errors[0][1], errors[1][1]
+        assert f"'ddp.w': ranks {even} vs {odd}" in plain
+        assert f"'ddp.b': ranks {even} vs {odd}" in plain
+        assert f"'rep': ranks {list(range(world - 1))} vs [{world - 1}]" in dtensor
+        assert "nothing was written" in plain
