@@ -456,15 +456,43 @@ class _Duplicate:
         self.key = key
 
 
-def _object_pairs(pairs: list[tuple[str, Any]]) -> Any:
-    d = dict(pairs)
-    if len(d) != len(pairs):
-        seen: set[str] = set()
-        for k, _ in pairs:
-            if k in seen:
-                return _Duplicate(k)
-            seen.add(k)
-    return d
+def _object_hook() -> Callable[[list[tuple[str, Any]]], Any]:
+    """The ``object_pairs_hook`` of one parse.
+
+    Besides marking repeated keys, it compacts chunk records while the document is being parsed
+    (the parsed lists of a large checkpoint would otherwise dominate memory): in every object
+    with exactly the segment keys, each ``[a, b, c, d, [planes...]]`` chunk list becomes the tuple
+    ``(a, b, c, d, (planes...))`` and repeated raw lengths and all-raw plane tuples are shared.
+    The values are not checked here; the validator checks the tuples as it would the lists (and
+    :meth:`_Validator.untag` turns them back into lists inside planner_data).
+    """
+    ints: dict[int, int] = {}
+    raw_planes: dict[tuple[Any, ...], tuple[Any, ...]] = {}
+
+    def hook(pairs: list[tuple[str, Any]]) -> Any:
+        d = dict(pairs)
+        if len(d) != len(pairs):
+            seen: set[str] = set()
+            for k, _ in pairs:
+                if k in seen:
+                    return _Duplicate(k)
+                seen.add(k)
+        chunks = d.get("chunks")
+        if type(chunks) is list and len(d) == 4 and d.keys() == _SEGMENT_KEYS:
+            for j, c in enumerate(chunks):
+                if type(c) is list and len(c) == 5 and type(c[4]) is list:
+                    planes = tuple(c[4])
+                    # All raw planes: the tuple repeats across chunks. Only exact ints are
+                    # shared (False == 0 and hash alike: sharing must not hide a bool).
+                    if all(type(v) is int for v in planes) and not any(planes[0::2]):
+                        planes = raw_planes.setdefault(planes, planes)
+                    raw_len = c[1]
+                    if type(raw_len) is int:
+                        raw_len = ints.setdefault(raw_len, raw_len)
+                    chunks[j] = (c[0], raw_len, c[2], c[3], planes)
+        return d
+
+    return hook
 
 
 def _reject_constant(name: str) -> Any:
@@ -495,8 +523,6 @@ class _Validator:
         self.paths: dict[str, str] = {}  # data file name -> absolute path (one string per file)
         self.ranges: dict[str, array[int]] = {}  # data file name -> [begin, end, begin, end...]
         self.params: dict[tuple[Any, ...], tuple[str, int, int, str]] = {}
-        self.raw_planes: dict[tuple[int, int], tuple[int, ...]] = {}
-        self.ints: dict[int, int] = {}
         self.pieces = 0
         self.segments = 0
         self.chunks = 0
@@ -640,6 +666,9 @@ class _Validator:
             return {k: self.untag(v, f"{path}[{k!r}]", depth + 1) for k, v in value.items()}
         if t is list:
             return [self.untag(v, f"{path}[{i}]", depth + 1) for i, v in enumerate(value)]
+        if t is tuple:  # a chunk-like list the parser compacted (see _object_hook)
+            return [self.untag(v, f"{path}[{i}]", depth + 1)
+                    for i, v in enumerate(value[:4])] + [list(value[4])]
         if value is None or t in (str, int, float, bool):
             return value
         raise self.fail(path, f"unexpected {_describe(value)}")
@@ -743,7 +772,6 @@ class _Validator:
             chunks = self.lst(seg["chunks"], f"{sp}.chunks")
             self.count("chunks", len(chunks), MAX_CHUNKS, "chunk records")
             expect += self.chunks_of(chunks, name, params, sp)
-            seg["chunks"] = None  # drop the parsed lists as we go: the index replaces them
             out.append((self.paths[name], raw_begin, params, chunks))
         if expect != nbytes:
             raise self.fail(f"{where}.segments", f"hold {expect} raw bytes, expected {nbytes}")
@@ -751,18 +779,16 @@ class _Validator:
 
     def chunks_of(self, chunks: list[Any], name: str, params: tuple[str, int, int, str],
                   sp: str) -> int:
-        """Validates chunk records in place (each list becomes its tuple); returns raw bytes."""
+        """Validates the (parser-compacted) chunk records of a segment; returns raw bytes."""
         size = self.files[name]
         ranges = self.ranges[name]
         codec, _, E, transform = params
         group_code = _TRANSFORM_CODES[transform] if codec == "zstd" and E > 1 else 0
-        ints = self.ints
-        raw_planes = self.raw_planes
         total = 0
         for j, c in enumerate(chunks):
-            if type(c) is not list or len(c) != 5:
+            if type(c) is not tuple:  # the parser compacts every well-formed record
                 raise self.fail(f"{sp}.chunks[{j}]", "must be [file_offset, raw_len, xxh64, "
-                                                     "transform, planes]")
+                                                     "transform, [plane modes and lengths]]")
             off, raw_len, checksum, tcode, planes = c
             if type(off) is not int or not 0 <= off <= _MAX_FILE_BYTES:
                 raise self.fail(f"{sp}.chunks[{j}][0]", f"bad file offset {_describe(off)}")
@@ -780,12 +806,11 @@ class _Validator:
                                                         f"disagrees with the codec params "
                                                         f"{list(params)} (expected {want})")
             nplanes = E if grouped else 1
-            if type(planes) is not list or len(planes) != 2 * nplanes:
+            if len(planes) != 2 * nplanes:
                 raise self.fail(f"{sp}.chunks[{j}][4]", f"must list {nplanes} (mode, length) "
                                                         "plane pairs")
             n = raw_len // nplanes
             stored = 0
-            all_raw = True
             for p in range(nplanes):
                 mode, length = planes[2 * p], planes[2 * p + 1]
                 if type(mode) is not int or type(length) is not int:
@@ -794,7 +819,6 @@ class _Validator:
                 if mode == 0:
                     ok = length == n
                 elif mode == 1:
-                    all_raw = False
                     ok = codec == "zstd" and 0 < length < n and n <= length * _ZSTD_MAX_RATIO
                 else:
                     ok = False
@@ -809,15 +833,6 @@ class _Validator:
             ranges.append(off)
             ranges.append(off + stored)
             total += raw_len
-            raw_len = ints.setdefault(raw_len, raw_len)
-            if all_raw:
-                key = (raw_len, nplanes)
-                pt = raw_planes.get(key)
-                if pt is None:
-                    pt = raw_planes[key] = tuple(planes)
-            else:
-                pt = tuple(planes)
-            chunks[j] = (off, raw_len, checksum, tcode, pt)
         return total
 
     # -- whole-checkpoint checks -------------------------------------------------------------
@@ -975,8 +990,12 @@ def _open_metadata(root: str, meta: str) -> bytes:
     return parts[0] if len(parts) == 1 else b"".join(parts)
 
 
-def _parse(raw: bytes, meta: str) -> tuple[dict[str, Any], int]:
-    """Checks the metadata checksum, then parses strict UTF-8 JSON; returns (doc, version)."""
+def _parse(holder: list[bytes], meta: str) -> tuple[dict[str, Any], int]:
+    """Checks the metadata checksum, then parses strict UTF-8 JSON; returns (doc, version).
+
+    ``holder`` holds the file's bytes; they are released once decoded, before the parse.
+    """
+    raw = holder.pop()
     seal = _SEAL_RE.fullmatch(raw, len(raw) - _SEAL_LEN) if len(raw) > _SEAL_LEN else None
     if seal is not None:
         recorded = int(seal.group(1), 16)
@@ -992,12 +1011,13 @@ def _parse(raw: bytes, meta: str) -> tuple[dict[str, Any], int]:
         raise CheckpointFormatError(
             f"{meta}: metadata is not UTF-8 ({e.reason} at byte {e.start})"
         ) from None
+    del raw
     if not text.startswith("{"):
         raise CheckpointFormatError(
             f"{meta}: metadata must start with '{{' (no byte order mark, no whitespace)"
         )
     try:
-        doc = json.loads(text, object_pairs_hook=_object_pairs, parse_constant=_reject_constant)
+        doc = json.loads(text, object_pairs_hook=_object_hook(), parse_constant=_reject_constant)
     except RecursionError:
         raise CheckpointFormatError(f"{meta}: metadata is nested too deeply") from None
     except ValueError as e:  # JSONDecodeError, NaN/Infinity, integers of too many digits
@@ -1048,9 +1068,7 @@ def read_index(path: str | os.PathLike[str]) -> CheckpointIndex:
     """
     root = os.fspath(path)
     meta = os.path.join(root, METADATA_FILE)
-    raw = _open_metadata(root, meta)
-    doc, version = _parse(raw, meta)
-    del raw
+    doc, version = _parse([_open_metadata(root, meta)], meta)
     return _Validator(root, meta, version).index(doc)
 
 

@@ -301,7 +301,7 @@ def test_metadata_fifo_does_not_hang(ckpt: Path) -> None:
         try:
             _format.read_index(ckpt)
             outcome.append(None)
-        except BaseException as e:  # noqa: BLE001 - handed to the test thread
+        except BaseException as e:  # handed to the test thread
             outcome.append(e)
 
     t = threading.Thread(target=read, daemon=True)
@@ -475,7 +475,7 @@ def test_chunk_layout_matches_the_writer(raw_ckpt: Path, ckpt: Path) -> None:
         index = _format.read_index(path)
         for t in index.tensors.values():
             for p in t.pieces:
-                for _, _, (codec, _, e, tr), chunks in p.segments:
+                for _, _, (codec, _, e, _tr), chunks in p.segments:
                     for _, raw_len, _, tcode, planes in chunks:
                         if codec == "none":
                             assert (tcode, planes) == (0, (0, raw_len))
