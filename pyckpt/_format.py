@@ -668,7 +668,8 @@ class _Validator:
             return [self.untag(v, f"{path}[{i}]", depth + 1) for i, v in enumerate(value)]
         if t is tuple:  # a chunk-like list the parser compacted (see _object_hook)
             return [self.untag(v, f"{path}[{i}]", depth + 1)
-                    for i, v in enumerate(value[:4])] + [list(value[4])]
+                    for i, v in enumerate(value[:4])] + [self.untag(list(value[4]),
+                                                                    f"{path}[4]", depth + 1)]
         if value is None or t in (str, int, float, bool):
             return value
         raise self.fail(path, f"unexpected {_describe(value)}")

@@ -237,7 +237,9 @@ def test_json_constants_and_huge_integers_are_format_errors(ckpt: Path) -> None:
 
 
 def test_planner_data_round_trips_tuples(ckpt: Path) -> None:
-    value = {"a": (1, "x", (2, [3])), "b": [None, 1.5, True]}
+    # The last entry has the shape of a segment object, whose chunk lists the parser compacts.
+    seg = {"file": "f", "raw_begin": 0, "codec": [], "chunks": [[1, 2, 3, 4, [5, (6,)]]]}
+    value = {"a": (1, "x", (2, [3])), "b": [None, 1.5, True], "c": seg}
     _format.rewrite_metadata(ckpt, lambda d: d.__setitem__(
         "planner_data", _format.encode_planner_data(value)))
     assert _format.read_index(ckpt).planner_data == value
@@ -245,6 +247,9 @@ def test_planner_data_round_trips_tuples(ckpt: Path) -> None:
         _format.encode_planner_data({"__tuple__": [1]})  # ambiguous: refused when saving
     with pytest.raises(TypeError):
         _format.encode_planner_data([float("nan")])
+    bad = {**seg, "chunks": [[1, 2, 3, 4, [{"__tuple__": 1}]]]}
+    _format.rewrite_metadata(ckpt, lambda d: d.__setitem__("planner_data", bad))
+    _refused(ckpt, "planner_data['chunks'][0][4][0].__tuple__")
 
 
 # ------------------------------------------------------------------------------- names
