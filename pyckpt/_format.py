@@ -179,6 +179,7 @@ _BYTES_KEYS = frozenset(("type", "nbytes", "segments"))
 _PIECE_KEYS = frozenset(("offsets", "sizes", "segments"))
 _SEGMENT_KEYS = frozenset(("file", "raw_begin", "codec", "chunks"))
 _STORAGE_META_KEYS = frozenset(("modules",))
+_JUST_INT = {int}
 
 
 def new_save_id() -> str:
@@ -484,7 +485,7 @@ def _object_hook() -> Callable[[list[tuple[str, Any]]], Any]:
                     planes = tuple(c[4])
                     # All raw planes: the tuple repeats across chunks. Only exact ints are
                     # shared (False == 0 and hash alike: sharing must not hide a bool).
-                    if all(type(v) is int for v in planes) and not any(planes[0::2]):
+                    if not any(planes[0::2]) and set(map(type, planes)) == _JUST_INT:
                         planes = raw_planes.setdefault(planes, planes)
                     raw_len = c[1]
                     if type(raw_len) is int:
