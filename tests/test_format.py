@@ -716,3 +716,15 @@ def test_any_byte_flip_is_refused(ckpt: Path) -> None:
         _meta(ckpt).write_bytes(raw[:pos])  # truncated
         with pytest.raises(CheckpointFormatError):
             _format.read_index(ckpt)
+
+
+def test_index_shares_repeated_values(raw_ckpt: Path) -> None:
+    """Memory: one path string per data file, one tuple per raw plane layout, no lists."""
+    index = _format.read_index(raw_ckpt)
+    segments = [s for t in index.tensors.values() for p in t.pieces for s in p.segments]
+    assert len({id(s[0]) for s in segments}) == 1
+    chunks = [c for s in segments for c in s[3]]
+    full = [c for c in chunks if c[1] == CHUNK]
+    assert len(full) > 10 and len({id(c[4]) for c in full}) == 1
+    assert len({id(c[1]) for c in full}) == 1
+    assert all(type(c) is tuple and type(c[4]) is tuple for c in chunks)
