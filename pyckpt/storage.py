@@ -59,7 +59,6 @@ _READ_BATCH_BYTES = 256 << 20
 # Aligned staging blocks between encoding and O_DIRECT writes (one being filled, two in flight).
 _STAGING_BLOCK_BYTES = 8 << 20
 _STAGING_BLOCKS = 3
-_MEMORY_FORMATS = ("contiguous_format", "channels_last", "channels_last_3d", "preserve_format")
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -212,8 +211,13 @@ class Writer(_NativeUser, AsyncStagingMixin, StorageWriter):
             raise ValueError(f"unknown compression {compression!r}; expected None or 'zstd'")
         if direct_io not in (None, "auto", "on", "off"):
             raise ValueError(f"direct_io must be 'auto', 'on' or 'off', got {direct_io!r}")
-        if chunk_bytes is not None and (chunk_bytes < 4096 or chunk_bytes % 4096):
-            raise ValueError(f"chunk_bytes must be a positive multiple of 4096, got {chunk_bytes}")
+        if chunk_bytes is not None and (
+            chunk_bytes < 4096 or chunk_bytes % 4096 or chunk_bytes > _format.MAX_CHUNK_BYTES
+        ):
+            raise ValueError(
+                f"chunk_bytes must be a multiple of 4096 in [4096, {_format.MAX_CHUNK_BYTES}], "
+                f"got {chunk_bytes}"
+            )
         self.path = os.fspath(path)
         self.compression = None if compression == "none" else compression
         self.level = level
@@ -222,7 +226,7 @@ class Writer(_NativeUser, AsyncStagingMixin, StorageWriter):
         self.threads = threads
         self.direct_io = direct_io
         self.fsync = fsync
-        self.save_id = uuid.uuid4().hex[:12]
+        self.save_id = _format.new_save_id()
         self.is_coordinator = False
         self._native = _Native(threads)
         self._blocks: Any = None
@@ -236,7 +240,7 @@ class Writer(_NativeUser, AsyncStagingMixin, StorageWriter):
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         if checkpoint_id is not None:
             self.path = os.fspath(checkpoint_id)
-        self.save_id = uuid.uuid4().hex[:12]
+        self.save_id = _format.new_save_id()
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         self.is_coordinator = is_coordinator
@@ -390,63 +394,12 @@ class Writer(_NativeUser, AsyncStagingMixin, StorageWriter):
                 segments.setdefault(wr.index, []).extend(written.segments)
                 files[written.file] = written.file_size
 
-        items: dict[str, Any] = {}
-        for fqn, md in metadata.state_dict_metadata.items():
-            if isinstance(md, BytesStorageMetadata):
-                segs = sorted(segments.get(MetadataIndex(fqn), []), key=lambda s: s[1])
-                nbytes = sum(c[1] for s in segs for c in s[3])
-                items[fqn] = {
-                    "type": "bytes",
-                    "nbytes": nbytes,
-                    "segments": _format.segments_to_json(segs),
-                }
-                continue
-            props = md.properties
-            pieces = []
-            for chunk in md.chunks:
-                segs = sorted(
-                    segments.get(MetadataIndex(fqn, chunk.offsets), []), key=lambda s: s[1]
-                )
-                pieces.append(
-                    {
-                        "offsets": list(chunk.offsets),
-                        "sizes": list(chunk.sizes),
-                        "segments": _format.segments_to_json(segs),
-                    }
-                )
-            memory_format = str(props.memory_format).removeprefix("torch.")
-            items[fqn] = {
-                "type": "tensor",
-                "dtype": _dtype_name(props.dtype),
-                "shape": list(md.size),
-                "requires_grad": bool(props.requires_grad),
-                "memory_format": memory_format if memory_format in _MEMORY_FORMATS else
-                "contiguous_format",
-                "pieces": pieces,
-            }
-
-        try:
-            planner_data = _format.encode_planner_data(metadata.planner_data)
-        except TypeError as e:
-            logger.warning("pyckpt: planner_data not stored (%s)", e)
-            planner_data = None
-        storage_meta = metadata.storage_meta
-        doc = {
-            "format": _format.FORMAT_NAME,
-            "version": _format.FORMAT_VERSION,
-            "created_by": f"pyckpt {_C.__version__}",
-            "save_id": self.save_id,
-            "dcp_version": metadata.version,
-            "storage_meta": {
-                "modules": list(storage_meta.modules) if storage_meta else [],
-            },
-            "planner_data": planner_data,
-            "files": files,
-            "items": items,
-        }
+        doc = _format.build_metadata(
+            metadata, segments, files, save_id=self.save_id, created_by=f"pyckpt {_C.__version__}"
+        )
         fsync = self.fsync if self.fsync is not None else _knobs.fsync()
         with _C.FileWriter(os.path.join(self.path, METADATA_FILE), "off", fsync) as fw:
-            fw.append(_format.encode_metadata(doc))
+            fw.append(doc)
             fw.commit()
         self._remove_stale_files(set(files))
 
