@@ -8,8 +8,9 @@ metadata (``pyckpt.json``) is plain JSON written last and atomically: a director
 not a checkpoint, and a save that fails midway leaves any previous checkpoint in the same
 directory loadable.
 
-Thread-safety: a Writer or Reader serves one ``dcp.save``/``dcp.load`` at a time; distinct
-instances may run concurrently. Native thread pools start lazily and stop in :meth:`close`.
+Thread-safety: a Writer may serve overlapping saves (e.g. successive ``dcp.async_save`` calls
+still writing); their writes run one after another. A Reader serves one ``dcp.load`` at a time.
+Native thread pools start lazily and stop in :meth:`close`.
 """
 
 from __future__ import annotations
