@@ -52,6 +52,7 @@ _DEFAULT_BLOCK = 16 << 20
 
 _runtimes_lock = threading.Lock()
 _runtimes: dict[str | None, Any] = {}
+_unpinned_logged = False  # "staging into unpinned memory" is logged once per process
 
 
 def runtime() -> Any | None:
@@ -285,7 +286,16 @@ class DeviceStaging:
             pool = self._region_pool
             if pool is None or pool.block_bytes < size:
                 # Two regions: the next stage() may run while the previous save still writes.
-                pool = _C.PinnedPool(self._rt, size, 2)
+                # Without a usable runtime (none installed, or one without a driver or device)
+                # nothing can be page-locked and nothing needs to be: plain aligned host memory.
+                global _unpinned_logged
+                if not self.available and not _unpinned_logged:
+                    _unpinned_logged = True
+                    logger.debug(
+                        "pyckpt: staging into unpinned host memory (%s)",
+                        "PYCKPT_CUDA=off" if self._rt is None else self._rt.error,
+                    )
+                pool = _C.PinnedPool(self._rt if self.available else None, size, 2)
                 self._region_pool = pool
         region = pool.acquire()
         self._regions[region.address] = region

@@ -8,17 +8,22 @@ metadata (``pyckpt.json``) is plain JSON written last and atomically: a director
 not a checkpoint, and a save that fails midway leaves any previous checkpoint in the same
 directory loadable.
 
-Thread-safety: a Writer or Reader serves one ``dcp.save``/``dcp.load`` at a time; distinct
-instances may run concurrently. Native thread pools start lazily and stop in :meth:`close`.
+Thread-safety: a Writer may serve overlapping saves (e.g. successive ``dcp.async_save`` calls
+still writing); their writes run one after another. A Reader serves one ``dcp.load`` at a time.
+Native thread pools start lazily and stop in :meth:`close`.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import errno
+import fcntl
 import io
 import logging
 import os
+import threading
 import uuid
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -102,10 +107,96 @@ def _device_bytes(tensor: torch.Tensor, fqn: str) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class _RankPlan:
-    """What the coordinator tells each rank: its rank number and byte ranges of split items."""
+    """What the coordinator tells each rank: its rank number, the save's id (shared by every
+    rank's data files) and byte ranges of split items."""
 
     rank: int
     ranges: dict[MetadataIndex, tuple[int, int]]
+    save_id: str = ""
+
+
+# Lock file in a checkpoint directory: a save's coordinator holds an exclusive flock on it from
+# set-up to finish, so two saves into one directory never interleave (the second one fails).
+LOCK_FILE = ".pyckpt.lock"
+
+
+class _DirLock:
+    """An exclusive, non-blocking ``flock`` on ``<directory>/.pyckpt.lock``.
+
+    Released by :meth:`release`, or when the object is garbage collected (a save whose thread
+    ended without finishing), or when the process dies (the kernel drops the lock).
+
+    Raises:
+        BlockingIOError: another save (of any process, or another thread of this one) holds it;
+            ``filename`` is the lock file.
+        OSError: the lock file cannot be created (e.g. ``PermissionError``).
+    """
+
+    def __init__(self, directory: str) -> None:
+        self.path = os.path.join(directory, LOCK_FILE)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise BlockingIOError(
+                errno.EWOULDBLOCK,
+                f"another save into {directory!r} is in progress (it holds {LOCK_FILE})",
+                self.path,
+            ) from None
+        except OSError as e:  # a filesystem without flock: saves are not serialised
+            os.close(fd)
+            if e.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS):
+                raise
+            logger.warning("pyckpt: cannot lock %s (%s); concurrent saves are not detected",
+                           self.path, e)
+            self._release = lambda: None
+            return
+        self._release = weakref.finalize(self, os.close, fd)
+
+    def release(self) -> None:
+        self._release()
+
+
+@dataclass
+class _Save:
+    """One save's state on one rank. DCP drives a save's steps in one thread per rank, and one
+    Writer may serve several saves at once (overlapping ``async_save`` calls), so this lives
+    per thread, never on the Writer itself."""
+
+    path: str
+    save_id: str
+    started: bool = False
+    is_coordinator: bool = False
+    lock: _DirLock | None = None
+
+    def end(self) -> None:
+        if self.lock is not None:
+            self.lock.release()
+            self.lock = None
+
+
+def _world_size() -> int:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return int(dist.get_world_size())
+    return 1
+
+
+def _holds(path: str, content: bytes) -> bool:
+    try:
+        with open(path, "rb") as f:
+            return f.read() == content
+    except OSError:
+        return False
+
+
+def _save_id_of(files: dict[str, int]) -> str | None:
+    """The save id in the names of a save's data files (all share the coordinator's)."""
+    for name in files:
+        return name.rsplit(".", 2)[-2]
+    return None
 
 
 @dataclass(frozen=True)
@@ -179,9 +270,30 @@ class Writer(_NativeUser, AsyncStagingMixin, StorageWriter):
         threads: native worker threads (default ``PYCKPT_NUM_THREADS`` or min(8, cpus)).
         direct_io: ``"auto"``, ``"on"`` or ``"off"`` (default ``PYCKPT_DIRECT_IO`` or auto).
         fsync: fsync data and metadata (default ``PYCKPT_FSYNC`` or True).
+        overwrite: like DCP's ``FileSystemWriter``: with False, a save into a directory that
+            already holds a complete checkpoint raises ``FileExistsError`` before writing.
 
     Raises:
         ValueError: an unknown compression or direct-I/O mode.
+
+    Save semantics (what a save never does):
+
+    * It never leaves a loadable mixture: ``pyckpt.json`` is written last, atomically, and names
+      only data files of its own save (named ``<rank>-<k>.<save_id>.pyckpt``, the save id chosen
+      by the coordinator), so a directory loads as the previous or the new checkpoint.
+    * Two saves into one directory never interleave: the coordinator holds an exclusive lock on
+      ``.pyckpt.lock`` from set-up to finish; a second save into the same directory (another
+      process, or another save of this process) fails at set-up with ``BlockingIOError``.
+    * Files of other saves are removed only by a committed save holding that lock (so the
+      saves they belong to are not in progress); a save that fails in ``finish`` removes its
+      own data files; failed writes leave no temp files.
+    * ``dcp.save(..., use_collectives=False)`` on several ranks raises ``NotImplementedError``:
+      without collectives no rank learns the others' items, save id or completion, so no rank
+      could commit one checkpoint naming them all, and each rank would take the others' files
+      for stale ones. Save with collectives (the default); loads reshard to any world size.
+
+    Thread-safety: one Writer may run several saves at once (overlapping ``dcp.async_save``
+    calls, into different directories): each save's path, id and lock are kept per save.
 
     The writer is picklable (DCP's process-based async save pickles it); native resources are
     created lazily and released by :meth:`close` (or ``with Writer(...) as w:``).
@@ -205,6 +317,7 @@ class Writer(_NativeUser, AsyncStagingMixin, StorageWriter):
         threads: int | None = None,
         direct_io: str | None = None,
         fsync: bool | None = None,
+        overwrite: bool = True,
     ) -> None:
         super().__init__()
         if compression not in (None, "none", "zstd"):
@@ -226,38 +339,116 @@ class Writer(_NativeUser, AsyncStagingMixin, StorageWriter):
         self.threads = threads
         self.direct_io = direct_io
         self.fsync = fsync
-        self.save_id = _format.new_save_id()
-        self.is_coordinator = False
+        self.overwrite = overwrite
         self._native = _Native(threads)
         self._blocks: Any = None
         self._blocks_key: tuple[int, Any] | None = None
         self._staging: Any = None  # aligned staging blocks of the data-file writer, reused
+        self._encode_lock = threading.Lock()  # guards the shared encode/staging pools
+        self._local: Any = None  # threading.local holding each thread's _Save
 
-    _transient = ("_blocks", "_blocks_key", "_staging")
+    _transient = ("_blocks", "_blocks_key", "_staging", "_local")
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = super().__getstate__()
+        state["_encode_lock"] = None
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._encode_lock = threading.Lock()
+
+    # -- per-save state ----------------------------------------------------------------------
+
+    def _thread_state(self) -> Any:
+        if self._local is None:
+            self._local = threading.local()
+        return self._local
+
+    def _pending(self) -> _Save:
+        """This thread's save that has not started yet (made on first need)."""
+        tls = self._thread_state()
+        save: _Save | None = getattr(tls, "save", None)
+        if save is None or save.started:
+            if save is not None:
+                save.end()  # an earlier save of this thread that never finished (it failed)
+            save = _Save(self.path, _format.new_save_id())
+            tls.save = save
+        return save
+
+    def _active(self, what: str) -> _Save:
+        save: _Save | None = getattr(self._thread_state(), "save", None)
+        if save is None or not save.started:
+            raise RuntimeError(f"pyckpt.Writer.{what} called without set_up_storage_writer")
+        return save
+
+    @property
+    def save_id(self) -> str:
+        """Id of this thread's current (or next) save."""
+        return self._current().save_id
+
+    def _current(self) -> _Save:
+        save: _Save | None = getattr(self._thread_state(), "save", None)
+        return save if save is not None else self._pending()
 
     # -- StorageWriter ---------------------------------------------------------------------
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         if checkpoint_id is not None:
             self.path = os.fspath(checkpoint_id)
-        self.save_id = _format.new_save_id()
+        tls = self._thread_state()
+        old: _Save | None = getattr(tls, "save", None)
+        if old is not None:
+            old.end()
+        tls.save = _Save(self.path, _format.new_save_id())
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
-        self.is_coordinator = is_coordinator
-        os.makedirs(self.path, exist_ok=True)
+        """Starts a save on this rank.
+
+        Raises:
+            NotImplementedError: ``use_collectives=False`` with more than one rank (see the
+                class docstring).
+            FileExistsError: ``overwrite=False`` and the directory holds a complete checkpoint.
+            BlockingIOError: another save into the directory is in progress.
+        """
+        if kwargs.get("use_collectives", True) is False and _world_size() > 1:
+            raise NotImplementedError(
+                "pyckpt.Writer does not support dcp.save(use_collectives=False) with several "
+                "ranks: without collectives no rank can commit a checkpoint naming every rank's "
+                "data. Save with use_collectives=True (the default)."
+            )
+        save = self._pending()
+        save.started = True
+        save.is_coordinator = is_coordinator
+        os.makedirs(save.path, exist_ok=True)
+        if is_coordinator:
+            save.lock = _DirLock(save.path)
+            meta = os.path.join(save.path, METADATA_FILE)
+            if not self.overwrite and os.path.exists(meta):
+                save.end()
+                raise FileExistsError(
+                    errno.EEXIST,
+                    "Checkpoint already exists and overwrite=False; pass overwrite=True or "
+                    "choose another directory",
+                    meta,
+                )
 
     def storage_meta(self) -> StorageMeta | None:
-        return StorageMeta(checkpoint_id=self.path, save_id=self.save_id)
+        save = self._current()
+        return StorageMeta(checkpoint_id=save.path, save_id=save.save_id)
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         return plan
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        save_id = self._active("prepare_global_plan").save_id
         out = []
         for rank, plan in enumerate(plans):
             # A pyckpt.SavePlanner hands over byte ranges of split replicated items.
             ranges = getattr(plan.storage_data, "ranges", None) or {}
-            out.append(dataclasses.replace(plan, storage_data=_RankPlan(rank, dict(ranges))))
+            out.append(
+                dataclasses.replace(plan, storage_data=_RankPlan(rank, dict(ranges), save_id))
+            )
         return out
 
     def _params(self, dtype_name: str) -> tuple[str, int, int, str]:
@@ -275,10 +466,21 @@ class Writer(_NativeUser, AsyncStagingMixin, StorageWriter):
         return self._blocks
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
-        fut = self._write_data(plan, planner)
+        save = self._active("write_data")
+        try:
+            # Saves overlapping through one writer share its encode and staging pools: their
+            # writes run one after the other.
+            with self._encode_lock:
+                fut = self._write_data(plan, planner, save)
+        except BaseException:
+            if save.is_coordinator:
+                save.end()  # the save failed: finish will not come; free the directory
+            raise
         return self._release_staged_after(fut, plan, planner)
 
-    def _write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+    def _write_data(
+        self, plan: SavePlan, planner: SavePlanner, save: _Save
+    ) -> Future[list[WriteResult]]:
         rank_plan = plan.storage_data
         if not isinstance(rank_plan, _RankPlan):
             raise RuntimeError("pyckpt.Writer.write_data called without prepare_global_plan")
@@ -324,7 +526,7 @@ class Writer(_NativeUser, AsyncStagingMixin, StorageWriter):
             starts.append(start)
             owners.append(idx)
 
-        name = _format.data_file_name(rank_plan.rank, 0, self.save_id)
+        name = _format.data_file_name(rank_plan.rank, 0, rank_plan.save_id or save.save_id)
         direct = self.direct_io or _knobs.direct_io()
         fsync = self.fsync if self.fsync is not None else _knobs.fsync()
         if self._staging is None:
@@ -332,7 +534,7 @@ class Writer(_NativeUser, AsyncStagingMixin, StorageWriter):
             # fraction of memcpy speed, so every save after the first reuses hot pages.
             self._staging = _C.BufferPool(_STAGING_BLOCK_BYTES, _STAGING_BLOCKS)
         with _C.FileWriter(
-            os.path.join(self.path, name), direct, fsync, _STAGING_BLOCK_BYTES, _STAGING_BLOCKS,
+            os.path.join(save.path, name), direct, fsync, _STAGING_BLOCK_BYTES, _STAGING_BLOCKS,
             staging=self._staging,
         ) as fw:
             records = fw.write_items(
@@ -386,6 +588,33 @@ class Writer(_NativeUser, AsyncStagingMixin, StorageWriter):
                 stored_bytes[idx] += stored
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        """Commits the save: writes ``pyckpt.json`` atomically, then removes files of earlier
+        saves. If the metadata cannot be written, this save's data files are removed (the
+        previous checkpoint in the directory stays intact) and the error propagates."""
+        save = self._active("finish")
+        try:
+            files, encoded = self._document(metadata, results, save)
+            fsync = self.fsync if self.fsync is not None else _knobs.fsync()
+            meta = os.path.join(save.path, METADATA_FILE)
+            try:
+                with _C.FileWriter(meta, "off", fsync) as fw:
+                    fw.append(encoded)
+                    fw.commit()
+            except BaseException:
+                if not _holds(meta, encoded):  # renamed into place before failing: committed
+                    self._remove_files(save.path, files)
+                raise
+            self._remove_stale_files(save.path, set(files))
+        finally:
+            save.end()
+            tls = self._thread_state()
+            if getattr(tls, "save", None) is save:
+                tls.save = None
+
+    def _document(
+        self, metadata: Metadata, results: list[list[WriteResult]], save: _Save
+    ) -> tuple[dict[str, int], bytes]:
+        """The data files of this save (name -> size) and its encoded metadata file."""
         segments: dict[MetadataIndex, list[Any]] = {}
         files: dict[str, int] = {}
         for rank_results in results:
@@ -394,27 +623,38 @@ class Writer(_NativeUser, AsyncStagingMixin, StorageWriter):
                 segments.setdefault(wr.index, []).extend(written.segments)
                 files[written.file] = written.file_size
 
-        doc = _format.build_metadata(
-            metadata, segments, files, save_id=self.save_id, created_by=f"pyckpt {_C.__version__}"
+        encoded = _format.build_metadata(
+            metadata,
+            segments,
+            files,
+            save_id=_save_id_of(files) or save.save_id,
+            created_by=f"pyckpt {_C.__version__}",
         )
-        fsync = self.fsync if self.fsync is not None else _knobs.fsync()
-        with _C.FileWriter(os.path.join(self.path, METADATA_FILE), "off", fsync) as fw:
-            fw.append(doc)
-            fw.commit()
-        self._remove_stale_files(set(files))
+        return files, encoded
 
-    def _remove_stale_files(self, keep: set[str]) -> None:
-        """Deletes data files of earlier saves into the same directory, and crashed temp files."""
-        for name in os.listdir(self.path):
-            stale = (_format.is_data_file(name) and name not in keep) or (
+    @staticmethod
+    def _remove_files(path: str, names: Any) -> None:
+        for name in names:
+            try:
+                os.unlink(os.path.join(path, name))
+            except FileNotFoundError:
+                pass
+
+    @staticmethod
+    def _remove_stale_files(path: str, keep: set[str]) -> None:
+        """Deletes data files of other saves into the same directory, and crashed temp files.
+
+        Called with the directory lock held after this save committed, so every such file
+        belongs to a save that is not in progress (it committed and was replaced, failed, or
+        crashed)."""
+        stale = [
+            name for name in os.listdir(path)
+            if (_format.is_data_file(name) and name not in keep) or (
                 ".tmp-" in name
                 and (name.startswith(METADATA_FILE) or name.split(".tmp-")[0].endswith(".pyckpt"))
             )
-            if stale:
-                try:
-                    os.unlink(os.path.join(self.path, name))
-                except FileNotFoundError:
-                    pass
+        ]
+        Writer._remove_files(path, stale)
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
@@ -432,7 +672,7 @@ class Reader(_NativeUser, StagingMixin, StorageReader):
         threads: native worker threads (default ``PYCKPT_READ_THREADS`` or
             ``max(8, PYCKPT_NUM_THREADS)``: reads in flight matter more than cores).
 
-    Raises:
+    Raises (from :meth:`read_metadata`, i.e. when a load starts; making a Reader reads nothing):
         FileNotFoundError: ``path`` has no ``pyckpt.json`` (not a complete checkpoint) or a data
             file it lists is missing; ``filename`` names the file.
         CheckpointFormatError: the metadata is malformed, of an unknown version, or a data file
@@ -459,24 +699,38 @@ class Reader(_NativeUser, StagingMixin, StorageReader):
         self.chunks_decoded = 0
         self._native = _Native(threads, _knobs.read_threads)
         self._storage: dict[MetadataIndex, Any] = {}
-        # Validated eagerly so that a missing, truncated or unknown-version checkpoint raises its
-        # typed error here: DCP turns read_metadata() failures into an untyped AssertionError.
-        self._index: _format.CheckpointIndex | None = _format.read_index(self.path)
-
+        self._metadata_error: Exception | None = None
 
     # -- StorageReader ---------------------------------------------------------------------
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         self.load_id = uuid.uuid4().hex[:12]
         self._storage = {}
+        self._metadata_error = None
         if checkpoint_id is not None:
             self.path = os.fspath(checkpoint_id)
-            self._index = _format.read_index(self.path)  # raises typed errors, see __init__
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        # The index validated at construction serves the first load; later loads re-read it.
-        index = self._index if self._index is not None else _format.read_index(self.path)
-        self._index = None
+        """Reads and validates ``pyckpt.json`` (the checkpoint is looked at here, not when the
+        Reader is made, so a Reader may be created before its checkpoint exists).
+
+        Raises:
+            FileNotFoundError, CheckpointFormatError: see the class docstring.
+
+        DCP catches a failure of this call, asks again with ``rank=`` (rank-local metadata) and
+        then raises an untyped ``AssertionError``. pyckpt has no rank-local metadata, so that
+        second call returns an empty placeholder and :meth:`set_up_storage_reader` raises the
+        original typed error, which DCP then reports as the rank's failure (``pyckpt.load``
+        re-raises it as is).
+        """
+        if "rank" in kwargs and self._metadata_error is not None:
+            return Metadata(state_dict_metadata={})
+        try:
+            index = _format.read_index(self.path)
+        except Exception as e:
+            self._metadata_error = e
+            raise
+        self._metadata_error = None
         sd_md: dict[str, Any] = {}
         storage: dict[MetadataIndex, Any] = {}
         for fqn, st in index.tensors.items():
@@ -512,6 +766,9 @@ class Reader(_NativeUser, StagingMixin, StorageReader):
     def set_up_storage_reader(
         self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any
     ) -> None:
+        if self._metadata_error is not None:
+            error, self._metadata_error = self._metadata_error, None
+            raise error
         self._storage = metadata.storage_data
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:

@@ -109,7 +109,7 @@ def test_damaged_metadata_is_refused_before_use(ckpt: Path) -> None:
     _meta(ckpt).write_bytes(bytes(raw))
     _refused(ckpt, str(_meta(ckpt)), "checksum mismatch")
     with pytest.raises(CheckpointFormatError):
-        pyckpt.Reader(ckpt)
+        pyckpt.Reader(ckpt).read_metadata()  # construction is lazy; the read validates
 
 
 def test_version2_without_checksum_is_refused(ckpt: Path) -> None:
@@ -558,7 +558,7 @@ def test_writer_chunk_size_is_bounded(tmp_path: Path, monkeypatch: pytest.Monkey
 def test_every_entry_point_validates_through_read_index(ckpt: Path, tmp_path: Path) -> None:
     _format.rewrite_metadata(ckpt, lambda d: d["items"]["w"]["pieces"][0].__setitem__("x", 1))
     calls: list[Callable[[], Any]] = [
-        lambda: pyckpt.Reader(ckpt),
+        lambda: pyckpt.Reader(ckpt).read_metadata(),
         lambda: pyckpt.load({"w": torch.zeros(ROWS, COLS)}, ckpt),
         lambda: tools.summarize(ckpt),
         lambda: tools.verify(ckpt),

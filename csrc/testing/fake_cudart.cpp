@@ -203,6 +203,7 @@ FAKE_API const char* cudaGetErrorString(int code) {
     case kErrorInvalidDevice: return "invalid device ordinal";
     case kErrorInvalidResourceHandle: return "invalid resource handle";
     case kErrorNotReady: return "device not ready";
+    case 35: return "CUDA driver version is insufficient for CUDA runtime version";
     case 700: return "an illegal memory access was encountered";
     case kErrorHostMemoryAlreadyRegistered: return "part or all of the requested memory range is already mapped";
     case kErrorHostMemoryNotRegistered: return "pointer does not correspond to a registered memory region";

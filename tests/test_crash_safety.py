@@ -1,0 +1,159 @@
+"""Crash safety: a process saving a checkpoint is SIGKILLed at seeded random points.
+
+Whatever the point (encoding, writing, fsync, the data file's rename, the metadata's temp file,
+its rename), afterwards a directory that held a checkpoint loads bit-exact as that previous
+checkpoint or as the new one, and a fresh directory loads bit-exact as the new one or raises a
+typed error (FileNotFoundError or CheckpointFormatError). A later save into the same directory
+succeeds. Sync and async (dcp.async_save) saves alike.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import queue
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from _crash_worker import make_state_dict
+from _crash_worker import save as child_save
+
+import pyckpt
+
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
+
+SMALL, LARGE = 24 << 20, 100 << 20
+POINTS = 56
+
+
+def _ctx() -> Any:
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "torch.distributed.checkpoint", "pyckpt.storage",
+                                "_crash_worker"])
+    return ctx
+
+
+_cache: dict[tuple[int, int], dict[str, Any]] = {}
+
+
+def _expected(seed: int, nbytes: int) -> dict[str, Any]:
+    key = (seed, nbytes)
+    if key not in _cache:
+        _cache.clear()  # keep memory bounded: only the latest few are needed
+        _cache[key] = make_state_dict(seed, nbytes)
+    return _cache[key]
+
+
+def _load(path: Path, seed_size: tuple[int, int]) -> dict[str, Any]:
+    like = make_state_dict(0, 0) if seed_size[1] == 0 else _expected(*seed_size)
+    out = {k: (torch.empty_like(v) if isinstance(v, torch.Tensor) else -1) for k, v in
+           like.items()}
+    pyckpt.load(out, path)  # raises the typed error itself, not DCP's wrapper
+    return out
+
+
+def _equal(out: dict[str, Any], seed: int, nbytes: int) -> bool:
+    ref = _expected(seed, nbytes)
+    if out["step"] != ref["step"]:
+        return False
+    return all(torch.equal(out[k].view(torch.uint8), ref[k].view(torch.uint8))
+               for k in ref if isinstance(ref[k], torch.Tensor))
+
+
+def _run_child(ctx: Any, path: Path, seed: int, nbytes: int, mode: str, pause: str,
+               kill_after: float | None) -> tuple[bool, float]:
+    """Runs one save; kills it ``kill_after`` s after it started saving (or once paused).
+    Returns (whether it reported done before the kill, seconds from start to done/kill)."""
+    q = ctx.Queue()
+    p = ctx.Process(target=child_save, args=(str(path), seed, nbytes, mode, pause, q))
+    p.start()
+    try:
+        assert q.get(timeout=120) == "start"
+        t0 = time.monotonic()
+        if pause:
+            msg = q.get(timeout=120)
+            assert msg == "paused", msg
+            done = False
+        else:
+            try:
+                msg = q.get(timeout=kill_after if kill_after is not None else 300)
+                assert msg == "done", msg
+                done = True
+            except queue.Empty:
+                done = False
+        elapsed = time.monotonic() - t0
+    finally:
+        p.kill()
+        p.join(30)
+    assert not p.is_alive()
+    return done, elapsed
+
+
+def _check_dir(path: Path, previous: tuple[int, int] | None, new: tuple[int, int],
+               done: bool) -> tuple[int, int] | None:
+    """Verifies ``path`` after a killed save; returns what it now holds."""
+    try:
+        out = _load(path, new)
+    except (FileNotFoundError, pyckpt.CheckpointFormatError) as e:
+        assert previous is None, f"the previous checkpoint in {path} does not load: {e!r}"
+        assert not done, f"a save that reported success does not load: {e!r}"
+        return None
+    if _equal(out, *new):
+        return new
+    assert not done, "a save that reported success loads other data"
+    assert previous is not None and previous[1] == new[1] and _equal(out, *previous), (
+        f"{path} loads neither the previous nor the new checkpoint bit-exact"
+    )
+    return previous
+
+
+def test_sigkill_at_random_points_never_loses_or_mixes(tmp_path: Path) -> None:
+    ctx = _ctx()
+    rng = np.random.default_rng(20261123)
+    # Calibrate: how long a whole save takes here, per size and mode.
+    calib: dict[tuple[int, str], float] = {}
+    for nbytes in (SMALL, LARGE):
+        for mode in ("sync", "async"):
+            done, elapsed = _run_child(ctx, tmp_path / f"calib-{nbytes}-{mode}", 1, nbytes, mode,
+                                       "", None)
+            assert done
+            calib[(nbytes, mode)] = elapsed
+    # A checkpoint that no kill may touch.
+    untouched = tmp_path / "untouched"
+    _run_child(ctx, untouched, 7, SMALL, "sync", "", None)
+
+    same: dict[int, tuple[int, int] | None] = {SMALL: None, LARGE: None}
+    outcomes = {"killed_before": 0, "completed": 0, "previous_kept": 0, "paused": 0}
+    for point in range(POINTS):
+        nbytes = LARGE if point % 8 == 7 else SMALL
+        mode = "async" if point % 2 else "sync"
+        fresh = point % 3 == 0
+        pause = ("finish", "metadata")[point % 2] if point % 5 == 4 else ""
+        seed = 100 + point
+        path = tmp_path / (f"fresh-{point}" if fresh else f"same-{nbytes}")
+        previous = None if fresh else same[nbytes]
+        kill_after = None if pause else float(rng.uniform(0.0, 1.15 * calib[(nbytes, mode)]))
+        done, _ = _run_child(ctx, path, seed, nbytes, mode, pause, kill_after)
+        now = _check_dir(path, previous, (seed, nbytes), done)
+        outcomes["paused"] += bool(pause)
+        outcomes["completed"] += now == (seed, nbytes)
+        outcomes["previous_kept"] += now is not None and now == previous
+        outcomes["killed_before"] += now is None
+        if not fresh:
+            same[nbytes] = now
+    # The spread of kill points really covered both outcomes.
+    assert outcomes["completed"] >= 5 and outcomes["previous_kept"] + outcomes[
+        "killed_before"] >= 10, outcomes
+    assert _equal(_load(untouched, (7, SMALL)), 7, SMALL)
+    # A killed save never blocks the next one (its lock died with it) and the directory is
+    # cleaned up: only the new checkpoint's data file is left.
+    for nbytes, label in ((SMALL, "same-" + str(SMALL)), (LARGE, "same-" + str(LARGE))):
+        done, _ = _run_child(ctx, tmp_path / label, 999, nbytes, "sync", "", None)
+        assert done and _equal(_load(tmp_path / label, (999, nbytes)), 999, nbytes)
+        names = [p.name for p in (tmp_path / label).iterdir()]
+        assert sorted(n for n in names if n.endswith(".pyckpt") or ".tmp-" in n) == [
+            n for n in names if n.endswith(".pyckpt")
+        ] and len([n for n in names if n.endswith(".pyckpt")]) == 1, names
