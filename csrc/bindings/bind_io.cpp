@@ -1,4 +1,4 @@
-// FileWriter, the encode+write pipeline and the parallel reader. Arguments are converted to core
+// FileWriter, the encode+write pipeline, the parallel reader and the verifier. Arguments are converted to core
 // structs with the GIL held; the GIL is released for the I/O, compression and waiting.
 #include <pybind11/stl.h>
 
@@ -8,7 +8,10 @@
 #include "bindings/bindings.hpp"
 #include "bindings/core_convert.hpp"
 #include "core/error.hpp"
-#include "core/file_io.hpp"
+#include "core/chunk_io.hpp"
+#include "core/chunk_reader.hpp"
+#include "core/encode_pipeline.hpp"
+#include "core/posix_storage.hpp"
 
 namespace pyckpt::bindings {
 
@@ -164,6 +167,27 @@ void bind_io(py::module_& m) {
       },
       py::arg("requests"), py::arg("pool"),
       R"pbdoc(Read, verify and decode the chunks overlapping each request's [lo, hi) into dst_ptr; returns (bytes_read, chunks_decoded). SAFETY: each dst_ptr must point to hi - lo writable bytes kept alive until this returns.)pbdoc");
+
+  m.def(
+      "verify_segments",
+      [](const std::string& name, py::handle segments, ThreadPool& pool) {
+        std::vector<ReadSegment> segs;
+        try {
+          segs = segments_from_py(segments);
+        } catch (const FormatError&) {
+          rethrow_with_context(std::current_exception(), "tensor '" + name + "'");
+        }
+        ReadStats st;
+        {
+          py::gil_scoped_release nogil;
+          st = verify_segments(name, segs, pool);
+        }
+        return py::make_tuple(st.bytes_read, st.chunks_decoded);
+      },
+      py::arg("name"), py::arg("segments"), py::arg("pool"),
+      R"pbdoc(Read and fully check every chunk of an item's segments (sizes, checksums, zstd frames), decoding each once with bounded memory; returns (bytes_read, chunks_checked).)pbdoc");
+
+  m.attr("MAX_CHUNK_BYTES") = kMaxChunkBytes;
 }
 
 }  // namespace pyckpt::bindings

@@ -1,9 +1,5 @@
 #include "core/safetensors.hpp"
 
-#include <fcntl.h>
-#include <sys/stat.h>
-#include <unistd.h>
-
 #include <algorithm>
 #include <cstring>
 #include <limits>
@@ -11,6 +7,7 @@
 #include <unordered_set>
 
 #include "core/error.hpp"
+#include "core/posix_storage.hpp"
 
 namespace pyckpt {
 
@@ -542,35 +539,13 @@ StHeader parse_safetensors_header_bytes(std::string_view json, std::uint64_t fil
 }
 
 StHeader parse_safetensors_header(const std::string& path) {
-  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd == -1) throw SysError(errno, "open", path);
-  struct FdGuard {
-    int fd;
-    ~FdGuard() { ::close(fd); }
-  } guard{fd};
-  struct stat st {};
-  PYCKPT_SYSCALL_CHECK(::fstat(fd, &st), "fstat", path);
-  const auto file_size = static_cast<std::uint64_t>(st.st_size);
+  PosixFile file(path, OpenFor::Read);  // regular files only; no symlink, no FIFO wait
+  const std::uint64_t file_size = file.size();
   PYCKPT_EXPECT_FORMAT(file_size >= 8, FormatKind::Truncated, "safetensors file '", path,
                        "' is ", file_size, " bytes, too short for the 8-byte header length");
 
-  auto read_exact = [&](void* dst, std::size_t n, std::uint64_t off) {
-    auto* p = static_cast<char*>(dst);
-    std::size_t done = 0;
-    while (done < n) {
-      const ssize_t r = ::pread(fd, p + done, n - done, static_cast<off_t>(off + done));
-      if (r == -1) {
-        if (errno == EINTR) continue;
-        throw SysError(errno, "pread", path);
-      }
-      PYCKPT_EXPECT_FORMAT(r > 0, FormatKind::Truncated, "safetensors file '", path,
-                           "' ended while reading its header");
-      done += static_cast<std::size_t>(r);
-    }
-  };
-
   unsigned char len_bytes[8];
-  read_exact(len_bytes, 8, 0);
+  file.read_at(0, 8, len_bytes);
   std::uint64_t n = 0;
   for (int i = 7; i >= 0; --i) n = (n << 8) | len_bytes[i];
   // Both bounds are checked before allocating, so an absurd length costs nothing.
@@ -581,7 +556,7 @@ StHeader parse_safetensors_header(const std::string& path) {
                        "' declares a ", n, "-byte header but holds only ", file_size - 8,
                        " bytes after the length");
   std::string json(static_cast<std::size_t>(n), '\0');
-  read_exact(json.data(), json.size(), 8);
+  file.read_at(8, json.size(), json.data());
   return parse_safetensors_header_bytes(json, file_size, path);
 }
 
