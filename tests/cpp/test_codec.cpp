@@ -139,7 +139,9 @@ TEST(rejects_unknown_codes_and_impossible_plane_counts) {
   bad([](ChunkRecord& r) { r.raw_len += 1; }, kBf16, "multiple of elem_size");
   bad([](ChunkRecord&) {}, kFp32, "planes");  // elem_size 4 needs 4 planes
   bad([](ChunkRecord&) {}, kRaw, "codec 'none'");
-  bad([](ChunkRecord& r) { r.raw_len = r.stored_len - 2; }, kZstd, "untransformed");
+  bad([](ChunkRecord& r) { r.transform = Transform::None; }, kBf16, "must have 1 plane");
+  bad([](ChunkRecord& r) { r.raw_len = r.stored_len - 2; }, kBf16, "decoded bytes");
+  bad([](ChunkRecord&) {}, kZstd, "elem_size 2, 4 or 8");
   bad([](ChunkRecord& r) { r.planes[0].stored_len = UINT64_MAX; }, kBf16, "overflow");
 }
 
