@@ -1,5 +1,6 @@
-// FileWriter, the encode+write pipeline, the parallel reader and the verifier. Arguments are converted to core
-// structs with the GIL held; the GIL is released for the I/O, compression and waiting.
+// FileWriter, the encode+write pipeline, the parallel reader and the verifier. Arguments are
+// converted to core structs with the GIL held; the GIL is released for the I/O, compression and
+// waiting.
 #include <pybind11/stl.h>
 
 #include <memory>
@@ -7,10 +8,10 @@
 
 #include "bindings/bindings.hpp"
 #include "bindings/core_convert.hpp"
-#include "core/error.hpp"
 #include "core/chunk_io.hpp"
 #include "core/chunk_reader.hpp"
 #include "core/encode_pipeline.hpp"
+#include "core/error.hpp"
 #include "core/posix_storage.hpp"
 
 namespace pyckpt::bindings {
@@ -90,8 +91,9 @@ std::vector<ReadRequest> requests_from_py(py::handle requests) {
 }  // namespace
 
 void bind_io(py::module_& m) {
-  py::class_<FileWriter>(m, "FileWriter",
-                         R"pbdoc(Writes a data file via a sibling temp file, renamed into place on commit(). One thread at a time.)pbdoc")
+  py::class_<FileWriter>(
+      m, "FileWriter",
+      R"pbdoc(Writes a data file via a sibling temp file, renamed into place on commit(). One thread at a time.)pbdoc")
       .def(py::init([](py::handle path, const std::string& direct, bool fsync,
                        std::size_t staging_block_bytes, std::size_t staging_blocks,
                        std::optional<std::shared_ptr<BufferPool>> staging,
@@ -114,7 +116,8 @@ void bind_io(py::module_& m) {
             py::gil_scoped_release nogil;
             return self.append(b.data(), b.size());
           },
-          py::arg("data"), R"pbdoc(Append bytes (copied before returning); returns their file offset.)pbdoc")
+          py::arg("data"),
+          R"pbdoc(Append bytes (copied before returning); returns their file offset.)pbdoc")
       .def(
           "write_items",
           [](FileWriter& self, py::handle items, std::size_t chunk_bytes, ThreadPool& pool,
@@ -140,10 +143,13 @@ void bind_io(py::module_& m) {
       .def("abort", &FileWriter::abort, py::call_guard<py::gil_scoped_release>(),
            R"pbdoc(Discard the temp file (idempotent; no-op after commit).)pbdoc")
       .def_property_readonly("size", &FileWriter::size, R"pbdoc(Bytes appended so far.)pbdoc")
-      .def_property_readonly("direct", &FileWriter::direct, R"pbdoc(True while O_DIRECT is in effect.)pbdoc")
+      .def_property_readonly("direct", &FileWriter::direct,
+                             R"pbdoc(True while O_DIRECT is in effect.)pbdoc")
       .def_property_readonly("path", &FileWriter::path, R"pbdoc(The final path.)pbdoc")
-      .def_property_readonly("temp_path", &FileWriter::temp_path, R"pbdoc(The temp file's path.)pbdoc")
-      .def_property_readonly("committed", &FileWriter::committed, R"pbdoc(True after commit().)pbdoc")
+      .def_property_readonly("temp_path", &FileWriter::temp_path,
+                             R"pbdoc(The temp file's path.)pbdoc")
+      .def_property_readonly("committed", &FileWriter::committed,
+                             R"pbdoc(True after commit().)pbdoc")
       .def("__enter__", [](py::object self) { return self; })
       .def(
           "__exit__",

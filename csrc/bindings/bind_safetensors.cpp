@@ -141,8 +141,7 @@ void bind_safetensors(py::module_& m) {
         StEmitted e = emit_safetensors_header(std::move(specs), metadata);
         py::list layout;
         for (std::size_t i = 0; i < e.tensors.size(); ++i) {
-          const std::uint64_t end =
-              i + 1 < e.begins.size() ? e.begins[i + 1] : e.data_bytes;
+          const std::uint64_t end = i + 1 < e.begins.size() ? e.begins[i + 1] : e.data_bytes;
           layout.append(py::make_tuple(py::str(e.tensors[i].name), e.begins[i], end));
         }
         return py::make_tuple(py::bytes(e.bytes), layout, e.data_bytes);

@@ -33,11 +33,9 @@ const std::uint8_t* stored_bytes(ChunkSource& src, const ChunkRecord& rec, std::
 
 }  // namespace
 
-void validate_chunk(const ChunkRecord& rec, const CodecParams& params,
-                    std::uint64_t source_size) {
-  PYCKPT_EXPECT_FORMAT(rec.raw_len <= kMaxChunkBytes, FormatKind::Header, "chunk of ",
-                       rec.raw_len, " decoded bytes exceeds the ", kMaxChunkBytes,
-                       "-byte chunk size limit");
+void validate_chunk(const ChunkRecord& rec, const CodecParams& params, std::uint64_t source_size) {
+  PYCKPT_EXPECT_FORMAT(rec.raw_len <= kMaxChunkBytes, FormatKind::Header, "chunk of ", rec.raw_len,
+                       " decoded bytes exceeds the ", kMaxChunkBytes, "-byte chunk size limit");
   validate_record(rec, params);  // also stored_len <= raw_len
   PYCKPT_EXPECT_FORMAT(
       rec.file_offset <= source_size && rec.stored_len <= source_size - rec.file_offset,
@@ -45,8 +43,8 @@ void validate_chunk(const ChunkRecord& rec, const CodecParams& params,
       rec.file_offset + rec.stored_len, ") but the file holds ", source_size, " bytes");
 }
 
-const std::uint8_t* load_chunk(ChunkSource& src, const ChunkRecord& rec,
-                               const CodecParams& params, std::uint8_t* dst) {
+const std::uint8_t* load_chunk(ChunkSource& src, const ChunkRecord& rec, const CodecParams& params,
+                               std::uint8_t* dst) {
   validate_chunk(rec, params, src.size());
   if (is_plain_chunk(rec)) {
     // Raw chunk: its stored bytes are its decoded bytes; read them where they are wanted.
@@ -72,8 +70,7 @@ void trim_chunk_scratch() noexcept {
   trim_codec_scratch(kScratchKeepBytes);
 }
 
-std::string chunk_context(const std::string& path, const std::string& item,
-                          std::uint64_t offset) {
+std::string chunk_context(const std::string& path, const std::string& item, std::uint64_t offset) {
   return detail::concat("file '", path, "', tensor '", item, "', chunk at file offset ", offset);
 }
 

@@ -52,8 +52,8 @@ void validate_chunk(const ChunkRecord& rec, const CodecParams& params, std::uint
  *         source, valid until the next load_chunk()/trim_chunk_scratch() on this thread.
  * @throws as validate_chunk(), ChunkSource::read_at() and decode_chunk().
  */
-const std::uint8_t* load_chunk(ChunkSource& src, const ChunkRecord& rec,
-                               const CodecParams& params, std::uint8_t* dst);
+const std::uint8_t* load_chunk(ChunkSource& src, const ChunkRecord& rec, const CodecParams& params,
+                               std::uint8_t* dst);
 
 /**
  * @brief Reads and fully checks one chunk (sizes, checksum, every zstd frame) without keeping

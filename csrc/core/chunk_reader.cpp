@@ -69,8 +69,7 @@ std::uint64_t read_chunk(const ChunkTask& t) {
 // Runs tasks[i] through `work` on the pool, naming the file, item and chunk in any failure, and
 // trimming the thread's scratch after each chunk.
 template <typename Work>
-ReadStats run_chunk_tasks(const std::vector<ChunkTask>& tasks, ThreadPool& pool,
-                          const Work& work) {
+ReadStats run_chunk_tasks(const std::vector<ChunkTask>& tasks, ThreadPool& pool, const Work& work) {
   std::atomic<std::uint64_t> bytes{0};
   run_all(pool, tasks.size(), [&](std::size_t i) {
     const ChunkTask& t = tasks[i];
@@ -97,8 +96,8 @@ ReadStats read_requests(const std::vector<ReadRequest>& requests, ThreadPool& po
   std::vector<ChunkTask> tasks;
 
   for (const ReadRequest& req : requests) {
-    PYCKPT_EXPECT(req.hi >= req.lo, std::invalid_argument, "tensor '", req.name,
-                  "': read range [", req.lo, ", ", req.hi, ") is inverted");
+    PYCKPT_EXPECT(req.hi >= req.lo, std::invalid_argument, "tensor '", req.name, "': read range [",
+                  req.lo, ", ", req.hi, ") is inverted");
     if (req.hi == req.lo) continue;
     PYCKPT_EXPECT(req.dst != nullptr, std::invalid_argument, "tensor '", req.name,
                   "': null destination");

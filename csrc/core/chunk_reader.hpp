@@ -21,9 +21,9 @@ namespace pyckpt {
 
 /** @brief A run of consecutive chunks of an item stored in one file. */
 struct ReadSegment {
-  std::string path;               ///< data file
-  std::uint64_t raw_begin = 0;    ///< offset of the segment's first raw byte within the item
-  CodecParams params;             ///< codec parameters (elem_size needed to ungroup)
+  std::string path;             ///< data file
+  std::uint64_t raw_begin = 0;  ///< offset of the segment's first raw byte within the item
+  CodecParams params;           ///< codec parameters (elem_size needed to ungroup)
   std::vector<ChunkRecord> chunks;
 };
 

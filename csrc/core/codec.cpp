@@ -46,7 +46,7 @@ struct ZstdFree {
 
 struct WorkerState {
   std::unique_ptr<ZSTD_CCtx, ZstdFree> cctx;        // plain zstd at the requested level
-  int cctx_level = INT_MIN;                          // level cctx is configured for
+  int cctx_level = INT_MIN;                         // level cctx is configured for
   std::unique_ptr<ZSTD_CCtx, ZstdFree> plane_cctx;  // entropy-oriented profile, see below
   std::unique_ptr<ZSTD_DCtx, ZstdFree> dctx;
   detail::Scratch planes;  // encode: grouped planes; decode: decompressed planes
@@ -383,14 +383,11 @@ double entropy_bits(const std::uint32_t* hist, std::size_t n) {
 }
 
 // Fills raw[p] = true for the planes the pre-check says to copy without compressing.
-void precheck(const std::uint8_t* src, std::size_t n_elems, std::uint32_t E, bool rotl,
-              bool* raw) {
+void precheck(const std::uint8_t* src, std::size_t n_elems, std::uint32_t E, bool rotl, bool* raw) {
   std::uint32_t hist[8][256] = {};
   std::size_t sampled = 0;
   switch (E) {
-    case 1:
-      sample_histograms<std::uint8_t, false>(src, n_elems, hist, sampled);
-      break;
+    case 1: sample_histograms<std::uint8_t, false>(src, n_elems, hist, sampled); break;
     case 2:
       rotl ? sample_histograms<std::uint16_t, true>(src, n_elems, hist, sampled)
            : sample_histograms<std::uint16_t, false>(src, n_elems, hist, sampled);
@@ -478,14 +475,9 @@ void group_bytes(const void* src, std::size_t n_elems, std::uint32_t elem_size, 
       rotl1_ ? group2<true>(s, n_elems, planes[0], planes[1])
              : group2<false>(s, n_elems, planes[0], planes[1]);
       return;
-    case 4:
-      rotl1_ ? group4<true>(s, n_elems, planes) : group4<false>(s, n_elems, planes);
-      return;
-    case 8:
-      rotl1_ ? group8<true>(s, n_elems, planes) : group8<false>(s, n_elems, planes);
-      return;
-    default:
-      throw std::invalid_argument(detail::concat("group_bytes: bad elem_size ", elem_size));
+    case 4: rotl1_ ? group4<true>(s, n_elems, planes) : group4<false>(s, n_elems, planes); return;
+    case 8: rotl1_ ? group8<true>(s, n_elems, planes) : group8<false>(s, n_elems, planes); return;
+    default: throw std::invalid_argument(detail::concat("group_bytes: bad elem_size ", elem_size));
   }
 }
 
@@ -626,8 +618,8 @@ void check_plane_decodes(const std::uint8_t* src, std::size_t len, std::size_t e
       throw CompressionError(detail::concat("zstd plane ", p, " ends in the middle of its frame"));
     }
   }
-  PYCKPT_EXPECT_FORMAT(produced == expected, FormatKind::Header, "zstd plane ", p,
-                       " decoded to ", produced, " bytes, the chunk record says ", expected);
+  PYCKPT_EXPECT_FORMAT(produced == expected, FormatKind::Header, "zstd plane ", p, " decoded to ",
+                       produced, " bytes, the chunk record says ", expected);
 }
 
 }  // namespace

@@ -46,10 +46,10 @@ enum class PlaneMode : std::uint8_t { Raw = 0, Zstd = 1 };
 /** @brief Encoding parameters for a run of chunks. */
 struct CodecParams {
   Codec codec = Codec::None;
-  int level = 1;                      ///< zstd level
-  std::uint32_t elem_size = 1;        ///< element size in bytes, for grouping
+  int level = 1;                ///< zstd level
+  std::uint32_t elem_size = 1;  ///< element size in bytes, for grouping
   Transform transform = Transform::None;
-  double raw_threshold = 0.97;        ///< store raw unless compressed < threshold * raw
+  double raw_threshold = 0.97;  ///< store raw unless compressed < threshold * raw
 };
 
 /** @brief One stored plane of a chunk. */
@@ -60,10 +60,10 @@ struct PlaneRecord {
 
 /** @brief Description of one encoded chunk (what the metadata records). */
 struct ChunkRecord {
-  std::uint64_t file_offset = 0;  ///< where the stored bytes start in the data file
-  std::uint64_t raw_len = 0;      ///< decoded length
-  std::uint64_t stored_len = 0;   ///< sum of plane stored lengths
-  std::uint64_t checksum = 0;     ///< XXH64 of the stored bytes
+  std::uint64_t file_offset = 0;          ///< where the stored bytes start in the data file
+  std::uint64_t raw_len = 0;              ///< decoded length
+  std::uint64_t stored_len = 0;           ///< sum of plane stored lengths
+  std::uint64_t checksum = 0;             ///< XXH64 of the stored bytes
   Transform transform = Transform::None;  ///< transform actually applied to this chunk
   std::vector<PlaneRecord> planes;
 };
@@ -99,8 +99,8 @@ void group_bytes(const void* src, std::size_t n_elems, std::uint32_t elem_size, 
  *        the rotation when `rotl1`.
  * @throws std::invalid_argument when elem_size is not 1, 2, 4 or 8.
  */
-void ungroup_bytes(const std::uint8_t* const* planes, std::size_t n_elems,
-                   std::uint32_t elem_size, bool rotl1, void* dst);
+void ungroup_bytes(const std::uint8_t* const* planes, std::size_t n_elems, std::uint32_t elem_size,
+                   bool rotl1, void* dst);
 
 /**
  * @brief Encodes one chunk into `dst`.
@@ -153,8 +153,7 @@ void verify_chunk_checksum(const void* stored, const ChunkRecord& rec);
  *         disagrees with it, FormatError(Checksum) when the checksum does not match,
  *         CompressionError when a zstd frame fails to decode.
  */
-void decode_chunk(const void* stored, const ChunkRecord& rec, const CodecParams& params,
-                  void* dst);
+void decode_chunk(const void* stored, const ChunkRecord& rec, const CodecParams& params, void* dst);
 
 /**
  * @brief Checks everything decode_chunk() checks without producing the decoded bytes: each zstd

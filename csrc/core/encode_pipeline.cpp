@@ -20,10 +20,10 @@ namespace {
 
 struct Slot {
   std::size_t item = 0;
-  bool empty_item = false;         // zero-byte item: keeps its place in the order, no task
+  bool empty_item = false;  // zero-byte item: keeps its place in the order, no task
   const std::uint8_t* src = nullptr;
   std::size_t len = 0;
-  Lease lease;                     // encoded bytes (zstd); empty for Codec::None
+  Lease lease;  // encoded bytes (zstd); empty for Codec::None
   ChunkRecord rec;
   std::future<void> done;
 };
@@ -51,13 +51,13 @@ std::vector<WrittenItem> encode_and_write(ChunkSink& out, const std::vector<Writ
     } catch (...) {
       rethrow_with_context(std::current_exception(), item_context(it.name));
     }
-    PYCKPT_EXPECT(it.nbytes == 0 || it.data != nullptr, std::invalid_argument, "tensor '",
-                  it.name, "': null data pointer for ", it.nbytes, " bytes");
+    PYCKPT_EXPECT(it.nbytes == 0 || it.data != nullptr, std::invalid_argument, "tensor '", it.name,
+                  "': null data pointer for ", it.nbytes, " bytes");
     if (it.params.codec == Codec::Zstd && it.nbytes > 0) {
-      const std::size_t need = max_encoded_size(std::min<std::uint64_t>(chunk_bytes, it.nbytes),
-                                                it.params);
-      PYCKPT_EXPECT(blocks.block_bytes() >= need, std::invalid_argument,
-                    "encode blocks of ", blocks.block_bytes(), " bytes are smaller than ", need,
+      const std::size_t need =
+          max_encoded_size(std::min<std::uint64_t>(chunk_bytes, it.nbytes), it.params);
+      PYCKPT_EXPECT(blocks.block_bytes() >= need, std::invalid_argument, "encode blocks of ",
+                    blocks.block_bytes(), " bytes are smaller than ", need,
                     " (max_encoded_size of chunk_bytes=", chunk_bytes, ")");
     }
   }
@@ -149,6 +149,5 @@ std::vector<WrittenItem> encode_and_write(ChunkSink& out, const std::vector<Writ
   }
   return results;
 }
-
 
 }  // namespace pyckpt

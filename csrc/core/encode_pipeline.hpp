@@ -20,7 +20,7 @@ namespace pyckpt {
 
 /** @brief One item to encode and append. */
 struct WriteRequest {
-  std::string name;        ///< for error messages (e.g. the tensor's FQN)
+  std::string name;            ///< for error messages (e.g. the tensor's FQN)
   const void* data = nullptr;  ///< host bytes; must stay valid until the call returns
   std::uint64_t nbytes = 0;
   CodecParams params;
@@ -28,9 +28,9 @@ struct WriteRequest {
 
 /** @brief Where an item landed and how it was encoded. */
 struct WrittenItem {
-  std::uint64_t offset = 0;        ///< file offset of its first stored byte
-  std::uint64_t stored_bytes = 0;  ///< total stored bytes
-  std::vector<ChunkRecord> chunks; ///< in raw order; chunk i holds raw [i*chunk_bytes, ...)
+  std::uint64_t offset = 0;         ///< file offset of its first stored byte
+  std::uint64_t stored_bytes = 0;   ///< total stored bytes
+  std::vector<ChunkRecord> chunks;  ///< in raw order; chunk i holds raw [i*chunk_bytes, ...)
 };
 
 /**
@@ -43,8 +43,8 @@ struct WrittenItem {
  * @note SAFETY: every items[i].data must stay valid and unmodified until the call returns.
  * @throws the first error of any task (after all tasks are drained), with the item name in the
  *         message (same exception type; for SysError the name goes in detail()); the writer is
- *         then left uncommitted. std::invalid_argument for chunk_bytes == 0 or > kMaxChunkBytes, bad params or a
- *         too small `blocks`.
+ *         then left uncommitted. std::invalid_argument for chunk_bytes == 0 or > kMaxChunkBytes,
+ * bad params or a too small `blocks`.
  */
 std::vector<WrittenItem> encode_and_write(ChunkSink& out, const std::vector<WriteRequest>& items,
                                           std::size_t chunk_bytes, ThreadPool& pool,

@@ -45,7 +45,7 @@ int open_regular_file(const std::string& path, OpenFor mode, std::uint64_t& size
   const int acc = mode == OpenFor::ReadWrite ? O_RDWR : O_RDONLY;
   const int fd = ::open(path.c_str(), acc | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC);
   if (fd < 0) throw SysError(errno, "open", path);
-  struct stat st {};
+  struct stat st{};
   if (::fstat(fd, &st) != 0) {
     const int err = errno;
     ::close(fd);
@@ -53,9 +53,8 @@ int open_regular_file(const std::string& path, OpenFor mode, std::uint64_t& size
   }
   if (!S_ISREG(st.st_mode)) {
     ::close(fd);
-    throw FormatError(FormatKind::Other,
-                      detail::concat("'", path, "' is ", file_type(st.st_mode),
-                                     ", not a regular file"));
+    throw FormatError(FormatKind::Other, detail::concat("'", path, "' is ", file_type(st.st_mode),
+                                                        ", not a regular file"));
   }
   size = static_cast<std::uint64_t>(st.st_size);
   return fd;
@@ -74,8 +73,7 @@ void pread_full(int fd, void* dst, std::uint64_t n, std::uint64_t off, const std
     if (r == 0) {
       throw FormatError(FormatKind::Truncated,
                         detail::concat("file '", path, "' is truncated: bytes [", off, ", ",
-                                       off + n, ") are needed but the file ends at ",
-                                       off + got));
+                                       off + n, ") are needed but the file ends at ", off + got));
     }
     got += static_cast<std::uint64_t>(r);
   }
@@ -197,8 +195,8 @@ struct FileWriter::Impl {
   bool first_write = true;  // I/O thread only
 
   std::shared_ptr<BufferPool> staging;
-  Lease cur;                 // block being filled by append()
-  std::size_t cur_fill = 0;  // bytes used in `cur`
+  Lease cur;                     // block being filled by append()
+  std::size_t cur_fill = 0;      // bytes used in `cur`
   std::uint64_t cur_offset = 0;  // file offset of cur's first byte
 
   std::thread io;
@@ -496,6 +494,5 @@ void FileWriter::abort() noexcept {
   close_quietly(m.fd);
   ::unlink(m.temp.c_str());
 }
-
 
 }  // namespace pyckpt

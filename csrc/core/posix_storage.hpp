@@ -152,8 +152,7 @@ class FileWriter final : public ChunkSink {
    */
   FileWriter(std::string final_path, DirectMode mode, bool fsync,
              std::size_t staging_block_bytes = 8u << 20, std::size_t staging_blocks = 3,
-             DirectFault fault = DirectFault::None,
-             std::shared_ptr<BufferPool> staging = nullptr);
+             DirectFault fault = DirectFault::None, std::shared_ptr<BufferPool> staging = nullptr);
   /** @brief Aborts (unlinks the temp file) unless committed. Never throws. */
   ~FileWriter() override;
   FileWriter(const FileWriter&) = delete;

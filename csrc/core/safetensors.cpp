@@ -21,17 +21,28 @@ struct DtypeEntry {
 
 // Sizes follow the reference implementation's Dtype::bitsize().
 constexpr DtypeEntry kDtypes[] = {
-    {StDtype::BOOL, "BOOL", 8},          {StDtype::F4, "F4", 4},
-    {StDtype::F6_E2M3, "F6_E2M3", 6},    {StDtype::F6_E3M2, "F6_E3M2", 6},
-    {StDtype::U8, "U8", 8},              {StDtype::I8, "I8", 8},
-    {StDtype::F8_E5M2, "F8_E5M2", 8},    {StDtype::F8_E4M3, "F8_E4M3", 8},
-    {StDtype::F8_E8M0, "F8_E8M0", 8},    {StDtype::F8_E4M3FNUZ, "F8_E4M3FNUZ", 8},
-    {StDtype::F8_E5M2FNUZ, "F8_E5M2FNUZ", 8}, {StDtype::I16, "I16", 16},
-    {StDtype::U16, "U16", 16},           {StDtype::F16, "F16", 16},
-    {StDtype::BF16, "BF16", 16},         {StDtype::I32, "I32", 32},
-    {StDtype::U32, "U32", 32},           {StDtype::F32, "F32", 32},
-    {StDtype::C64, "C64", 64},           {StDtype::F64, "F64", 64},
-    {StDtype::I64, "I64", 64},           {StDtype::U64, "U64", 64},
+    {StDtype::BOOL, "BOOL", 8},
+    {StDtype::F4, "F4", 4},
+    {StDtype::F6_E2M3, "F6_E2M3", 6},
+    {StDtype::F6_E3M2, "F6_E3M2", 6},
+    {StDtype::U8, "U8", 8},
+    {StDtype::I8, "I8", 8},
+    {StDtype::F8_E5M2, "F8_E5M2", 8},
+    {StDtype::F8_E4M3, "F8_E4M3", 8},
+    {StDtype::F8_E8M0, "F8_E8M0", 8},
+    {StDtype::F8_E4M3FNUZ, "F8_E4M3FNUZ", 8},
+    {StDtype::F8_E5M2FNUZ, "F8_E5M2FNUZ", 8},
+    {StDtype::I16, "I16", 16},
+    {StDtype::U16, "U16", 16},
+    {StDtype::F16, "F16", 16},
+    {StDtype::BF16, "BF16", 16},
+    {StDtype::I32, "I32", 32},
+    {StDtype::U32, "U32", 32},
+    {StDtype::F32, "F32", 32},
+    {StDtype::C64, "C64", 64},
+    {StDtype::F64, "F64", 64},
+    {StDtype::I64, "I64", 64},
+    {StDtype::U64, "U64", 64},
 };
 
 // ---------------------------------------------------------------------------------------------
@@ -166,15 +177,15 @@ class JsonReader {
   /** Requires that only whitespace follows the document. */
   void finish() {
     skip_ws();
-    PYCKPT_EXPECT_FORMAT(_pos == _s.size(), FormatKind::Header, "safetensors header of '",
-                         _origin, "' has trailing bytes after the JSON object at offset ", _pos);
+    PYCKPT_EXPECT_FORMAT(_pos == _s.size(), FormatKind::Header, "safetensors header of '", _origin,
+                         "' has trailing bytes after the JSON object at offset ", _pos);
   }
 
  private:
   [[noreturn]] void fail(const char* what) const {
     throw FormatError(FormatKind::Header,
-                      detail::concat("safetensors header of '", _origin, "' is not valid JSON: ",
-                                     what, " at offset ", _pos));
+                      detail::concat("safetensors header of '", _origin,
+                                     "' is not valid JSON: ", what, " at offset ", _pos));
   }
   char peek() const { return _pos < _s.size() ? _s[_pos] : '\0'; }
   bool at_end() const { return _pos >= _s.size(); }
@@ -308,12 +319,10 @@ class JsonReader {
           append_utf8(out, cp);
           break;
         }
-        default:
-          fail("unknown escape");
+        default: fail("unknown escape");
       }
     }
   }
-
 
  private:
   std::string_view _s;
@@ -382,8 +391,8 @@ bool tensor_bytes(const std::vector<std::uint64_t>& shape, unsigned bits, std::u
 std::uint64_t read_uint(const JsonValue& v, const std::string& origin, const std::string& tensor,
                         const char* field) {
   PYCKPT_EXPECT_FORMAT(v.kind == JsonValue::Kind::Number && v.is_uint, FormatKind::Header,
-                       "safetensors header of '", origin, "': tensor '", tensor, "' field '",
-                       field, "' must hold non-negative integers, got ",
+                       "safetensors header of '", origin, "': tensor '", tensor, "' field '", field,
+                       "' must hold non-negative integers, got ",
                        v.kind == JsonValue::Kind::Number ? v.str : std::string("a non-number"));
   return v.uint_value;
 }
@@ -395,8 +404,8 @@ StTensorInfo read_tensor(JsonReader& r, std::string name, const std::string& ori
   StTensorInfo info;
   info.name = std::move(name);
   const std::string& n = info.name;
-  PYCKPT_EXPECT_FORMAT(r.peek_value() == '{', FormatKind::Header, "safetensors header of '",
-                       origin, "': entry '", n, "' is not an object");
+  PYCKPT_EXPECT_FORMAT(r.peek_value() == '{', FormatKind::Header, "safetensors header of '", origin,
+                       "': entry '", n, "' is not an object");
   bool has_dtype = false, has_shape = false, has_offsets = false;
   JsonValue dtype;
   bool shape_is_array = false;
@@ -461,11 +470,10 @@ StTensorInfo read_tensor(JsonReader& r, std::string name, const std::string& ori
   PYCKPT_EXPECT_FORMAT(shape_is_array, FormatKind::Header, "safetensors header of '", origin,
                        "': tensor '", n, "' has a non-array shape");
   PYCKPT_EXPECT_FORMAT(bad_dim.empty(), FormatKind::Header, "safetensors header of '", origin,
-                       "': tensor '", n,
-                       "' field 'shape' must hold non-negative integers, got ", bad_dim);
+                       "': tensor '", n, "' field 'shape' must hold non-negative integers, got ",
+                       bad_dim);
   PYCKPT_EXPECT_FORMAT(!too_many_dims, FormatKind::Header, "safetensors header of '", origin,
-                       "': tensor '", n, "' has more than ", kMaxSafetensorsRank,
-                       " dimensions");
+                       "': tensor '", n, "' has more than ", kMaxSafetensorsRank, " dimensions");
   info.shape.shrink_to_fit();
   PYCKPT_EXPECT_FORMAT(offsets_is_array && n_offsets == 2, FormatKind::Header,
                        "safetensors header of '", origin, "': tensor '", n,
@@ -473,8 +481,8 @@ StTensorInfo read_tensor(JsonReader& r, std::string name, const std::string& ori
   info.begin = read_uint(offsets[0], origin, n, "data_offsets");
   info.end = read_uint(offsets[1], origin, n, "data_offsets");
   PYCKPT_EXPECT_FORMAT(info.begin <= info.end, FormatKind::Header, "safetensors header of '",
-                       origin, "': tensor '", n, "' has data_offsets [", info.begin, ", ",
-                       info.end, "] with begin > end");
+                       origin, "': tensor '", n, "' has data_offsets [", info.begin, ", ", info.end,
+                       "] with begin > end");
   std::uint64_t nbytes = 0;
   PYCKPT_EXPECT_FORMAT(tensor_bytes(info.shape, st_dtype_bits(info.dtype), nbytes),
                        FormatKind::Mismatch, "safetensors header of '", origin, "': tensor '", n,
@@ -566,8 +574,8 @@ StHeader parse_safetensors_header_bytes(std::string_view json, std::uint64_t fil
   PYCKPT_EXPECT_FORMAT(valid_utf8(json), FormatKind::Header, "safetensors header of '", origin,
                        "' is not valid UTF-8");
   JsonReader r(json, origin);
-  PYCKPT_EXPECT_FORMAT(r.peek_value() == '{', FormatKind::Header, "safetensors header of '",
-                       origin, "' does not start with '{'");
+  PYCKPT_EXPECT_FORMAT(r.peek_value() == '{', FormatKind::Header, "safetensors header of '", origin,
+                       "' does not start with '{'");
   bool have_metadata = false;
   r.parse_object(0, [&](std::string key) {
     if (key == "__metadata__") {
@@ -577,9 +585,8 @@ StHeader parse_safetensors_header_bytes(std::string_view json, std::uint64_t fil
       PYCKPT_EXPECT_FORMAT(r.peek_value() == '{', FormatKind::Header, "safetensors header of '",
                            origin, "': __metadata__ is not an object");
       r.parse_object(1, [&](std::string mk) {
-        PYCKPT_EXPECT_FORMAT(r.peek_value() == '"', FormatKind::Header,
-                             "safetensors header of '", origin, "': __metadata__ value of '", mk,
-                             "' is not a string");
+        PYCKPT_EXPECT_FORMAT(r.peek_value() == '"', FormatKind::Header, "safetensors header of '",
+                             origin, "': __metadata__ value of '", mk, "' is not a string");
         std::string mv = r.parse_string();
         h.metadata.emplace_back(std::move(mk), std::move(mv));
       });
@@ -611,11 +618,11 @@ StHeader parse_safetensors_header_bytes(std::string_view json, std::uint64_t fil
                          "': tensor '", t.name, "' data_offsets [", t.begin, ", ", t.end,
                          "] exceed the ", data_size, "-byte data section");
     if (t.begin < cursor) {
-      throw FormatError(FormatKind::Overlap,
-                        detail::concat("safetensors file '", origin, "': tensor '", t.name,
-                                       "' [", t.begin, ", ", t.end, ") overlaps tensor '",
-                                       prev ? prev->name : std::string("?"), "' [",
-                                       prev ? prev->begin : 0, ", ", cursor, ")"));
+      throw FormatError(
+          FormatKind::Overlap,
+          detail::concat("safetensors file '", origin, "': tensor '", t.name, "' [", t.begin, ", ",
+                         t.end, ") overlaps tensor '", prev ? prev->name : std::string("?"), "' [",
+                         prev ? prev->begin : 0, ", ", cursor, ")"));
     }
     PYCKPT_EXPECT_FORMAT(t.begin == cursor, FormatKind::Header, "safetensors file '", origin,
                          "': bytes [", cursor, ", ", t.begin, ") before tensor '", t.name,
@@ -632,8 +639,8 @@ StHeader parse_safetensors_header_bytes(std::string_view json, std::uint64_t fil
 StHeader parse_safetensors_header(const std::string& path) {
   PosixFile file(path, OpenFor::Read);  // regular files only; no symlink, no FIFO wait
   const std::uint64_t file_size = file.size();
-  PYCKPT_EXPECT_FORMAT(file_size >= 8, FormatKind::Truncated, "safetensors file '", path,
-                       "' is ", file_size, " bytes, too short for the 8-byte header length");
+  PYCKPT_EXPECT_FORMAT(file_size >= 8, FormatKind::Truncated, "safetensors file '", path, "' is ",
+                       file_size, " bytes, too short for the 8-byte header length");
 
   unsigned char len_bytes[8];
   file.read_at(0, 8, len_bytes);

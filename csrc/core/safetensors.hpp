@@ -95,11 +95,11 @@ struct StTensorInfo {
 
 /** @brief A parsed and validated header. */
 struct StHeader {
-  std::uint64_t header_len = 0;   ///< N, the JSON length (including padding)
-  std::uint64_t data_start = 0;   ///< absolute offset of the data section, 8 + N
-  std::uint64_t file_size = 0;    ///< total file size the header was validated against
+  std::uint64_t header_len = 0;  ///< N, the JSON length (including padding)
+  std::uint64_t data_start = 0;  ///< absolute offset of the data section, 8 + N
+  std::uint64_t file_size = 0;   ///< total file size the header was validated against
   std::vector<std::pair<std::string, std::string>> metadata;  ///< `__metadata__`, in file order
-  std::vector<StTensorInfo> tensors;  ///< sorted by `begin` (then by name)
+  std::vector<StTensorInfo> tensors;                          ///< sorted by `begin` (then by name)
 };
 
 /**
@@ -135,9 +135,9 @@ struct StTensorSpec {
 /** @brief An emitted header and where each tensor's bytes go. */
 struct StEmitted {
   std::string bytes;  ///< 8-byte length prefix + JSON padded with spaces to a multiple of 8
-  std::vector<StTensorSpec> tensors;   ///< the input tensors, sorted by name
-  std::vector<std::uint64_t> begins;   ///< data-section offset of each sorted tensor
-  std::uint64_t data_bytes = 0;        ///< size of the data section
+  std::vector<StTensorSpec> tensors;  ///< the input tensors, sorted by name
+  std::vector<std::uint64_t> begins;  ///< data-section offset of each sorted tensor
+  std::uint64_t data_bytes = 0;       ///< size of the data section
 };
 
 /**

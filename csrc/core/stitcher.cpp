@@ -71,8 +71,9 @@ bool copy_range(const PosixFile& in, std::uint64_t in_off, const PosixFile& out,
   while (n > 0) {
     loff_t io = static_cast<loff_t>(in_off);
     loff_t oo = static_cast<loff_t>(out_off);
-    const ssize_t r = ::copy_file_range(in.fd(), &io, out.fd(), &oo,
-                                        static_cast<std::size_t>(std::min<std::uint64_t>(n, 1u << 30)), 0);
+    const ssize_t r =
+        ::copy_file_range(in.fd(), &io, out.fd(), &oo,
+                          static_cast<std::size_t>(std::min<std::uint64_t>(n, 1u << 30)), 0);
     if (r == -1) {
       if (errno == EINTR) continue;
       if (errno == EXDEV || errno == ENOSYS || errno == EINVAL || errno == EOPNOTSUPP ||
@@ -89,7 +90,12 @@ bool copy_range(const PosixFile& in, std::uint64_t in_off, const PosixFile& out,
   }
   return true;
 #else
-  (void)in; (void)in_off; (void)out; (void)out_off; (void)n; (void)tensor;
+  (void)in;
+  (void)in_off;
+  (void)out;
+  (void)out_off;
+  (void)n;
+  (void)tensor;
   return false;
 #endif
 }
@@ -162,7 +168,8 @@ TaskResult run_task(const Task& t, InputMode mode, std::size_t buffer_bytes) {
         p.layout.global_index(b - 1) == t.y - 1) {
       const std::uint64_t src_off = p.item->source.offset + (a - p.item->block_lo) * e;
       const std::uint64_t dst_off = g.out_offset + t.x * e;
-      if (mode == InputMode::Pread && copy_range(*p.in, src_off, *g.out, dst_off, out_bytes, g.name)) {
+      if (mode == InputMode::Pread &&
+          copy_range(*p.in, src_off, *g.out, dst_off, out_bytes, g.name)) {
         res.runs = 1;
         return res;
       }
@@ -186,7 +193,8 @@ TaskResult run_task(const Task& t, InputMode mode, std::size_t buffer_bytes) {
       read_source(p, src_off, n, obuf.data() + (first - t.x) * e, mode);
       ++res.runs;
     } else {
-      if (rbuf.size() < n) rbuf.resize(std::max<std::size_t>(static_cast<std::size_t>(n), buffer_bytes));
+      if (rbuf.size() < n)
+        rbuf.resize(std::max<std::size_t>(static_cast<std::size_t>(n), buffer_bytes));
       read_source(p, src_off, n, rbuf.data(), mode);
       p.layout.for_each_run(a, b, [&](std::uint64_t k, std::uint64_t gi, std::uint64_t cnt) {
         std::memcpy(obuf.data() + (gi - t.x) * e, rbuf.data() + (k - a) * e, cnt * e);
@@ -361,8 +369,8 @@ void check_tiling(const std::string& name, const std::vector<std::uint64_t>& sha
       if (n > 0 && b.offsets[sweep] >= a.offsets[sweep] + a.sizes[sweep]) break;
       bool overlap = true;
       for (std::size_t d = 0; d < n && overlap; ++d) {
-        overlap = a.offsets[d] < b.offsets[d] + b.sizes[d] &&
-                  b.offsets[d] < a.offsets[d] + a.sizes[d];
+        overlap =
+            a.offsets[d] < b.offsets[d] + b.sizes[d] && b.offsets[d] < a.offsets[d] + a.sizes[d];
       }
       PYCKPT_EXPECT_FORMAT(!overlap, FormatKind::Overlap, "tensor '", name, "': the shard in '",
                            a.origin, "' (offsets ", dims(a.offsets), ", sizes ", dims(a.sizes),
@@ -389,9 +397,9 @@ StitchStats stitch(const std::vector<StitchItem>& items, const StitchOptions& op
                   "': item_bytes must be >= 1");
     BlockLayout layout(item.shape, item.offsets, item.sizes);
     const std::uint64_t e = item.item_bytes;
-    PYCKPT_EXPECT(item.lo <= item.hi && item.hi <= layout.tensor_elements(),
-                  std::invalid_argument, "tensor '", item.name, "': range [", item.lo, ", ",
-                  item.hi, ") outside its ", layout.tensor_elements(), " elements");
+    PYCKPT_EXPECT(item.lo <= item.hi && item.hi <= layout.tensor_elements(), std::invalid_argument,
+                  "tensor '", item.name, "': range [", item.lo, ", ", item.hi, ") outside its ",
+                  layout.tensor_elements(), " elements");
 
     auto& in = inputs[item.source.path];
     if (!in) {
@@ -411,18 +419,17 @@ StitchStats stitch(const std::vector<StitchItem>& items, const StitchOptions& op
                     "': the chunk at offset ", rec.file_offset, " of '", item.source.path,
                     "' decodes to ", rec.raw_len, " bytes but is given block elements [",
                     item.block_lo, ", ", block_hi, ") (", block_bytes, " bytes)");
-      PYCKPT_EXPECT_FORMAT(rec.file_offset <= in->size() &&
-                               rec.stored_len <= in->size() - rec.file_offset,
-                           FormatKind::Truncated, "input file '", item.source.path, "' is ",
-                           in->size(), " bytes but tensor '", item.name,
-                           "' has a chunk stored at bytes [", rec.file_offset, ", ",
-                           rec.file_offset + rec.stored_len, ")");
+      PYCKPT_EXPECT_FORMAT(
+          rec.file_offset <= in->size() && rec.stored_len <= in->size() - rec.file_offset,
+          FormatKind::Truncated, "input file '", item.source.path, "' is ", in->size(),
+          " bytes but tensor '", item.name, "' has a chunk stored at bytes [", rec.file_offset,
+          ", ", rec.file_offset + rec.stored_len, ")");
     } else {
-      PYCKPT_EXPECT_FORMAT(item.source.offset <= in->size() &&
-                               block_bytes <= in->size() - item.source.offset,
-                           FormatKind::Truncated, "input file '", item.source.path, "' is ",
-                           in->size(), " bytes but tensor '", item.name, "' needs bytes [",
-                           item.source.offset, ", ", item.source.offset + block_bytes, ")");
+      PYCKPT_EXPECT_FORMAT(
+          item.source.offset <= in->size() && block_bytes <= in->size() - item.source.offset,
+          FormatKind::Truncated, "input file '", item.source.path, "' is ", in->size(),
+          " bytes but tensor '", item.name, "' needs bytes [", item.source.offset, ", ",
+          item.source.offset + block_bytes, ")");
     }
 
     auto& out = outputs[item.out_path];
@@ -470,8 +477,7 @@ StitchStats stitch(const std::vector<StitchItem>& items, const StitchOptions& op
       const std::uint64_t b = std::min(p.layout.lower_bound(g.hi), p.block_hi);
       if (a >= b) continue;
       supplied += b - a;
-      const bool scattered =
-          p.layout.global_index(b - 1) - p.layout.global_index(a) != b - 1 - a;
+      const bool scattered = p.layout.global_index(b - 1) - p.layout.global_index(a) != b - 1 - a;
       const bool map_out = scattered && p.layout.run_elements() * g.item_bytes < kMinPwriteRun;
       if (map_out) g.out->map(false);  // before any task runs: map() is not thread-safe
       chunk_tasks.push_back(ChunkTask{&g, &p, a, b, map_out});
@@ -479,8 +485,8 @@ StitchStats stitch(const std::vector<StitchItem>& items, const StitchOptions& op
     // Pieces were checked to tile the tensor and chunks to tile each piece, so a count that
     // differs means the items themselves are inconsistent.
     PYCKPT_EXPECT_FORMAT(supplied == g.hi - g.lo, FormatKind::Coverage, "tensor '", g.name,
-                         "': its chunks supply ", supplied, " of the ", g.hi - g.lo,
-                         " elements [", g.lo, ", ", g.hi, ")");
+                         "': its chunks supply ", supplied, " of the ", g.hi - g.lo, " elements [",
+                         g.lo, ", ", g.hi, ")");
   }
 
   StitchStats stats;

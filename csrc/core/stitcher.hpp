@@ -196,8 +196,8 @@ struct StitchStats {
  *         the chunks of a tensor do not supply exactly its range [lo, hi);
  *         std::invalid_argument for inconsistent items (bad geometry, zero item size, an output
  *         range beyond the output file, a chunk whose raw_len does not match its block range,
- *         raw and encoded sources mixed in one tensor). The first failure is thrown after every task
- *         has finished; outputs are then partially written (the caller owns cleanup).
+ *         raw and encoded sources mixed in one tensor). The first failure is thrown after every
+ * task has finished; outputs are then partially written (the caller owns cleanup).
  */
 StitchStats stitch(const std::vector<StitchItem>& items, const StitchOptions& options);
 

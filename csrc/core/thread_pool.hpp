@@ -91,7 +91,8 @@ void run_all(ThreadPool& pool, std::size_t n, const Fn& fn) {
   if (first) std::rethrow_exception(first);
 }
 
-/** @return the default worker count: PYCKPT_NUM_THREADS is read in Python; this is min(8, cores). */
+/** @return the default worker count: PYCKPT_NUM_THREADS is read in Python; this is min(8, cores).
+ */
 std::size_t default_thread_count() noexcept;
 
 }  // namespace pyckpt

@@ -66,38 +66,38 @@ inline int run_all(int argc, char** argv) {
 #define PYCKPT_TEST_CAT(a, b) PYCKPT_TEST_CAT2(a, b)
 
 /** @brief Defines and registers a test case. */
-#define TEST(name)                                                                        \
-  static void PYCKPT_TEST_CAT(test_fn_, name)();                                          \
-  static const ::pyckpt::test::Registrar PYCKPT_TEST_CAT(test_reg_, name)(                \
-      #name, &PYCKPT_TEST_CAT(test_fn_, name));                                           \
+#define TEST(name)                                                         \
+  static void PYCKPT_TEST_CAT(test_fn_, name)();                           \
+  static const ::pyckpt::test::Registrar PYCKPT_TEST_CAT(test_reg_, name)( \
+      #name, &PYCKPT_TEST_CAT(test_fn_, name));                            \
   static void PYCKPT_TEST_CAT(test_fn_, name)()
 
 /** @brief Records a failure when `cond` is false. */
-#define CHECK(cond)                                                                       \
-  do {                                                                                    \
-    if (!(cond)) ::pyckpt::test::fail(__FILE__, __LINE__, #cond);                         \
+#define CHECK(cond)                                               \
+  do {                                                            \
+    if (!(cond)) ::pyckpt::test::fail(__FILE__, __LINE__, #cond); \
   } while (0)
 
 /**
  * @brief Checks that `expr` throws `type` and that its what() contains `needle` (may be "").
  */
-#define CHECK_THROWS(expr, type, needle)                                                  \
-  do {                                                                                    \
-    bool caught_ = false;                                                                 \
-    try {                                                                                 \
-      (void)(expr);                                                                       \
-    } catch (const type& e_) {                                                            \
-      caught_ = true;                                                                     \
-      if (std::string(e_.what()).find(needle) == std::string::npos) {                     \
-        ::pyckpt::test::fail(__FILE__, __LINE__,                                          \
-                             std::string(#expr " threw: ") + e_.what() + " (want '" +     \
-                                 (needle) + "')");                                        \
-      }                                                                                   \
-    } catch (const std::exception& e_) {                                                  \
-      ::pyckpt::test::fail(__FILE__, __LINE__,                                            \
-                           std::string(#expr " threw another type: ") + e_.what());       \
-      caught_ = true;                                                                     \
-    }                                                                                     \
+#define CHECK_THROWS(expr, type, needle)                                                   \
+  do {                                                                                     \
+    bool caught_ = false;                                                                  \
+    try {                                                                                  \
+      (void)(expr);                                                                        \
+    } catch (const type& e_) {                                                             \
+      caught_ = true;                                                                      \
+      if (std::string(e_.what()).find(needle) == std::string::npos) {                      \
+        ::pyckpt::test::fail(                                                              \
+            __FILE__, __LINE__,                                                            \
+            std::string(#expr " threw: ") + e_.what() + " (want '" + (needle) + "')");     \
+      }                                                                                    \
+    } catch (const std::exception& e_) {                                                   \
+      ::pyckpt::test::fail(__FILE__, __LINE__,                                             \
+                           std::string(#expr " threw another type: ") + e_.what());        \
+      caught_ = true;                                                                      \
+    }                                                                                      \
     if (!caught_) ::pyckpt::test::fail(__FILE__, __LINE__, #expr " did not throw " #type); \
   } while (0)
 

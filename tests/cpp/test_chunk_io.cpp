@@ -14,13 +14,9 @@
 #include "test_support.hpp"
 
 using namespace pyckpt;
-using pyckpt::test::bf16_like;
-using pyckpt::test::MemorySource;
+using namespace pyckpt::test;
 
 namespace {
-
-const CodecParams kBf16{Codec::Zstd, 1, 2, Transform::ByteGroupRotl1};
-const CodecParams kRaw{Codec::None, 1, 1, Transform::None};
 
 /** A "file" of chunks written back to back, and the item's raw bytes. */
 struct Stored {
@@ -160,9 +156,9 @@ TEST(truncated_file_and_corrupt_chunk_name_file_item_and_offset) {
   ThreadPool pool(2);
   std::vector<std::uint8_t> dst(16384);
   try {
-    read_requests({ReadRequest{"w", {ReadSegment{"short", 0, kBf16, s.chunks}}, 0, 16384,
-                               dst.data()}},
-                  pool, mem.opener());
+    read_requests(
+        {ReadRequest{"w", {ReadSegment{"short", 0, kBf16, s.chunks}}, 0, 16384, dst.data()}}, pool,
+        mem.opener());
     CHECK(false);
   } catch (const FormatError& e) {
     CHECK(e.kind() == FormatKind::Truncated);
@@ -186,13 +182,12 @@ TEST(scratch_is_trimmed_after_a_large_chunk) {
   // the second read is correct after the buffers were freed).
   const std::vector<std::uint8_t> zeros(std::size_t{80} << 20, 0);
   std::vector<std::uint8_t> buf(zeros.size());
-  ChunkRecord r = encode_chunk(zeros.data(), zeros.size(), CodecParams{Codec::Zstd, 1, 1,
-                                                                       Transform::None},
-                               buf.data());
+  ChunkRecord r = encode_chunk(zeros.data(), zeros.size(),
+                               CodecParams{Codec::Zstd, 1, 1, Transform::None}, buf.data());
   buf.resize(r.stored_len);
   MemorySource src("z", buf);
-  const std::uint8_t* p = load_chunk(src, r, CodecParams{Codec::Zstd, 1, 1, Transform::None},
-                                     nullptr);
+  const std::uint8_t* p =
+      load_chunk(src, r, CodecParams{Codec::Zstd, 1, 1, Transform::None}, nullptr);
   CHECK(p[0] == 0 && p[zeros.size() - 1] == 0);
   trim_chunk_scratch();
   const Stored s = store(4096, 4096, kBf16);

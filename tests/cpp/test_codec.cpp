@@ -8,16 +8,9 @@
 #include "test_support.hpp"
 
 using namespace pyckpt;
-using pyckpt::test::bf16_like;
-using pyckpt::test::random_bytes;
+using namespace pyckpt::test;
 
 namespace {
-
-const CodecParams kRaw{Codec::None, 1, 1, Transform::None};
-const CodecParams kZstd{Codec::Zstd, 1, 1, Transform::None};
-const CodecParams kBf16{Codec::Zstd, 1, 2, Transform::ByteGroupRotl1};
-const CodecParams kFp32{Codec::Zstd, 3, 4, Transform::ByteGroup};
-const CodecParams kFp64{Codec::Zstd, 1, 8, Transform::ByteGroupRotl1};
 
 struct Encoded {
   std::vector<std::uint8_t> stored;
@@ -63,7 +56,7 @@ TEST(bf16_compresses_exponent_plane_and_keeps_mantissa_raw) {
   const Encoded e = encode(data, kBf16);
   CHECK(e.rec.transform == Transform::ByteGroupRotl1);
   CHECK(e.rec.planes.size() == 2);
-  CHECK(e.rec.planes[0].mode == PlaneMode::Raw);   // mantissa bytes: near random
+  CHECK(e.rec.planes[0].mode == PlaneMode::Raw);  // mantissa bytes: near random
   CHECK(e.rec.planes[0].stored_len == data.size() / 2);
   CHECK(e.rec.planes[1].mode == PlaneMode::Zstd);  // exponent bytes: low entropy
   CHECK(e.rec.planes[1].stored_len < data.size() / 4);
@@ -130,10 +123,8 @@ TEST(rejects_unknown_codes_and_impossible_plane_counts) {
     CHECK_THROWS(verify_chunk(good.stored.data(), r, p), FormatError, needle);
   };
   bad([](ChunkRecord& r) { r.transform = static_cast<Transform>(7); }, kBf16, "unknown transform");
-  bad([](ChunkRecord& r) { r.planes[1].mode = static_cast<PlaneMode>(3); }, kBf16,
-      "unknown mode");
-  bad([](ChunkRecord& r) { r.planes.push_back(PlaneRecord{PlaneMode::Raw, 0}); }, kBf16,
-      "planes");
+  bad([](ChunkRecord& r) { r.planes[1].mode = static_cast<PlaneMode>(3); }, kBf16, "unknown mode");
+  bad([](ChunkRecord& r) { r.planes.push_back(PlaneRecord{PlaneMode::Raw, 0}); }, kBf16, "planes");
   bad([](ChunkRecord& r) { r.planes.clear(); }, kBf16, "1 to 8 planes");
   bad([](ChunkRecord& r) { r.stored_len += 1; }, kBf16, "sum to");
   bad([](ChunkRecord& r) { r.raw_len += 1; }, kBf16, "multiple of elem_size");

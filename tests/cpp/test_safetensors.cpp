@@ -28,10 +28,9 @@ FormatKind kind_of(const std::string& json, std::uint64_t file_size) {
 }  // namespace
 
 TEST(parses_a_valid_header_sorted_by_offset) {
-  const std::string json = "{\"__metadata__\":{\"format\":\"pt\"}," +
-                           entry("b", "BF16", "[2,3]", 4, 16) + "," +
-                           entry("a", "F32", "[1]", 0, 4) + "," +
-                           entry("s", "F4", "[2]", 16, 17) + "}";
+  const std::string json =
+      "{\"__metadata__\":{\"format\":\"pt\"}," + entry("b", "BF16", "[2,3]", 4, 16) + "," +
+      entry("a", "F32", "[1]", 0, 4) + "," + entry("s", "F4", "[2]", 16, 17) + "}";
   const StHeader h = parse_safetensors_header_bytes(json, 8 + json.size() + 17, "x");
   CHECK(h.tensors.size() == 3);
   CHECK(h.tensors[0].name == "a" && h.tensors[1].name == "b" && h.tensors[2].name == "s");
@@ -74,8 +73,7 @@ TEST(rejects_layout_violations) {
   CHECK(kind_of(hole, 8 + hole.size() + 9) == FormatKind::Header);
   const std::string dup =
       "{" + entry("a", "U8", "[4]", 0, 4) + "," + entry("a", "U8", "[4]", 4, 8) + "}";
-  CHECK_THROWS(parse_safetensors_header_bytes(dup, 8 + dup.size() + 8, "x"), FormatError,
-               "twice");
+  CHECK_THROWS(parse_safetensors_header_bytes(dup, 8 + dup.size() + 8, "x"), FormatError, "twice");
   const std::string trailing = "{" + entry("a", "U8", "[4]", 0, 4) + "} x";
   CHECK(kind_of(trailing, 8 + trailing.size() + 4) == FormatKind::Header);
   CHECK(kind_of("{\"a\":", 100) == FormatKind::Header);
@@ -90,8 +88,7 @@ TEST(rejects_layout_violations) {
 
 TEST(emitted_headers_parse_back) {
   const StEmitted e = emit_safetensors_header(
-      {StTensorSpec{"z", StDtype::F16, {3, 5}}, StTensorSpec{"a", StDtype::I64, {}}},
-      {{"k", "v"}});
+      {StTensorSpec{"z", StDtype::F16, {3, 5}}, StTensorSpec{"a", StDtype::I64, {}}}, {{"k", "v"}});
   CHECK(e.bytes.size() % 8 == 0);
   const std::string json = e.bytes.substr(8);
   const StHeader h = parse_safetensors_header_bytes(json, e.bytes.size() + e.data_bytes, "x");

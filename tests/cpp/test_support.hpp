@@ -8,10 +8,18 @@
 #include <string>
 #include <vector>
 
+#include "core/codec.hpp"
 #include "core/error.hpp"
 #include "core/storage.hpp"
 
 namespace pyckpt::test {
+
+/** @brief Codec parameters the tests use: raw, plain zstd, and grouped bf16/fp32/fp64. */
+inline const CodecParams kRaw{Codec::None, 1, 1, Transform::None};
+inline const CodecParams kZstd{Codec::Zstd, 1, 1, Transform::None};
+inline const CodecParams kBf16{Codec::Zstd, 1, 2, Transform::ByteGroupRotl1};
+inline const CodecParams kFp32{Codec::Zstd, 3, 4, Transform::ByteGroup};
+inline const CodecParams kFp64{Codec::Zstd, 1, 8, Transform::ByteGroupRotl1};
 
 /** @brief bf16 values like trained weights (normal, std 0.02), as little-endian bytes. */
 inline std::vector<std::uint8_t> bf16_like(std::size_t n_elems, std::uint32_t seed) {
