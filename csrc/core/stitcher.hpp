@@ -189,7 +189,12 @@ struct StitchStats {
  * @param items the copies; items may share inputs and outputs; their destinations must not overlap.
  * @param options see StitchOptions.
  * @return counters.
- * @throws SysError when a file cannot be opened, read, mapped or synced (detail names the tensor).
+ * Inputs and outputs are opened as PosixFile (posix_storage.hpp): regular files only, no symlink
+ * followed at the last path component, no wait on a FIFO. Encoded chunks go through the shared
+ * chunk path (chunk_io.hpp: validated against the input's size and kMaxChunkBytes first).
+ * @throws SysError when a file cannot be opened (ELOOP for a symlink), read, mapped or synced
+ *         (detail names the tensor); FormatError(Other) when an input or output is not a
+ *         regular file.
  * @throws FormatError(Truncated) when an input is shorter than a block or chunk needs (naming
  *         file and tensor); FormatError(Checksum) for a corrupted chunk and CompressionError for
  *         an undecodable one (naming file, tensor and chunk offset); FormatError(Coverage) when
