@@ -130,6 +130,10 @@ class FileWriter:
     ) -> bool: ...
 
 def read_requests(requests: Sequence[ReadRequest], pool: ThreadPool) -> tuple[int, int]: ...
+def verify_segments(name: str, segments: Sequence[ReadSegment], pool: ThreadPool) -> tuple[int, int]: ...
+
+#: Largest raw length of one chunk: the writer refuses larger chunk_bytes, readers larger records.
+MAX_CHUNK_BYTES: int
 
 # --- cuda ---
 
@@ -222,6 +226,10 @@ class Stager:
 # --- safetensors ---
 
 MAX_SAFETENSORS_HEADER: int
+#: Most tensors one safetensors header may declare.
+MAX_SAFETENSORS_TENSORS: int
+#: Most dimensions of one safetensors tensor.
+MAX_SAFETENSORS_RANK: int
 
 def safetensors_dtype_bits(dtype: str) -> int: ...
 def read_safetensors_header(path: str) -> dict[str, object]: ...

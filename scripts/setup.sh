@@ -40,7 +40,9 @@ if ! "$PY" -c 'import torch, sys; sys.exit(torch.__version__.split("+")[0] != "2
 fi
 
 echo "[pyckpt setup] building and installing pyckpt"
-"$PY" -m pip install -q --disable-pip-version-check ".[test,bench,model]" 2>&1 \
+# The CUDA runtime test double (pyckpt/_testing) is built only on request: the tests need it.
+"$PY" -m pip install -q --disable-pip-version-check \
+  -Ccmake.define.PYCKPT_BUILD_TESTING_RUNTIME=ON ".[test,bench,model]" 2>&1 \
   | { grep -v "$QUIET_PIP" || true; }
 # Checked from outside the checkout, whose pyckpt/ (without the built _C) would shadow the install.
 (cd / && "$PY" -c 'import pyckpt, pyckpt._C; print("[pyckpt setup] pyckpt", pyckpt.__version__, "with zstd", pyckpt._C.zstd_version)')

@@ -296,8 +296,11 @@ def test_flipped_byte_is_a_checksum_error(make_data, position: int) -> None:
     stored, record = _C.encode_chunk(raw, params)
     bad = bytearray(stored)
     bad[position] ^= 0x01
-    with pytest.raises(ChecksumError, match="checksum mismatch"):
+    with pytest.raises(ChecksumError, match="checksum mismatch") as info:
         _C.decode_chunk(bytes(bad), record, params, bytearray(len(raw)))
+    # The hash of the bytes read is never shown: for a data file swapped for another file it
+    # would disclose that file's contents.
+    assert f"{xxh64_ref(bytes(bad)):016x}" not in str(info.value)
 
 
 def test_wrong_checksum_in_record_is_a_checksum_error(make_data) -> None:
@@ -339,13 +342,38 @@ def test_corrupt_frame_with_valid_checksum_is_a_compression_error() -> None:
 
 
 def test_frame_of_wrong_size_is_a_header_error() -> None:
+    """A frame that decodes to more than its record promises (a decompression bomb) is refused
+    from its header as a format error, before any output; so is one that decodes to less."""
     frame = zstandard.ZstdCompressor(write_content_size=True).compress(b"x" * 500)
     record = (0, 400, xxh64_ref(frame), 0, (1, len(frame)))
-    with pytest.raises((CompressionError, CheckpointFormatError)):
+    with pytest.raises(CheckpointFormatError, match="declares 500 decoded bytes") as info:
         _C.decode_chunk(frame, record, ("zstd", 1, 1, "none"), bytearray(400))
+    assert not isinstance(info.value, CompressionError)
     record = (0, 600, xxh64_ref(frame), 0, (1, len(frame)))
-    with pytest.raises(CheckpointFormatError, match="decoded to 500"):
+    with pytest.raises(CheckpointFormatError, match="declares 500 decoded bytes"):
         _C.decode_chunk(frame, record, ("zstd", 1, 1, "none"), bytearray(600))
+
+
+def test_trailing_bytes_after_the_frame_are_a_header_error() -> None:
+    frame = zstandard.ZstdCompressor(write_content_size=True).compress(b"x" * 500)
+    stored = frame + frame  # two frames in one plane: the format has exactly one
+    record = (0, 500, xxh64_ref(stored), 0, (1, len(stored)))
+    with pytest.raises(CheckpointFormatError, match="its frame is"):
+        _C.decode_chunk(stored, record, ("zstd", 1, 1, "none"), bytearray(500))
+
+
+@pytest.mark.parametrize(
+    ("record", "params", "match"),
+    [
+        ((0, 8, 0, 0, (0, 4, 0, 4)), ("zstd", 1, 1, "none"), "1 plane"),
+        ((0, 8, 0, 1, (0, 4, 0, 4)), ("zstd", 1, 4, "group"), "needs 4 planes"),
+        ((0, 8, 0, 0, (1, 9)), ("zstd", 1, 1, "none"), "stores 9 bytes for 8"),
+        ((0, 8, 0, 0, (1, 4)), ("none", 1, 1, "none"), "codec 'none'"),
+    ],
+)
+def test_impossible_records_are_rejected(record, params, match) -> None:
+    with pytest.raises(CheckpointFormatError, match=match):
+        _C.decode_chunk(bytes(16), record, params, bytearray(8))
 
 
 @pytest.mark.parametrize(

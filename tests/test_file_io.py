@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 from pyckpt import _C
+from pyckpt import errors as pyckpt_errors
 from pyckpt.errors import CheckpointFormatError, ChecksumError
 
 PAGE = 4096
@@ -494,3 +495,217 @@ def test_shut_down_pool_is_reported(tmp_path) -> None:
         with pytest.raises(RuntimeError, match="shutdown"):
             w.write_items([("w", data.ctypes.data, data.nbytes, RAW)], PAGE, pool, _C.BufferPool(PAGE, 2))
     assert list(tmp_path.iterdir()) == []
+
+
+# --------------------------------------------------------------------------------------------
+# Hostile input: every length is checked before anything is allocated or read for it, data files
+# must be regular files, and errors never disclose the bytes read.
+# --------------------------------------------------------------------------------------------
+
+_PEAK_SCRIPT = textwrap.dedent(
+    """
+    import sys
+    sys.path.insert(0, sys.argv[1])
+    from pyckpt import _C
+
+    def peak_mib():
+        with open("/proc/self/status") as f:
+            return next(int(ln.split()[1]) for ln in f if ln.startswith("VmHWM:")) / 1024
+
+    # The peak RSS is inherited from the parent across fork/exec: reset it (Linux >= 4.0).
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    before = peak_mib()
+    try:
+        exec(sys.argv[2])
+        outcome = "OK"
+    except Exception as e:  # reported to the test, which checks the type
+        outcome = type(e).__name__ + ": " + str(e)
+    print("GROWTH_MIB", peak_mib() - before)
+    print("OUTCOME", outcome)
+    """
+)
+
+
+def _peak_growth(code: str, timeout: float = 120) -> tuple[float, str]:
+    """Runs `code` (with `_C` imported) in a fresh interpreter; returns its peak RSS growth."""
+    root = str(Path(_C.__file__).parent.parent)
+    proc = subprocess.run(
+        [sys.executable, "-c", _PEAK_SCRIPT, root, code],
+        capture_output=True, text=True, timeout=timeout, check=False,
+    )
+    assert proc.returncode == 0, proc.stderr
+    lines = dict(line.split(" ", 1) for line in proc.stdout.splitlines() if " " in line)
+    return float(lines["GROWTH_MIB"]), lines["OUTCOME"]
+
+
+def test_huge_stored_length_is_refused_before_allocating(tmp_path, thread_pool_factory) -> None:
+    pool = thread_pool_factory(2)
+    path = tmp_path / "f"
+    path.write_bytes(bytes(4096))
+    dst = np.empty(4096, np.uint8)
+    one_tib = 1 << 40
+    # A zstd plane claiming a 1 TiB stored length in a 4 KiB file.
+    for raw_len, match in [(4096, "stores"), (2 * one_tib, "chunk size limit")]:
+        seg = (str(path), 0, ("zstd", 1, 1, "none"), [(0, raw_len, 0, 0, (1, one_tib))])
+        with pytest.raises(CheckpointFormatError, match=match) as info:
+            _C.read_requests([("huge.w", [seg], 0, 4096, dst.ctypes.data)], pool)
+        assert str(path) in str(info.value) and "huge.w" in str(info.value)
+    # Within every limit but past the end of the file: Truncated, from fstat, before reading.
+    seg = (str(path), 0, ("none", 1, 1, "none"), [(4000, 200, 0, 0, (0, 200))])
+    with pytest.raises(CheckpointFormatError, match="file holds 4096 bytes"):
+        _C.read_requests([("t", [seg], 0, 200, dst.ctypes.data)], pool)
+
+
+def _zeros_frame(n: int) -> bytes:
+    """One zstd frame of `n` zero bytes (declaring its size), built without holding n bytes."""
+    import zstandard
+
+    c = zstandard.ZstdCompressor(write_content_size=True).compressobj(size=n)
+    step = bytes(1 << 20)
+    parts = [c.compress(step) for _ in range(n // len(step))]
+    parts.append(c.compress(bytes(n % len(step))))
+    parts.append(c.flush())
+    return b"".join(parts)
+
+
+def test_large_raw_len_claim_does_not_allocate_it(tmp_path) -> None:
+    """A 1 GiB chunk of zeros is a ~32 KiB zstd frame; read partially (the scratch path), it used
+    to be decoded whole into per-thread scratch. It is above the chunk-size limit: refused."""
+    raw_len = 1 << 30
+    frame = _zeros_frame(raw_len)
+    path = tmp_path / "bomb"
+    path.write_bytes(frame)
+    code = textwrap.dedent(
+        f"""
+        import numpy as np
+        dst = np.empty(100, np.uint8)
+        rec = (0, {raw_len}, {_C.xxh64(frame)}, 0, (1, {len(frame)}))
+        seg = ({str(path)!r}, 0, ("zstd", 1, 1, "none"), [rec])
+        _C.read_requests([("bomb.w", [seg], 0, 100, dst.ctypes.data)], _C.ThreadPool(2))
+        """
+    )
+    growth, outcome = _peak_growth(code)
+    assert outcome.startswith("CheckpointFormatError"), outcome
+    assert growth < 128, f"peak RSS grew by {growth:.0f} MiB"
+
+
+def test_chunk_size_limit_on_write(tmp_path, thread_pool_factory) -> None:
+    pool = thread_pool_factory(1)
+    data = np.zeros(PAGE, np.uint8)
+    with _C.FileWriter(tmp_path / "f", "off", False) as w:
+        with pytest.raises(ValueError, match="chunk_bytes"):
+            w.write_items([("w", data.ctypes.data, data.nbytes, RAW)], _C.MAX_CHUNK_BYTES + 1,
+                          pool, _C.BufferPool(PAGE, 2))
+
+
+_FIFO_SCRIPT = textwrap.dedent(
+    """
+    import sys
+    import numpy as np
+    sys.path.insert(0, sys.argv[1])
+    from pyckpt import _C
+    dst = np.empty(16, np.uint8)
+    seg = (sys.argv[2], 0, ("none", 1, 1, "none"), [(0, 16, 0, 0, (0, 16))])
+    try:
+        _C.read_requests([("fifo.w", [seg], 0, 16, dst.ctypes.data)], _C.ThreadPool(1))
+    except Exception as e:
+        print(type(e).__name__, e)
+    """
+)
+
+
+def test_fifo_data_file_fails_fast(tmp_path) -> None:
+    """Opening a FIFO for reading used to wait forever for a writer."""
+    fifo = tmp_path / "0-0.abc.pyckpt"
+    os.mkfifo(fifo)
+    root = str(Path(_C.__file__).parent.parent)
+    proc = subprocess.run(
+        [sys.executable, "-c", _FIFO_SCRIPT, root, str(fifo)],
+        capture_output=True, text=True, timeout=60, check=False,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("CheckpointFormatError"), proc.stdout
+    assert str(fifo) in proc.stdout and "a FIFO" in proc.stdout and "fifo.w" in proc.stdout
+
+
+def test_data_file_symlink_is_not_followed(tmp_path, make_data, thread_pool_factory) -> None:
+    pool = thread_pool_factory(1)
+    real = tmp_path / "real"
+    data = make_data("random", 3 * PAGE)
+    (written,) = write_file(real, [("w", data, RAW)], pool, chunk_bytes=PAGE)
+    link = tmp_path / "link"
+    link.symlink_to(real)
+    with pytest.raises(OSError) as info:
+        read_range(link, written, RAW, 0, len(data), pool, name="w")
+    assert info.value.errno == errno.ELOOP and info.value.filename == str(link)
+    with pytest.raises(CheckpointFormatError, match="a directory"):
+        read_range(tmp_path, written, RAW, 0, len(data), pool, name="w")
+    assert read_range(real, written, RAW, 0, len(data), pool)[0] == data
+
+
+def test_checksum_error_does_not_reveal_the_bytes_read(tmp_path, thread_pool_factory) -> None:
+    """A record pointing into another file must not learn that file's hash from the error."""
+    pool = thread_pool_factory(1)
+    secret = tmp_path / "secret"
+    secret.write_bytes(b"password=hunter2\n" * 4)
+    dst = np.empty(8, np.uint8)
+    seg = (str(secret), 0, ("none", 1, 1, "none"), [(0, 8, 12345, 0, (0, 8))])
+    with pytest.raises(ChecksumError) as info:
+        _C.read_requests([("t.w", [seg], 0, 8, dst.ctypes.data)], pool)
+    msg = str(info.value)
+    assert "checksum mismatch" in msg and str(secret) in msg and "t.w" in msg
+    assert "offset 0" in msg
+    computed = _C.xxh64(b"password")
+    assert f"{computed:016x}" not in msg and str(computed) not in msg
+    assert "computed" not in msg
+
+
+def test_verify_segments_decodes_each_chunk_once_in_bounded_memory(tmp_path) -> None:
+    """A legitimately large chunk (256 MiB of zeros, the limit) is checked through a small
+    window: memory does not grow with its raw size."""
+    n = _C.MAX_CHUNK_BYTES
+    frame = _zeros_frame(n)
+    path = tmp_path / "z"
+    path.write_bytes(frame)
+    rec = (0, n, _C.xxh64(frame), 0, (1, len(frame)))
+    code = textwrap.dedent(
+        f"""
+        seg = ({str(path)!r}, 0, ("zstd", 1, 1, "none"), [{rec!r}])
+        print("STATS", _C.verify_segments("z.w", [seg], _C.ThreadPool(2)))
+        """
+    )
+    growth, outcome = _peak_growth(code)
+    assert outcome == "OK", outcome
+    assert growth < 64, f"peak RSS grew by {growth:.0f} MiB"
+    # And a corrupt frame is still found.
+    bad = bytearray(frame)
+    bad[len(bad) // 2] ^= 0xFF
+    path.write_bytes(bytes(bad))
+    rec_bad = (0, n, _C.xxh64(bytes(bad)), 0, (1, len(bad)))
+    pool = _C.ThreadPool(1)
+    with pytest.raises((CheckpointFormatError, pyckpt_errors.CompressionError)):
+        _C.verify_segments("z.w", [(str(path), 0, ("zstd", 1, 1, "none"), [rec_bad])], pool)
+
+
+def test_cli_verify_memory_does_not_grow_with_chunk_size(tmp_path) -> None:
+    """`pyckpt verify` used to decode a large chunk once per 64 MiB window (quadratic time) into
+    scratch as large as the chunk; each chunk is now decoded once through a small window."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    import pyckpt
+
+    n = 256 << 20  # the chunk-size limit (_C.MAX_CHUNK_BYTES)
+    dcp.save({"z": torch.zeros(n, dtype=torch.uint8)}, no_dist=True,
+             storage_writer=pyckpt.Writer(tmp_path, compression="zstd", chunk_bytes=n))
+    code = textwrap.dedent(
+        f"""
+        from pyckpt import tools
+        report = tools.verify({str(tmp_path)!r}, threads=2)
+        assert report.ok and report.chunks_checked == 1, report
+        """
+    )
+    growth, outcome = _peak_growth(code)
+    assert outcome == "OK", outcome
+    assert growth < 64, f"peak RSS grew by {growth:.0f} MiB"

@@ -62,9 +62,8 @@ void bind_codec(py::module_& m) {
           py::gil_scoped_release nogil;
           rec = encode_chunk(src.data(), src.size(), p, out.get());
         }
-        return py::make_tuple(
-            py::bytes(reinterpret_cast<const char*>(out.get()), rec.stored_len),
-            record_to_py(rec));
+        return py::make_tuple(py::bytes(reinterpret_cast<const char*>(out.get()), rec.stored_len),
+                              record_to_py(rec));
       },
       py::arg("data"), py::arg("params"),
       R"pbdoc(Encode one chunk; returns (stored_bytes, chunk_record).)pbdoc");
@@ -104,12 +103,14 @@ void bind_codec(py::module_& m) {
         BufferRef src(data, false);
         BufferRef dst(out, true);
         if (src.size() % E != 0 || dst.size() != src.size()) {
-          throw py::value_error("group_bytes: len(data) must be a multiple of elem_size and "
-                                "equal len(out)");
+          throw py::value_error(
+              "group_bytes: len(data) must be a multiple of elem_size and "
+              "equal len(out)");
         }
         const std::size_t n = src.size() / E;
         std::uint8_t* planes[8];
-        for (std::uint32_t p = 0; p < E; ++p) planes[p] = static_cast<std::uint8_t*>(dst.data()) + p * n;
+        for (std::uint32_t p = 0; p < E; ++p)
+          planes[p] = static_cast<std::uint8_t*>(dst.data()) + p * n;
         py::gil_scoped_release nogil;
         group_bytes(src.data(), n, E, rotl1, planes);
       },
@@ -123,8 +124,9 @@ void bind_codec(py::module_& m) {
         BufferRef src(planes_buf, false);
         BufferRef dst(out, true);
         if (src.size() % E != 0 || dst.size() != src.size()) {
-          throw py::value_error("ungroup_bytes: len(planes) must be a multiple of elem_size and "
-                                "equal len(out)");
+          throw py::value_error(
+              "ungroup_bytes: len(planes) must be a multiple of elem_size and "
+              "equal len(out)");
         }
         const std::size_t n = src.size() / E;
         const std::uint8_t* planes[8];

@@ -91,11 +91,12 @@ void bind_cuda(py::module_& m) {
                                                     "A leased 4 KiB-aligned pool block.")
       .def_buffer([](HostBlock& b) { return block_buffer(b.data, b.size, b.released()); })
       .def_property_readonly("nbytes", [](const HostBlock& b) { return b.size; })
-      .def_property_readonly("address",
-                             [](const HostBlock& b) { return reinterpret_cast<std::uintptr_t>(b.data); })
+      .def_property_readonly(
+          "address", [](const HostBlock& b) { return reinterpret_cast<std::uintptr_t>(b.data); })
       .def_property_readonly("released", &HostBlock::released)
-      .def("release", [](HostBlock& b) { b.lease.reset(); },
-           R"pbdoc(Returns the block to its pool (views made earlier must no longer be used).)pbdoc")
+      .def(
+          "release", [](HostBlock& b) { b.lease.reset(); },
+          R"pbdoc(Returns the block to its pool (views made earlier must no longer be used).)pbdoc")
       .def("__enter__", [](std::shared_ptr<HostBlock> b) { return b; })
       .def("__exit__", [](HostBlock& b, py::args) { b.lease.reset(); });
 
@@ -103,7 +104,8 @@ void bind_cuda(py::module_& m) {
       m, "PinnedPool", "Bounded pool of 4 KiB-aligned host blocks, page-locked through a runtime.")
       .def(py::init(&make_pinned_pool), py::arg("runtime"), py::arg("block_bytes"),
            py::arg("max_blocks"))
-      .def_property_readonly("block_bytes", [](const PinnedPool& p) { return p.pool->block_bytes(); })
+      .def_property_readonly("block_bytes",
+                             [](const PinnedPool& p) { return p.pool->block_bytes(); })
       .def(
           "acquire",
           [](const PinnedPool& p) {
@@ -136,30 +138,36 @@ void bind_cuda(py::module_& m) {
       .def_buffer([](PyStagedBlock& b) {
         return block_buffer(b.data, b.capacity, !static_cast<bool>(b.block));
       })
-      .def("wait", [](PyStagedBlock& b) {
-             py::gil_scoped_release nogil;
-             b.block.wait();
-           },
-           R"pbdoc(Blocks (GIL released) until the block's copies completed; raises CudaError.)pbdoc")
+      .def(
+          "wait",
+          [](PyStagedBlock& b) {
+            py::gil_scoped_release nogil;
+            b.block.wait();
+          },
+          R"pbdoc(Blocks (GIL released) until the block's copies completed; raises CudaError.)pbdoc")
       .def("ready", [](const PyStagedBlock& b) { return b.block.ready(); })
-      .def_property_readonly("pieces",
-                             [](const PyStagedBlock& b) {
-                               std::vector<std::tuple<std::size_t, std::size_t, std::size_t, std::size_t>> out;
-                               for (const StagePiece& p : b.block.pieces())
-                                 out.emplace_back(p.item, p.item_offset, p.block_offset, p.nbytes);
-                               return out;
-                             })
+      .def_property_readonly(
+          "pieces",
+          [](const PyStagedBlock& b) {
+            std::vector<std::tuple<std::size_t, std::size_t, std::size_t, std::size_t>> out;
+            for (const StagePiece& p : b.block.pieces())
+              out.emplace_back(p.item, p.item_offset, p.block_offset, p.nbytes);
+            return out;
+          })
       .def_property_readonly("used", [](const PyStagedBlock& b) { return b.block.used(); })
       .def_property_readonly("capacity", [](const PyStagedBlock& b) { return b.capacity; })
-      .def_property_readonly("address",
-                             [](const PyStagedBlock& b) { return reinterpret_cast<std::uintptr_t>(b.data); })
+      .def_property_readonly(
+          "address",
+          [](const PyStagedBlock& b) { return reinterpret_cast<std::uintptr_t>(b.data); })
       .def_property_readonly("released",
                              [](const PyStagedBlock& b) { return !static_cast<bool>(b.block); })
-      .def("release", [](PyStagedBlock& b) {
-             py::gil_scoped_release nogil;
-             b.block.reset();
-           },
-           R"pbdoc(Returns the block to the pool (waiting for copies still running into it).)pbdoc");
+      .def(
+          "release",
+          [](PyStagedBlock& b) {
+            py::gil_scoped_release nogil;
+            b.block.reset();
+          },
+          R"pbdoc(Returns the block to the pool (waiting for copies still running into it).)pbdoc");
 
   py::class_<D2HStream, std::shared_ptr<D2HStream>>(m, "D2HStream",
                                                     "Items being staged to host, block by block.")

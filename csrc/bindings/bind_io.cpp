@@ -1,5 +1,6 @@
-// FileWriter, the encode+write pipeline and the parallel reader. Arguments are converted to core
-// structs with the GIL held; the GIL is released for the I/O, compression and waiting.
+// FileWriter, the encode+write pipeline, the parallel reader and the verifier. Arguments are
+// converted to core structs with the GIL held; the GIL is released for the I/O, compression and
+// waiting.
 #include <pybind11/stl.h>
 
 #include <memory>
@@ -7,8 +8,11 @@
 
 #include "bindings/bindings.hpp"
 #include "bindings/core_convert.hpp"
+#include "core/chunk_io.hpp"
+#include "core/chunk_reader.hpp"
+#include "core/encode_pipeline.hpp"
 #include "core/error.hpp"
-#include "core/file_io.hpp"
+#include "core/posix_storage.hpp"
 
 namespace pyckpt::bindings {
 
@@ -87,8 +91,9 @@ std::vector<ReadRequest> requests_from_py(py::handle requests) {
 }  // namespace
 
 void bind_io(py::module_& m) {
-  py::class_<FileWriter>(m, "FileWriter",
-                         R"pbdoc(Writes a data file via a sibling temp file, renamed into place on commit(). One thread at a time.)pbdoc")
+  py::class_<FileWriter>(
+      m, "FileWriter",
+      R"pbdoc(Writes a data file via a sibling temp file, renamed into place on commit(). One thread at a time.)pbdoc")
       .def(py::init([](py::handle path, const std::string& direct, bool fsync,
                        std::size_t staging_block_bytes, std::size_t staging_blocks,
                        std::optional<std::shared_ptr<BufferPool>> staging,
@@ -111,7 +116,8 @@ void bind_io(py::module_& m) {
             py::gil_scoped_release nogil;
             return self.append(b.data(), b.size());
           },
-          py::arg("data"), R"pbdoc(Append bytes (copied before returning); returns their file offset.)pbdoc")
+          py::arg("data"),
+          R"pbdoc(Append bytes (copied before returning); returns their file offset.)pbdoc")
       .def(
           "write_items",
           [](FileWriter& self, py::handle items, std::size_t chunk_bytes, ThreadPool& pool,
@@ -137,10 +143,13 @@ void bind_io(py::module_& m) {
       .def("abort", &FileWriter::abort, py::call_guard<py::gil_scoped_release>(),
            R"pbdoc(Discard the temp file (idempotent; no-op after commit).)pbdoc")
       .def_property_readonly("size", &FileWriter::size, R"pbdoc(Bytes appended so far.)pbdoc")
-      .def_property_readonly("direct", &FileWriter::direct, R"pbdoc(True while O_DIRECT is in effect.)pbdoc")
+      .def_property_readonly("direct", &FileWriter::direct,
+                             R"pbdoc(True while O_DIRECT is in effect.)pbdoc")
       .def_property_readonly("path", &FileWriter::path, R"pbdoc(The final path.)pbdoc")
-      .def_property_readonly("temp_path", &FileWriter::temp_path, R"pbdoc(The temp file's path.)pbdoc")
-      .def_property_readonly("committed", &FileWriter::committed, R"pbdoc(True after commit().)pbdoc")
+      .def_property_readonly("temp_path", &FileWriter::temp_path,
+                             R"pbdoc(The temp file's path.)pbdoc")
+      .def_property_readonly("committed", &FileWriter::committed,
+                             R"pbdoc(True after commit().)pbdoc")
       .def("__enter__", [](py::object self) { return self; })
       .def(
           "__exit__",
@@ -164,6 +173,27 @@ void bind_io(py::module_& m) {
       },
       py::arg("requests"), py::arg("pool"),
       R"pbdoc(Read, verify and decode the chunks overlapping each request's [lo, hi) into dst_ptr; returns (bytes_read, chunks_decoded). SAFETY: each dst_ptr must point to hi - lo writable bytes kept alive until this returns.)pbdoc");
+
+  m.def(
+      "verify_segments",
+      [](const std::string& name, py::handle segments, ThreadPool& pool) {
+        std::vector<ReadSegment> segs;
+        try {
+          segs = segments_from_py(segments);
+        } catch (const FormatError&) {
+          rethrow_with_context(std::current_exception(), "tensor '" + name + "'");
+        }
+        ReadStats st;
+        {
+          py::gil_scoped_release nogil;
+          st = verify_segments(name, segs, pool);
+        }
+        return py::make_tuple(st.bytes_read, st.chunks_decoded);
+      },
+      py::arg("name"), py::arg("segments"), py::arg("pool"),
+      R"pbdoc(Read and fully check every chunk of an item's segments (sizes, checksums, zstd frames), decoding each once with bounded memory; returns (bytes_read, chunks_checked).)pbdoc");
+
+  m.attr("MAX_CHUNK_BYTES") = kMaxChunkBytes;
 }
 
 }  // namespace pyckpt::bindings

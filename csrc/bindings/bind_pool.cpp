@@ -8,7 +8,8 @@
 namespace pyckpt::bindings {
 
 void bind_pool(py::module_& m) {
-  py::class_<ThreadPool>(m, "ThreadPool", R"pbdoc(Fixed pool of native worker threads (started lazily).)pbdoc")
+  py::class_<ThreadPool>(m, "ThreadPool",
+                         R"pbdoc(Fixed pool of native worker threads (started lazily).)pbdoc")
       .def(py::init<std::size_t>(), py::arg("num_threads"))
       .def_property_readonly("size", &ThreadPool::size, R"pbdoc(Number of worker threads.)pbdoc")
       .def("shutdown", &ThreadPool::shutdown, py::call_guard<py::gil_scoped_release>(),
@@ -24,7 +25,8 @@ void bind_pool(py::module_& m) {
           R"pbdoc(Shut the pool down.)pbdoc");
 
   py::class_<BufferPool, std::shared_ptr<BufferPool>>(
-      m, "BufferPool", R"pbdoc(Bounded pool of 4 KiB-aligned host blocks, reused across calls.)pbdoc")
+      m, "BufferPool",
+      R"pbdoc(Bounded pool of 4 KiB-aligned host blocks, reused across calls.)pbdoc")
       .def(py::init([](std::size_t block_bytes, std::size_t max_blocks) {
              return BufferPool::create(block_bytes, max_blocks);
            }),
@@ -32,8 +34,7 @@ void bind_pool(py::module_& m) {
       .def_property_readonly("block_bytes", &BufferPool::block_bytes,
                              R"pbdoc(Block size in bytes (a multiple of 4096).)pbdoc")
       .def(
-          "stats",
-          [](const BufferPool& self) { return pool_stats(self); },
+          "stats", [](const BufferPool& self) { return pool_stats(self); },
           R"pbdoc(Counters as a dict with the PoolStats field names.)pbdoc");
 }
 

@@ -2,6 +2,7 @@
 #include <pybind11/stl.h>
 
 #include <atomic>
+#include <map>
 #include <stdexcept>
 
 #include "bindings/bindings.hpp"
@@ -21,11 +22,16 @@ struct StitchProgress {
 py::dict header_to_py(const StHeader& h) {
   py::dict meta;
   for (const auto& [k, v] : h.metadata) meta[py::str(k)] = py::str(v);
-  py::list tensors;
-  for (const auto& t : h.tensors) {
+  // One str object per dtype, shared by every tensor of that dtype (headers hold up to 2^20).
+  std::map<StDtype, py::str> dtype_names;
+  py::list tensors(h.tensors.size());
+  for (std::size_t k = 0; k < h.tensors.size(); ++k) {
+    const StTensorInfo& t = h.tensors[k];
     py::tuple shape(t.shape.size());
     for (std::size_t i = 0; i < t.shape.size(); ++i) shape[i] = py::int_(t.shape[i]);
-    tensors.append(py::make_tuple(py::str(t.name), st_dtype_name(t.dtype), shape, t.begin, t.end));
+    auto dn = dtype_names.find(t.dtype);
+    if (dn == dtype_names.end()) dn = dtype_names.emplace(t.dtype, st_dtype_name(t.dtype)).first;
+    tensors[k] = py::make_tuple(py::str(t.name), dn->second, shape, t.begin, t.end);
   }
   py::dict out;
   out["header_len"] = h.header_len;
@@ -87,6 +93,8 @@ StitchItem item_from_py(py::handle obj) {
 
 void bind_safetensors(py::module_& m) {
   m.attr("MAX_SAFETENSORS_HEADER") = kMaxSafetensorsHeader;
+  m.attr("MAX_SAFETENSORS_TENSORS") = kMaxSafetensorsTensors;
+  m.attr("MAX_SAFETENSORS_RANK") = kMaxSafetensorsRank;
 
   m.def(
       "safetensors_dtype_bits",
@@ -133,8 +141,7 @@ void bind_safetensors(py::module_& m) {
         StEmitted e = emit_safetensors_header(std::move(specs), metadata);
         py::list layout;
         for (std::size_t i = 0; i < e.tensors.size(); ++i) {
-          const std::uint64_t end =
-              i + 1 < e.begins.size() ? e.begins[i + 1] : e.data_bytes;
+          const std::uint64_t end = i + 1 < e.begins.size() ? e.begins[i + 1] : e.data_bytes;
           layout.append(py::make_tuple(py::str(e.tensors[i].name), e.begins[i], end));
         }
         return py::make_tuple(py::bytes(e.bytes), layout, e.data_bytes);

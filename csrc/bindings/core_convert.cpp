@@ -106,8 +106,8 @@ py::tuple record_to_py(const ChunkRecord& rec) {
     planes[2 * i] = py::int_(static_cast<int>(rec.planes[i].mode));
     planes[2 * i + 1] = py::int_(rec.planes[i].stored_len);
   }
-  return py::make_tuple(rec.file_offset, rec.raw_len, rec.checksum,
-                        static_cast<int>(rec.transform), planes);
+  return py::make_tuple(rec.file_offset, rec.raw_len, rec.checksum, static_cast<int>(rec.transform),
+                        planes);
 }
 
 DirectMode direct_mode_from_py(const std::string& s) {

@@ -6,7 +6,7 @@
 
 #include "bindings/bindings.hpp"
 #include "core/codec.hpp"
-#include "core/file_io.hpp"
+#include "core/posix_storage.hpp"
 
 namespace pyckpt::bindings {
 

@@ -61,7 +61,8 @@ PYBIND11_MODULE(_C, m) {
       raise_os_error(e);
     } catch (const pyckpt::FormatError& e) {
       auto& x = py_errors();
-      const auto& cls = e.kind() == pyckpt::FormatKind::Checksum ? x.checksum_error : x.format_error;
+      const auto& cls =
+          e.kind() == pyckpt::FormatKind::Checksum ? x.checksum_error : x.format_error;
       PyErr_SetString(cls.ptr(), e.what());
     } catch (const pyckpt::CompressionError& e) {
       PyErr_SetString(py_errors().compression_error.ptr(), e.what());

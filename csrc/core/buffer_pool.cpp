@@ -96,8 +96,8 @@ void BufferPool::release(std::byte* data) noexcept {
 
 PoolStats BufferPool::stats() const {
   std::lock_guard<std::mutex> lock(_mu);
-  return PoolStats{_block_bytes, _max_blocks, _all.size(), _in_use, _peak, _acquires,
-                   _allocator->pinned()};
+  return PoolStats{_block_bytes, _max_blocks, _all.size(),         _in_use,
+                   _peak,        _acquires,   _allocator->pinned()};
 }
 
 }  // namespace pyckpt

@@ -84,13 +84,13 @@ class Lease {
 
 /** @brief Counters describing a pool. */
 struct PoolStats {
-  std::size_t block_bytes;   ///< size of each block
-  std::size_t max_blocks;    ///< bound on allocated blocks
-  std::size_t allocated;     ///< blocks allocated so far (never shrinks until destruction)
-  std::size_t in_use;        ///< blocks currently leased
-  std::size_t peak_in_use;   ///< highest in_use seen
-  std::size_t acquires;      ///< number of successful acquisitions
-  bool pinned;               ///< allocator reports page-locked memory
+  std::size_t block_bytes;  ///< size of each block
+  std::size_t max_blocks;   ///< bound on allocated blocks
+  std::size_t allocated;    ///< blocks allocated so far (never shrinks until destruction)
+  std::size_t in_use;       ///< blocks currently leased
+  std::size_t peak_in_use;  ///< highest in_use seen
+  std::size_t acquires;     ///< number of successful acquisitions
+  bool pinned;              ///< allocator reports page-locked memory
 };
 
 /**

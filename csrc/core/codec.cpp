@@ -46,7 +46,7 @@ struct ZstdFree {
 
 struct WorkerState {
   std::unique_ptr<ZSTD_CCtx, ZstdFree> cctx;        // plain zstd at the requested level
-  int cctx_level = INT_MIN;                          // level cctx is configured for
+  int cctx_level = INT_MIN;                         // level cctx is configured for
   std::unique_ptr<ZSTD_CCtx, ZstdFree> plane_cctx;  // entropy-oriented profile, see below
   std::unique_ptr<ZSTD_DCtx, ZstdFree> dctx;
   detail::Scratch planes;  // encode: grouped planes; decode: decompressed planes
@@ -383,14 +383,11 @@ double entropy_bits(const std::uint32_t* hist, std::size_t n) {
 }
 
 // Fills raw[p] = true for the planes the pre-check says to copy without compressing.
-void precheck(const std::uint8_t* src, std::size_t n_elems, std::uint32_t E, bool rotl,
-              bool* raw) {
+void precheck(const std::uint8_t* src, std::size_t n_elems, std::uint32_t E, bool rotl, bool* raw) {
   std::uint32_t hist[8][256] = {};
   std::size_t sampled = 0;
   switch (E) {
-    case 1:
-      sample_histograms<std::uint8_t, false>(src, n_elems, hist, sampled);
-      break;
+    case 1: sample_histograms<std::uint8_t, false>(src, n_elems, hist, sampled); break;
     case 2:
       rotl ? sample_histograms<std::uint16_t, true>(src, n_elems, hist, sampled)
            : sample_histograms<std::uint16_t, false>(src, n_elems, hist, sampled);
@@ -443,13 +440,6 @@ PlaneRecord store_plane(const std::uint8_t* src, std::size_t n, bool force_raw, 
   return PlaneRecord{PlaneMode::Raw, n};
 }
 
-std::string hex64(std::uint64_t v) {
-  static const char digits[] = "0123456789abcdef";
-  std::string s = "0x0000000000000000";
-  for (int i = 0; i < 16; ++i) s[17 - i] = digits[(v >> (4 * i)) & 0xF];
-  return s;
-}
-
 bool grouping_applies(const CodecParams& params, std::size_t raw_len) {
   return params.codec == Codec::Zstd && params.transform != Transform::None &&
          params.elem_size > 1 && raw_len % params.elem_size == 0;
@@ -485,14 +475,9 @@ void group_bytes(const void* src, std::size_t n_elems, std::uint32_t elem_size, 
       rotl1_ ? group2<true>(s, n_elems, planes[0], planes[1])
              : group2<false>(s, n_elems, planes[0], planes[1]);
       return;
-    case 4:
-      rotl1_ ? group4<true>(s, n_elems, planes) : group4<false>(s, n_elems, planes);
-      return;
-    case 8:
-      rotl1_ ? group8<true>(s, n_elems, planes) : group8<false>(s, n_elems, planes);
-      return;
-    default:
-      throw std::invalid_argument(detail::concat("group_bytes: bad elem_size ", elem_size));
+    case 4: rotl1_ ? group4<true>(s, n_elems, planes) : group4<false>(s, n_elems, planes); return;
+    case 8: rotl1_ ? group8<true>(s, n_elems, planes) : group8<false>(s, n_elems, planes); return;
+    default: throw std::invalid_argument(detail::concat("group_bytes: bad elem_size ", elem_size));
   }
 }
 
@@ -575,54 +560,108 @@ ChunkRecord encode_chunk(const void* src, std::size_t raw_len, const CodecParams
 
 namespace {
 
+// The frame of one zstd plane must declare exactly the plane's size and be exactly the plane's
+// stored bytes: checked from the frame header before any output is produced, so a frame that
+// would expand beyond what the record promises (a decompression bomb) is never decoded.
+void check_frame(const std::uint8_t* src, std::size_t len, std::size_t expected, std::uint32_t p) {
+  const unsigned long long declared = ZSTD_getFrameContentSize(src, len);
+  // Both are undecodable frames as far as the format goes (pyckpt frames always carry their
+  // content size), reported like any other zstd failure.
+  if (declared == ZSTD_CONTENTSIZE_ERROR) {
+    throw CompressionError(detail::concat("zstd plane ", p, " is not a valid zstd frame"));
+  }
+  if (declared == ZSTD_CONTENTSIZE_UNKNOWN) {
+    throw CompressionError(
+        detail::concat("zstd plane ", p, " is a zstd frame without its content size"));
+  }
+  PYCKPT_EXPECT_FORMAT(declared == expected, FormatKind::Header, "zstd plane ", p, " declares ",
+                       declared, " decoded bytes, the chunk record says ", expected);
+  const std::size_t frame = ZSTD_findFrameCompressedSize(src, len);
+  zstd_check(frame, "frame parsing");
+  PYCKPT_EXPECT_FORMAT(frame == len, FormatKind::Header, "zstd plane ", p, " holds ", len,
+                       " stored bytes but its frame is ", frame, " bytes");
+}
+
 void decompress_plane(const std::uint8_t* src, std::size_t len, std::uint8_t* dst,
-                      std::size_t expected) {
+                      std::size_t expected, std::uint32_t p) {
+  check_frame(src, len, expected, p);
   const std::size_t r = ZSTD_decompressDCtx(dctx(), dst, expected, src, len);
   zstd_check(r, "decompression");
-  PYCKPT_EXPECT_FORMAT(r == expected, FormatKind::Header, "zstd plane decoded to ", r,
+  PYCKPT_EXPECT_FORMAT(r == expected, FormatKind::Header, "zstd plane ", p, " decoded to ", r,
                        " bytes, the chunk record says ", expected);
+}
+
+// Decodes one frame through a small window, discarding the output: proves the plane decodes to
+// exactly `expected` bytes with O(window) memory, whatever the plane's size.
+void check_plane_decodes(const std::uint8_t* src, std::size_t len, std::size_t expected,
+                         std::uint32_t p) {
+  check_frame(src, len, expected, p);
+  ZSTD_DCtx* d = dctx();
+  zstd_check(ZSTD_DCtx_reset(d, ZSTD_reset_session_only), "reset");
+  constexpr std::size_t kWindow = 128u << 10;
+  thread_local std::unique_ptr<std::uint8_t[]> window(new std::uint8_t[kWindow]);
+  ZSTD_inBuffer in{src, len, 0};
+  std::uint64_t produced = 0;
+  for (;;) {
+    ZSTD_outBuffer out{window.get(), kWindow, 0};
+    const std::size_t r = ZSTD_decompressStream(d, &out, &in);
+    if (ZSTD_isError(r)) {
+      ZSTD_DCtx_reset(d, ZSTD_reset_session_only);
+      zstd_check(r, "decompression");
+    }
+    produced += out.pos;
+    PYCKPT_EXPECT_FORMAT(produced <= expected, FormatKind::Header, "zstd plane ", p,
+                         " decodes to more than the ", expected, " bytes of the chunk record");
+    if (r == 0) break;  // frame complete
+    if (in.pos == in.size && out.pos < out.size) {
+      ZSTD_DCtx_reset(d, ZSTD_reset_session_only);
+      throw CompressionError(detail::concat("zstd plane ", p, " ends in the middle of its frame"));
+    }
+  }
+  PYCKPT_EXPECT_FORMAT(produced == expected, FormatKind::Header, "zstd plane ", p, " decoded to ",
+                       produced, " bytes, the chunk record says ", expected);
 }
 
 }  // namespace
 
-void verify_chunk_checksum(const void* stored, const ChunkRecord& rec) {
-  const std::uint64_t h = xxh64(stored, rec.stored_len);
-  PYCKPT_EXPECT_FORMAT(h == rec.checksum, FormatKind::Checksum, "checksum mismatch: recorded ",
-                       hex64(rec.checksum), ", computed ", hex64(h), " over ", rec.stored_len,
-                       " stored bytes");
+bool is_plain_chunk(const ChunkRecord& rec) noexcept {
+  return rec.transform == Transform::None && rec.planes.size() == 1 &&
+         rec.planes[0].mode == PlaneMode::Raw && rec.stored_len == rec.raw_len;
 }
 
-void decode_chunk(const void* stored, const ChunkRecord& rec, const CodecParams& params,
-                  void* dst) {
-  const auto* in = static_cast<const std::uint8_t*>(stored);
-  auto* out = static_cast<std::uint8_t*>(dst);
-
-  // Checksum first: decoding corrupted zstd input would report a misleading zstd error.
-  verify_chunk_checksum(in, rec);
-
+void validate_record(const ChunkRecord& rec, const CodecParams& params) {
+  const auto transform = static_cast<unsigned>(rec.transform);
+  PYCKPT_EXPECT_FORMAT(transform <= 2, FormatKind::Header, "unknown transform code ", transform);
+  PYCKPT_EXPECT_FORMAT(!rec.planes.empty() && rec.planes.size() <= 8, FormatKind::Header,
+                       "a chunk has 1 to 8 planes, the record has ", rec.planes.size());
   std::uint64_t sum = 0;
-  for (const PlaneRecord& pl : rec.planes) sum += pl.stored_len;
+  for (std::size_t p = 0; p < rec.planes.size(); ++p) {
+    const PlaneRecord& pl = rec.planes[p];
+    const auto mode = static_cast<unsigned>(pl.mode);
+    PYCKPT_EXPECT_FORMAT(mode <= 1, FormatKind::Header, "plane ", p, " has unknown mode code ",
+                         mode);
+    PYCKPT_EXPECT_FORMAT(pl.stored_len <= UINT64_MAX - sum, FormatKind::Header,
+                         "plane lengths of the chunk record overflow");
+    sum += pl.stored_len;
+  }
   PYCKPT_EXPECT_FORMAT(sum == rec.stored_len, FormatKind::Header, "chunk record planes sum to ",
                        sum, " bytes but stored_len is ", rec.stored_len);
-
+  // The encoder keeps a plane compressed only when it is smaller than its raw bytes, so no valid
+  // chunk stores more than it decodes to; a record saying otherwise is corrupt.
+  PYCKPT_EXPECT_FORMAT(rec.stored_len <= rec.raw_len, FormatKind::Header, "chunk stores ",
+                       rec.stored_len, " bytes for ", rec.raw_len, " decoded bytes");
+  if (params.codec == Codec::None) {
+    PYCKPT_EXPECT_FORMAT(is_plain_chunk(rec), FormatKind::Header,
+                         "a chunk of codec 'none' must be one raw plane of its raw length");
+  }
   if (rec.transform == Transform::None) {
     PYCKPT_EXPECT_FORMAT(rec.planes.size() == 1, FormatKind::Header,
                          "untransformed chunk must have 1 plane, record has ", rec.planes.size());
-    const PlaneRecord& pl = rec.planes[0];
-    if (pl.mode == PlaneMode::Raw) {
-      PYCKPT_EXPECT_FORMAT(pl.stored_len == rec.raw_len, FormatKind::Header, "raw chunk stores ",
-                           pl.stored_len, " bytes for raw_len ", rec.raw_len);
-      if (rec.raw_len) std::memcpy(out, in, rec.raw_len);
-    } else {
-      decompress_plane(in, pl.stored_len, out, rec.raw_len);
-    }
+    PYCKPT_EXPECT_FORMAT(rec.planes[0].mode != PlaneMode::Raw || rec.stored_len == rec.raw_len,
+                         FormatKind::Header, "raw chunk stores ", rec.stored_len,
+                         " bytes for raw_len ", rec.raw_len);
     return;
   }
-
-  PYCKPT_EXPECT_FORMAT(rec.transform == Transform::ByteGroup ||
-                           rec.transform == Transform::ByteGroupRotl1,
-                       FormatKind::Header, "unknown transform id ",
-                       static_cast<int>(rec.transform));
   const std::uint32_t E = params.elem_size;
   PYCKPT_EXPECT_FORMAT(E == 2 || E == 4 || E == 8, FormatKind::Header,
                        "grouped chunk needs elem_size 2, 4 or 8, params say ", E);
@@ -630,8 +669,47 @@ void decode_chunk(const void* stored, const ChunkRecord& rec, const CodecParams&
                        rec.raw_len, " is not a multiple of elem_size ", E);
   PYCKPT_EXPECT_FORMAT(rec.planes.size() == E, FormatKind::Header, "grouped chunk needs ", E,
                        " planes, record has ", rec.planes.size());
-  const std::size_t n = rec.raw_len / E;
+  const std::uint64_t n = rec.raw_len / E;
+  for (std::uint32_t p = 0; p < E; ++p) {
+    const PlaneRecord& pl = rec.planes[p];
+    if (pl.mode == PlaneMode::Raw) {
+      PYCKPT_EXPECT_FORMAT(pl.stored_len == n, FormatKind::Header, "raw plane ", p, " stores ",
+                           pl.stored_len, " bytes, expected ", n);
+    } else {
+      PYCKPT_EXPECT_FORMAT(pl.stored_len <= n, FormatKind::Header, "zstd plane ", p, " stores ",
+                           pl.stored_len, " bytes for a ", n, "-byte plane");
+    }
+  }
+}
 
+void verify_chunk_checksum(const void* stored, const ChunkRecord& rec) {
+  // The message never shows the hash of the bytes read: for a data file replaced by another
+  // file, it would disclose that file's contents to whoever can make it be read.
+  PYCKPT_EXPECT_FORMAT(xxh64(stored, rec.stored_len) == rec.checksum, FormatKind::Checksum,
+                       "checksum mismatch over ", rec.stored_len, " stored bytes");
+}
+
+void decode_chunk(const void* stored, const ChunkRecord& rec, const CodecParams& params,
+                  void* dst) {
+  const auto* in = static_cast<const std::uint8_t*>(stored);
+  auto* out = static_cast<std::uint8_t*>(dst);
+
+  validate_record(rec, params);
+  // Checksum before decoding: decoding corrupted zstd input would report a misleading zstd error.
+  verify_chunk_checksum(in, rec);
+
+  if (rec.transform == Transform::None) {
+    const PlaneRecord& pl = rec.planes[0];
+    if (pl.mode == PlaneMode::Raw) {
+      if (rec.raw_len) std::memcpy(out, in, rec.raw_len);
+    } else {
+      decompress_plane(in, pl.stored_len, out, rec.raw_len, 0);
+    }
+    return;
+  }
+
+  const std::uint32_t E = params.elem_size;
+  const std::size_t n = rec.raw_len / E;
   // Raw planes are ungrouped straight from the stored bytes; only zstd planes need scratch.
   std::uint8_t* scratch = nullptr;
   const std::uint8_t* plane_ptr[8];
@@ -639,17 +717,33 @@ void decode_chunk(const void* stored, const ChunkRecord& rec, const CodecParams&
   for (std::uint32_t p = 0; p < E; ++p) {
     const PlaneRecord& pl = rec.planes[p];
     if (pl.mode == PlaneMode::Raw) {
-      PYCKPT_EXPECT_FORMAT(pl.stored_len == n, FormatKind::Header, "raw plane ", p, " stores ",
-                           pl.stored_len, " bytes, expected ", n);
       plane_ptr[p] = in + off;
     } else {
       if (scratch == nullptr) scratch = worker().planes.get(rec.raw_len);
-      decompress_plane(in + off, pl.stored_len, scratch + p * n, n);
+      decompress_plane(in + off, pl.stored_len, scratch + p * n, n, p);
       plane_ptr[p] = scratch + p * n;
     }
     off += pl.stored_len;
   }
   ungroup_bytes(plane_ptr, n, E, rec.transform == Transform::ByteGroupRotl1, out);
 }
+
+void verify_chunk(const void* stored, const ChunkRecord& rec, const CodecParams& params) {
+  const auto* in = static_cast<const std::uint8_t*>(stored);
+  validate_record(rec, params);
+  verify_chunk_checksum(in, rec);
+  // Ungrouping cannot fail once every plane has its exact size, so decoding each zstd plane once
+  // (output discarded) checks everything decode_chunk() would.
+  const std::size_t n =
+      rec.transform == Transform::None ? rec.raw_len : rec.raw_len / params.elem_size;
+  std::size_t off = 0;
+  for (std::uint32_t p = 0; p < rec.planes.size(); ++p) {
+    const PlaneRecord& pl = rec.planes[p];
+    if (pl.mode == PlaneMode::Zstd) check_plane_decodes(in + off, pl.stored_len, n, p);
+    off += pl.stored_len;
+  }
+}
+
+void trim_codec_scratch(std::size_t keep) noexcept { worker().planes.trim(keep); }
 
 }  // namespace pyckpt

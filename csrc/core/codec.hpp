@@ -46,10 +46,10 @@ enum class PlaneMode : std::uint8_t { Raw = 0, Zstd = 1 };
 /** @brief Encoding parameters for a run of chunks. */
 struct CodecParams {
   Codec codec = Codec::None;
-  int level = 1;                      ///< zstd level
-  std::uint32_t elem_size = 1;        ///< element size in bytes, for grouping
+  int level = 1;                ///< zstd level
+  std::uint32_t elem_size = 1;  ///< element size in bytes, for grouping
   Transform transform = Transform::None;
-  double raw_threshold = 0.97;        ///< store raw unless compressed < threshold * raw
+  double raw_threshold = 0.97;  ///< store raw unless compressed < threshold * raw
 };
 
 /** @brief One stored plane of a chunk. */
@@ -60,10 +60,10 @@ struct PlaneRecord {
 
 /** @brief Description of one encoded chunk (what the metadata records). */
 struct ChunkRecord {
-  std::uint64_t file_offset = 0;  ///< where the stored bytes start in the data file
-  std::uint64_t raw_len = 0;      ///< decoded length
-  std::uint64_t stored_len = 0;   ///< sum of plane stored lengths
-  std::uint64_t checksum = 0;     ///< XXH64 of the stored bytes
+  std::uint64_t file_offset = 0;          ///< where the stored bytes start in the data file
+  std::uint64_t raw_len = 0;              ///< decoded length
+  std::uint64_t stored_len = 0;           ///< sum of plane stored lengths
+  std::uint64_t checksum = 0;             ///< XXH64 of the stored bytes
   Transform transform = Transform::None;  ///< transform actually applied to this chunk
   std::vector<PlaneRecord> planes;
 };
@@ -99,8 +99,8 @@ void group_bytes(const void* src, std::size_t n_elems, std::uint32_t elem_size, 
  *        the rotation when `rotl1`.
  * @throws std::invalid_argument when elem_size is not 1, 2, 4 or 8.
  */
-void ungroup_bytes(const std::uint8_t* const* planes, std::size_t n_elems,
-                   std::uint32_t elem_size, bool rotl1, void* dst);
+void ungroup_bytes(const std::uint8_t* const* planes, std::size_t n_elems, std::uint32_t elem_size,
+                   bool rotl1, void* dst);
 
 /**
  * @brief Encodes one chunk into `dst`.
@@ -114,22 +114,58 @@ void ungroup_bytes(const std::uint8_t* const* planes, std::size_t n_elems,
 ChunkRecord encode_chunk(const void* src, std::size_t raw_len, const CodecParams& params,
                          void* dst);
 
+/** @return true when the chunk's stored bytes are its raw bytes (one raw plane, no transform). */
+bool is_plain_chunk(const ChunkRecord& rec) noexcept;
+
+/**
+ * @brief Checks a chunk record against the layout rules of the format, before any byte of the
+ *        chunk is read or any buffer is sized from it.
+ *
+ * Rejects: unknown transform or plane mode codes; 0 or more than 8 planes; plane lengths that
+ * overflow or do not sum to stored_len; stored_len > raw_len (the encoder never stores more than
+ * it decodes to); a codec 'none' chunk that is not one raw plane; an untransformed chunk without
+ * exactly 1 plane or whose raw plane is not raw_len bytes; a grouped chunk whose elem_size is not
+ * 2, 4 or 8, whose raw_len is not a multiple of it, that does not have elem_size planes, or
+ * whose raw planes are not raw_len / elem_size bytes (zstd planes at most that).
+ * @throws FormatError(Header) naming the violated rule.
+ */
+void validate_record(const ChunkRecord& rec, const CodecParams& params);
+
 /**
  * @brief Checks XXH64 of the chunk's rec.stored_len stored bytes against rec.checksum.
+ * @note The message never contains the hash computed over the bytes read (it would disclose the
+ *       contents of whatever file was read in place of the data file).
  * @throws FormatError(Checksum) whose message contains "checksum mismatch".
  */
 void verify_chunk_checksum(const void* stored, const ChunkRecord& rec);
 
 /**
- * @brief Verifies and decodes one chunk.
+ * @brief Validates, verifies and decodes one chunk.
+ *
+ * Each zstd plane's frame header must declare exactly the plane's decoded size and the frame
+ * must span exactly the plane's stored bytes; this is checked before decoding, and the decoder's
+ * output capacity is the plane size, so no input decodes to more than raw_len bytes.
  * @param stored the chunk's stored bytes (rec.stored_len of them).
  * @param rec its record.
  * @param params codec parameters of its piece (elem_size is needed for ungrouping).
  * @param dst output of rec.raw_len bytes.
- * @throws FormatError(Checksum) when the checksum does not match, FormatError(Header) on an
- *         inconsistent record, CompressionError when a zstd frame fails to decode.
+ * @throws FormatError(Header) for a record rejected by validate_record() or a frame whose size
+ *         disagrees with it, FormatError(Checksum) when the checksum does not match,
+ *         CompressionError when a zstd frame fails to decode.
  */
-void decode_chunk(const void* stored, const ChunkRecord& rec, const CodecParams& params,
-                  void* dst);
+void decode_chunk(const void* stored, const ChunkRecord& rec, const CodecParams& params, void* dst);
+
+/**
+ * @brief Checks everything decode_chunk() checks without producing the decoded bytes: each zstd
+ *        plane is decoded once through a fixed 128 KiB per-thread window, so memory does not
+ *        grow with the chunk's raw size.
+ * @throws as decode_chunk().
+ */
+void verify_chunk(const void* stored, const ChunkRecord& rec, const CodecParams& params);
+
+/**
+ * @brief Frees this thread's codec scratch (grouped planes) when it holds more than `keep` bytes.
+ */
+void trim_codec_scratch(std::size_t keep) noexcept;
 
 }  // namespace pyckpt

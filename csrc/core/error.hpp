@@ -48,13 +48,13 @@ class SysError : public std::system_error {
 
 /** @brief What kind of format violation a FormatError reports. */
 enum class FormatKind : std::uint8_t {
-  Truncated = 0,   ///< data ends before the recorded length
-  Checksum = 1,    ///< stored bytes do not match their checksum
-  Header = 2,      ///< malformed header or metadata
-  Version = 3,     ///< unknown format version
-  Overlap = 4,     ///< overlapping pieces
-  Coverage = 5,    ///< pieces leave a hole
-  Mismatch = 6,    ///< inconsistent dtype/shape between pieces
+  Truncated = 0,  ///< data ends before the recorded length
+  Checksum = 1,   ///< stored bytes do not match their checksum
+  Header = 2,     ///< malformed header or metadata
+  Version = 3,    ///< unknown format version
+  Overlap = 4,    ///< overlapping pieces
+  Coverage = 5,   ///< pieces leave a hole
+  Mismatch = 6,   ///< inconsistent dtype/shape between pieces
   Other = 7,
 };
 
@@ -114,23 +114,23 @@ std::string concat(Args&&... args) {
  * @brief Throws `exc_type(message)` when `cond` is false; the message is built only on failure.
  * Usage: PYCKPT_EXPECT(n > 0, std::invalid_argument, "n must be positive, got ", n);
  */
-#define PYCKPT_EXPECT(cond, exc_type, ...)                         \
-  do {                                                             \
+#define PYCKPT_EXPECT(cond, exc_type, ...)                              \
+  do {                                                                  \
     if (!(cond)) throw exc_type(::pyckpt::detail::concat(__VA_ARGS__)); \
   } while (0)
 
 /**
  * @brief Throws a FormatError of `kind` when `cond` is false.
  */
-#define PYCKPT_EXPECT_FORMAT(cond, kind, ...)                                            \
-  do {                                                                                   \
+#define PYCKPT_EXPECT_FORMAT(cond, kind, ...)                                              \
+  do {                                                                                     \
     if (!(cond)) throw ::pyckpt::FormatError(kind, ::pyckpt::detail::concat(__VA_ARGS__)); \
   } while (0)
 
 /**
  * @brief Evaluates a POSIX call returning -1 on failure and throws SysError(errno, op, path).
  */
-#define PYCKPT_SYSCALL_CHECK(expr, op, path)                                  \
-  do {                                                                        \
-    if ((expr) == -1) throw ::pyckpt::SysError(errno, (op), (path));          \
+#define PYCKPT_SYSCALL_CHECK(expr, op, path)                         \
+  do {                                                               \
+    if ((expr) == -1) throw ::pyckpt::SysError(errno, (op), (path)); \
   } while (0)

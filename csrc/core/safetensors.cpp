@@ -1,9 +1,5 @@
 #include "core/safetensors.hpp"
 
-#include <fcntl.h>
-#include <sys/stat.h>
-#include <unistd.h>
-
 #include <algorithm>
 #include <cstring>
 #include <limits>
@@ -11,6 +7,7 @@
 #include <unordered_set>
 
 #include "core/error.hpp"
+#include "core/posix_storage.hpp"
 
 namespace pyckpt {
 
@@ -24,35 +21,46 @@ struct DtypeEntry {
 
 // Sizes follow the reference implementation's Dtype::bitsize().
 constexpr DtypeEntry kDtypes[] = {
-    {StDtype::BOOL, "BOOL", 8},          {StDtype::F4, "F4", 4},
-    {StDtype::F6_E2M3, "F6_E2M3", 6},    {StDtype::F6_E3M2, "F6_E3M2", 6},
-    {StDtype::U8, "U8", 8},              {StDtype::I8, "I8", 8},
-    {StDtype::F8_E5M2, "F8_E5M2", 8},    {StDtype::F8_E4M3, "F8_E4M3", 8},
-    {StDtype::F8_E8M0, "F8_E8M0", 8},    {StDtype::F8_E4M3FNUZ, "F8_E4M3FNUZ", 8},
-    {StDtype::F8_E5M2FNUZ, "F8_E5M2FNUZ", 8}, {StDtype::I16, "I16", 16},
-    {StDtype::U16, "U16", 16},           {StDtype::F16, "F16", 16},
-    {StDtype::BF16, "BF16", 16},         {StDtype::I32, "I32", 32},
-    {StDtype::U32, "U32", 32},           {StDtype::F32, "F32", 32},
-    {StDtype::C64, "C64", 64},           {StDtype::F64, "F64", 64},
-    {StDtype::I64, "I64", 64},           {StDtype::U64, "U64", 64},
+    {StDtype::BOOL, "BOOL", 8},
+    {StDtype::F4, "F4", 4},
+    {StDtype::F6_E2M3, "F6_E2M3", 6},
+    {StDtype::F6_E3M2, "F6_E3M2", 6},
+    {StDtype::U8, "U8", 8},
+    {StDtype::I8, "I8", 8},
+    {StDtype::F8_E5M2, "F8_E5M2", 8},
+    {StDtype::F8_E4M3, "F8_E4M3", 8},
+    {StDtype::F8_E8M0, "F8_E8M0", 8},
+    {StDtype::F8_E4M3FNUZ, "F8_E4M3FNUZ", 8},
+    {StDtype::F8_E5M2FNUZ, "F8_E5M2FNUZ", 8},
+    {StDtype::I16, "I16", 16},
+    {StDtype::U16, "U16", 16},
+    {StDtype::F16, "F16", 16},
+    {StDtype::BF16, "BF16", 16},
+    {StDtype::I32, "I32", 32},
+    {StDtype::U32, "U32", 32},
+    {StDtype::F32, "F32", 32},
+    {StDtype::C64, "C64", 64},
+    {StDtype::F64, "F64", 64},
+    {StDtype::I64, "I64", 64},
+    {StDtype::U64, "U64", 64},
 };
 
 // ---------------------------------------------------------------------------------------------
-// A small JSON reader covering RFC 8259 (objects, arrays, strings with escapes, numbers, literals).
-// It exists so that the core has no third-party JSON dependency; it builds a tree because the
-// tensor entries may list their keys in any order. Depth is bounded so hostile input cannot
-// exhaust the stack, and every allocation is bounded by the (already capped) input length.
+// A small streaming JSON reader covering RFC 8259 (objects, arrays, strings with escapes, numbers,
+// literals). It exists so that the core has no third-party JSON dependency. It builds no tree:
+// objects and arrays are walked with callbacks and the header is decoded straight into compact
+// StTensorInfo entries, so memory is the header text plus the result (a tree of generic JSON
+// values cost several hundred bytes per tensor). Depth is bounded so hostile input cannot exhaust
+// the stack, and every allocation is bounded by the (already capped) input length.
 // ---------------------------------------------------------------------------------------------
 
+/** A scalar value; containers met where a scalar is read are skipped and only their kind kept. */
 struct JsonValue {
   enum class Kind : std::uint8_t { Null, Bool, Number, String, Array, Object };
   Kind kind = Kind::Null;
-  bool boolean = false;
-  bool is_uint = false;         // Number: a non-negative integer that fits in 64 bits
-  std::uint64_t uint_value = 0; // valid when is_uint
-  std::string str;              // String contents (decoded); Number text
-  std::vector<JsonValue> items;
-  std::vector<std::pair<std::string, JsonValue>> members;
+  bool is_uint = false;          // Number: a non-negative integer that fits in 64 bits
+  std::uint64_t uint_value = 0;  // valid when is_uint
+  std::string str;               // String contents (decoded); Number text
 };
 
 constexpr int kMaxDepth = 64;
@@ -61,22 +69,123 @@ class JsonReader {
  public:
   JsonReader(std::string_view text, const std::string& origin) : _s(text), _origin(origin) {}
 
-  JsonValue parse_document() {
+  /** @return the next non-space character (or '\0' at the end), without consuming it. */
+  char peek_value() {
     skip_ws();
-    PYCKPT_EXPECT_FORMAT(peek() == '{', FormatKind::Header, "safetensors header of '", _origin,
-                         "' does not start with '{'");
-    JsonValue v = parse_value(0);
+    return peek();
+  }
+
+  /**
+   * Walks an object: for each member, reads the key and calls on_member(key), which must consume
+   * the value (at depth + 1).
+   */
+  template <typename OnMember>
+  void parse_object(int depth, OnMember&& on_member) {
+    if (depth > kMaxDepth) fail("nesting too deep");
     skip_ws();
-    PYCKPT_EXPECT_FORMAT(_pos == _s.size(), FormatKind::Header, "safetensors header of '",
-                         _origin, "' has trailing bytes after the JSON object at offset ", _pos);
-    return v;
+    expect('{');
+    skip_ws();
+    if (peek() == '}') {
+      ++_pos;
+      return;
+    }
+    for (;;) {
+      skip_ws();
+      if (peek() != '"') fail("expected a string key");
+      std::string key = parse_string();
+      skip_ws();
+      expect(':');
+      skip_ws();
+      on_member(std::move(key));
+      skip_ws();
+      if (peek() == ',') {
+        ++_pos;
+        continue;
+      }
+      expect('}');
+      return;
+    }
+  }
+
+  /** Walks an array, calling on_item() for each element; it must consume the element. */
+  template <typename OnItem>
+  void parse_array(int depth, OnItem&& on_item) {
+    if (depth > kMaxDepth) fail("nesting too deep");
+    skip_ws();
+    expect('[');
+    skip_ws();
+    if (peek() == ']') {
+      ++_pos;
+      return;
+    }
+    for (;;) {
+      skip_ws();
+      on_item();
+      skip_ws();
+      if (peek() == ',') {
+        ++_pos;
+        continue;
+      }
+      expect(']');
+      return;
+    }
+  }
+
+  /** Reads any value; an object or array is validated and skipped (only its kind is kept). */
+  JsonValue parse_scalar(int depth) {
+    if (depth > kMaxDepth) fail("nesting too deep");
+    skip_ws();
+    if (at_end()) fail("unexpected end");
+    const char c = _s[_pos];
+    JsonValue v;
+    if (c == '{') {
+      parse_object(depth, [&](std::string) { (void)parse_scalar(depth + 1); });
+      v.kind = JsonValue::Kind::Object;
+      return v;
+    }
+    if (c == '[') {
+      parse_array(depth, [&] { (void)parse_scalar(depth + 1); });
+      v.kind = JsonValue::Kind::Array;
+      return v;
+    }
+    if (c == '"') {
+      v.kind = JsonValue::Kind::String;
+      v.str = parse_string();
+      return v;
+    }
+    if (c == '-' || (c >= '0' && c <= '9')) {
+      parse_number(v);
+      return v;
+    }
+    if (_s.compare(_pos, 4, "true") == 0) {
+      _pos += 4;
+      v.kind = JsonValue::Kind::Bool;
+      return v;
+    }
+    if (_s.compare(_pos, 5, "false") == 0) {
+      _pos += 5;
+      v.kind = JsonValue::Kind::Bool;
+      return v;
+    }
+    if (_s.compare(_pos, 4, "null") == 0) {
+      _pos += 4;
+      return v;
+    }
+    fail("unexpected character");
+  }
+
+  /** Requires that only whitespace follows the document. */
+  void finish() {
+    skip_ws();
+    PYCKPT_EXPECT_FORMAT(_pos == _s.size(), FormatKind::Header, "safetensors header of '", _origin,
+                         "' has trailing bytes after the JSON object at offset ", _pos);
   }
 
  private:
   [[noreturn]] void fail(const char* what) const {
     throw FormatError(FormatKind::Header,
-                      detail::concat("safetensors header of '", _origin, "' is not valid JSON: ",
-                                     what, " at offset ", _pos));
+                      detail::concat("safetensors header of '", _origin,
+                                     "' is not valid JSON: ", what, " at offset ", _pos));
   }
   char peek() const { return _pos < _s.size() ? _s[_pos] : '\0'; }
   bool at_end() const { return _pos >= _s.size(); }
@@ -93,83 +202,6 @@ class JsonReader {
   void expect(char c) {
     if (at_end() || _s[_pos] != c) fail("unexpected character");
     ++_pos;
-  }
-
-  JsonValue parse_value(int depth) {
-    if (depth > kMaxDepth) fail("nesting too deep");
-    skip_ws();
-    if (at_end()) fail("unexpected end");
-    const char c = _s[_pos];
-    JsonValue v;
-    if (c == '{') {
-      v.kind = JsonValue::Kind::Object;
-      ++_pos;
-      skip_ws();
-      if (peek() == '}') {
-        ++_pos;
-        return v;
-      }
-      for (;;) {
-        skip_ws();
-        if (peek() != '"') fail("expected a string key");
-        std::string key = parse_string();
-        skip_ws();
-        expect(':');
-        JsonValue member = parse_value(depth + 1);
-        v.members.emplace_back(std::move(key), std::move(member));
-        skip_ws();
-        if (peek() == ',') {
-          ++_pos;
-          continue;
-        }
-        expect('}');
-        return v;
-      }
-    }
-    if (c == '[') {
-      v.kind = JsonValue::Kind::Array;
-      ++_pos;
-      skip_ws();
-      if (peek() == ']') {
-        ++_pos;
-        return v;
-      }
-      for (;;) {
-        v.items.push_back(parse_value(depth + 1));
-        skip_ws();
-        if (peek() == ',') {
-          ++_pos;
-          continue;
-        }
-        expect(']');
-        return v;
-      }
-    }
-    if (c == '"') {
-      v.kind = JsonValue::Kind::String;
-      v.str = parse_string();
-      return v;
-    }
-    if (c == '-' || (c >= '0' && c <= '9')) {
-      parse_number(v);
-      return v;
-    }
-    if (_s.compare(_pos, 4, "true") == 0) {
-      _pos += 4;
-      v.kind = JsonValue::Kind::Bool;
-      v.boolean = true;
-      return v;
-    }
-    if (_s.compare(_pos, 5, "false") == 0) {
-      _pos += 5;
-      v.kind = JsonValue::Kind::Bool;
-      return v;
-    }
-    if (_s.compare(_pos, 4, "null") == 0) {
-      _pos += 4;
-      return v;
-    }
-    fail("unexpected character");
   }
 
   void parse_number(JsonValue& v) {
@@ -249,6 +281,7 @@ class JsonReader {
     return cp;
   }
 
+ public:
   std::string parse_string() {
     expect('"');
     std::string out;
@@ -286,12 +319,12 @@ class JsonReader {
           append_utf8(out, cp);
           break;
         }
-        default:
-          fail("unknown escape");
+        default: fail("unknown escape");
       }
     }
   }
 
+ private:
   std::string_view _s;
   const std::string& _origin;
   std::size_t _pos = 0;
@@ -358,64 +391,123 @@ bool tensor_bytes(const std::vector<std::uint64_t>& shape, unsigned bits, std::u
 std::uint64_t read_uint(const JsonValue& v, const std::string& origin, const std::string& tensor,
                         const char* field) {
   PYCKPT_EXPECT_FORMAT(v.kind == JsonValue::Kind::Number && v.is_uint, FormatKind::Header,
-                       "safetensors header of '", origin, "': tensor '", tensor, "' field '",
-                       field, "' must hold non-negative integers, got ",
+                       "safetensors header of '", origin, "': tensor '", tensor, "' field '", field,
+                       "' must hold non-negative integers, got ",
                        v.kind == JsonValue::Kind::Number ? v.str : std::string("a non-number"));
   return v.uint_value;
 }
 
-StTensorInfo read_tensor(const std::string& name, const JsonValue& entry,
-                         const std::string& origin) {
-  PYCKPT_EXPECT_FORMAT(entry.kind == JsonValue::Kind::Object, FormatKind::Header,
-                       "safetensors header of '", origin, "': entry '", name,
-                       "' is not an object");
+// Reads one tensor entry straight from the reader (positioned at its value). Problems found while
+// walking the entry are remembered and reported afterwards in a fixed order (missing fields,
+// dtype, shape, offsets, sizes), whatever the order of the keys.
+StTensorInfo read_tensor(JsonReader& r, std::string name, const std::string& origin) {
   StTensorInfo info;
-  info.name = name;
-  const JsonValue* dtype = nullptr;
-  const JsonValue* shape = nullptr;
-  const JsonValue* offsets = nullptr;
-  for (const auto& [key, value] : entry.members) {
+  info.name = std::move(name);
+  const std::string& n = info.name;
+  PYCKPT_EXPECT_FORMAT(r.peek_value() == '{', FormatKind::Header, "safetensors header of '", origin,
+                       "': entry '", n, "' is not an object");
+  bool has_dtype = false, has_shape = false, has_offsets = false;
+  JsonValue dtype;
+  bool shape_is_array = false;
+  std::string bad_dim;  // first shape entry that is not a non-negative integer
+  bool too_many_dims = false;
+  bool offsets_is_array = false;
+  std::size_t n_offsets = 0;
+  JsonValue offsets[2];
+  r.parse_object(1, [&](std::string key) {
     if (key == "dtype") {
-      dtype = &value;
+      has_dtype = true;
+      dtype = r.parse_scalar(2);
     } else if (key == "shape") {
-      shape = &value;
+      has_shape = true;
+      info.shape.clear();
+      bad_dim.clear();
+      too_many_dims = false;
+      shape_is_array = r.peek_value() == '[';
+      if (!shape_is_array) {
+        (void)r.parse_scalar(2);
+        return;
+      }
+      r.parse_array(2, [&] {
+        const JsonValue d = r.parse_scalar(3);
+        if (!(d.kind == JsonValue::Kind::Number && d.is_uint)) {
+          if (bad_dim.empty()) {
+            bad_dim = d.kind == JsonValue::Kind::Number ? d.str : std::string("a non-number");
+          }
+        } else if (info.shape.size() == kMaxSafetensorsRank) {
+          too_many_dims = true;
+        } else {
+          info.shape.push_back(d.uint_value);
+        }
+      });
     } else if (key == "data_offsets") {
-      offsets = &value;
+      has_offsets = true;
+      n_offsets = 0;
+      offsets_is_array = r.peek_value() == '[';
+      if (!offsets_is_array) {
+        (void)r.parse_scalar(2);
+        return;
+      }
+      r.parse_array(2, [&] {
+        JsonValue v = r.parse_scalar(3);
+        if (n_offsets < 2) offsets[n_offsets] = std::move(v);
+        ++n_offsets;
+      });
+    } else {
+      (void)r.parse_scalar(2);  // unknown keys are ignored, as the reference implementation does
     }
-  }
-  PYCKPT_EXPECT_FORMAT(dtype && shape && offsets, FormatKind::Header, "safetensors header of '",
-                       origin, "': tensor '", name,
+  });
+  PYCKPT_EXPECT_FORMAT(has_dtype && has_shape && has_offsets, FormatKind::Header,
+                       "safetensors header of '", origin, "': tensor '", n,
                        "' needs 'dtype', 'shape' and 'data_offsets'");
-  PYCKPT_EXPECT_FORMAT(dtype->kind == JsonValue::Kind::String, FormatKind::Header,
-                       "safetensors header of '", origin, "': tensor '", name,
+  PYCKPT_EXPECT_FORMAT(dtype.kind == JsonValue::Kind::String, FormatKind::Header,
+                       "safetensors header of '", origin, "': tensor '", n,
                        "' has a non-string dtype");
-  const auto dt = st_dtype_from_name(dtype->str);
+  const auto dt = st_dtype_from_name(dtype.str);
   PYCKPT_EXPECT_FORMAT(dt.has_value(), FormatKind::Header, "safetensors header of '", origin,
-                       "': tensor '", name, "' has unknown dtype '", dtype->str, "'");
+                       "': tensor '", n, "' has unknown dtype '", dtype.str, "'");
   info.dtype = *dt;
-  PYCKPT_EXPECT_FORMAT(shape->kind == JsonValue::Kind::Array, FormatKind::Header,
-                       "safetensors header of '", origin, "': tensor '", name,
-                       "' has a non-array shape");
-  info.shape.reserve(shape->items.size());
-  for (const auto& d : shape->items) info.shape.push_back(read_uint(d, origin, name, "shape"));
-  PYCKPT_EXPECT_FORMAT(offsets->kind == JsonValue::Kind::Array && offsets->items.size() == 2,
-                       FormatKind::Header, "safetensors header of '", origin, "': tensor '", name,
+  PYCKPT_EXPECT_FORMAT(shape_is_array, FormatKind::Header, "safetensors header of '", origin,
+                       "': tensor '", n, "' has a non-array shape");
+  PYCKPT_EXPECT_FORMAT(bad_dim.empty(), FormatKind::Header, "safetensors header of '", origin,
+                       "': tensor '", n, "' field 'shape' must hold non-negative integers, got ",
+                       bad_dim);
+  PYCKPT_EXPECT_FORMAT(!too_many_dims, FormatKind::Header, "safetensors header of '", origin,
+                       "': tensor '", n, "' has more than ", kMaxSafetensorsRank, " dimensions");
+  info.shape.shrink_to_fit();
+  PYCKPT_EXPECT_FORMAT(offsets_is_array && n_offsets == 2, FormatKind::Header,
+                       "safetensors header of '", origin, "': tensor '", n,
                        "' data_offsets must be [begin, end]");
-  info.begin = read_uint(offsets->items[0], origin, name, "data_offsets");
-  info.end = read_uint(offsets->items[1], origin, name, "data_offsets");
+  info.begin = read_uint(offsets[0], origin, n, "data_offsets");
+  info.end = read_uint(offsets[1], origin, n, "data_offsets");
   PYCKPT_EXPECT_FORMAT(info.begin <= info.end, FormatKind::Header, "safetensors header of '",
-                       origin, "': tensor '", name, "' has data_offsets [", info.begin, ", ",
-                       info.end, "] with begin > end");
+                       origin, "': tensor '", n, "' has data_offsets [", info.begin, ", ", info.end,
+                       "] with begin > end");
   std::uint64_t nbytes = 0;
   PYCKPT_EXPECT_FORMAT(tensor_bytes(info.shape, st_dtype_bits(info.dtype), nbytes),
-                       FormatKind::Mismatch, "safetensors header of '", origin, "': tensor '",
-                       name, "' shape overflows or is not a whole number of bytes for dtype ",
+                       FormatKind::Mismatch, "safetensors header of '", origin, "': tensor '", n,
+                       "' shape overflows or is not a whole number of bytes for dtype ",
                        st_dtype_name(info.dtype));
   PYCKPT_EXPECT_FORMAT(info.end - info.begin == nbytes, FormatKind::Mismatch,
-                       "safetensors header of '", origin, "': tensor '", name, "' spans ",
+                       "safetensors header of '", origin, "': tensor '", n, "' spans ",
                        info.end - info.begin, " bytes but its shape and dtype ",
                        st_dtype_name(info.dtype), " need ", nbytes);
   return info;
+}
+
+// Throws for the first name that occurs twice (names sorted through pointers: no copies).
+template <typename T, typename Name>
+void check_unique(const std::vector<T>& items, Name&& name_of, const std::string& origin,
+                  const char* where) {
+  std::vector<const std::string*> names;
+  names.reserve(items.size());
+  for (const T& it : items) names.push_back(&name_of(it));
+  std::sort(names.begin(), names.end(),
+            [](const std::string* a, const std::string* b) { return *a < *b; });
+  for (std::size_t i = 1; i < names.size(); ++i) {
+    PYCKPT_EXPECT_FORMAT(*names[i] != *names[i - 1], FormatKind::Header, "safetensors header of '",
+                         origin, "'", where, " has the key '", *names[i], "' twice");
+  }
 }
 
 void json_escape(std::string& out, std::string_view s) {
@@ -481,34 +573,37 @@ StHeader parse_safetensors_header_bytes(std::string_view json, std::uint64_t fil
                        "-byte header");
   PYCKPT_EXPECT_FORMAT(valid_utf8(json), FormatKind::Header, "safetensors header of '", origin,
                        "' is not valid UTF-8");
-  const JsonValue root = JsonReader(json, origin).parse_document();
-
-  std::unordered_set<std::string_view> seen;
-  seen.reserve(root.members.size());
+  JsonReader r(json, origin);
+  PYCKPT_EXPECT_FORMAT(r.peek_value() == '{', FormatKind::Header, "safetensors header of '", origin,
+                       "' does not start with '{'");
   bool have_metadata = false;
-  for (const auto& [key, value] : root.members) {
-    PYCKPT_EXPECT_FORMAT(seen.insert(key).second, FormatKind::Header, "safetensors header of '",
-                         origin, "' has the key '", key, "' twice");
+  r.parse_object(0, [&](std::string key) {
     if (key == "__metadata__") {
+      PYCKPT_EXPECT_FORMAT(!have_metadata, FormatKind::Header, "safetensors header of '", origin,
+                           "' has the key '__metadata__' twice");
       have_metadata = true;
-      PYCKPT_EXPECT_FORMAT(value.kind == JsonValue::Kind::Object, FormatKind::Header,
-                           "safetensors header of '", origin,
-                           "': __metadata__ is not an object");
-      std::unordered_set<std::string_view> mkeys;
-      for (const auto& [mk, mv] : value.members) {
-        PYCKPT_EXPECT_FORMAT(mv.kind == JsonValue::Kind::String, FormatKind::Header,
-                             "safetensors header of '", origin, "': __metadata__ value of '", mk,
-                             "' is not a string");
-        PYCKPT_EXPECT_FORMAT(mkeys.insert(mk).second, FormatKind::Header,
-                             "safetensors header of '", origin, "': __metadata__ has the key '",
-                             mk, "' twice");
-        h.metadata.emplace_back(mk, mv.str);
-      }
-      continue;
+      PYCKPT_EXPECT_FORMAT(r.peek_value() == '{', FormatKind::Header, "safetensors header of '",
+                           origin, "': __metadata__ is not an object");
+      r.parse_object(1, [&](std::string mk) {
+        PYCKPT_EXPECT_FORMAT(r.peek_value() == '"', FormatKind::Header, "safetensors header of '",
+                             origin, "': __metadata__ value of '", mk, "' is not a string");
+        std::string mv = r.parse_string();
+        h.metadata.emplace_back(std::move(mk), std::move(mv));
+      });
+      return;
     }
-    h.tensors.push_back(read_tensor(key, value, origin));
-  }
-  (void)have_metadata;
+    PYCKPT_EXPECT_FORMAT(h.tensors.size() < kMaxSafetensorsTensors, FormatKind::Header,
+                         "safetensors header of '", origin, "' declares more than ",
+                         kMaxSafetensorsTensors, " tensors");
+    h.tensors.push_back(read_tensor(r, std::move(key), origin));
+  });
+  r.finish();
+  h.tensors.shrink_to_fit();
+  check_unique(
+      h.metadata, [](const auto& kv) -> const std::string& { return kv.first; }, origin,
+      ": __metadata__");
+  check_unique(
+      h.tensors, [](const StTensorInfo& t) -> const std::string& { return t.name; }, origin, "");
 
   std::sort(h.tensors.begin(), h.tensors.end(), [](const StTensorInfo& a, const StTensorInfo& b) {
     if (a.begin != b.begin) return a.begin < b.begin;
@@ -523,11 +618,11 @@ StHeader parse_safetensors_header_bytes(std::string_view json, std::uint64_t fil
                          "': tensor '", t.name, "' data_offsets [", t.begin, ", ", t.end,
                          "] exceed the ", data_size, "-byte data section");
     if (t.begin < cursor) {
-      throw FormatError(FormatKind::Overlap,
-                        detail::concat("safetensors file '", origin, "': tensor '", t.name,
-                                       "' [", t.begin, ", ", t.end, ") overlaps tensor '",
-                                       prev ? prev->name : std::string("?"), "' [",
-                                       prev ? prev->begin : 0, ", ", cursor, ")"));
+      throw FormatError(
+          FormatKind::Overlap,
+          detail::concat("safetensors file '", origin, "': tensor '", t.name, "' [", t.begin, ", ",
+                         t.end, ") overlaps tensor '", prev ? prev->name : std::string("?"), "' [",
+                         prev ? prev->begin : 0, ", ", cursor, ")"));
     }
     PYCKPT_EXPECT_FORMAT(t.begin == cursor, FormatKind::Header, "safetensors file '", origin,
                          "': bytes [", cursor, ", ", t.begin, ") before tensor '", t.name,
@@ -542,35 +637,13 @@ StHeader parse_safetensors_header_bytes(std::string_view json, std::uint64_t fil
 }
 
 StHeader parse_safetensors_header(const std::string& path) {
-  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd == -1) throw SysError(errno, "open", path);
-  struct FdGuard {
-    int fd;
-    ~FdGuard() { ::close(fd); }
-  } guard{fd};
-  struct stat st {};
-  PYCKPT_SYSCALL_CHECK(::fstat(fd, &st), "fstat", path);
-  const auto file_size = static_cast<std::uint64_t>(st.st_size);
-  PYCKPT_EXPECT_FORMAT(file_size >= 8, FormatKind::Truncated, "safetensors file '", path,
-                       "' is ", file_size, " bytes, too short for the 8-byte header length");
-
-  auto read_exact = [&](void* dst, std::size_t n, std::uint64_t off) {
-    auto* p = static_cast<char*>(dst);
-    std::size_t done = 0;
-    while (done < n) {
-      const ssize_t r = ::pread(fd, p + done, n - done, static_cast<off_t>(off + done));
-      if (r == -1) {
-        if (errno == EINTR) continue;
-        throw SysError(errno, "pread", path);
-      }
-      PYCKPT_EXPECT_FORMAT(r > 0, FormatKind::Truncated, "safetensors file '", path,
-                           "' ended while reading its header");
-      done += static_cast<std::size_t>(r);
-    }
-  };
+  PosixFile file(path, OpenFor::Read);  // regular files only; no symlink, no FIFO wait
+  const std::uint64_t file_size = file.size();
+  PYCKPT_EXPECT_FORMAT(file_size >= 8, FormatKind::Truncated, "safetensors file '", path, "' is ",
+                       file_size, " bytes, too short for the 8-byte header length");
 
   unsigned char len_bytes[8];
-  read_exact(len_bytes, 8, 0);
+  file.read_at(0, 8, len_bytes);
   std::uint64_t n = 0;
   for (int i = 7; i >= 0; --i) n = (n << 8) | len_bytes[i];
   // Both bounds are checked before allocating, so an absurd length costs nothing.
@@ -581,7 +654,7 @@ StHeader parse_safetensors_header(const std::string& path) {
                        "' declares a ", n, "-byte header but holds only ", file_size - 8,
                        " bytes after the length");
   std::string json(static_cast<std::size_t>(n), '\0');
-  read_exact(json.data(), json.size(), 8);
+  file.read_at(8, json.size(), json.data());
   return parse_safetensors_header_bytes(json, file_size, path);
 }
 

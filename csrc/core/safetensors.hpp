@@ -11,6 +11,7 @@
  * parse_safetensors_header() enforces, and reports every violation as a FormatError naming the
  * file and, where there is one, the tensor:
  *  - N <= kMaxSafetensorsHeader and 8 + N <= file size (checked before anything is allocated);
+ *  - at most kMaxSafetensorsTensors tensors, each of at most kMaxSafetensorsRank dimensions;
  *  - the header is valid UTF-8, starts with '{', is one JSON object followed only by whitespace,
  *    nests at most 64 levels and has no duplicate key;
  *  - every dtype is a known safetensors dtype, every shape entry and offset a non-negative integer,
@@ -19,6 +20,10 @@
  *  - sorted by offset, tensors neither overlap nor leave holes, and the last one ends exactly at
  *    the end of the file (the format forbids unindexed bytes).
  * Unknown keys inside a tensor entry are ignored (as the reference implementation does).
+ *
+ * Memory: the header is parsed in one streaming pass without a JSON tree; the result holds one
+ * compact StTensorInfo per tensor (name, dtype, shape, offsets), so peak memory is about the
+ * header's length plus ~100 bytes per tensor.
  *
  * Thread-safety: all functions are reentrant.
  */
@@ -34,6 +39,12 @@ namespace pyckpt {
 
 /** @brief Upper bound on a header's length, the reference implementation's limit (100 MB). */
 constexpr std::uint64_t kMaxSafetensorsHeader = 100'000'000;
+
+/** @brief Upper bound on the number of tensors one header may declare (2^20). */
+constexpr std::size_t kMaxSafetensorsTensors = std::size_t{1} << 20;
+
+/** @brief Upper bound on the number of dimensions of one tensor. */
+constexpr std::size_t kMaxSafetensorsRank = 64;
 
 /** @brief Every dtype of the safetensors format, in the reference implementation's order. */
 enum class StDtype : std::uint8_t {
@@ -84,11 +95,11 @@ struct StTensorInfo {
 
 /** @brief A parsed and validated header. */
 struct StHeader {
-  std::uint64_t header_len = 0;   ///< N, the JSON length (including padding)
-  std::uint64_t data_start = 0;   ///< absolute offset of the data section, 8 + N
-  std::uint64_t file_size = 0;    ///< total file size the header was validated against
+  std::uint64_t header_len = 0;  ///< N, the JSON length (including padding)
+  std::uint64_t data_start = 0;  ///< absolute offset of the data section, 8 + N
+  std::uint64_t file_size = 0;   ///< total file size the header was validated against
   std::vector<std::pair<std::string, std::string>> metadata;  ///< `__metadata__`, in file order
-  std::vector<StTensorInfo> tensors;  ///< sorted by `begin` (then by name)
+  std::vector<StTensorInfo> tensors;                          ///< sorted by `begin` (then by name)
 };
 
 /**
@@ -124,9 +135,9 @@ struct StTensorSpec {
 /** @brief An emitted header and where each tensor's bytes go. */
 struct StEmitted {
   std::string bytes;  ///< 8-byte length prefix + JSON padded with spaces to a multiple of 8
-  std::vector<StTensorSpec> tensors;   ///< the input tensors, sorted by name
-  std::vector<std::uint64_t> begins;   ///< data-section offset of each sorted tensor
-  std::uint64_t data_bytes = 0;        ///< size of the data section
+  std::vector<StTensorSpec> tensors;  ///< the input tensors, sorted by name
+  std::vector<std::uint64_t> begins;  ///< data-section offset of each sorted tensor
+  std::uint64_t data_bytes = 0;       ///< size of the data section
 };
 
 /**

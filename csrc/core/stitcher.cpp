@@ -14,9 +14,10 @@
 #include <numeric>
 #include <stdexcept>
 
+#include "core/chunk_io.hpp"
 #include "core/codec.hpp"
-#include "core/detail/scratch.hpp"
 #include "core/error.hpp"
+#include "core/posix_storage.hpp"
 #include "core/thread_pool.hpp"
 
 namespace pyckpt {
@@ -46,96 +47,33 @@ std::string dims(const std::vector<std::uint64_t>& v) {
   return s + "]";
 }
 
-/** An open file, optionally mapped; closes and unmaps on destruction. */
-class OpenFile {
- public:
-  OpenFile(const std::string& path, bool writable) : _path(path) {
-    _fd = ::open(path.c_str(), (writable ? O_RDWR : O_RDONLY) | O_CLOEXEC);
-    if (_fd == -1) throw SysError(errno, "open", path);
-    struct stat st {};
-    if (::fstat(_fd, &st) == -1) {
-      const int err = errno;
-      ::close(_fd);
-      throw SysError(err, "fstat", path);
-    }
-    _size = static_cast<std::uint64_t>(st.st_size);
-    _writable = writable;
-  }
-  ~OpenFile() {
-    if (_map) ::munmap(_map, _size);
-    if (_fd != -1) ::close(_fd);
-  }
-  OpenFile(const OpenFile&) = delete;
-  OpenFile& operator=(const OpenFile&) = delete;
-
-  void map(bool sequential) {
-    if (_map || _size == 0) return;
-    const int prot = _writable ? (PROT_READ | PROT_WRITE) : PROT_READ;
-    void* p = ::mmap(nullptr, _size, prot, MAP_SHARED, _fd, 0);
-    if (p == MAP_FAILED) throw SysError(errno, "mmap", _path);
-    _map = static_cast<std::byte*>(p);
-    if (sequential) (void)::madvise(_map, _size, MADV_SEQUENTIAL);
-  }
-  void sync() {
-    // Pages dirtied through the mapping are written back by fsync on Linux; msync first keeps
-    // that true on systems without dirty tracking of shared mappings.
-    if (_map && _writable) PYCKPT_SYSCALL_CHECK(::msync(_map, _size, MS_SYNC), "msync", _path);
-    PYCKPT_SYSCALL_CHECK(::fsync(_fd), "fsync", _path);
-  }
-  int fd() const noexcept { return _fd; }
-  std::byte* data() const noexcept { return _map; }
-  std::uint64_t size() const noexcept { return _size; }
-  const std::string& path() const noexcept { return _path; }
-
- private:
-  std::string _path;
-  int _fd = -1;
-  std::uint64_t _size = 0;
-  bool _writable = false;
-  std::byte* _map = nullptr;
-};
-
-void pread_exact(const OpenFile& f, std::byte* dst, std::uint64_t n, std::uint64_t off,
+// Reads input bytes for `tensor`; errors name the file (pread_full) and the tensor.
+void pread_input(PosixFile& f, void* dst, std::uint64_t n, std::uint64_t off,
                  const std::string& tensor) {
-  std::uint64_t done = 0;
-  while (done < n) {
-    // Linux caps a single read at ~2 GiB; ask for at most 1 GiB per call.
-    const std::size_t want = static_cast<std::size_t>(std::min<std::uint64_t>(n - done, 1u << 30));
-    const ssize_t r = ::pread(f.fd(), dst + done, want, static_cast<off_t>(off + done));
-    if (r == -1) {
-      if (errno == EINTR) continue;
-      throw SysError(errno, "pread", f.path(), "tensor '" + tensor + "'");
-    }
-    PYCKPT_EXPECT_FORMAT(r > 0, FormatKind::Truncated, "input file '", f.path(),
-                         "' ended at offset ", off + done, " while reading tensor '", tensor, "'");
-    done += static_cast<std::uint64_t>(r);
+  try {
+    pread_full(f.fd(), dst, n, off, f.path());
+  } catch (...) {
+    rethrow_with_context(std::current_exception(), "tensor '" + tensor + "'");
   }
 }
 
-void pwrite_exact(const OpenFile& f, const std::byte* src, std::uint64_t n, std::uint64_t off,
-                  const std::string& tensor) {
-  std::uint64_t done = 0;
-  while (done < n) {
-    const std::size_t want = static_cast<std::size_t>(std::min<std::uint64_t>(n - done, 1u << 30));
-    const ssize_t r = ::pwrite(f.fd(), src + done, want, static_cast<off_t>(off + done));
-    if (r == -1) {
-      if (errno == EINTR) continue;
-      throw SysError(errno, "pwrite", f.path(), "tensor '" + tensor + "'");
-    }
-    done += static_cast<std::uint64_t>(r);
-  }
+void pwrite_output(const PosixFile& f, const void* src, std::uint64_t n, std::uint64_t off,
+                   const std::string& tensor) {
+  const int err = pwrite_full(f.fd(), src, n, off);
+  if (err != 0) throw SysError(err, "pwrite", f.path(), "tensor '" + tensor + "'");
 }
 
 // In-kernel copy (no user-space pass over the bytes); false when the kernel or filesystem
 // refuses, so the caller falls back to pread + pwrite.
-bool copy_range(const OpenFile& in, std::uint64_t in_off, const OpenFile& out,
+bool copy_range(const PosixFile& in, std::uint64_t in_off, const PosixFile& out,
                 std::uint64_t out_off, std::uint64_t n, const std::string& tensor) {
 #ifdef __linux__
   while (n > 0) {
     loff_t io = static_cast<loff_t>(in_off);
     loff_t oo = static_cast<loff_t>(out_off);
-    const ssize_t r = ::copy_file_range(in.fd(), &io, out.fd(), &oo,
-                                        static_cast<std::size_t>(std::min<std::uint64_t>(n, 1u << 30)), 0);
+    const ssize_t r =
+        ::copy_file_range(in.fd(), &io, out.fd(), &oo,
+                          static_cast<std::size_t>(std::min<std::uint64_t>(n, 1u << 30)), 0);
     if (r == -1) {
       if (errno == EINTR) continue;
       if (errno == EXDEV || errno == ENOSYS || errno == EINVAL || errno == EOPNOTSUPP ||
@@ -152,7 +90,12 @@ bool copy_range(const OpenFile& in, std::uint64_t in_off, const OpenFile& out,
   }
   return true;
 #else
-  (void)in; (void)in_off; (void)out; (void)out_off; (void)n; (void)tensor;
+  (void)in;
+  (void)in_off;
+  (void)out;
+  (void)out_off;
+  (void)n;
+  (void)tensor;
   return false;
 #endif
 }
@@ -161,14 +104,14 @@ bool copy_range(const OpenFile& in, std::uint64_t in_off, const OpenFile& out,
 struct Part {
   const StitchItem* item;
   BlockLayout layout;
-  const OpenFile* in;
+  PosixFile* in;
   std::uint64_t block_hi;  // clamped
 };
 
 /** All blocks of one output tensor and the flat range [lo, hi) this call writes. */
 struct Group {
   std::string name;
-  OpenFile* out = nullptr;
+  PosixFile* out = nullptr;
   std::uint64_t out_offset = 0;
   std::uint64_t item_bytes = 1;
   std::uint64_t lo = 0;
@@ -204,16 +147,9 @@ struct TaskResult {
 void read_source(const Part& p, std::uint64_t src_off, std::uint64_t n, std::byte* dst,
                  InputMode mode) {
   if (mode == InputMode::Mmap) {
-    const std::byte* src = p.in->data() + src_off;
-    const auto page = static_cast<std::uintptr_t>(::sysconf(_SC_PAGESIZE));
-    const auto lo = reinterpret_cast<std::uintptr_t>(src) & ~(page - 1);
-    // Ask for the pages up front: copying out of a cold mapping otherwise runs at page-fault
-    // speed (readahead driven one fault at a time).
-    (void)::madvise(reinterpret_cast<void*>(lo), reinterpret_cast<std::uintptr_t>(src + n) - lo,
-                    MADV_WILLNEED);
-    std::memcpy(dst, src, n);
+    if (n > 0) std::memcpy(dst, p.in->view_at(src_off, static_cast<std::size_t>(n)), n);
   } else {
-    pread_exact(*p.in, dst, n, src_off, p.item->name);
+    pread_input(*p.in, dst, n, src_off, p.item->name);
   }
 }
 
@@ -232,7 +168,8 @@ TaskResult run_task(const Task& t, InputMode mode, std::size_t buffer_bytes) {
         p.layout.global_index(b - 1) == t.y - 1) {
       const std::uint64_t src_off = p.item->source.offset + (a - p.item->block_lo) * e;
       const std::uint64_t dst_off = g.out_offset + t.x * e;
-      if (mode == InputMode::Pread && copy_range(*p.in, src_off, *g.out, dst_off, out_bytes, g.name)) {
+      if (mode == InputMode::Pread &&
+          copy_range(*p.in, src_off, *g.out, dst_off, out_bytes, g.name)) {
         res.runs = 1;
         return res;
       }
@@ -256,7 +193,8 @@ TaskResult run_task(const Task& t, InputMode mode, std::size_t buffer_bytes) {
       read_source(p, src_off, n, obuf.data() + (first - t.x) * e, mode);
       ++res.runs;
     } else {
-      if (rbuf.size() < n) rbuf.resize(std::max<std::size_t>(static_cast<std::size_t>(n), buffer_bytes));
+      if (rbuf.size() < n)
+        rbuf.resize(std::max<std::size_t>(static_cast<std::size_t>(n), buffer_bytes));
       read_source(p, src_off, n, rbuf.data(), mode);
       p.layout.for_each_run(a, b, [&](std::uint64_t k, std::uint64_t gi, std::uint64_t cnt) {
         std::memcpy(obuf.data() + (gi - t.x) * e, rbuf.data() + (k - a) * e, cnt * e);
@@ -268,54 +206,20 @@ TaskResult run_task(const Task& t, InputMode mode, std::size_t buffer_bytes) {
   PYCKPT_EXPECT_FORMAT(filled == out_bytes, FormatKind::Coverage, "tensor '", g.name,
                        "': its shards supply ", filled, " of the ", out_bytes,
                        " bytes of elements [", t.x, ", ", t.y, ")");
-  pwrite_exact(*g.out, obuf.data(), out_bytes, g.out_offset + t.x * e, g.name);
+  pwrite_output(*g.out, obuf.data(), out_bytes, g.out_offset + t.x * e, g.name);
   return res;
 }
 
-/** Per-thread buffers of the chunk path: stored bytes and decoded bytes, grown, never shrunk. */
-struct ChunkScratch {
-  detail::Scratch stored;
-  detail::Scratch decoded;
-};
-
-ChunkScratch& chunk_scratch() {
-  thread_local ChunkScratch s;
-  return s;
-}
-
-std::uint64_t run_chunk_task(const ChunkTask& t, InputMode mode) {
+std::uint64_t run_chunk_task(const ChunkTask& t) {
   const Group& g = *t.group;
   const Part& p = *t.part;
   const StitchSource& src = p.item->source;
-  const ChunkRecord& rec = src.chunk;
   const std::uint64_t e = g.item_bytes;
-  ChunkScratch& cs = chunk_scratch();
 
   // The whole chunk is read and verified even when only part of it is wanted: the checksum
-  // covers all stored bytes, and a zstd frame decodes only whole.
-  const std::uint8_t* stored = nullptr;
-  if (mode == InputMode::Mmap && p.in->data() != nullptr) {
-    stored = reinterpret_cast<const std::uint8_t*>(p.in->data()) + rec.file_offset;
-    const auto page = static_cast<std::uintptr_t>(::sysconf(_SC_PAGESIZE));
-    const auto lo = reinterpret_cast<std::uintptr_t>(stored) & ~(page - 1);
-    (void)::madvise(reinterpret_cast<void*>(lo),
-                    reinterpret_cast<std::uintptr_t>(stored + rec.stored_len) - lo, MADV_WILLNEED);
-  } else {
-    std::uint8_t* buf = cs.stored.get(static_cast<std::size_t>(rec.stored_len));
-    pread_exact(*p.in, reinterpret_cast<std::byte*>(buf), rec.stored_len, rec.file_offset,
-                g.name);
-    stored = buf;
-  }
-  const bool plain = rec.transform == Transform::None && rec.planes.size() == 1 &&
-                     rec.planes[0].mode == PlaneMode::Raw && rec.stored_len == rec.raw_len;
-  const std::uint8_t* raw = stored;
-  if (plain) {
-    verify_chunk_checksum(stored, rec);  // raw chunk: its stored bytes are its decoded bytes
-  } else {
-    std::uint8_t* dec = cs.decoded.get(static_cast<std::size_t>(rec.raw_len));
-    decode_chunk(stored, rec, src.params, dec);
-    raw = dec;
-  }
+  // covers all stored bytes, and a zstd frame decodes only whole. With InputMode::Mmap the
+  // input lends its mapping (PosixFile::view_at), so the stored bytes are not copied.
+  const std::uint8_t* raw = load_chunk(*p.in, src.chunk, src.params, nullptr);
 
   // Block element k of this chunk is at raw + (k - block_lo) * e.
   const std::uint64_t block_lo = p.item->block_lo;
@@ -323,7 +227,7 @@ std::uint64_t run_chunk_task(const ChunkTask& t, InputMode mode) {
   const std::uint64_t first = p.layout.global_index(t.a);
   std::uint64_t runs = 0;
   if (p.layout.global_index(t.b - 1) - first == t.b - 1 - t.a) {
-    pwrite_exact(*g.out, from, (t.b - t.a) * e, g.out_offset + first * e, g.name);
+    pwrite_output(*g.out, from, (t.b - t.a) * e, g.out_offset + first * e, g.name);
     return 1;
   }
   p.layout.for_each_run(t.a, t.b, [&](std::uint64_t k, std::uint64_t gi, std::uint64_t cnt) {
@@ -332,7 +236,7 @@ std::uint64_t run_chunk_task(const ChunkTask& t, InputMode mode) {
     if (t.map_out) {
       std::memcpy(g.out->data() + dst, run, cnt * e);
     } else {
-      pwrite_exact(*g.out, run, cnt * e, dst, g.name);
+      pwrite_output(*g.out, run, cnt * e, dst, g.name);
     }
     ++runs;
   });
@@ -465,8 +369,8 @@ void check_tiling(const std::string& name, const std::vector<std::uint64_t>& sha
       if (n > 0 && b.offsets[sweep] >= a.offsets[sweep] + a.sizes[sweep]) break;
       bool overlap = true;
       for (std::size_t d = 0; d < n && overlap; ++d) {
-        overlap = a.offsets[d] < b.offsets[d] + b.sizes[d] &&
-                  b.offsets[d] < a.offsets[d] + a.sizes[d];
+        overlap =
+            a.offsets[d] < b.offsets[d] + b.sizes[d] && b.offsets[d] < a.offsets[d] + a.sizes[d];
       }
       PYCKPT_EXPECT_FORMAT(!overlap, FormatKind::Overlap, "tensor '", name, "': the shard in '",
                            a.origin, "' (offsets ", dims(a.offsets), ", sizes ", dims(a.sizes),
@@ -483,8 +387,8 @@ StitchStats stitch(const std::vector<StitchItem>& items, const StitchOptions& op
   PYCKPT_EXPECT(options.threads >= 1, std::invalid_argument, "stitch needs at least one thread");
   PYCKPT_EXPECT(options.task_bytes >= 1, std::invalid_argument, "task_bytes must be positive");
 
-  std::map<std::string, std::unique_ptr<OpenFile>> inputs;
-  std::map<std::string, std::unique_ptr<OpenFile>> outputs;
+  std::map<std::string, std::unique_ptr<PosixFile>> inputs;
+  std::map<std::string, std::unique_ptr<PosixFile>> outputs;
   // Items writing the same tensor (same output file and offset) form one group.
   std::map<std::pair<std::string, std::uint64_t>, Group> groups;
 
@@ -493,13 +397,13 @@ StitchStats stitch(const std::vector<StitchItem>& items, const StitchOptions& op
                   "': item_bytes must be >= 1");
     BlockLayout layout(item.shape, item.offsets, item.sizes);
     const std::uint64_t e = item.item_bytes;
-    PYCKPT_EXPECT(item.lo <= item.hi && item.hi <= layout.tensor_elements(),
-                  std::invalid_argument, "tensor '", item.name, "': range [", item.lo, ", ",
-                  item.hi, ") outside its ", layout.tensor_elements(), " elements");
+    PYCKPT_EXPECT(item.lo <= item.hi && item.hi <= layout.tensor_elements(), std::invalid_argument,
+                  "tensor '", item.name, "': range [", item.lo, ", ", item.hi, ") outside its ",
+                  layout.tensor_elements(), " elements");
 
     auto& in = inputs[item.source.path];
     if (!in) {
-      in = std::make_unique<OpenFile>(item.source.path, false);
+      in = std::make_unique<PosixFile>(item.source.path, OpenFor::Read);
       if (options.input == InputMode::Mmap) in->map(true);
     }
     const std::uint64_t block_hi = std::min(item.block_hi, layout.elements());
@@ -515,22 +419,21 @@ StitchStats stitch(const std::vector<StitchItem>& items, const StitchOptions& op
                     "': the chunk at offset ", rec.file_offset, " of '", item.source.path,
                     "' decodes to ", rec.raw_len, " bytes but is given block elements [",
                     item.block_lo, ", ", block_hi, ") (", block_bytes, " bytes)");
-      PYCKPT_EXPECT_FORMAT(rec.file_offset <= in->size() &&
-                               rec.stored_len <= in->size() - rec.file_offset,
-                           FormatKind::Truncated, "input file '", item.source.path, "' is ",
-                           in->size(), " bytes but tensor '", item.name,
-                           "' has a chunk stored at bytes [", rec.file_offset, ", ",
-                           rec.file_offset + rec.stored_len, ")");
+      PYCKPT_EXPECT_FORMAT(
+          rec.file_offset <= in->size() && rec.stored_len <= in->size() - rec.file_offset,
+          FormatKind::Truncated, "input file '", item.source.path, "' is ", in->size(),
+          " bytes but tensor '", item.name, "' has a chunk stored at bytes [", rec.file_offset,
+          ", ", rec.file_offset + rec.stored_len, ")");
     } else {
-      PYCKPT_EXPECT_FORMAT(item.source.offset <= in->size() &&
-                               block_bytes <= in->size() - item.source.offset,
-                           FormatKind::Truncated, "input file '", item.source.path, "' is ",
-                           in->size(), " bytes but tensor '", item.name, "' needs bytes [",
-                           item.source.offset, ", ", item.source.offset + block_bytes, ")");
+      PYCKPT_EXPECT_FORMAT(
+          item.source.offset <= in->size() && block_bytes <= in->size() - item.source.offset,
+          FormatKind::Truncated, "input file '", item.source.path, "' is ", in->size(),
+          " bytes but tensor '", item.name, "' needs bytes [", item.source.offset, ", ",
+          item.source.offset + block_bytes, ")");
     }
 
     auto& out = outputs[item.out_path];
-    if (!out) out = std::make_unique<OpenFile>(item.out_path, true);
+    if (!out) out = std::make_unique<PosixFile>(item.out_path, OpenFor::ReadWrite);
     std::uint64_t tensor_bytes = 0;
     PYCKPT_EXPECT(mul_ok(layout.tensor_elements(), e, tensor_bytes), std::invalid_argument,
                   "tensor '", item.name, "' size overflows");
@@ -574,8 +477,7 @@ StitchStats stitch(const std::vector<StitchItem>& items, const StitchOptions& op
       const std::uint64_t b = std::min(p.layout.lower_bound(g.hi), p.block_hi);
       if (a >= b) continue;
       supplied += b - a;
-      const bool scattered =
-          p.layout.global_index(b - 1) - p.layout.global_index(a) != b - 1 - a;
+      const bool scattered = p.layout.global_index(b - 1) - p.layout.global_index(a) != b - 1 - a;
       const bool map_out = scattered && p.layout.run_elements() * g.item_bytes < kMinPwriteRun;
       if (map_out) g.out->map(false);  // before any task runs: map() is not thread-safe
       chunk_tasks.push_back(ChunkTask{&g, &p, a, b, map_out});
@@ -583,56 +485,43 @@ StitchStats stitch(const std::vector<StitchItem>& items, const StitchOptions& op
     // Pieces were checked to tile the tensor and chunks to tile each piece, so a count that
     // differs means the items themselves are inconsistent.
     PYCKPT_EXPECT_FORMAT(supplied == g.hi - g.lo, FormatKind::Coverage, "tensor '", g.name,
-                         "': its chunks supply ", supplied, " of the ", g.hi - g.lo,
-                         " elements [", g.lo, ", ", g.hi, ")");
+                         "': its chunks supply ", supplied, " of the ", g.hi - g.lo, " elements [",
+                         g.lo, ", ", g.hi, ")");
   }
 
   StitchStats stats;
   std::atomic<std::uint64_t> runs{0};
-  std::exception_ptr first_error;
   {
     const std::size_t ntasks = tasks.size() + chunk_tasks.size();
     ThreadPool pool(std::min<std::size_t>(options.threads, std::max<std::size_t>(ntasks, 1)));
-    std::vector<std::future<void>> futures;
-    futures.reserve(ntasks);
     const InputMode mode = options.input;
     const std::size_t buffer_bytes = options.task_bytes;
     std::atomic<std::uint64_t>* progress = options.progress;
-    for (const Task& t : tasks) {
-      futures.push_back(pool.submit([&t, mode, buffer_bytes, progress, &runs] {
+    // Every task is drained before the first failure is reported (run_all), so no worker
+    // touches a file after it is closed.
+    run_all(pool, ntasks, [&](std::size_t i) {
+      std::uint64_t done = 0;
+      if (i < tasks.size()) {
+        const Task& t = tasks[i];
         runs.fetch_add(run_task(t, mode, buffer_bytes).runs, std::memory_order_relaxed);
-        if (progress) {
-          progress->fetch_add((t.y - t.x) * t.group->item_bytes, std::memory_order_relaxed);
-        }
-      }));
-    }
-    for (const ChunkTask& t : chunk_tasks) {
-      futures.push_back(pool.submit([&t, mode, progress, &runs] {
+        done = (t.y - t.x) * t.group->item_bytes;
+      } else {
+        const ChunkTask& t = chunk_tasks[i - tasks.size()];
+        const StitchItem& it = *t.part->item;
         try {
-          runs.fetch_add(run_chunk_task(t, mode), std::memory_order_relaxed);
+          runs.fetch_add(run_chunk_task(t), std::memory_order_relaxed);
         } catch (...) {
+          trim_chunk_scratch();
           // Name the file, tensor and chunk here, where they are known.
-          const StitchItem& it = *t.part->item;
           rethrow_with_context(std::current_exception(),
-                               detail::concat("file '", it.source.path, "', tensor '", it.name,
-                                              "', chunk at file offset ",
-                                              it.source.chunk.file_offset));
+                               chunk_context(it.source.path, it.name, it.source.chunk.file_offset));
         }
-        if (progress) {
-          progress->fetch_add((t.b - t.a) * t.group->item_bytes, std::memory_order_relaxed);
-        }
-      }));
-    }
-    // Drain every task before reporting, so no worker touches a file after it is closed.
-    for (auto& f : futures) {
-      try {
-        f.get();
-      } catch (...) {
-        if (!first_error) first_error = std::current_exception();
+        trim_chunk_scratch();
+        done = (t.b - t.a) * t.group->item_bytes;
       }
-    }
+      if (progress) progress->fetch_add(done, std::memory_order_relaxed);
+    });
   }
-  if (first_error) std::rethrow_exception(first_error);
   for (const Task& t : tasks) stats.bytes += (t.y - t.x) * t.group->item_bytes;
   for (const ChunkTask& t : chunk_tasks) stats.bytes += (t.b - t.a) * t.group->item_bytes;
   stats.tasks = tasks.size() + chunk_tasks.size();

@@ -189,15 +189,20 @@ struct StitchStats {
  * @param items the copies; items may share inputs and outputs; their destinations must not overlap.
  * @param options see StitchOptions.
  * @return counters.
- * @throws SysError when a file cannot be opened, read, mapped or synced (detail names the tensor).
+ * Inputs and outputs are opened as PosixFile (posix_storage.hpp): regular files only, no symlink
+ * followed at the last path component, no wait on a FIFO. Encoded chunks go through the shared
+ * chunk path (chunk_io.hpp: validated against the input's size and kMaxChunkBytes first).
+ * @throws SysError when a file cannot be opened (ELOOP for a symlink), read, mapped or synced
+ *         (detail names the tensor); FormatError(Other) when an input or output is not a
+ *         regular file.
  * @throws FormatError(Truncated) when an input is shorter than a block or chunk needs (naming
  *         file and tensor); FormatError(Checksum) for a corrupted chunk and CompressionError for
  *         an undecodable one (naming file, tensor and chunk offset); FormatError(Coverage) when
  *         the chunks of a tensor do not supply exactly its range [lo, hi);
  *         std::invalid_argument for inconsistent items (bad geometry, zero item size, an output
  *         range beyond the output file, a chunk whose raw_len does not match its block range,
- *         raw and encoded sources mixed in one tensor). The first failure is thrown after every task
- *         has finished; outputs are then partially written (the caller owns cleanup).
+ *         raw and encoded sources mixed in one tensor). The first failure is thrown after every
+ * task has finished; outputs are then partially written (the caller owns cleanup).
  */
 StitchStats stitch(const std::vector<StitchItem>& items, const StitchOptions& options);
 

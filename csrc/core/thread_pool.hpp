@@ -8,6 +8,7 @@
  */
 #include <condition_variable>
 #include <cstddef>
+#include <exception>
 #include <functional>
 #include <future>
 #include <memory>
@@ -64,7 +65,34 @@ class ThreadPool {
   bool _stopping = false;
 };
 
-/** @return the default worker count: PYCKPT_NUM_THREADS is read in Python; this is min(8, cores). */
+/**
+ * @brief Runs fn(0) ... fn(n - 1) on `pool` and waits for every one of them, even after a
+ *        failure (tasks may reference the caller's memory), then rethrows the first failure in
+ *        index order (or the failure to submit).
+ * @note `fn` is shared by all tasks and must be safe to call concurrently.
+ */
+template <typename Fn>
+void run_all(ThreadPool& pool, std::size_t n, const Fn& fn) {
+  std::vector<std::future<void>> futures;
+  futures.reserve(n);
+  std::exception_ptr first;
+  try {
+    for (std::size_t i = 0; i < n; ++i) futures.push_back(pool.submit([&fn, i] { fn(i); }));
+  } catch (...) {
+    first = std::current_exception();  // e.g. a shut-down pool: still drain what was submitted
+  }
+  for (auto& f : futures) {
+    try {
+      f.get();
+    } catch (...) {
+      if (!first) first = std::current_exception();
+    }
+  }
+  if (first) std::rethrow_exception(first);
+}
+
+/** @return the default worker count: PYCKPT_NUM_THREADS is read in Python; this is min(8, cores).
+ */
 std::size_t default_thread_count() noexcept;
 
 }  // namespace pyckpt

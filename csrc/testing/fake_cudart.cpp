@@ -205,8 +205,10 @@ FAKE_API const char* cudaGetErrorString(int code) {
     case kErrorNotReady: return "device not ready";
     case 35: return "CUDA driver version is insufficient for CUDA runtime version";
     case 700: return "an illegal memory access was encountered";
-    case kErrorHostMemoryAlreadyRegistered: return "part or all of the requested memory range is already mapped";
-    case kErrorHostMemoryNotRegistered: return "pointer does not correspond to a registered memory region";
+    case kErrorHostMemoryAlreadyRegistered:
+      return "part or all of the requested memory range is already mapped";
+    case kErrorHostMemoryNotRegistered:
+      return "pointer does not correspond to a registered memory region";
     case 719: return "unspecified launch failure";
     default: return "unrecognized error code";
   }

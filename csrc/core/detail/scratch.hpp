@@ -1,7 +1,8 @@
 #pragma once
 /**
  * @file scratch.hpp
- * @brief Grow-only, uninitialised byte buffer used as per-thread scratch by the core.
+ * @brief Uninitialised byte buffer used as per-thread scratch by the core; grows on demand and
+ *        is trimmed by its owner so that idle threads do not keep a large chunk's worth.
  *
  * Internal to csrc/core. Growing uses `new std::uint8_t[n]`, which leaves the bytes
  * uninitialised: the scratch is always overwritten before it is read, so zero-filling would only
@@ -15,7 +16,7 @@
 
 namespace pyckpt::detail {
 
-/** @brief A buffer that only grows; contents are unspecified after get(). */
+/** @brief A buffer that grows on demand; contents are unspecified after get() and trim(). */
 class Scratch {
  public:
   /**
@@ -30,6 +31,17 @@ class Scratch {
     }
     return _buf.get();
   }
+
+  /** @brief Frees the buffer when it holds more than `keep` bytes. Never throws. */
+  void trim(std::size_t keep) noexcept {
+    if (_cap > keep) {
+      _buf.reset();
+      _cap = 0;
+    }
+  }
+
+  /** @return the bytes currently allocated. */
+  std::size_t capacity() const noexcept { return _cap; }
 
  private:
   std::unique_ptr<std::uint8_t[]> _buf;

@@ -1,0 +1,66 @@
+#!/usr/bin/env bash
+# Builds pyckpt._C with AddressSanitizer + UndefinedBehaviorSanitizer into build/asan (the normal
+# build and the in-tree pyckpt/_C*.so are never touched), stages an importable copy of the package
+# in build/asan/pkg, and runs pytest on it under the sanitizers. Exits non-zero when the tests fail
+# or when any sanitizer report was written, including from subprocesses the tests start.
+#
+# Usage: scripts/sanitize.sh [pytest args...]
+#   default args: tests/test_file_io.py tests/test_codec.py tests/test_safetensors_header.py
+#   PYTHON=/path/to/python (default .venv/bin/python); PYCKPT_SANITIZE (default address;undefined)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+ROOT=$PWD
+PY=${PYTHON:-.venv/bin/python}
+SAN=${PYCKPT_SANITIZE:-address;undefined}
+BUILD=build/asan
+PKG=$BUILD/pkg
+REPORTS=$BUILD/reports
+
+if [ ! -f "$BUILD/build.ninja" ]; then
+  cmake -S . -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DPYCKPT_BUILD_PYTHON=ON \
+    -DPYCKPT_BUILD_TESTING_RUNTIME=ON -DPYCKPT_SANITIZE="$SAN" \
+    -DPython_EXECUTABLE="$("$PY" -c 'import sys; print(sys.executable)')" \
+    -Dpybind11_DIR="$("$PY" -m pybind11 --cmakedir)" >/dev/null
+fi
+cmake --build "$BUILD" -j"$(nproc)"
+
+# A copy of the Python sources with the sanitized extension (never the in-tree one).
+rm -rf "$PKG"
+mkdir -p "$PKG/pyckpt/_testing"
+(cd pyckpt && find . -name '*.py' -o -name '*.pyi' -o -name 'py.typed') | while read -r f; do
+  mkdir -p "$PKG/pyckpt/$(dirname "$f")"
+  cp "pyckpt/$f" "$PKG/pyckpt/$f"
+done
+cp "$BUILD"/_C*.so "$PKG/pyckpt/"
+cp "$BUILD"/libpyckpt_fake_cudart.so "$PKG/pyckpt/_testing/"
+
+rm -rf "$REPORTS"
+mkdir -p "$REPORTS"
+LIBASAN=$(gcc -print-file-name=libasan.so)
+LIBUBSAN=$(gcc -print-file-name=libubsan.so)
+PRELOAD=""
+case "$SAN" in *address*) PRELOAD="$LIBASAN" ;; esac
+case "$SAN" in *undefined*) PRELOAD="${PRELOAD:+$PRELOAD:}$LIBUBSAN" ;; esac
+export LD_PRELOAD="$PRELOAD"
+# Python itself is not instrumented and keeps objects alive at exit: leak checking is off.
+export ASAN_OPTIONS="detect_leaks=0:halt_on_error=1:abort_on_error=0:log_path=$ROOT/$REPORTS/asan"
+export UBSAN_OPTIONS="halt_on_error=1:print_stacktrace=1:log_path=$ROOT/$REPORTS/ubsan"
+export PYTHONPATH="$ROOT/$PKG"
+export PYTHONSAFEPATH=1  # do not put the checkout (with its own pyckpt/) first on sys.path
+export PYTHONDEVMODE=1 HYPOTHESIS_PROFILE=${HYPOTHESIS_PROFILE:-ci}
+
+# Refuse to run if the sanitized copy is not the one imported.
+"$PY" -c "import pyckpt._C as c, sys; sys.exit(0 if c.__file__.startswith('$ROOT/$PKG/') else \
+'pyckpt._C imported from ' + c.__file__ + ', not the sanitized build')"
+
+if [ "$#" -eq 0 ]; then
+  set -- tests/test_file_io.py tests/test_codec.py tests/test_safetensors_header.py
+fi
+status=0
+"$PY" -m pytest -p no:cacheprovider --rootdir=. -c pyproject.toml "$@" || status=$?
+if compgen -G "$REPORTS/*" >/dev/null; then
+  echo "[sanitize] sanitizer reports:" >&2
+  for f in "$REPORTS"/*; do echo "== $f" >&2; cat "$f" >&2; done
+  [ "$status" -ne 0 ] || status=1
+fi
+exit "$status"
