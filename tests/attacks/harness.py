@@ -44,6 +44,8 @@ from typing import Any
 __all__ = ["run_tasks", "tasks_for", "default_timeout", "default_as_limit"]
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
+if _HERE not in sys.path:  # the generator is imported as a sibling module by the workers too
+    sys.path.insert(0, _HERE)
 
 
 def default_timeout() -> float:
