@@ -22,7 +22,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
 from attacks import harness
 from attacks.generate import CASES, OPS_PYCKPT, OPS_SAFETENSORS, generate
 

@@ -35,7 +35,7 @@ from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import generate  # noqa: E402
+import generate
 
 _INTS = [0, 1, -1, 2, 3, 7, 8, 255, 4096, 2**31, 2**32, 2**53 + 1, 2**63 - 1, 2**63, 2**64 - 1,
          2**64, 2**100]
@@ -128,8 +128,9 @@ def main(argv: list[str]) -> int:
         import resource
 
         resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
-    import pyckpt
     from harness import _same, _typed
+
+    import pyckpt
     from pyckpt import _format
 
     base = os.path.join(workdir, "base")
@@ -156,7 +157,7 @@ def main(argv: list[str]) -> int:
         try:
             try:
                 _format.read_index(ckpt)
-            except Exception as e:  # noqa: BLE001 - classified
+            except Exception as e:
                 if not _typed(e):
                     problem = f"read_index raised {type(e).__name__}: {str(e)[:300]}"
             else:
@@ -165,7 +166,7 @@ def main(argv: list[str]) -> int:
                     with warnings.catch_warnings():
                         warnings.simplefilter("ignore")
                         pyckpt.load(sd, ckpt)
-                except Exception as e:  # noqa: BLE001 - classified
+                except Exception as e:
                     # A mutation that deletes a whole item leaves a valid checkpoint without that
                     # key; DCP itself refuses to load a key the checkpoint lacks (documented in
                     # pyckpt.load).

@@ -328,6 +328,13 @@ def _data_dir(c: Ctx) -> None:
     os.mkdir(os.path.join(c.ckpt, name))
 
 
+@case("data_truncated", "the data file is cut to half its recorded size")
+def _data_truncated(c: Ctx) -> None:
+    path = os.path.join(c.ckpt, c.data_file())
+    with open(path, "r+b") as f:
+        f.truncate(os.path.getsize(path) // 2)
+
+
 # --- offsets, lengths, sizes
 
 case("offset_beyond_file", "a chunk of 'w' starts 100 bytes past the end of its data file")(

@@ -174,9 +174,9 @@ def _run_load(ckpt: str, direct: bool) -> tuple[str, str]:
     import warnings
 
     import torch.distributed.checkpoint as dcp
+    from generate import baseline_state_dict, load_template
 
     import pyckpt
-    from generate import baseline_state_dict, load_template
 
     sd = load_template()
     try:
@@ -186,7 +186,7 @@ def _run_load(ckpt: str, direct: bool) -> tuple[str, str]:
                 dcp.load(sd, storage_reader=pyckpt.Reader(ckpt))
             else:
                 pyckpt.load(sd, ckpt)
-    except BaseException as e:  # noqa: BLE001 - classified below
+    except BaseException as e:
         if isinstance(e, KeyboardInterrupt):
             raise
         inner = _unwrap(e)
@@ -210,7 +210,7 @@ def _run_cli(argv: list[str], verify: bool = False) -> tuple[str, str]:
             rc = cli.main(argv)
     except SystemExit as e:
         rc = e.code if isinstance(e.code, int) else 1
-    except BaseException as e:  # noqa: BLE001 - an exception escaping main is a traceback
+    except BaseException as e:
         if isinstance(e, KeyboardInterrupt):
             raise
         return "untyped", "traceback: " + _describe(e)
@@ -238,7 +238,7 @@ def _run_st_header(ckpt: str) -> tuple[str, str]:
         for name in sorted(os.listdir(ckpt)):
             if name.endswith(".safetensors"):
                 _C.read_safetensors_header(os.path.join(ckpt, name))
-    except Exception as e:  # noqa: BLE001 - classified
+    except Exception as e:
         return ("typed" if _typed(e) else "untyped"), _describe(e)
     return "ok", ""
 
@@ -291,7 +291,7 @@ def _worker(root: str, tasks: list[str]) -> int:
     sys.path.insert(0, _HERE)
     import torch  # noqa: F401 - imported once, before the first deadline
 
-    import pyckpt.cli  # noqa: F401
+    import pyckpt.cli
     import pyckpt.storage  # noqa: F401
 
     print("READY", flush=True)
@@ -346,6 +346,7 @@ def _kill(p: subprocess.Popen[bytes]) -> None:
         os.killpg(p.pid, signal.SIGKILL)
     p.wait()
     _stderr_of(p)
+    p.stdout.close()  # type: ignore[union-attr]
 
 
 class _Chain:
@@ -410,6 +411,7 @@ class _Chain:
         if eof:
             rc = self.proc.wait()
             err = _stderr_of(self.proc)[-2000:]
+            self.proc.stdout.close()  # type: ignore[union-attr]
             self.proc = None
             if self.todo:
                 if self.current is None and not self.results and rc != 0:
