@@ -85,3 +85,24 @@ def test_attack(name: str, results: dict[tuple[str, str], dict[str, Any]]) -> No
         if r["marker"]:
             problems.append(f"{op}: the malicious pickle ran (marker file written)")
     assert not problems, f"{name} ({case.description}):\n  " + "\n  ".join(problems)
+
+
+def test_harness_detects_every_failure_kind(tmp_path: Path) -> None:
+    # The harness must be able to fail: each misbehaviour is classified, and the worker chain
+    # carries on with the next task after a hang or a crash.
+    generate(str(tmp_path), names=["unknown_version"])
+    ops = ["selftest_hang", "selftest_ok", "selftest_crash", "selftest_segv", "selftest_outside",
+           "selftest_pickle", "selftest_untyped", "selftest_alloc", "load"]
+    res = harness.run_tasks(str(tmp_path), [("unknown_version", op) for op in ops],
+                            timeout=5, jobs=1)
+    got = {op: res[("unknown_version", op)] for op in ops}
+    assert got["selftest_hang"]["outcome"] == "hang"
+    assert got["selftest_ok"]["outcome"] == "ok" and not got["selftest_ok"]["outside"]
+    assert got["selftest_crash"]["outcome"] == "crash"
+    assert "SIGABRT" in got["selftest_crash"]["detail"]
+    assert got["selftest_segv"]["outcome"] == "crash"
+    assert any("selftest-read" in a for a in got["selftest_outside"]["outside"])
+    assert got["selftest_pickle"]["marker"]
+    assert got["selftest_untyped"]["outcome"] == "untyped"
+    assert got["selftest_alloc"]["outcome"] == "untyped"  # RLIMIT_AS is in force
+    assert got["load"]["outcome"] == "typed", got["load"]

@@ -604,6 +604,19 @@ case("segments_unknown_file", "a segment names a data file not listed in 'files'
     _edit(lambda d, c: d["items"]["w"]["pieces"][0]["segments"][0].__setitem__(
         "file", "9-9.000000000000.pyckpt")))
 
+# Found by the metadata fuzzer (tests/test_fuzz_metadata.py) on the starting commit.
+case("fuzz_chunks_int", "a segment's 'chunks' is the integer 2")(
+    _edit(lambda d, c: d["items"]["b"]["pieces"][0]["segments"][0].__setitem__("chunks", 2)))
+case("fuzz_segments_null", "a piece's 'segments' is null")(
+    _edit(lambda d, c: d["items"]["b"]["pieces"][0].__setitem__("segments", None)))
+case("fuzz_raw_begin_float", "a segment's raw_begin is 0.0")(
+    _edit(lambda d, c: d["items"]["b"]["pieces"][0]["segments"][0].__setitem__("raw_begin", 0.0)))
+case("fuzz_pieces_missing", "tensor 'w' has no 'pieces' member (loads as zeros when defaulted)")(
+    _edit(lambda d, c: d["items"]["w"].pop("pieces")))
+case("fuzz_codec_level_out_of_range", "codec level 4097 (the codec binding refuses it with a "
+     "ValueError at load time)")(
+    _edit(lambda d, c: d["items"]["b"]["pieces"][0]["segments"][0]["codec"].__setitem__(1, 4097)))
+
 # --- BYTE_IO values
 
 

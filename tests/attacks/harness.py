@@ -243,6 +243,33 @@ def _run_st_header(ckpt: str) -> tuple[str, str]:
     return "ok", ""
 
 
+def _selftest(what: str, outside: str) -> tuple[str, str]:
+    """Misbehaving operations that prove the harness detects each failure (test_attacks.py)."""
+    if what == "hang":
+        time.sleep(3600)
+    elif what == "crash":
+        os.abort()
+    elif what == "segv":
+        ctypes.string_at(0)
+    elif what == "outside":
+        with open(os.path.join(outside, "selftest-read"), "a"):
+            pass
+    elif what == "pickle":
+        with open(os.path.join(outside, "PWNED"), "w") as f:
+            f.write("x")
+    elif what == "untyped":
+        try:
+            raise TypeError("selftest")
+        except TypeError as e:
+            return ("typed" if _typed(e) else "untyped"), _describe(e)
+    elif what == "alloc":
+        try:
+            bytearray(8 << 30)  # 8 GiB: over the address-space limit
+        except MemoryError as e:
+            return "untyped", _describe(e)
+    return "ok", ""
+
+
 def _run_task(root: str, case: str, op: str) -> dict[str, Any]:
     cdir = os.path.join(root, "cases", case)
     ckpt = os.path.join(cdir, "ckpt")
@@ -268,6 +295,8 @@ def _run_task(root: str, case: str, op: str) -> dict[str, Any]:
             outcome, detail = _run_cli(["consolidate", ckpt, out, "--quiet", "--no-fsync"])
         elif op == "st_header":
             outcome, detail = _run_st_header(ckpt)
+        elif op.startswith("selftest_"):
+            outcome, detail = _selftest(op[9:], outside)
         else:
             raise ValueError(f"unknown operation {op!r}")
         secs = time.monotonic() - start
