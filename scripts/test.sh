@@ -57,6 +57,8 @@ if has_stage sanitize; then
   else
     # Slower under ASan: a longer per-task deadline for the attack workers; no RLIMIT_AS (ASan
     # reserves terabytes of shadow address space; harness.py drops the limit by itself too).
+    # cmake, ninja and pybind11 come from the venv (the 'sanitize' extra).
+    PATH="$PWD/.venv/bin:$PATH" PYTHON=.venv/bin/python \
     PYCKPT_ATTACK_TIMEOUT=${PYCKPT_ATTACK_TIMEOUT:-40} PYCKPT_FUZZ_SECONDS=20 \
       run_stage_pytest sanitize 0 bash scripts/sanitize.sh -q \
       tests/test_file_io.py tests/test_codec.py tests/test_safetensors_header.py \

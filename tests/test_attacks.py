@@ -91,8 +91,13 @@ def test_harness_detects_every_failure_kind(tmp_path: Path) -> None:
     # The harness must be able to fail: each misbehaviour is classified, and the worker chain
     # carries on with the next task after a hang or a crash.
     generate(str(tmp_path), names=["unknown_version"])
-    ops = ["selftest_hang", "selftest_ok", "selftest_crash", "selftest_segv", "selftest_outside",
-           "selftest_pickle", "selftest_untyped", "selftest_alloc", "load"]
+    ops = ["selftest_hang", "selftest_ok", "selftest_crash", "selftest_outside",
+           "selftest_pickle", "selftest_untyped", "load"]
+    # Under ASan a SIGSEGV becomes a sanitizer report (failing the sanitizer stage by design) and
+    # there is no RLIMIT_AS to hit.
+    native = not harness.under_sanitizer() and harness.default_as_limit() > 0
+    if native:
+        ops += ["selftest_segv", "selftest_alloc"]
     res = harness.run_tasks(str(tmp_path), [("unknown_version", op) for op in ops],
                             timeout=5, jobs=1)
     got = {op: res[("unknown_version", op)] for op in ops}
@@ -100,9 +105,10 @@ def test_harness_detects_every_failure_kind(tmp_path: Path) -> None:
     assert got["selftest_ok"]["outcome"] == "ok" and not got["selftest_ok"]["outside"]
     assert got["selftest_crash"]["outcome"] == "crash"
     assert "SIGABRT" in got["selftest_crash"]["detail"]
-    assert got["selftest_segv"]["outcome"] == "crash"
     assert any("selftest-read" in a for a in got["selftest_outside"]["outside"])
     assert got["selftest_pickle"]["marker"]
     assert got["selftest_untyped"]["outcome"] == "untyped"
-    assert got["selftest_alloc"]["outcome"] == "untyped"  # RLIMIT_AS is in force
+    if native:
+        assert got["selftest_segv"]["outcome"] == "crash"
+        assert got["selftest_alloc"]["outcome"] == "untyped"  # RLIMIT_AS is in force
     assert got["load"]["outcome"] == "typed", got["load"]

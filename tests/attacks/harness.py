@@ -41,7 +41,7 @@ import time
 from collections.abc import Iterable
 from typing import Any
 
-__all__ = ["run_tasks", "tasks_for", "default_timeout", "default_as_limit"]
+__all__ = ["run_tasks", "tasks_for", "default_timeout", "default_as_limit", "under_sanitizer"]
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 if _HERE not in sys.path:  # the generator is imported as a sibling module by the workers too
@@ -53,11 +53,16 @@ def default_timeout() -> float:
     return float(os.environ.get("PYCKPT_ATTACK_TIMEOUT", "10"))
 
 
+def under_sanitizer() -> bool:
+    """True when the workers run under AddressSanitizer (scripts/sanitize.sh)."""
+    return "asan" in os.environ.get("LD_PRELOAD", "") or bool(os.environ.get("ASAN_OPTIONS"))
+
+
 def default_as_limit() -> int:
     """Address-space limit of a worker in bytes (``PYCKPT_ATTACK_AS_GIB``, default 4; 0 = none).
 
     No limit under AddressSanitizer, which reserves terabytes of shadow address space."""
-    if "asan" in os.environ.get("LD_PRELOAD", "") or os.environ.get("ASAN_OPTIONS"):
+    if under_sanitizer():
         return 0
     return int(float(os.environ.get("PYCKPT_ATTACK_AS_GIB", "4")) * 2**30)
 
