@@ -6,11 +6,14 @@ Usage::
 
 Layout of the corpus (everything is generated, nothing large is committed)::
 
-    OUT_DIR/outside/                 files that no reader may open (targets of symlinks and
-                                     traversal names; the marker a malicious pickle would write)
     OUT_DIR/cases/<name>/DESCRIPTION what the case does, one paragraph
     OUT_DIR/cases/<name>/case.json   {"name", "kind", "may_pass", "any_error", "description"}
     OUT_DIR/cases/<name>/ckpt/       the hostile checkpoint (pyckpt dir or safetensors dir)
+    OUT_DIR/cases/<name>/outside/    files that no reader may open (targets of symlinks and
+                                     traversal names; the marker a malicious pickle would write)
+
+Each case has its own ``outside/`` so that cases can run in parallel and an access is always
+attributed to the case that caused it.
 
 Every pyckpt case starts from a real checkpoint written by :func:`pyckpt.save` (so it follows the
 format of the tree under test) and changes one thing. Metadata is written by
@@ -245,9 +248,9 @@ def _traversal(new_name: Callable[[Ctx, str], str], place: Callable[[Ctx, str], 
 case("name_dotdot", "data file named '../<name>': the file lies next to the checkpoint "
      "directory, not in it")(_traversal(
          lambda c, old: "../" + old, lambda c, old: os.path.join(c.case, old)))
-case("name_traversal_outside", "data file named '../../../outside/<name>', reaching the "
-     "corpus's outside/ directory")(_traversal(
-         lambda c, old: "../../../outside/" + old, lambda c, old: os.path.join(c.outside, old)))
+case("name_traversal_outside", "data file named '../outside/<name>', reaching the case's "
+     "outside/ directory")(_traversal(
+         lambda c, old: "../outside/" + old, lambda c, old: os.path.join(c.outside, old)))
 case("name_absolute", "data file named by an absolute path into outside/")(_traversal(
     lambda c, old: os.path.join(c.outside, "abs-" + old),
     lambda c, old: os.path.join(c.outside, "abs-" + old)))
@@ -719,7 +722,7 @@ st_case("st_nested_header", "a header whose __metadata__ nests 100,000 objects d
 
 
 @st_case("st_index_outside", "model.safetensors.index.json maps a tensor to "
-         "'../../../outside/x.safetensors'; the directory's own shard is valid",
+         "'../outside/x.safetensors'; the directory's own shard is valid",
          may_pass=("st_header", "consolidate"))
 def _st_index(c: Ctx) -> None:
     with open(os.path.join(c.outside, "x.safetensors"), "wb") as f:
@@ -728,7 +731,7 @@ def _st_index(c: Ctx) -> None:
         f.write(_st_bytes(_ST_OK[:1]))
     with open(os.path.join(c.ckpt, "model.safetensors.index.json"), "w") as f:
         json.dump({"metadata": {}, "weight_map": {"a": "model-00001-of-00001.safetensors",
-                                                  "b": "../../../outside/x.safetensors"}}, f)
+                                                  "b": "../outside/x.safetensors"}}, f)
 
 
 @st_case("st_symlink_outside", "the shard is a symlink to a valid file in outside/")
@@ -750,15 +753,15 @@ def _st_fifo(c: Ctx) -> None:
 def generate(root: str, names: list[str] | None = None) -> list[Case]:
     """Writes the corpus under ``root`` (which must not exist or be empty); returns its cases."""
     root = os.path.abspath(root)
-    outside = os.path.join(root, "outside")
-    os.makedirs(outside, exist_ok=True)
+    os.makedirs(root, exist_ok=True)
     base = os.path.join(root, ".baseline")
     _save_baseline(base)
     chosen = [c for c in CASES if names is None or c.name in names]
     for cs in chosen:
         cdir = os.path.join(root, "cases", cs.name)
         ckpt = os.path.join(cdir, "ckpt")
-        os.makedirs(cdir)
+        outside = os.path.join(cdir, "outside")
+        os.makedirs(outside)
         if cs.kind == "pyckpt":
             shutil.copytree(base, ckpt)
         else:

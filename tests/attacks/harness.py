@@ -7,8 +7,9 @@ worker ROOT TASK...``) that import torch once and run many tasks in a row, each:
   the file and allocates it fails here instead of swapping the machine),
 * with a per-task deadline enforced by the parent: a task that overruns it is a *hang*; the
   worker is killed and a fresh one resumes with the next task,
-* with inotify watches on the corpus root, on ``outside/`` and on the case directory: any open,
-  read, write or creation there (other than the case's own ``ckpt/`` and ``out/``) is recorded,
+* with inotify watches on the case directory and its ``outside/``: any open, read, write or
+  creation there (other than in the case's own ``ckpt/`` and ``out/``) is recorded (each case
+  has its own ``outside/``, so parallel workers never see each other's accesses),
 * checking that the malicious pickle's marker file never appears.
 
 A worker that dies (signal, abort, non-zero exit) while running a task records a *crash* for it.
@@ -280,13 +281,11 @@ def _run_task(root: str, case: str, op: str) -> dict[str, Any]:
     cdir = os.path.join(root, "cases", case)
     ckpt = os.path.join(cdir, "ckpt")
     out = os.path.join(cdir, "out", op)
-    outside = os.path.join(root, "outside")
+    outside = os.path.join(cdir, "outside")
     marker = os.path.join(outside, "PWNED")
     w = Watcher()
     try:
-        w.watch(root, allowed=("cases",))
-        w.watch(os.path.join(root, "cases"), allowed=(case,))
-        w.watch(cdir, allowed=("ckpt", "out"))
+        w.watch(cdir, allowed=("ckpt", "out", "outside"))  # outside/ has its own watch
         w.watch(outside)
         start = time.monotonic()
         if op in ("load", "dcp_load"):
