@@ -17,7 +17,7 @@ export PYTHONDEVMODE=1 HYPOTHESIS_PROFILE=${HYPOTHESIS_PROFILE:-ci}
 STAGES=${PYCKPT_TEST_STAGES:-tests benchmarks fuzz sanitize}
 status=0
 
-# run_pytest NAME MAY_BE_EMPTY CMD...: a run that collected nothing (pytest exit 5) fails unless
+# run_stage_pytest NAME MAY_BE_EMPTY CMD...: a run that collected nothing (pytest exit 5) fails unless
 # MAY_BE_EMPTY is 1 (a selection that legitimately holds no test on this machine).
 run_stage_pytest() {
   local name=$1 may_be_empty=$2 rc=0
@@ -62,7 +62,7 @@ if has_stage sanitize; then
     PYCKPT_ATTACK_TIMEOUT=${PYCKPT_ATTACK_TIMEOUT:-40} PYCKPT_FUZZ_SECONDS=20 \
       run_stage_pytest sanitize 0 bash scripts/sanitize.sh -q \
       tests/test_file_io.py tests/test_codec.py tests/test_safetensors_header.py \
-      tests/test_consolidate.py tests/test_attacks.py tests/test_fuzz_metadata.py
+      tests/test_attacks.py tests/test_fuzz_metadata.py
   fi
 fi
 exit $status
