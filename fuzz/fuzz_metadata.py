@@ -3,7 +3,8 @@
 Input: the bytes of ``pyckpt.json``, written into a checkpoint directory that also holds a
 4 KiB data file ``0-0.000000000000.pyckpt`` (so documents naming it get past the file checks).
 When the format under test seals its metadata with a checksum member, an input ending in ``}``
-gets a valid checksum (an existing checksum member is replaced first), so mutations reach the
+gets a valid checksum (an existing checksum member is replaced first, and a ``"version":1`` seed
+is relabelled as the current version), so mutations reach the
 parser and the schema checks behind the checksum instead of all dying at it.
 Every input must be accepted or refused with a typed error (pyckpt.PyckptError / OSError).
 """
@@ -28,6 +29,8 @@ _SEAL_RE = re.compile(rb',"checksum":"xxh64:[0-9a-f]{16}"\}$')
 def _seal(data: bytes) -> bytes:
     if not _SEALS or not data.endswith(b"}"):
         return data
+    # The seeds are version-1 documents (no checksum); present them as the current version.
+    data = data.replace(b'"version":1,', b'"version":%d,' % _format.FORMAT_VERSION, 1)
     head = _SEAL_RE.sub(b"}", data)[:-1]
     return head + b',"checksum":"xxh64:' + b"%016x" % _C.xxh64(head) + b'"}'
 
