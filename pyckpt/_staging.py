@@ -285,7 +285,9 @@ class DeviceStaging:
             pool = self._region_pool
             if pool is None or pool.block_bytes < size:
                 # Two regions: the next stage() may run while the previous save still writes.
-                pool = _C.PinnedPool(self._rt, size, 2)
+                # Without a usable runtime (a CPU-only machine) only host tensors can be staged:
+                # plain page-aligned host memory serves them.
+                pool = _C.PinnedPool(self._rt if self.available else None, size, 2)
                 self._region_pool = pool
         region = pool.acquire()
         self._regions[region.address] = region

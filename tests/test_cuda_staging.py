@@ -535,3 +535,29 @@ def test_pyckpt_writer_async_save_20_times_reuses_pinned_memory(fake, tmp_path) 
     with Reader(tmp_path / "c") as r:
         dcp.load(out, storage_reader=r, no_dist=True)
     assert torch.equal(out["w"], expected)
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
+@pytest.mark.parametrize("setting", ["unusable-runtime", "cuda-off"])
+def test_async_save_of_host_tensors_needs_no_cuda_runtime(tmp_path, setting) -> None:
+    """A CPU-only machine: the staged copy of host tensors lives in plain host memory."""
+    import torch.distributed.checkpoint as dcp
+
+    knobs = (
+        {"cudart_path": str(tmp_path / "no-such-libcudart.so"), "cuda_mode": "auto"}
+        if setting == "unusable-runtime" else {"cuda_mode": "off"}
+    )
+    sd = {"w": torch.randn(256, 64), "step": torch.tensor(3)}
+    expect = {k: v.clone() for k, v in sd.items()}
+    with _knobs.override(**knobs):
+        with pyckpt.Writer(tmp_path / "c", compression="zstd") as w:
+            fut = dcp.async_save(sd, storage_writer=w, no_dist=True)
+            for v in sd.values():
+                v.add_(1)  # training continues while the checkpoint is written
+            fut.result()
+            assert w._device_staging().stats()["regions_outstanding"] == 0
+    out = {k: torch.zeros_like(v) for k, v in expect.items()}
+    with pyckpt.Reader(tmp_path / "c") as r:
+        dcp.load(out, storage_reader=r, no_dist=True)
+    for k, v in expect.items():
+        assert torch.equal(out[k], v)
