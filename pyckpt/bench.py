@@ -1,6 +1,6 @@
 """Workloads and a same-run comparison of pyckpt against DCP's own storage.
 
-Used by ``pyckpt bench``, the demo (``examples/demo.py``) and ``benchmarks/compare_e2e.py``.
+Used by ``pyckpt bench`` and ``benchmarks/compare_e2e.py``.
 Every figure is measured in one process, one after the other, on the same state dict and the same
 filesystem, so ratios are meaningful even where absolute times drift.
 
