@@ -13,13 +13,12 @@ import importlib.util
 import json
 import math
 import os
-import struct
 import subprocess
 import sys
-import zlib
 from pathlib import Path
 
 import pytest
+from _png import png_size
 
 pytest.importorskip("transformers", reason="the demo needs transformers (pip install 'pyckpt[demo]')")
 pytest.importorskip("matplotlib", reason="the demo needs matplotlib (pip install 'pyckpt[demo]')")
@@ -36,31 +35,6 @@ def _demo_module():
         sys.modules[name] = module  # dataclasses look their module up while the file executes
         spec.loader.exec_module(module)
     return sys.modules[name]
-
-
-def _png_size(path: Path) -> tuple[int, int]:
-    """Parses a PNG strictly (signature, chunk CRCs, IHDR first, IEND last, image data
-    decompresses to exactly one filter byte + one row per line); returns (width, height)."""
-    data = path.read_bytes()
-    assert data[:8] == b"\x89PNG\r\n\x1a\n", "not a PNG signature"
-    pos, chunks, idat = 8, [], b""
-    while pos < len(data):
-        (length,) = struct.unpack(">I", data[pos:pos + 4])
-        kind = data[pos + 4:pos + 8]
-        body = data[pos + 8:pos + 8 + length]
-        (crc,) = struct.unpack(">I", data[pos + 8 + length:pos + 12 + length])
-        assert zlib.crc32(kind + body) == crc, f"bad CRC in chunk {kind!r}"
-        chunks.append((kind, body))
-        if kind == b"IDAT":
-            idat += body
-        pos += 12 + length
-    assert pos == len(data)
-    assert chunks[0][0] == b"IHDR" and chunks[-1][0] == b"IEND"
-    width, height, depth, color = struct.unpack(">IIBB", chunks[0][1][:10])
-    channels = {0: 1, 2: 3, 3: 1, 4: 2, 6: 4}[color]
-    row = (width * channels * depth + 7) // 8
-    assert len(zlib.decompress(idat)) == height * (1 + row)
-    return width, height
 
 
 @pytest.mark.distributed
@@ -92,7 +66,7 @@ def test_demo_trains_crashes_resumes_bit_identically_and_exports(tmp_path: Path)
     hf = work / "export" / "hf"
     assert (hf / "config.json").is_file() and (hf / "model.safetensors.index.json").is_file()
     assert f"plot: {work / 'demo.png'}" in out
-    width, height = _png_size(work / "demo.png")
+    width, height = png_size(work / "demo.png")
     assert width >= 600 and height >= 400
 
 
