@@ -558,19 +558,23 @@ def _plot(path: Path, summary: dict[str, Any]) -> None:
 
     a = ax[1][0]
     mib = [summary["bytes_pyckpt"] / 2**20, summary["bytes_dcp"] / 2**20]
-    a.bar(["pyckpt zstd", "DCP"], mib, color=[blue, orange])
-    a.axhline(summary["bytes_raw"] / 2**20, color="0.3", ls="--", lw=1, label="raw tensor bytes")
-    for i, v in enumerate(mib):
-        a.text(i, v, f"{v:.1f}", ha="center", va="bottom")
+    bars = a.bar(["pyckpt zstd", "DCP"], mib, color=[blue, orange])
+    a.bar_label(bars, [f"{v:.1f}" for v in mib])
+    raw = summary["bytes_raw"] / 2**20
+    a.axhline(raw, color="0.3", ls="--", lw=1, label="raw tensor bytes")
+    a.set_ylim(0, 1.25 * max(mib + [raw]))  # room for the legend
     a.set(title=f"checkpoint on disk (step {summary['bytes_step']})", ylabel="MiB")
-    a.legend(loc="lower right")
+    a.legend(loc="upper right")
 
     a = ax[1][1]
     labels = ["resume (load)", "export (consolidate)"]
     ours = [summary["load_pyckpt_s"], summary["export_pyckpt_s"]]
     theirs = [summary["load_dcp_s"], summary["export_torch_s"]]
-    a.bar([i - w / 2 for i in range(2)], ours, w, color=blue, label="pyckpt")
-    a.bar([i + w / 2 for i in range(2)], theirs, w, color=orange, label="DCP / torch")
+    for xs, vals, color, label in (([i - w / 2 for i in range(2)], ours, blue, "pyckpt"),
+                                   ([i + w / 2 for i in range(2)], theirs, orange,
+                                    "DCP / torch")):
+        bars = a.bar(xs, vals, w, color=color, label=label)
+        a.bar_label(bars, [f"{v:.3f}" for v in vals], fontsize=8)
     a.set_xticks(range(2), labels)
     a.set(title="time", ylabel="s")
     a.legend()
