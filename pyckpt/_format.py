@@ -33,10 +33,13 @@ import uuid
 from array import array
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 from pyckpt import _C
 from pyckpt.errors import CheckpointFormatError, UnsupportedDtypeError
+
+if TYPE_CHECKING:
+    from pyckpt._C import CodecParams
 
 __all__ = [
     "FORMAT_NAME",
@@ -207,7 +210,7 @@ def data_file_rank(name: str) -> int:
 
 def codec_params_for(
     dtype_name: str, compression: str | None, level: int, byte_grouping: bool
-) -> tuple[str, int, int, str]:
+) -> CodecParams:
     """Chooses the codec params for a tensor of ``dtype_name``.
 
     Args:
@@ -220,11 +223,11 @@ def codec_params_for(
         The ``params`` tuple passed to the native core.
     """
     if compression in (None, "none"):
-        return ("none", 0, 1, "none")
+        return cast("CodecParams", ("none", 0, 1, "none"))
     if compression != "zstd":
         raise ValueError(f"unknown compression {compression!r}; expected None or 'zstd'")
     planes, transform = _GROUPING.get(dtype_name, (1, "none")) if byte_grouping else (1, "none")
-    return ("zstd", int(level), planes, transform)
+    return cast("CodecParams", ("zstd", int(level), planes, transform))
 
 
 @dataclass(frozen=True, slots=True)
@@ -749,7 +752,8 @@ class _Validator:
         else:
             raise self.fail(f"{path}[0]", f"unknown codec {_describe(codec)}")
         result = (codec, level, elem_size, transform)
-        self.params[(dtype, *params)] = result
+        key = (dtype, *params)
+        self.params[key] = result
         return result
 
     def segments_of(

@@ -185,6 +185,8 @@ class DeviceStaging:
     def stager(self, device: int) -> Any:
         """The stager of ``device`` (its side stream is created once, on first use)."""
         pool = self.pool()
+        self._require("staging on a device")
+        assert self._rt is not None  # _require() refuses a missing runtime
         with self._lock:
             st = self._stagers.get(device)
             if st is None:

@@ -135,7 +135,7 @@ def minilm_state_dict(train_steps: int = 3, *, seed: int = 0) -> tuple[dict[str,
     model: torch.nn.Module | None = None
     if d is not None:
         try:
-            from transformers import BertConfig, BertModel  # type: ignore[import-not-found]
+            from transformers import BertConfig, BertModel
 
             model = BertModel(BertConfig.from_json_file(str(d / "config.json")))
             missing, _ = model.load_state_dict(

@@ -349,9 +349,11 @@ def _build_metadata(per_rank: Sequence[_RankItems]) -> Metadata:
     md: dict[str, Any] = {}
     for rank, mine in enumerate(per_rank):
         for item, entry in mine:
-            span = entry.parts.get(rank, ())
-            if span == () or (span is not None and span[0] != 0):
-                continue  # not written here, or not this item's first bytes
+            if rank not in entry.parts:
+                continue  # not written here
+            span = entry.parts[rank]
+            if span is not None and span[0] != 0:
+                continue  # not this item's first bytes
             index = item.index
             if item.type != WriteItemType.SHARD and index.fqn in md:
                 raise ValueError(f"{index.fqn!r} is saved both as a whole value and as shards")

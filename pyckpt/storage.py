@@ -25,7 +25,7 @@ import threading
 import uuid
 import weakref
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 import torch
@@ -54,6 +54,9 @@ from pyckpt import _C, _format, _knobs
 from pyckpt._format import DTYPE_SIZES, METADATA_FILE
 from pyckpt._staging import AsyncStagingMixin, StagingMixin, block_bytes_for
 from pyckpt.errors import UnsupportedDtypeError
+
+if TYPE_CHECKING:
+    from pyckpt._C import CodecParams
 
 __all__ = ["Writer", "Reader"]
 
@@ -203,7 +206,7 @@ def _save_id_of(files: dict[str, int]) -> str | None:
 class _Written:
     """One rank's part of an item: segments with data-file names, and that file's size."""
 
-    segments: list[tuple[str, int, tuple[str, int, int, str], list[tuple[Any, ...]]]]
+    segments: list[tuple[str, int, CodecParams, list[tuple[Any, ...]]]]
     file: str
     file_size: int
 
@@ -253,7 +256,7 @@ class _NativeUser:
         state = self.__dict__.copy()
         state["_native"] = _Native(self.threads, self._native._default)
         state.update(dict.fromkeys(self._transient))
-        return self._drop_staging_state(state)  # type: ignore[attr-defined,no-any-return]
+        return self._drop_staging_state(state)  # type: ignore[attr-defined]
 
 
 class Writer(_NativeUser, AsyncStagingMixin, StorageWriter):
@@ -451,7 +454,7 @@ class Writer(_NativeUser, AsyncStagingMixin, StorageWriter):
             )
         return out
 
-    def _params(self, dtype_name: str) -> tuple[str, int, int, str]:
+    def _params(self, dtype_name: str) -> CodecParams:
         level = self.level if self.level is not None else _knobs.zstd_level()
         return _format.codec_params_for(dtype_name, self.compression, level, self.byte_grouping)
 
@@ -491,19 +494,20 @@ class Writer(_NativeUser, AsyncStagingMixin, StorageWriter):
 
         chunk_bytes = self.chunk_bytes or _knobs.chunk_bytes()
         keepalive: list[Any] = []
-        requests: list[tuple[str, int, int, tuple[str, int, int, str]]] = []
+        requests: list[tuple[str, int, int, CodecParams]] = []
         starts: list[int] = []
         owners: list[int] = []  # plan item of each request
-        on_device: list[tuple[int, str, torch.Tensor, int, tuple[str, int, int, str]]] = []
+        on_device: list[tuple[int, str, torch.Tensor, int, CodecParams]] = []
         for idx, item in enumerate(plan.items):
             fqn = item.index.fqn
             data = planner.resolve_data(item)
             if item.type == WriteItemType.BYTE_IO:
-                raw = data.getbuffer() if isinstance(data, io.BytesIO) else memoryview(data)
+                raw = data.getbuffer() if isinstance(data, io.BytesIO) else memoryview(cast(Any, data))
                 arr = np.frombuffer(raw, dtype=np.uint8)
                 keepalive.append(arr)
                 base, nbytes, dtype_name = arr.ctypes.data, arr.nbytes, "uint8"
             elif self._stages_on_device(data):
+                data = cast(torch.Tensor, data)
                 flat = _device_bytes(data, fqn)
                 start, end = rank_plan.ranges.get(item.index, (0, flat.numel()))
                 if not 0 <= start <= end <= flat.numel():
@@ -514,7 +518,7 @@ class Writer(_NativeUser, AsyncStagingMixin, StorageWriter):
                 on_device.append((idx, fqn, flat[start:end], start, params))
                 continue
             else:
-                t = _host_bytes(data, fqn)
+                t = _host_bytes(cast(torch.Tensor, data), fqn)
                 keepalive.append(t)
                 base, nbytes, dtype_name = t.data_ptr(), t.numel() * t.element_size(), _dtype_name(
                     t.dtype
@@ -527,7 +531,7 @@ class Writer(_NativeUser, AsyncStagingMixin, StorageWriter):
             owners.append(idx)
 
         name = _format.data_file_name(rank_plan.rank, 0, rank_plan.save_id or save.save_id)
-        direct = self.direct_io or _knobs.direct_io()
+        direct = cast(Any, self.direct_io or _knobs.direct_io())
         fsync = self.fsync if self.fsync is not None else _knobs.fsync()
         if self._staging is None:
             # Allocated once per writer: on this class of VM freshly faulted-in memory runs at a
@@ -569,7 +573,7 @@ class Writer(_NativeUser, AsyncStagingMixin, StorageWriter):
         self,
         fw: Any,
         name: str,
-        items: list[tuple[int, str, torch.Tensor, int, tuple[str, int, int, str]]],
+        items: list[tuple[int, str, torch.Tensor, int, CodecParams]],
         chunk_bytes: int,
         segments: dict[int, list[Any]],
         stored_bytes: dict[int, int],

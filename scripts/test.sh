@@ -6,15 +6,17 @@
 #   3. fuzz        every atheris harness in fuzz/ for PYCKPT_FUZZ_SECONDS_PER_HARNESS (default 60)
 #   4. sanitize    scripts/sanitize.sh: the C++-heavy tests and the attack corpus against an
 #                  ASan+UBSan build of the extension
+#   5. cpp         the C++ unit tests (tests/cpp) under ctest, warnings as errors
+#   6. lint        ruff, mypy on pyckpt/, clang-format on csrc/ and tests/cpp/
 # Extra arguments go to the stage-1 pytest run. PYCKPT_TEST_STAGES (default
-# "tests benchmarks fuzz sanitize") selects stages, e.g. PYCKPT_TEST_STAGES=tests for a quick run.
+# "lint tests benchmarks fuzz sanitize cpp") selects stages, e.g. PYCKPT_TEST_STAGES=tests.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh
 # .venv/bin/pytest (not "python -m pytest", which puts the checkout on sys.path) imports the
 # installed package, never the source tree.
 export PYTHONDEVMODE=1 HYPOTHESIS_PROFILE=${HYPOTHESIS_PROFILE:-ci}
-STAGES=${PYCKPT_TEST_STAGES:-tests benchmarks fuzz sanitize}
+STAGES=${PYCKPT_TEST_STAGES:-lint tests benchmarks fuzz sanitize cpp}
 status=0
 
 # run_stage_pytest NAME MAY_BE_EMPTY CMD...: a run that collected nothing (pytest exit 5) fails unless
@@ -37,6 +39,21 @@ run_stage_pytest() {
 
 has_stage() { case " $STAGES " in *" $1 "*) return 0 ;; *) return 1 ;; esac; }
 
+# run_stage NAME CMD...: runs a non-pytest stage; a failure marks the run failed and goes on.
+run_stage() {
+  local name=$1
+  shift
+  echo "=== [$name] $*"
+  "$@" || { echo "=== [$name] FAILED"; status=1; }
+}
+
+if has_stage lint; then
+  run_stage lint .venv/bin/ruff check pyckpt tests benchmarks examples fuzz
+  run_stage lint .venv/bin/mypy pyckpt
+  # shellcheck disable=SC2046
+  run_stage lint .venv/bin/clang-format --dry-run --Werror \
+    $(git ls-files 'csrc/*.[ch]pp' 'tests/cpp/*.[ch]pp')
+fi
 if has_stage tests; then
   run_stage_pytest tests 0 .venv/bin/pytest -p no:cacheprovider --rootdir=. -c pyproject.toml \
     tests "$@"
@@ -64,5 +81,14 @@ if has_stage sanitize; then
       tests/test_file_io.py tests/test_codec.py tests/test_safetensors_header.py \
       tests/test_attacks.py tests/test_fuzz_metadata.py
   fi
+fi
+if has_stage cpp; then
+  cpp_tests() {
+    PATH="$PWD/.venv/bin:$PATH" cmake -S . -B build/ctest -G Ninja -DCMAKE_BUILD_TYPE=Release \
+      -DPYCKPT_BUILD_TESTS=ON -DPYCKPT_WERROR=ON >/dev/null \
+      && PATH="$PWD/.venv/bin:$PATH" cmake --build build/ctest -j"$(nproc)" >/dev/null \
+      && ctest --test-dir build/ctest --output-on-failure
+  }
+  run_stage cpp cpp_tests
 fi
 exit $status
