@@ -314,6 +314,8 @@ class Result:
     raw_bytes: int
     bit_exact: bool
     save_runs: list[float] = field(default_factory=list)
+    cold_runs: list[float] = field(default_factory=list)
+    warm_runs: list[float] = field(default_factory=list)
 
     @property
     def save_gbps(self) -> float:
@@ -373,6 +375,8 @@ def run_method(method: str, sd: dict[str, Any], workdir: Path, repeats: int = 3)
         raw_bytes=state_dict_bytes(sd),
         bit_exact=exact,
         save_runs=saves,
+        cold_runs=colds,
+        warm_runs=warms,
     )
 
 
@@ -402,13 +406,21 @@ def format_table(report: dict[str, Any]) -> str:
     lines = [
         f"state dict: {raw / 2**20:.1f} MiB; O_DIRECT write + fsync: "
         f"{report['direct_write_Bps'] / 1e9:.2f} GB/s",
-        f"{'method':<14}{'save s':>9}{'GB/s':>7}{'cold load s':>13}{'warm load s':>13}"
+        "seconds: median [min-max] over the repeats",
+        f"{'method':<14}{'save s':>22}{'GB/s':>7}{'cold load s':>22}{'warm load s':>22}"
         f"{'on disk MiB':>13}{'x raw':>7}  exact",
     ]
+
+    def spread(median: float, runs: list[float]) -> str:
+        if not runs:
+            return f"{median:.3f}"
+        return f"{median:.3f} [{min(runs):.3f}-{max(runs):.3f}]"
+
     for r in results:
         lines.append(
-            f"{r.method:<14}{r.save_s:>9.3f}{r.save_gbps:>7.2f}{r.load_cold_s:>13.3f}"
-            f"{r.load_warm_s:>13.3f}{r.disk_bytes / 2**20:>13.1f}{r.disk_bytes / raw:>7.3f}"
+            f"{r.method:<14}{spread(r.save_s, r.save_runs):>22}{r.save_gbps:>7.2f}"
+            f"{spread(r.load_cold_s, r.cold_runs):>22}{spread(r.load_warm_s, r.warm_runs):>22}"
+            f"{r.disk_bytes / 2**20:>13.1f}{r.disk_bytes / raw:>7.3f}"
             f"  {'yes' if r.bit_exact else 'NO'}"
         )
 
