@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -73,3 +76,63 @@ def test_bench_smoke(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None
     out = capsys.readouterr().out
     assert "pyckpt+zstd" in out and "dcp-t1" in out and "NO" not in out.split("exact", 1)[1]
     assert (tmp_path / "r.json").is_file()
+
+
+def _cli(*argv: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "pyckpt", *argv], capture_output=True, text=True, timeout=300,
+        env={**os.environ, "PYTHONWARNINGS": "ignore"},
+    )
+
+
+@pytest.fixture
+def complex_ckpt(tmp_path: Path) -> Path:
+    """A pyckpt checkpoint whose complex128 tensor has no safetensors spelling."""
+    path = tmp_path / "cplx"
+    sd = {"z": torch.arange(6).to(torch.complex128)}
+    dcp.save(sd, storage_writer=pyckpt.Writer(path, compression=None))
+    return path
+
+
+def test_consolidate_error_is_one_line_no_bar(complex_ckpt: Path, tmp_path: Path) -> None:
+    # Single-worker consolidate used to print a raw traceback for UnsupportedDtypeError, and
+    # the progress bar before it.
+    r = _cli("consolidate", str(complex_ckpt), str(tmp_path / "out"))
+    assert r.returncode == 1, r.stderr
+    assert r.stderr.startswith("pyckpt consolidate: error: "), r.stderr
+    assert "'z'" in r.stderr and "complex128" in r.stderr
+    # One line: no traceback, no progress bar drawn before the error.
+    assert r.stderr.count("\n") == 1 and "\r" not in r.stderr, r.stderr
+    r = _cli("consolidate", str(complex_ckpt), str(tmp_path / "out"), "--debug")
+    assert r.returncode != 0
+    assert "Traceback" in r.stderr and "UnsupportedDtypeError" in r.stderr
+
+
+@pytest.mark.parametrize("cmd", ["inspect", "verify", "convert", "consolidate"])
+def test_missing_directory_is_named(cmd: str, tmp_path: Path) -> None:
+    missing = str(tmp_path / "no" / "such")
+    argv = [cmd, missing] + ([str(tmp_path / "out")] if cmd in ("convert", "consolidate") else [])
+    r = _cli(*argv)
+    assert r.returncode == 1, r.stderr
+    assert r.stderr.startswith(f"pyckpt {cmd}: error: "), r.stderr
+    assert "does not exist" in r.stderr and missing in r.stderr
+    assert "pyckpt.json is missing" not in r.stderr and "Traceback" not in r.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_pyckpt_errors_of_every_class_are_one_line(
+    ckpt: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from pyckpt import errors, tools
+
+    for cls in (errors.PyckptError, errors.CompressionError, errors.UnsupportedDtypeError,
+                errors.CheckpointFormatError, errors.ChecksumError, errors.CudaError):
+        def boom(*_a: object, _cls: type = cls, **_k: object) -> None:
+            raise _cls(f"bad item 'x' ({_cls.__name__})")
+
+        monkeypatch.setattr(tools, "summarize", boom)
+        assert main(["inspect", str(ckpt)]) == 1
+        err = capsys.readouterr().err
+        assert err == f"pyckpt inspect: error: bad item 'x' ({cls.__name__})\n"
+        with pytest.raises(cls):
+            main(["inspect", str(ckpt), "--debug"])
