@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pyckpt import _C, _format, _knobs
+from pyckpt.errors import PyckptError
 
 __all__ = [
     "CheckpointSummary",
@@ -125,8 +126,10 @@ def verify(path: str | os.PathLike[str], threads: int | None = None) -> VerifyRe
     """Reads every chunk of a checkpoint, checking sizes, checksums and zstd frames.
 
     Raises:
-        FileNotFoundError / CheckpointFormatError: the metadata itself is missing or invalid
-            (per-item data errors are collected in the report instead).
+        FileNotFoundError / CheckpointFormatError: the metadata itself is missing or invalid.
+            Per-item data errors (ChecksumError, CompressionError, CheckpointFormatError,
+            UnsupportedDtypeError, MemoryError, OSError) are collected in the report instead,
+            keyed by item name, as ``"<ErrorClass>: <message>"``.
     """
     index = _format.read_index(path)
     pool = _C.ThreadPool(threads or _knobs.read_threads())
@@ -143,7 +146,10 @@ def verify(path: str | os.PathLike[str], threads: int | None = None) -> VerifyRe
             report.items_checked += 1
             try:
                 _verify_piece(name, segments, nbytes, pool, report)
-            except (OSError, ValueError, RuntimeError) as e:  # typed errors from the core
+            except (PyckptError, OSError, ValueError, RuntimeError, MemoryError) as e:
+                # Every typed error of one item (CompressionError and UnsupportedDtypeError are
+                # not ValueErrors; a damaged size can ask for more memory than there is) marks
+                # that item corrupt, names it and the reason, and the other items still run.
                 report.errors[name] = f"{type(e).__name__}: {e}"
     finally:
         pool.shutdown()

@@ -136,3 +136,33 @@ def test_pyckpt_errors_of_every_class_are_one_line(
         assert err == f"pyckpt inspect: error: bad item 'x' ({cls.__name__})\n"
         with pytest.raises(cls):
             main(["inspect", str(ckpt), "--debug"])
+
+
+def test_verify_reports_compression_error_per_item(
+    ckpt: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # A damaged zstd frame whose recorded checksum was updated to match: only decoding can find
+    # it, and it raises CompressionError, which verify let escape as a traceback.
+    from pyckpt import _C
+
+    index = _format.read_index(ckpt)
+    path, _, _, chunks = index.tensors["layer.weight"].pieces[0].segments[0]
+    off, _raw_len, old_sum, _transform, planes = chunks[1]
+    stored = sum(planes[1::2])
+    with open(path, "r+b") as f:
+        f.seek(off)
+        data = bytearray(f.read(stored))
+        pos = 0
+        for plane_len in planes[1::2]:  # damage every plane's zstd frame magic
+            data[pos] ^= 0x5A
+            pos += plane_len
+        f.seek(off)
+        f.write(data)
+    meta = ckpt / _format.METADATA_FILE
+    text = meta.read_text()
+    assert text.count(str(old_sum)) == 1
+    meta.write_text(text.replace(str(old_sum), str(_C.xxh64(bytes(data)))))
+    assert main(["verify", str(ckpt)]) == 2
+    out = capsys.readouterr().out
+    assert "CORRUPT layer.weight: CompressionError" in out, out
+    assert "FAILED: 3 items" in out
