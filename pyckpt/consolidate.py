@@ -121,6 +121,12 @@ def _scan_safetensors(src: str) -> dict[str, _Tensor]:
         n for n in os.listdir(src) if n.endswith(".safetensors") and not n.startswith(".")
     )
     if not names:
+        if os.path.isfile(os.path.join(src, ".metadata")):
+            raise CheckpointFormatError(
+                f"{src}: a DCP FileSystemWriter checkpoint (.metadata, no pyckpt.json) cannot be "
+                "consolidated directly; convert it first with `pyckpt convert SRC PYCKPT_DIR` "
+                "(pyckpt.tools.convert), then consolidate that"
+            )
         raise CheckpointFormatError(f"{src}: no *.safetensors files to consolidate")
     tensors: dict[str, _Tensor] = {}
     origin: dict[str, str] = {}

@@ -166,3 +166,14 @@ def test_verify_reports_compression_error_per_item(
     out = capsys.readouterr().out
     assert "CORRUPT layer.weight: CompressionError" in out, out
     assert "FAILED: 3 items" in out
+
+
+def test_consolidate_dcp_filesystem_checkpoint_points_to_convert(tmp_path: Path) -> None:
+    src = tmp_path / "dcp"
+    dcp.save({"w": torch.ones(3)}, storage_writer=dcp.FileSystemWriter(str(src)))
+    r = _cli("consolidate", str(src), str(tmp_path / "out"))
+    assert r.returncode == 1, r.stderr
+    assert r.stderr.startswith("pyckpt consolidate: error: "), r.stderr
+    assert "pyckpt convert" in r.stderr and str(src) in r.stderr
+    with pytest.raises(pyckpt.CheckpointFormatError, match="pyckpt convert"):
+        pyckpt.consolidate(src, tmp_path / "out2")
