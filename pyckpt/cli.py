@@ -241,7 +241,8 @@ def _cmd_convert(args: argparse.Namespace) -> int:
     from pyckpt import tools
 
     compression = None if args.compression == "none" else args.compression
-    target = tools.convert(args.src, args.dst, to=args.to, compression=compression)
+    target = tools.convert(args.src, args.dst, to=args.to, compression=compression,
+                           trusted=args.trusted)
     print(f"converted {args.src} -> {args.dst} ({target} format)")
     return 0
 
@@ -299,6 +300,11 @@ def _build_parser() -> argparse.ArgumentParser:
     p.add_argument("dst", help="destination directory")
     p.add_argument("--to", choices=("pyckpt", "dcp"), default=None,
                    help="target format (default: the other one)")
+    p.add_argument(
+        "--trusted", action="store_true",
+        help="unpickle non-tensor values with torch.load(weights_only=False), which runs any "
+        "code a crafted pickle holds: only for checkpoints from a trusted source",
+    )
     p.add_argument("--compression", choices=("zstd", "none"), default="zstd",
                    help="compression of a pyckpt target")
     p.set_defaults(func=_cmd_convert)

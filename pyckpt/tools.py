@@ -170,7 +170,8 @@ def _empty_state_dict(metadata: Any) -> dict[str, Any]:
 
 
 def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], *,
-            to: str | None = None, compression: str | None = "zstd") -> str:
+            to: str | None = None, compression: str | None = "zstd",
+            trusted: bool = False) -> str:
     """Converts a checkpoint between DCP's ``FileSystemWriter`` format and pyckpt's.
 
     The whole state is materialised in host memory once (single process).
@@ -180,12 +181,16 @@ def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], *,
         dst: destination directory.
         to: ``"pyckpt"`` or ``"dcp"``; default: the other format.
         compression: for ``to="pyckpt"``: ``None`` or ``"zstd"``.
+        trusted: unpickle non-tensor values with ``weights_only=False`` (as DCP's
+            ``DefaultLoadPlanner`` does); by default ``weights_only=True``, see
+            :func:`pyckpt.load`.
 
     Returns:
         The destination format.
 
     Raises:
         FileNotFoundError: ``src`` holds neither format's metadata.
+        CheckpointFormatError: a non-tensor value's pickle is refused (not ``trusted``).
     """
     import torch.distributed.checkpoint as dcp
 
@@ -203,7 +208,10 @@ def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], *,
         raise ValueError(f"unknown target format {target!r}; expected 'pyckpt' or 'dcp'")
     sd = _empty_state_dict(reader.read_metadata())
     reader.reset()
-    dcp.load(sd, storage_reader=reader, no_dist=True)
+    from pyckpt.api import _typed_errors, load_planner
+
+    with _typed_errors():
+        dcp.load(sd, storage_reader=reader, planner=load_planner(trusted), no_dist=True)
     if target == "pyckpt":
         with Writer(dst, compression=compression) as w:
             dcp.save(sd, storage_writer=w, no_dist=True)

@@ -177,3 +177,54 @@ def test_consolidate_dcp_filesystem_checkpoint_points_to_convert(tmp_path: Path)
     assert "pyckpt convert" in r.stderr and str(src) in r.stderr
     with pytest.raises(pyckpt.CheckpointFormatError, match="pyckpt convert"):
         pyckpt.consolidate(src, tmp_path / "out2")
+
+
+class _Marker:
+    """Unpickles as ``Path(marker).touch()``: stands for any code a crafted pickle runs."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def __reduce__(self) -> tuple[object, tuple[object, ...]]:
+        return (Path.touch, (Path(self.path),))
+
+
+@pytest.fixture
+def evil_ckpts(tmp_path: Path) -> tuple[Path, Path, Path]:
+    """(pyckpt checkpoint, DCP FileSystemWriter checkpoint, marker path) with a code pickle."""
+    marker = tmp_path / "pwned"
+    sd = {"w": torch.arange(4.0), "extra": {"step": 3, "rng": _Marker(marker)}}
+    dcp.save(sd, storage_writer=pyckpt.Writer(tmp_path / "p", compression=None))
+    dcp.save(sd, storage_writer=dcp.FileSystemWriter(str(tmp_path / "d")))
+    assert not marker.exists()
+    return tmp_path / "p", tmp_path / "d", marker
+
+
+def test_load_refuses_code_pickles(evil_ckpts: tuple[Path, Path, Path]) -> None:
+    src, _, marker = evil_ckpts
+    sd = {"w": torch.zeros(4), "extra": {"step": 0, "rng": None}}
+    with pytest.raises(pyckpt.CheckpointFormatError, match=r"'extra\.rng'.*trusted=True"):
+        pyckpt.load(sd, src)
+    assert not marker.exists()
+    # Allowlisted values still load, nested as saved.
+    sd = {"w": torch.zeros(4), "extra": {"step": 0}}
+    pyckpt.load(sd, src)
+    assert sd["extra"]["step"] == 3 and torch.equal(sd["w"], torch.arange(4.0))
+    assert not marker.exists()
+    sd = {"w": torch.zeros(4), "extra": {"step": 0, "rng": None}}
+    pyckpt.load(sd, src, trusted=True)  # the explicit opt-in runs it, as dcp.load would
+    assert marker.exists()
+
+
+@pytest.mark.parametrize("which", [0, 1])
+def test_convert_refuses_code_pickles(
+    evil_ckpts: tuple[Path, Path, Path], tmp_path: Path, which: int
+) -> None:
+    src, marker = evil_ckpts[which], evil_ckpts[2]
+    r = _cli("convert", str(src), str(tmp_path / "out"))
+    assert r.returncode == 1, r.stderr
+    assert r.stderr.startswith("pyckpt convert: error: item 'extra.rng'"), r.stderr
+    assert "--trusted" in r.stderr and not marker.exists()
+    r = _cli("convert", str(src), str(tmp_path / "out2"), "--trusted")
+    assert r.returncode == 0, r.stderr
+    assert marker.exists()
