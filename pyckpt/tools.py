@@ -166,7 +166,40 @@ def _empty_state_dict(metadata: Any) -> dict[str, Any]:
             sd[fqn] = torch.empty(md.size, dtype=md.properties.dtype)
         else:
             sd[fqn] = None  # a BYTE_IO value: DCP's planner replaces it on load
-    return sd
+    return _nest(sd, getattr(metadata, "planner_data", None))
+
+
+def _nest(flat: dict[str, Any], planner_data: Any) -> dict[str, Any]:
+    """Rebuilds the nesting DCP flattened on save from ``Metadata.planner_data``.
+
+    DCP's default planner flattens ``{"model": {"b": [t0, 3]}}`` into the keys ``model.b.0``,
+    ``model.b.1`` and records each key's path (``("model", "b", 0)``) in ``planner_data``; lists
+    appear as integer path steps. Without that mapping (a checkpoint saved flat) the flat keys
+    are the state dict.
+    """
+    if not isinstance(planner_data, dict) or not all(
+        isinstance(planner_data.get(k), tuple) and planner_data[k] for k in flat
+    ):
+        return flat
+    root: dict[Any, Any] = {}
+    for fqn, value in flat.items():
+        node = root
+        path = planner_data[fqn]
+        for step in path[:-1]:
+            node = node.setdefault(step, {})
+        node[path[-1]] = value
+
+    def lists(node: Any) -> Any:
+        if not isinstance(node, dict):
+            return node
+        out = {k: lists(v) for k, v in node.items()}
+        keys = list(out)
+        if keys and all(isinstance(k, int) for k in keys) and sorted(keys) == list(range(len(keys))):
+            return [out[i] for i in range(len(keys))]
+        return out
+
+    nested = lists(root)
+    return nested if isinstance(nested, dict) else flat
 
 
 def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], *,

@@ -12,7 +12,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 import pyckpt
-from pyckpt import _format
+from pyckpt import _format, tools
 from pyckpt.cli import main
 
 
@@ -228,3 +228,23 @@ def test_convert_refuses_code_pickles(
     r = _cli("convert", str(src), str(tmp_path / "out2"), "--trusted")
     assert r.returncode == 0, r.stderr
     assert marker.exists()
+
+
+@pytest.mark.parametrize("fmt", ["pyckpt", "dcp"])
+def test_convert_keeps_nesting(tmp_path: Path, fmt: str) -> None:
+    sd = {"model": {"a": torch.arange(3.0), "b": [torch.ones(2, dtype=torch.int32), 7]},
+          "step": 4}
+    src = tmp_path / "src"
+    writer = pyckpt.Writer(src) if fmt == "pyckpt" else dcp.FileSystemWriter(str(src))
+    dcp.save(sd, storage_writer=writer, no_dist=True)
+    tools.convert(src, tmp_path / "out")
+    out_reader = (dcp.FileSystemReader(str(tmp_path / "out")) if fmt == "pyckpt"
+                  else pyckpt.Reader(tmp_path / "out"))
+    md = out_reader.read_metadata()
+    assert md.planner_data["model.b.0"] == ("model", "b", 0)  # nesting recorded again
+    back = {"model": {"a": torch.zeros(3), "b": [torch.zeros(2, dtype=torch.int32), 0]},
+            "step": 0}
+    dcp.load(back, storage_reader=out_reader, no_dist=True)
+    assert torch.equal(back["model"]["a"], sd["model"]["a"])
+    assert torch.equal(back["model"]["b"][0], sd["model"]["b"][0])
+    assert back["model"]["b"][1] == 7 and back["step"] == 4
