@@ -11,20 +11,63 @@ about running in a single process).
 from __future__ import annotations
 
 import contextlib
+import io
 import os
+import pickle
 import warnings
 from collections.abc import Iterator
 from typing import Any
 
+import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.planner import ReadItem
 
+from pyckpt.errors import CheckpointFormatError
 from pyckpt.planner import SavePlanner
 from pyckpt.storage import Reader, Writer
 
 __all__ = ["save", "load"]
+
+
+class _WeightsOnlyLoadPlanner(DefaultLoadPlanner):
+    """DCP's default load planner, except that non-tensor (``BYTE_IO``) values are unpickled
+    with ``torch.load(..., weights_only=True)``.
+
+    DCP's ``DefaultLoadPlanner.load_bytes`` (torch 2.13) calls ``torch.load(value,
+    weights_only=False)``: any pickle stored in a checkpoint runs arbitrary code on load. Here
+    only the types torch's weights-only unpickler allows (tensors, containers, numbers, strings,
+    the types registered with ``torch.serialization.add_safe_globals``) are rebuilt; any other
+    pickle raises :class:`pyckpt.CheckpointFormatError` naming the item.
+    """
+
+    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+        fqn = read_item.dest_index.fqn
+        try:
+            obj = torch.load(value, weights_only=True)
+        except pickle.UnpicklingError as e:
+            # torch's message is a page of advice; keep its one line that names the type.
+            lines = [ln.strip() for ln in str(e).splitlines() if "WeightsUnpickler" in ln]
+            reason = lines[0] if lines else str(e).splitlines()[0] if str(e) else type(e).__name__
+            raise CheckpointFormatError(
+                f"item {fqn!r}: refused to unpickle a non-tensor value with types outside "
+                f"torch's weights-only allowlist ({reason}); load a trusted checkpoint with "
+                "trusted=True (CLI: --trusted)"
+            ) from None
+        # Hand the (safe) object to DCP's own placement logic (flattened keys, nesting)
+        # re-serialised: it is made only of allowlisted types, so unpickling it runs no code.
+        buf = io.BytesIO()
+        torch.save(obj, buf)
+        buf.seek(0)
+        super().load_bytes(read_item, buf)
+
+
+def load_planner(trusted: bool = False) -> DefaultLoadPlanner:
+    """The load planner pyckpt's own load paths use: weights-only unless ``trusted``."""
+    return DefaultLoadPlanner() if trusted else _WeightsOnlyLoadPlanner()
 
 
 @contextlib.contextmanager
@@ -103,8 +146,14 @@ def load(
     path: str | os.PathLike[str],
     *,
     process_group: Any = None,
+    trusted: bool = False,
 ) -> None:
     """Loads the checkpoint at ``path`` into ``state_dict`` in place with DCP.
+
+    Non-tensor values (DCP ``BYTE_IO`` items: step counters, RNG states, anything DCP stored
+    with ``torch.save``) are unpickled with ``torch.load(..., weights_only=True)`` unless
+    ``trusted=True``. Note that ``dcp.load`` with DCP's ``DefaultLoadPlanner`` (torch 2.13)
+    unpickles them with ``weights_only=False``, which runs whatever code a crafted pickle holds.
 
     Any world size can load any checkpoint: each rank reads only the byte ranges of the stored
     pieces that overlap what its state dict holds, including items a save split across ranks.
@@ -115,14 +164,21 @@ def load(
         path: Checkpoint directory written by :func:`save` or ``dcp.save`` with
             :class:`pyckpt.Writer`.
         process_group: Process group of the load (default: the default group, if any).
+        trusted: Unpickle non-tensor values with ``weights_only=False`` (DCP's default): only
+            for checkpoints from a trusted source, whose values hold other Python types.
 
     Raises:
         FileNotFoundError: ``path`` holds no complete checkpoint or a data file is missing.
         pyckpt.CheckpointFormatError: invalid metadata, unknown format version, truncated
             data; :class:`pyckpt.ChecksumError` for corrupted chunks (naming file and tensor).
+        pyckpt.CheckpointFormatError: also when a non-tensor value's pickle holds types outside
+            torch's weights-only allowlist and ``trusted`` is false (names the item).
         RuntimeError: a key of ``state_dict`` is missing from the checkpoint (DCP's error).
         Errors are the lowest failing rank's own exception, re-raised from DCP's
         ``CheckpointException`` (attached as ``__cause__``).
     """
     with _typed_errors(), Reader(path) as reader, _single_process_quiet():
-        dcp.load(state_dict, storage_reader=reader, process_group=process_group)
+        dcp.load(
+            state_dict, storage_reader=reader, planner=load_planner(trusted),
+            process_group=process_group,
+        )

@@ -31,16 +31,21 @@ def _free_port() -> int:
 
 
 class _Progress:
-    """tqdm when importable, else one rewritten stderr line; silent when disabled."""
+    """tqdm when importable, else one rewritten stderr line; silent when disabled.
+
+    Nothing is printed until the first update: consolidation only reports progress once its
+    plan is made and its outputs created, so an error in the input prints no bar before it.
+    """
 
     def __init__(self, enabled: bool) -> None:
+        self._enabled = enabled
+        self._started = False
         self._bar: Any = None
         self._plain = False
         self._last = 0.0
-        self._done = 0
-        self._total = 0
-        if not enabled:
-            return
+
+    def _start(self) -> None:
+        self._started = True
         try:
             from tqdm import tqdm
         except ImportError:
@@ -49,7 +54,10 @@ class _Progress:
             self._bar = tqdm(total=0, unit="B", unit_scale=True, desc="consolidate", file=sys.stderr)
 
     def update(self, done: int, total: int) -> None:
-        self._done, self._total = done, total
+        if not self._enabled:
+            return
+        if not self._started:
+            self._start()
         if self._bar is not None:
             self._bar.total = total
             self._bar.n = done
@@ -57,7 +65,9 @@ class _Progress:
         elif self._plain and (time.monotonic() - self._last > 0.2 or done == total):
             self._last = time.monotonic()
             pct = 100.0 * done / total if total else 100.0
-            sys.stderr.write(f"\rconsolidate: {done / 2**20:,.1f} / {total / 2**20:,.1f} MiB ({pct:.0f}%)")
+            sys.stderr.write(
+                f"\rconsolidate: {done / 2**20:,.1f} / {total / 2**20:,.1f} MiB ({pct:.0f}%)"
+            )
             sys.stderr.flush()
 
     def close(self) -> None:
@@ -147,7 +157,18 @@ def _run_workers(args: argparse.Namespace, bar: _Progress) -> tuple[int, int]:
     return finished[0]
 
 
+def _input_dir(path: str) -> None:
+    """Raises FileNotFoundError / NotADirectoryError naming ``path`` unless it is a directory."""
+    import errno
+
+    if not os.path.exists(path):
+        raise FileNotFoundError(errno.ENOENT, "the checkpoint directory does not exist", path)
+    if not os.path.isdir(path):
+        raise NotADirectoryError(errno.ENOTDIR, "not a checkpoint directory", path)
+
+
 def _cmd_consolidate(args: argparse.Namespace) -> int:
+    _input_dir(args.src)
     if args.workers < 1:
         raise SystemExit("pyckpt consolidate: --workers must be >= 1")
     bar = _Progress(not args.quiet)
@@ -178,6 +199,7 @@ def _mib(n: int) -> str:
 
 
 def _cmd_inspect(args: argparse.Namespace) -> int:
+    _input_dir(args.path)
     from pyckpt import tools
 
     s = tools.summarize(args.path, top=args.top)
@@ -200,6 +222,7 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def _cmd_verify(args: argparse.Namespace) -> int:
+    _input_dir(args.path)
     from pyckpt import tools
 
     start = time.perf_counter()
@@ -214,10 +237,12 @@ def _cmd_verify(args: argparse.Namespace) -> int:
 
 
 def _cmd_convert(args: argparse.Namespace) -> int:
+    _input_dir(args.src)
     from pyckpt import tools
 
     compression = None if args.compression == "none" else args.compression
-    target = tools.convert(args.src, args.dst, to=args.to, compression=compression)
+    target = tools.convert(args.src, args.dst, to=args.to, compression=compression,
+                           trusted=args.trusted)
     print(f"converted {args.src} -> {args.dst} ({target} format)")
     return 0
 
@@ -230,9 +255,14 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
 def _build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pyckpt", description="pyckpt checkpoint tools")
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument(
+        "--debug", action="store_true", help="show the full traceback of an error"
+    )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     p = sub.add_parser(
         "consolidate",
+        parents=[common],
         help="export a sharded checkpoint to Hugging Face safetensors",
         description="Export a sharded checkpoint (DCP HuggingFaceStorageWriter output) to "
         "model-0000i-of-0000N.safetensors files plus model.safetensors.index.json.",
@@ -248,18 +278,21 @@ def _build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quiet", action="store_true", help="no progress bar or summary")
     p.set_defaults(func=_cmd_consolidate)
 
-    p = sub.add_parser("inspect", help="summarise a pyckpt checkpoint (metadata only)")
+    p = sub.add_parser(
+        "inspect", parents=[common], help="summarise a pyckpt checkpoint (metadata only)")
     p.add_argument("path", help="checkpoint directory")
     p.add_argument("--top", type=int, default=10, help="list the N largest tensors")
     p.set_defaults(func=_cmd_inspect)
 
-    p = sub.add_parser("verify", help="read every chunk and check its checksum and encoding")
+    p = sub.add_parser(
+        "verify", parents=[common], help="read every chunk and check its checksum and encoding")
     p.add_argument("path", help="checkpoint directory")
     p.add_argument("--threads", type=int, default=None, help="reader threads")
     p.set_defaults(func=_cmd_verify)
 
     p = sub.add_parser(
-        "convert", help="convert between DCP FileSystemWriter and pyckpt checkpoints",
+        "convert", parents=[common],
+        help="convert between DCP FileSystemWriter and pyckpt checkpoints",
         description="Convert a checkpoint between DCP's FileSystemWriter format and pyckpt's "
         "(format detected from the source; the state is loaded into host memory once).",
     )
@@ -267,13 +300,19 @@ def _build_parser() -> argparse.ArgumentParser:
     p.add_argument("dst", help="destination directory")
     p.add_argument("--to", choices=("pyckpt", "dcp"), default=None,
                    help="target format (default: the other one)")
+    p.add_argument(
+        "--trusted", action="store_true",
+        help="unpickle non-tensor values with torch.load(weights_only=False), which runs any "
+        "code a crafted pickle holds: only for checkpoints from a trusted source",
+    )
     p.add_argument("--compression", choices=("zstd", "none"), default="zstd",
                    help="compression of a pyckpt target")
     p.set_defaults(func=_cmd_convert)
 
     from pyckpt import bench
 
-    p = sub.add_parser("bench", help="compare pyckpt with DCP on one workload, same run")
+    p = sub.add_parser(
+        "bench", parents=[common], help="compare pyckpt with DCP on one workload, same run")
     bench.add_arguments(p)
     p.set_defaults(func=_cmd_bench)
     return parser
@@ -282,9 +321,15 @@ def _build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``pyckpt`` script; returns the exit status."""
     args = _build_parser().parse_args(argv)
+    from pyckpt.errors import PyckptError
+
     try:
         return int(args.func(args))
-    except (OSError, ValueError, RuntimeError) as e:
+    except (PyckptError, OSError, ValueError, RuntimeError, MemoryError) as e:
+        # Every pyckpt error class (PyckptError and its subclasses, whatever builtin they also
+        # derive from) and every OS failure reaches the user as one line; --debug shows where.
+        if getattr(args, "debug", False):
+            raise
         sys.stderr.write(f"pyckpt {args.command}: error: {e}\n")
         return 1
 

@@ -121,11 +121,24 @@ def _scan_safetensors(src: str) -> dict[str, _Tensor]:
         n for n in os.listdir(src) if n.endswith(".safetensors") and not n.startswith(".")
     )
     if not names:
+        if os.path.isfile(os.path.join(src, ".metadata")):
+            raise CheckpointFormatError(
+                f"{src}: a DCP FileSystemWriter checkpoint (.metadata, no pyckpt.json) cannot be "
+                "consolidated directly; convert it first with `pyckpt convert SRC PYCKPT_DIR` "
+                "(pyckpt.tools.convert), then consolidate that"
+            )
         raise CheckpointFormatError(f"{src}: no *.safetensors files to consolidate")
     tensors: dict[str, _Tensor] = {}
     origin: dict[str, str] = {}
     for fname in names:
         path = os.path.join(src, fname)
+        # Shards are plain files inside src: a symlink could point anywhere (another user's
+        # file, a device), so it is refused before anything is opened.
+        if os.path.islink(path) or not os.path.isfile(path):
+            raise CheckpointFormatError(
+                f"{path}: input shards must be regular files inside {src} (symlinks and other "
+                "file types are refused)"
+            )
         header = _C.read_safetensors_header(path)
         sharding = None
         raw = header["metadata"].get(_SHARDING_KEY)
@@ -275,7 +288,10 @@ def _assign_files(
                     raise ValueError(f"fqn_to_file[{n!r}] = {v}: indices start at 1")
                 fname = _hf_name(v, count)
             else:
-                if os.sep in v or not v.endswith(".safetensors") or v.startswith("."):
+                if (
+                    "/" in v or os.sep in v or "\0" in v or v != os.path.basename(v)
+                    or not v.endswith(".safetensors") or v.startswith(".")
+                ):
                     raise ValueError(f"fqn_to_file[{n!r}] = {v!r} is not a *.safetensors basename")
                 fname = v
             groups.setdefault(fname, []).append(n)

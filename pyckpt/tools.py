@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pyckpt import _C, _format, _knobs
+from pyckpt.errors import PyckptError
 
 __all__ = [
     "CheckpointSummary",
@@ -116,8 +117,10 @@ def verify(path: str | os.PathLike[str], threads: int | None = None) -> VerifyRe
     """Reads every chunk of a checkpoint, checking sizes, checksums and zstd frames.
 
     Raises:
-        FileNotFoundError / CheckpointFormatError: the metadata itself is missing or invalid
-            (per-item data errors are collected in the report instead).
+        FileNotFoundError / CheckpointFormatError: the metadata itself is missing or invalid.
+            Per-item data errors (ChecksumError, CompressionError, CheckpointFormatError,
+            UnsupportedDtypeError, MemoryError, OSError) are collected in the report instead,
+            keyed by item name, as ``"<ErrorClass>: <message>"``.
     """
     index = _format.read_index(path)
     pool = _C.ThreadPool(threads or _knobs.read_threads())
@@ -134,7 +137,10 @@ def verify(path: str | os.PathLike[str], threads: int | None = None) -> VerifyRe
             report.items_checked += 1
             try:
                 _verify_piece(name, segments, nbytes, pool, report)
-            except (OSError, ValueError, RuntimeError) as e:  # typed errors from the core
+            except (PyckptError, OSError, ValueError, RuntimeError, MemoryError) as e:
+                # Every typed error of one item (CompressionError and UnsupportedDtypeError are
+                # not ValueErrors; a damaged size can ask for more memory than there is) marks
+                # that item corrupt, names it and the reason, and the other items still run.
                 report.errors[name] = f"{type(e).__name__}: {e}"
     finally:
         pool.shutdown()
@@ -151,11 +157,45 @@ def _empty_state_dict(metadata: Any) -> dict[str, Any]:
             sd[fqn] = torch.empty(md.size, dtype=md.properties.dtype)
         else:
             sd[fqn] = None  # a BYTE_IO value: DCP's planner replaces it on load
-    return sd
+    return _nest(sd, getattr(metadata, "planner_data", None))
+
+
+def _nest(flat: dict[str, Any], planner_data: Any) -> dict[str, Any]:
+    """Rebuilds the nesting DCP flattened on save from ``Metadata.planner_data``.
+
+    DCP's default planner flattens ``{"model": {"b": [t0, 3]}}`` into the keys ``model.b.0``,
+    ``model.b.1`` and records each key's path (``("model", "b", 0)``) in ``planner_data``; lists
+    appear as integer path steps. Without that mapping (a checkpoint saved flat) the flat keys
+    are the state dict.
+    """
+    if not isinstance(planner_data, dict) or not all(
+        isinstance(planner_data.get(k), tuple) and planner_data[k] for k in flat
+    ):
+        return flat
+    root: dict[Any, Any] = {}
+    for fqn, value in flat.items():
+        node = root
+        path = planner_data[fqn]
+        for step in path[:-1]:
+            node = node.setdefault(step, {})
+        node[path[-1]] = value
+
+    def lists(node: Any) -> Any:
+        if not isinstance(node, dict):
+            return node
+        out = {k: lists(v) for k, v in node.items()}
+        keys = list(out)
+        if keys and all(isinstance(k, int) for k in keys) and sorted(keys) == list(range(len(keys))):
+            return [out[i] for i in range(len(keys))]
+        return out
+
+    nested = lists(root)
+    return nested if isinstance(nested, dict) else flat
 
 
 def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], *,
-            to: str | None = None, compression: str | None = "zstd") -> str:
+            to: str | None = None, compression: str | None = "zstd",
+            trusted: bool = False) -> str:
     """Converts a checkpoint between DCP's ``FileSystemWriter`` format and pyckpt's.
 
     The whole state is materialised in host memory once (single process).
@@ -165,12 +205,16 @@ def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], *,
         dst: destination directory.
         to: ``"pyckpt"`` or ``"dcp"``; default: the other format.
         compression: for ``to="pyckpt"``: ``None`` or ``"zstd"``.
+        trusted: unpickle non-tensor values with ``weights_only=False`` (as DCP's
+            ``DefaultLoadPlanner`` does); by default ``weights_only=True``, see
+            :func:`pyckpt.load`.
 
     Returns:
         The destination format.
 
     Raises:
         FileNotFoundError: ``src`` holds neither format's metadata.
+        CheckpointFormatError: a non-tensor value's pickle is refused (not ``trusted``).
     """
     import torch.distributed.checkpoint as dcp
 
@@ -188,7 +232,10 @@ def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], *,
         raise ValueError(f"unknown target format {target!r}; expected 'pyckpt' or 'dcp'")
     sd = _empty_state_dict(reader.read_metadata())
     reader.reset()
-    dcp.load(sd, storage_reader=reader, no_dist=True)
+    from pyckpt.api import _typed_errors, load_planner
+
+    with _typed_errors():
+        dcp.load(sd, storage_reader=reader, planner=load_planner(trusted), no_dist=True)
     if target == "pyckpt":
         with Writer(dst, compression=compression) as w:
             dcp.save(sd, storage_writer=w, no_dist=True)

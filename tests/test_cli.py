@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -9,7 +12,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 import pyckpt
-from pyckpt import _format
+from pyckpt import _format, tools
 from pyckpt.cli import main
 
 
@@ -73,3 +76,175 @@ def test_bench_smoke(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None
     out = capsys.readouterr().out
     assert "pyckpt+zstd" in out and "dcp-t1" in out and "NO" not in out.split("exact", 1)[1]
     assert (tmp_path / "r.json").is_file()
+
+
+def _cli(*argv: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "pyckpt", *argv], capture_output=True, text=True, timeout=300,
+        env={**os.environ, "PYTHONWARNINGS": "ignore"},
+    )
+
+
+@pytest.fixture
+def complex_ckpt(tmp_path: Path) -> Path:
+    """A pyckpt checkpoint whose complex128 tensor has no safetensors spelling."""
+    path = tmp_path / "cplx"
+    sd = {"z": torch.arange(6).to(torch.complex128)}
+    dcp.save(sd, storage_writer=pyckpt.Writer(path, compression=None))
+    return path
+
+
+def test_consolidate_error_is_one_line_no_bar(complex_ckpt: Path, tmp_path: Path) -> None:
+    # Single-worker consolidate used to print a raw traceback for UnsupportedDtypeError, and
+    # the progress bar before it.
+    r = _cli("consolidate", str(complex_ckpt), str(tmp_path / "out"))
+    assert r.returncode == 1, r.stderr
+    assert r.stderr.startswith("pyckpt consolidate: error: "), r.stderr
+    assert "'z'" in r.stderr and "complex128" in r.stderr
+    # One line: no traceback, no progress bar drawn before the error.
+    assert r.stderr.count("\n") == 1 and "\r" not in r.stderr, r.stderr
+    r = _cli("consolidate", str(complex_ckpt), str(tmp_path / "out"), "--debug")
+    assert r.returncode != 0
+    assert "Traceback" in r.stderr and "UnsupportedDtypeError" in r.stderr
+
+
+@pytest.mark.parametrize("cmd", ["inspect", "verify", "convert", "consolidate"])
+def test_missing_directory_is_named(cmd: str, tmp_path: Path) -> None:
+    missing = str(tmp_path / "no" / "such")
+    argv = [cmd, missing] + ([str(tmp_path / "out")] if cmd in ("convert", "consolidate") else [])
+    r = _cli(*argv)
+    assert r.returncode == 1, r.stderr
+    assert r.stderr.startswith(f"pyckpt {cmd}: error: "), r.stderr
+    assert "does not exist" in r.stderr and missing in r.stderr
+    assert "pyckpt.json is missing" not in r.stderr and "Traceback" not in r.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_pyckpt_errors_of_every_class_are_one_line(
+    ckpt: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from pyckpt import errors, tools
+
+    for cls in (errors.PyckptError, errors.CompressionError, errors.UnsupportedDtypeError,
+                errors.CheckpointFormatError, errors.ChecksumError, errors.CudaError):
+        def boom(*_a: object, _cls: type = cls, **_k: object) -> None:
+            raise _cls(f"bad item 'x' ({_cls.__name__})")
+
+        monkeypatch.setattr(tools, "summarize", boom)
+        assert main(["inspect", str(ckpt)]) == 1
+        err = capsys.readouterr().err
+        assert err == f"pyckpt inspect: error: bad item 'x' ({cls.__name__})\n"
+        with pytest.raises(cls):
+            main(["inspect", str(ckpt), "--debug"])
+
+
+def test_verify_reports_compression_error_per_item(
+    ckpt: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # A damaged zstd frame whose recorded checksum was updated to match: only decoding can find
+    # it, and it raises CompressionError, which verify let escape as a traceback.
+    from pyckpt import _C
+
+    index = _format.read_index(ckpt)
+    path, _, _, chunks = index.tensors["layer.weight"].pieces[0].segments[0]
+    off, _raw_len, old_sum, _transform, planes = chunks[1]
+    stored = sum(planes[1::2])
+    with open(path, "r+b") as f:
+        f.seek(off)
+        data = bytearray(f.read(stored))
+        pos = 0
+        for plane_len in planes[1::2]:  # damage every plane's zstd frame magic
+            data[pos] ^= 0x5A
+            pos += plane_len
+        f.seek(off)
+        f.write(data)
+    meta = ckpt / _format.METADATA_FILE
+    text = meta.read_text()
+    assert text.count(str(old_sum)) == 1
+    meta.write_text(text.replace(str(old_sum), str(_C.xxh64(bytes(data)))))
+    assert main(["verify", str(ckpt)]) == 2
+    out = capsys.readouterr().out
+    assert "CORRUPT layer.weight: CompressionError" in out, out
+    assert "FAILED: 3 items" in out
+
+
+def test_consolidate_dcp_filesystem_checkpoint_points_to_convert(tmp_path: Path) -> None:
+    src = tmp_path / "dcp"
+    dcp.save({"w": torch.ones(3)}, storage_writer=dcp.FileSystemWriter(str(src)))
+    r = _cli("consolidate", str(src), str(tmp_path / "out"))
+    assert r.returncode == 1, r.stderr
+    assert r.stderr.startswith("pyckpt consolidate: error: "), r.stderr
+    assert "pyckpt convert" in r.stderr and str(src) in r.stderr
+    with pytest.raises(pyckpt.CheckpointFormatError, match="pyckpt convert"):
+        pyckpt.consolidate(src, tmp_path / "out2")
+
+
+class _Marker:
+    """Unpickles as ``Path(marker).touch()``: stands for any code a crafted pickle runs."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def __reduce__(self) -> tuple[object, tuple[object, ...]]:
+        return (Path.touch, (Path(self.path),))
+
+
+@pytest.fixture
+def evil_ckpts(tmp_path: Path) -> tuple[Path, Path, Path]:
+    """(pyckpt checkpoint, DCP FileSystemWriter checkpoint, marker path) with a code pickle."""
+    marker = tmp_path / "pwned"
+    sd = {"w": torch.arange(4.0), "extra": {"step": 3, "rng": _Marker(marker)}}
+    dcp.save(sd, storage_writer=pyckpt.Writer(tmp_path / "p", compression=None))
+    dcp.save(sd, storage_writer=dcp.FileSystemWriter(str(tmp_path / "d")))
+    assert not marker.exists()
+    return tmp_path / "p", tmp_path / "d", marker
+
+
+def test_load_refuses_code_pickles(evil_ckpts: tuple[Path, Path, Path]) -> None:
+    src, _, marker = evil_ckpts
+    sd = {"w": torch.zeros(4), "extra": {"step": 0, "rng": None}}
+    with pytest.raises(pyckpt.CheckpointFormatError, match=r"'extra\.rng'.*trusted=True"):
+        pyckpt.load(sd, src)
+    assert not marker.exists()
+    # Allowlisted values still load, nested as saved.
+    sd = {"w": torch.zeros(4), "extra": {"step": 0}}
+    pyckpt.load(sd, src)
+    assert sd["extra"]["step"] == 3 and torch.equal(sd["w"], torch.arange(4.0))
+    assert not marker.exists()
+    sd = {"w": torch.zeros(4), "extra": {"step": 0, "rng": None}}
+    pyckpt.load(sd, src, trusted=True)  # the explicit opt-in runs it, as dcp.load would
+    assert marker.exists()
+
+
+@pytest.mark.parametrize("which", [0, 1])
+def test_convert_refuses_code_pickles(
+    evil_ckpts: tuple[Path, Path, Path], tmp_path: Path, which: int
+) -> None:
+    src, marker = evil_ckpts[which], evil_ckpts[2]
+    r = _cli("convert", str(src), str(tmp_path / "out"))
+    assert r.returncode == 1, r.stderr
+    assert r.stderr.startswith("pyckpt convert: error: item 'extra.rng'"), r.stderr
+    assert "--trusted" in r.stderr and not marker.exists()
+    r = _cli("convert", str(src), str(tmp_path / "out2"), "--trusted")
+    assert r.returncode == 0, r.stderr
+    assert marker.exists()
+
+
+@pytest.mark.parametrize("fmt", ["pyckpt", "dcp"])
+def test_convert_keeps_nesting(tmp_path: Path, fmt: str) -> None:
+    sd = {"model": {"a": torch.arange(3.0), "b": [torch.ones(2, dtype=torch.int32), 7]},
+          "step": 4}
+    src = tmp_path / "src"
+    writer = pyckpt.Writer(src) if fmt == "pyckpt" else dcp.FileSystemWriter(str(src))
+    dcp.save(sd, storage_writer=writer, no_dist=True)
+    tools.convert(src, tmp_path / "out")
+    out_reader = (dcp.FileSystemReader(str(tmp_path / "out")) if fmt == "pyckpt"
+                  else pyckpt.Reader(tmp_path / "out"))
+    md = out_reader.read_metadata()
+    assert md.planner_data["model.b.0"] == ("model", "b", 0)  # nesting recorded again
+    back = {"model": {"a": torch.zeros(3), "b": [torch.zeros(2, dtype=torch.int32), 0]},
+            "step": 0}
+    dcp.load(back, storage_reader=out_reader, no_dist=True)
+    assert torch.equal(back["model"]["a"], sd["model"]["a"])
+    assert torch.equal(back["model"]["b"][0], sd["model"]["b"][0])
+    assert back["model"]["b"][1] == 7 and back["step"] == 4

@@ -520,3 +520,27 @@ def test_real_dcp_hf_writer(tmp_path, use_async):
 
 def test_pyckpt_error_type_for_remote_failures():
     assert issubclass(CheckpointFormatError, PyckptError)
+
+
+def test_symlinked_input_shard_is_refused(tmp_path):
+    src, _ = _good_src(tmp_path)
+    outside = tmp_path / "outside.safetensors"
+    victim = sorted(n for n in os.listdir(src) if n.endswith(".safetensors"))[0]
+    os.replace(os.path.join(src, victim), outside)
+    os.symlink(outside, os.path.join(src, victim))
+    dst = tmp_path / "dst"
+    with pytest.raises(CheckpointFormatError, match=f"{victim}.*symlinks"):
+        pyckpt.consolidate(src, dst, fsync=False)
+    assert not dst.exists()
+
+
+@pytest.mark.parametrize("bad", ["../x.safetensors", "/tmp/x.safetensors", "a/b.safetensors"])
+def test_output_names_are_plain(tmp_path, bad):
+    src, _ = _good_src(tmp_path)
+    from pyckpt.consolidate import _scan_safetensors
+
+    names = sorted(_scan_safetensors(src))
+    dst = tmp_path / "dst"
+    with pytest.raises(ValueError, match="basename"):
+        pyckpt.consolidate(src, dst, fqn_to_file={n: bad for n in names}, fsync=False)
+    assert not dst.exists()
