@@ -25,6 +25,7 @@ from pyckpt.errors import (
     CompressionError,
     CudaError,
     PyckptError,
+    ReplicaMismatchError,
     UnsupportedDtypeError,
 )
 
@@ -42,6 +43,7 @@ __all__ = [
     "ChecksumError",
     "CompressionError",
     "CudaError",
+    "ReplicaMismatchError",
     "UnsupportedDtypeError",
 ]
 

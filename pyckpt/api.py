@@ -108,6 +108,7 @@ def save(
     path: str | os.PathLike[str],
     *,
     process_group: Any = None,
+    check_replicas: bool = True,
     **writer_options: Any,
 ) -> Metadata:
     """Saves ``state_dict`` to the checkpoint directory ``path`` with DCP.
@@ -120,6 +121,8 @@ def save(
         state_dict: The (possibly nested) state dict, as for ``dcp.save``.
         path: Checkpoint directory; created if missing.
         process_group: Process group of the save (default: the default group, if any).
+        check_replicas: Refuse (:class:`pyckpt.ReplicaMismatchError`, before anything is
+            written) replicated tensors whose copies differ across ranks; False saves anyway.
         **writer_options: Passed to :class:`pyckpt.Writer` (``compression="zstd"``,
             ``threads``, ``direct_io``, ``fsync``, ...).
 
@@ -136,7 +139,7 @@ def save(
         return dcp.save(
             state_dict,
             storage_writer=writer,
-            planner=SavePlanner(),
+            planner=SavePlanner(check_replicas=check_replicas),
             process_group=process_group,
         )
 

@@ -13,7 +13,7 @@ import time
 import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 from pyckpt import _C, _knobs
 from pyckpt._partition import partition
@@ -141,7 +141,7 @@ def _scan_safetensors(src: str) -> dict[str, _Tensor]:
             )
         header = _C.read_safetensors_header(path)
         sharding = None
-        raw = header["metadata"].get(_SHARDING_KEY)
+        raw = cast("dict[str, str]", header["metadata"]).get(_SHARDING_KEY)
         if raw is not None:
             try:
                 sharding = json.loads(raw)
@@ -149,7 +149,7 @@ def _scan_safetensors(src: str) -> dict[str, _Tensor]:
                 raise CheckpointFormatError(f"{path}: {_SHARDING_KEY} is not valid JSON: {e}") from None
             if not isinstance(sharding, dict):
                 raise CheckpointFormatError(f"{path}: {_SHARDING_KEY} is not a JSON object")
-        for name, dtype, shape, begin, _end in header["tensors"]:
+        for name, dtype, shape, begin, _end in cast("list[Any]", header["tensors"]):
             if sharding is None:
                 offsets = (0,) * len(shape)
             else:
@@ -184,7 +184,9 @@ def _scan_safetensors(src: str) -> dict[str, _Tensor]:
         ndim = len(t.blocks[0].sizes)
         t.shape = tuple(max(b.offsets[d] + b.sizes[d] for b in t.blocks) for d in range(ndim))
         _C.check_tiling(
-            t.name, list(t.shape), [(b.offsets, b.sizes, os.path.basename(b.path)) for b in t.blocks]
+            t.name,
+            list(t.shape),
+            [(list(b.offsets), list(b.sizes), os.path.basename(b.path)) for b in t.blocks],
         )
     return tensors
 
@@ -250,7 +252,7 @@ def _scan_pyckpt(src: str) -> dict[str, _Tensor]:
             t.blocks.append(_Block(origin, 0, tuple(piece.offsets), tuple(piece.sizes), segs))
         _C.check_tiling(
             name, list(t.shape),
-            [(b.offsets, b.sizes, os.path.basename(b.path)) for b in t.blocks],
+            [(list(b.offsets), list(b.sizes), os.path.basename(b.path)) for b in t.blocks],
         )
     return tensors
 
@@ -742,8 +744,10 @@ def consolidate(
             _remove_temps(plan, dst)
         if local_error is not None:
             raise local_error
-        r, e = failed[0]
-        raise PyckptError(f"consolidation failed on rank {r}: {type(e).__name__}: {e}") from e
+        bad_rank, err = failed[0]
+        raise PyckptError(
+            f"consolidation failed on rank {bad_rank}: {type(err).__name__}: {err}"
+        ) from err
 
     finals: list[str] = []
     commit_error: BaseException | None = None

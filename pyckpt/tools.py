@@ -76,7 +76,7 @@ def summarize(path: str | os.PathLike[str], top: int = 10) -> CheckpointSummary:
     sizes.sort(key=lambda s: -s[3])
     return CheckpointSummary(
         path=index.path,
-        version=_format.FORMAT_VERSION,
+        version=index.version,
         save_id=index.save_id,
         created_by=index.created_by,
         files=dict(index.files),
@@ -221,6 +221,7 @@ def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], *,
     from pyckpt.storage import Reader, Writer
 
     src_s = os.fspath(src)
+    reader: Any
     if os.path.isfile(os.path.join(src_s, _format.METADATA_FILE)):
         src_fmt, reader = "pyckpt", Reader(src_s)
     elif os.path.isfile(os.path.join(src_s, ".metadata")):

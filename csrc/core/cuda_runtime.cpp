@@ -95,8 +95,8 @@ std::shared_ptr<CudaRuntime> CudaRuntime::load(const std::string& path) {
   int count = 0;
   const cuda::Error rc = rt->_get_device_count(&count);
   if (rc != cuda::kSuccess) {
-    rt->_error = "cudaGetDeviceCount failed: " + rt->error_string(rc) + " (code " +
-                 std::to_string(rc) + ")";
+    rt->_error =
+        "cudaGetDeviceCount failed: " + rt->error_string(rc) + " (code " + std::to_string(rc) + ")";
     return rt;
   }
   if (count <= 0) {
@@ -119,8 +119,8 @@ std::string CudaRuntime::error_string(cuda::Error code) const {
 
 void CudaRuntime::check(cuda::Error code, const char* call, const std::string& context) const {
   if (code == cuda::kSuccess) return;
-  std::string msg = std::string(call) + " failed: " + error_string(code) + " (code " +
-                    std::to_string(code) + ")";
+  std::string msg =
+      std::string(call) + " failed: " + error_string(code) + " (code " + std::to_string(code) + ")";
   if (!context.empty()) msg += " while " + context;
   throw CudaError(code, msg);
 }
@@ -148,12 +148,10 @@ void CudaRuntime::host_unregister(void* ptr) const {
   check(_host_unregister(ptr), "cudaHostUnregister");
 }
 
-void CudaRuntime::memcpy_async(void* dst, const void* src, std::size_t bytes,
-                               cuda::MemcpyKind kind, cuda::Stream stream,
-                               const std::string& context) const {
+void CudaRuntime::memcpy_async(void* dst, const void* src, std::size_t bytes, cuda::MemcpyKind kind,
+                               cuda::Stream stream, const std::string& context) const {
   require("cudaMemcpyAsync");
-  check(_memcpy_async(dst, src, bytes, static_cast<int>(kind), stream), "cudaMemcpyAsync",
-        context);
+  check(_memcpy_async(dst, src, bytes, static_cast<int>(kind), stream), "cudaMemcpyAsync", context);
 }
 
 cuda::Stream CudaRuntime::stream_create(unsigned flags) const {

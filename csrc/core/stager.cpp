@@ -336,8 +336,7 @@ Lease Stager::acquire_upload_block() {
 }
 
 void Stager::upload(Lease block, const std::vector<CopySpec>& specs) {
-  PYCKPT_EXPECT(static_cast<bool>(block), std::invalid_argument,
-                "upload: the block was released");
+  PYCKPT_EXPECT(static_cast<bool>(block), std::invalid_argument, "upload: the block was released");
   for (const CopySpec& s : specs) check_spec(s, block.size());
   CudaDeviceGuard guard(*_rt, _device);
   std::vector<std::string> names;
@@ -348,8 +347,7 @@ void Stager::upload(Lease block, const std::vector<CopySpec>& specs) {
       if (s.nbytes == 0) continue;
       _rt->memcpy_async(reinterpret_cast<void*>(s.device_ptr), block.data() + s.host_offset,
                         s.nbytes, cuda::kMemcpyHostToDevice, _stream,
-                        piece_context("loading", s.name, 0, s.nbytes, s.nbytes) +
-                            " to the device");
+                        piece_context("loading", s.name, 0, s.nbytes, s.nbytes) + " to the device");
       std::lock_guard<std::mutex> lock(_mu);
       ++_stats.h2d_copies;
       _stats.h2d_bytes += s.nbytes;

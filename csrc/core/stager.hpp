@@ -58,9 +58,9 @@ class PinnedHostAllocator final : public HostAllocator {
 
 /** @brief One device range to stage: a tensor's bytes (or a slice of them). */
 struct StageItem {
-  std::string name;         ///< used in error messages (the tensor's FQN)
+  std::string name;           ///< used in error messages (the tensor's FQN)
   std::uintptr_t device_ptr;  ///< SAFETY: must stay allocated until its block's event completed
-  std::size_t nbytes;       ///< length in bytes (0 allowed)
+  std::size_t nbytes;         ///< length in bytes (0 allowed)
 };
 
 /** @brief Where a piece of an item landed in a block. */
@@ -81,13 +81,13 @@ struct CopySpec {
 
 /** @brief Counters of a Stager (monotonic). */
 struct StagerStats {
-  std::size_t d2h_copies;      ///< cudaMemcpyAsync device->host issued
-  std::size_t d2h_bytes;       ///< bytes copied device->host
-  std::size_t h2d_copies;      ///< cudaMemcpyAsync host->device issued
-  std::size_t h2d_bytes;       ///< bytes copied host->device
-  std::size_t fences;          ///< caller-stream fences (event record + stream wait)
-  std::size_t events_created;  ///< events ever created (they are recycled)
-  std::size_t uploads_pending; ///< upload blocks whose copies were not yet seen complete
+  std::size_t d2h_copies;       ///< cudaMemcpyAsync device->host issued
+  std::size_t d2h_bytes;        ///< bytes copied device->host
+  std::size_t h2d_copies;       ///< cudaMemcpyAsync host->device issued
+  std::size_t h2d_bytes;        ///< bytes copied host->device
+  std::size_t fences;           ///< caller-stream fences (event record + stream wait)
+  std::size_t events_created;   ///< events ever created (they are recycled)
+  std::size_t uploads_pending;  ///< upload blocks whose copies were not yet seen complete
 };
 
 class Stager;
