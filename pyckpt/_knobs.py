@@ -89,7 +89,7 @@ def chunk_bytes() -> int:
     value = _int("chunk_bytes", "PYCKPT_CHUNK_BYTES", 4 << 20, 4096)
     if value % 4096:
         raise ValueError(f"PYCKPT_CHUNK_BYTES={value} must be a multiple of 4096")
-    from pyckpt._format import MAX_CHUNK_BYTES  # the format's bound on a chunk
+    from pyckpt._C import MAX_CHUNK_BYTES  # the format's bound on a chunk (native core's limit)
 
     if value > MAX_CHUNK_BYTES:
         raise ValueError(f"PYCKPT_CHUNK_BYTES={value} exceeds the format's {MAX_CHUNK_BYTES}")
