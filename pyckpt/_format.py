@@ -121,6 +121,7 @@ DTYPE_SIZES: dict[str, int] = {
     "float8_e5m2": 1,
     "float8_e5m2fnuz": 1,
     "float8_e8m0fnu": 1,
+    "float4_e2m1fn_x2": 1,  # two fp4 values packed per byte (torch's element)
     "complex128": 16,
     "complex64": 8,
     "complex32": 4,

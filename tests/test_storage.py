@@ -53,6 +53,7 @@ def all_dtype_tensors(seed: int = 0) -> dict[str, torch.Tensor]:
     out["uint32"] = ints.view(torch.uint32)
     out["uint64"] = ints.view(torch.uint64)
     out["bool"] = ints > 0
+    out["float4_e2m1fn_x2"] = ints.to(torch.uint8).view(torch.float4_e2m1fn_x2)  # DCP stores it
     out["complex64"] = torch.complex(f, f.flip(0))
     out["complex128"] = out["complex64"].to(torch.complex128)
     out["complex32"] = out["complex64"].to(torch.complex32)

@@ -1,0 +1,44 @@
+"""The dtype tables of the Python layer and the native safetensors parser agree.
+
+pyckpt keeps one element-size table per layer (``_format.DTYPE_SIZES`` for the checkpoint format,
+``consolidate._ST_DTYPES`` for the torch -> safetensors names, the C++ ``safetensors`` table for
+header parsing); this test ties them together so that none can drift.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path
+
+import pytest
+import torch
+
+from pyckpt import _C, _format
+from pyckpt.consolidate import _ST_DTYPES
+
+
+def _header_file(path: Path, st_dtype: str, nbytes: int) -> Path:
+    header = json.dumps({"t": {"dtype": st_dtype, "shape": [2], "data_offsets": [0, nbytes]}})
+    raw = header.encode()
+    path.write_bytes(struct.pack("<Q", len(raw)) + raw + bytes(nbytes))
+    return path
+
+
+def test_every_format_dtype_is_a_torch_dtype_of_that_size() -> None:
+    for name, size in _format.DTYPE_SIZES.items():
+        dtype = getattr(torch, name)
+        assert torch.empty(0, dtype=dtype).element_size() == size, name
+
+
+@pytest.mark.parametrize("torch_name", sorted(_ST_DTYPES))
+def test_native_safetensors_table_agrees(tmp_path: Path, torch_name: str) -> None:
+    st_name = _ST_DTYPES[torch_name]
+    size = _format.DTYPE_SIZES[torch_name]
+    header = _C.read_safetensors_header(str(_header_file(tmp_path / "ok.st", st_name, 2 * size)))
+    (name, dtype, shape, begin, end), = header["tensors"]
+    assert (name, dtype, list(shape), end - begin) == ("t", st_name, [2], 2 * size)
+    # One byte more or less than two elements is refused: the native size is the same.
+    for wrong in (2 * size - 1, 2 * size + 1):
+        with pytest.raises(_format.CheckpointFormatError):
+            _C.read_safetensors_header(str(_header_file(tmp_path / "bad.st", st_name, wrong)))
