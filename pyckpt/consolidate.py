@@ -545,7 +545,8 @@ def _fsync_dir(path: str) -> None:
 
 
 def _commit(plan: _Plan, dst: str, fsync: bool) -> list[str]:
-    """fsyncs and renames every file, then writes the index last (rank 0)."""
+    """fsyncs every file, withdraws an earlier export's index, renames the files into place,
+    then writes the index last (rank 0): a crash leaves either no index or a complete export."""
     finals = []
     for f in plan.files:
         tmp = os.path.join(dst, f.tmp)
@@ -555,6 +556,13 @@ def _commit(plan: _Plan, dst: str, fsync: bool) -> list[str]:
                 os.fsync(fd)
             finally:
                 os.close(fd)
+    # An earlier export's index would name a mix of old and new shards while they are swapped:
+    # withdraw it first, so the directory looks incomplete until the new index lands.
+    old_index = os.path.join(dst, INDEX_NAME)
+    if os.path.lexists(old_index):
+        os.unlink(old_index)
+        if fsync:
+            _fsync_dir(dst)
     for f in plan.files:
         final = os.path.join(dst, f.name)
         os.replace(os.path.join(dst, f.tmp), final)
