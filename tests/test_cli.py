@@ -158,10 +158,14 @@ def test_verify_reports_compression_error_per_item(
             pos += plane_len
         f.seek(off)
         f.write(data)
-    meta = ckpt / _format.METADATA_FILE
-    text = meta.read_text()
-    assert text.count(str(old_sum)) == 1
-    meta.write_text(text.replace(str(old_sum), str(_C.xxh64(bytes(data)))))
+    new_sum = _C.xxh64(bytes(data))
+
+    def record_new_checksum(doc: dict) -> None:
+        chunk = doc["items"]["layer.weight"]["pieces"][0]["segments"][0]["chunks"][1]
+        assert chunk[2] == old_sum
+        chunk[2] = new_sum
+
+    _format.rewrite_metadata(ckpt, record_new_checksum)  # the metadata's own checksum too
     assert main(["verify", str(ckpt)]) == 2
     out = capsys.readouterr().out
     assert "CORRUPT layer.weight: CompressionError" in out, out

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import queue
 from pathlib import Path
 from typing import Any
 
@@ -85,7 +86,7 @@ def _save_proc(path: str, seed: int, barrier: Any, q: Any) -> None:
 
     warnings.simplefilter("ignore")
     sd = _sd(seed, 16)
-    barrier.wait()
+    barrier.wait(timeout=120)  # a peer that never starts breaks the barrier, reported below
     try:
         dcp.save(sd, storage_writer=pyckpt.Writer(path), no_dist=True)
         q.put((seed, "ok", ""))
@@ -108,7 +109,15 @@ def test_two_processes_saving_into_one_directory(tmp_path: Path) -> None:
                  for i in range(2)]
         for p in procs:
             p.start()
-        outcomes = [q.get(timeout=300) for _ in procs]
+        try:
+            outcomes = [q.get(timeout=120) for _ in procs]
+        except queue.Empty:
+            codes = [p.exitcode for p in procs]
+            for p in procs:
+                p.kill()
+            raise AssertionError(
+                f"trial {trial}: a saver never reported (exit codes {codes})"
+            ) from None
         for p in procs:
             p.join(60)
         ok = [seed for seed, status, _ in outcomes if status == "ok"]
