@@ -86,8 +86,8 @@ def _save_proc(path: str, seed: int, barrier: Any, q: Any) -> None:
 
     warnings.simplefilter("ignore")
     sd = _sd(seed, 16)
-    barrier.wait(timeout=120)  # a peer that never starts breaks the barrier, reported below
     try:
+        barrier.wait(timeout=120)  # a peer that never starts breaks the barrier: reported
         dcp.save(sd, storage_writer=pyckpt.Writer(path), no_dist=True)
         q.put((seed, "ok", ""))
     except BaseException as e:
