@@ -150,22 +150,26 @@ def main() -> None:
                 shutil.rmtree(os.path.join(work, f"dst-{who}"))
             for comp in ("raw", "zstd"):
                 shutil.rmtree(srcs[comp])
-            rows.append((dim, {who: statistics.median(t) for who, t in times.items()}))
+            rows.append((dim, {who: statistics.median(t) for who, t in times.items()}, times))
         print("\n| shard dim | torch `consolidate_safetensors_files` (1 thread), DCP-HF input | "
               f"pyckpt.consolidate (1 process, {args.threads} threads), DCP-HF input | speedup |")
         print("|---|---|---|---|")
-        for dim, med in rows:
+        def spread(ts: list[float]) -> str:
+            return f"{statistics.median(ts):.3f} [{min(ts):.3f}-{max(ts):.3f}] s"
+
+        for dim, med, times in rows:
             mt, mp_ = med["torch"], med["pyckpt"]
-            print(f"| {dim} | {mt:.3f} s ({size / mt / 1e9:.2f} GB/s) | "
-                  f"{mp_:.3f} s ({size / mp_ / 1e9:.2f} GB/s) | {mt / mp_:.1f}x |")
+            print(f"| {dim} | {spread(times['torch'])} ({size / mt / 1e9:.2f} GB/s) | "
+                  f"{spread(times['pyckpt'])} ({size / mp_ / 1e9:.2f} GB/s) | {mt / mp_:.1f}x |")
         print("\n| shard dim | pyckpt input | stored MiB | pyckpt.consolidate "
               f"({args.threads} threads) | speedup vs torch on DCP-HF | "
               "time / pyckpt on DCP-HF |")
         print("|---|---|---|---|---|---|")
-        for dim, med in rows:
+        for dim, med, times in rows:
             for comp in ("raw", "zstd"):
                 m = med[f"pyckpt-{comp}"]
-                print(f"| {dim} | {comp} | {stored[(dim, comp)] / 2**20:.0f} | {m:.3f} s "
+                print(f"| {dim} | {comp} | {stored[(dim, comp)] / 2**20:.0f} | "
+                      f"{spread(times[f'pyckpt-{comp}'])} "
                       f"({size / m / 1e9:.2f} GB/s) | {med['torch'] / m:.2f}x | "
                       f"{m / med['pyckpt']:.2f} |")
 
