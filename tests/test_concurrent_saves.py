@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from _concurrent_worker import _save_proc, _sd
 from dist_utils import run_distributed
 from torch.distributed.checkpoint.api import CheckpointException
 
@@ -19,12 +20,6 @@ import pyckpt
 from pyckpt import _format
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
-
-
-def _sd(seed: int, mib: int = 8) -> dict[str, Any]:
-    g = torch.Generator().manual_seed(seed)
-    n = (mib << 20) // 4
-    return {"w": torch.randn(n, generator=g), "b": torch.randn(1000, generator=g), "step": seed}
 
 
 def _load(path: str | Path, mib: int = 8) -> dict[str, Any]:
@@ -81,26 +76,12 @@ def test_every_save_through_one_writer_gets_its_own_id(tmp_path: Path) -> None:
 # ------------------------------------------------------------ two processes, one directory
 
 
-def _save_proc(path: str, seed: int, barrier: Any, q: Any) -> None:
-    import warnings
-
-    warnings.simplefilter("ignore")
-    sd = _sd(seed, 16)
-    try:
-        barrier.wait(timeout=120)  # a peer that never starts breaks the barrier: reported
-        dcp.save(sd, storage_writer=pyckpt.Writer(path), no_dist=True)
-        q.put((seed, "ok", ""))
-    except BaseException as e:
-        failures = getattr(e, "failures", None) or {}
-        inner = next(iter(failures.values()))[0] if failures else e
-        q.put((seed, type(inner).__name__, str(inner)))
-
-
 def test_two_processes_saving_into_one_directory(tmp_path: Path) -> None:
     """Either save may win or be refused, but what the directory holds afterwards always loads
     bit-exact as a save that reported success, and no file of it is missing."""
     ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "torch.distributed.checkpoint", "pyckpt.storage"])
+    ctx.set_forkserver_preload(["torch", "torch.distributed.checkpoint", "pyckpt.storage",
+                                "_concurrent_worker"])
     refused = 0
     for trial in range(8):
         path = str(tmp_path / f"t{trial}")
