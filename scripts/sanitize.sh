@@ -6,6 +6,9 @@
 #
 # Usage: scripts/sanitize.sh [pytest args...]
 #   default args: tests/test_file_io.py tests/test_codec.py tests/test_safetensors_header.py
+#        scripts/sanitize.sh --ctest
+#   runs the C++ unit tests (tests/cpp, built into the same directory with warnings as errors)
+#   under ctest instead: one sanitized build serves both, so CI compiles the core once for them.
 #   PYTHON=/path/to/python (default .venv/bin/python); PYCKPT_SANITIZE (default address;undefined)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -18,11 +21,19 @@ REPORTS=$BUILD/reports
 
 if [ ! -f "$BUILD/build.ninja" ]; then
   cmake -S . -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DPYCKPT_BUILD_PYTHON=ON \
-    -DPYCKPT_BUILD_TESTING_RUNTIME=ON -DPYCKPT_SANITIZE="$SAN" \
+    -DPYCKPT_BUILD_TESTING_RUNTIME=ON -DPYCKPT_BUILD_TESTS=ON -DPYCKPT_WERROR=ON \
+    -DPYCKPT_SANITIZE="$SAN" \
     -DPython_EXECUTABLE="$("$PY" -c 'import sys; print(sys.executable)')" \
     -Dpybind11_DIR="$("$PY" -m pybind11 --cmakedir)" >/dev/null
 fi
 cmake --build "$BUILD" -j"$(nproc)"
+
+if [ "${1:-}" = "--ctest" ]; then
+  # The test executables link the sanitizer runtimes themselves: no preload needed.
+  export ASAN_OPTIONS="detect_leaks=1:halt_on_error=1"
+  export UBSAN_OPTIONS="halt_on_error=1:print_stacktrace=1"
+  exec ctest --test-dir "$BUILD" --output-on-failure
+fi
 
 # A copy of the Python sources with the sanitized extension (never the in-tree one).
 rm -rf "$PKG"

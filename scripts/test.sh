@@ -6,7 +6,8 @@
 #   3. fuzz        every atheris harness in fuzz/ for PYCKPT_FUZZ_SECONDS_PER_HARNESS (default 60)
 #   4. sanitize    scripts/sanitize.sh: the C++-heavy tests and the attack corpus against an
 #                  ASan+UBSan build of the extension
-#   5. cpp         the C++ unit tests (tests/cpp) under ctest, warnings as errors
+#   5. cpp         the C++ unit tests (tests/cpp) under ctest, warnings as errors, in the
+#                  sanitizer build (ASan+UBSan)
 #   6. lint        ruff, mypy on pyckpt/, clang-format on csrc/ and tests/cpp/
 # Extra arguments go to the stage-1 pytest run. PYCKPT_TEST_STAGES (default
 # "lint tests benchmarks fuzz sanitize cpp") selects stages, e.g. PYCKPT_TEST_STAGES=tests.
@@ -83,12 +84,8 @@ if has_stage sanitize; then
   fi
 fi
 if has_stage cpp; then
-  cpp_tests() {
-    PATH="$PWD/.venv/bin:$PATH" cmake -S . -B build/ctest -G Ninja -DCMAKE_BUILD_TYPE=Release \
-      -DPYCKPT_BUILD_TESTS=ON -DPYCKPT_WERROR=ON >/dev/null \
-      && PATH="$PWD/.venv/bin:$PATH" cmake --build build/ctest -j"$(nproc)" >/dev/null \
-      && ctest --test-dir build/ctest --output-on-failure
-  }
-  run_stage cpp cpp_tests
+  # In the sanitizer build directory (built by the sanitize stage, or here when that stage did
+  # not run): the C++ unit tests run under ASan+UBSan, and the core is compiled once for both.
+  PATH="$PWD/.venv/bin:$PATH" PYTHON=.venv/bin/python run_stage cpp bash scripts/sanitize.sh --ctest
 fi
 exit $status
