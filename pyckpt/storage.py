@@ -272,6 +272,10 @@ class Writer(StorageWriter):
         level: zstd level (default ``PYCKPT_ZSTD_LEVEL`` or 1).
         byte_grouping: with zstd, split elements into byte planes (and rotate bf16/fp32 so the
             exponent fills one plane); near-random planes are stored raw.
+        raw_threshold: with zstd, a plane (or ungrouped chunk) is stored compressed only when
+            that takes fewer than ``raw_threshold`` times its raw bytes, else raw (a raw plane
+            loads as a plain copy). In (0, 1]; default 0.97. Lower values trade size for load
+            speed; 1.0 keeps every saving.
         chunk_bytes: raw bytes per independently decodable chunk (default 4 MiB).
         threads: native worker threads (default ``PYCKPT_NUM_THREADS`` or min(8, cpus)).
         direct_io: ``"auto"``, ``"on"`` or ``"off"`` (default ``PYCKPT_DIRECT_IO`` or auto).
@@ -283,8 +287,8 @@ class Writer(StorageWriter):
             when the writer first stages a tensor; at least 1 MiB).
 
     Raises:
-        ValueError: an unknown compression or direct-I/O mode, or ``pinned_pool_bytes`` below
-            1 MiB.
+        ValueError: an unknown compression or direct-I/O mode, ``pinned_pool_bytes`` below
+            1 MiB, or ``level`` or ``raw_threshold`` out of range.
 
     Save semantics (what a save never does):
 
@@ -340,6 +344,7 @@ class Writer(StorageWriter):
         *,
         level: int | None = None,
         byte_grouping: bool = True,
+        raw_threshold: float = _format.RAW_THRESHOLD,
         chunk_bytes: int | None = None,
         threads: int | None = None,
         direct_io: str | None = None,
@@ -364,12 +369,14 @@ class Writer(StorageWriter):
         self.compression = None if compression == "none" else compression
         self.level = level
         self.byte_grouping = byte_grouping
+        self.raw_threshold = raw_threshold
         self.chunk_bytes = chunk_bytes
         self.threads = threads
         self.direct_io = direct_io
         self.fsync = fsync
         self.overwrite = overwrite
         self.pinned_pool_bytes = pinned_pool_bytes
+        self._params("float32")  # a bad level or raw_threshold fails here, not mid-save
         self._native = _Native(threads, pinned_pool_bytes=pinned_pool_bytes)
         self._encode_pool: Any = None  # encoder output blocks, sized for (chunk, params)
         self._encode_pool_key: tuple[int, Any] | None = None
@@ -542,7 +549,9 @@ class Writer(StorageWriter):
 
     def _params(self, dtype_name: str) -> CodecParams:
         level = self.level if self.level is not None else _knobs.zstd_level()
-        return _format.codec_params_for(dtype_name, self.compression, level, self.byte_grouping)
+        return _format.codec_params_for(
+            dtype_name, self.compression, level, self.byte_grouping, self.raw_threshold
+        )
 
     def _encode_blocks(self, chunk_bytes: int) -> Any:
         params = self._params("float32")
