@@ -25,6 +25,7 @@ Python representations used across the package:
 from __future__ import annotations
 
 import errno
+import functools
 import json
 import logging
 import math
@@ -217,6 +218,7 @@ def data_file_rank(name: str) -> int:
     return int(m.group(1))
 
 
+@functools.lru_cache(maxsize=256)  # params are immutable: one object per distinct choice
 def codec_params_for(
     dtype_name: str,
     compression: str | None,
