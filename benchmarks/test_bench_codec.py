@@ -18,9 +18,9 @@ from pyckpt import _C
 
 CHUNK = 4 << 20
 CODECS = {
-    "none": ("none", 1, 2, "none"),
-    "zstd": ("zstd", 1, 2, "none"),
-    "group_rotl1": ("zstd", 1, 2, "group_rotl1"),
+    "none": _C.CodecParams("none", 1, 2, "none"),
+    "zstd": _C.CodecParams("zstd", 1, 2, "none"),
+    "group_rotl1": _C.CodecParams("zstd", 1, 2, "group_rotl1"),
 }
 THREADS = sorted({1, 2, os.cpu_count() or 1})
 

@@ -66,7 +66,7 @@ def test_odirect_baseline(benchmark, tmp_path, scaled, run_timed, bf16_bytes, ba
 @pytest.mark.parametrize("codec", ["none", "group_rotl1"])
 def test_filewriter_throughput(benchmark, tmp_path, scaled, run_timed, bf16_bytes, baseline_bps, codec) -> None:
     data = bf16_bytes(scaled(64 << 20))
-    params = ("none", 1, 2, "none") if codec == "none" else ("zstd", 1, 2, "group_rotl1")
+    params = _C.CodecParams("none", 1, 2, "none") if codec == "none" else _C.CodecParams("zstd", 1, 2, "group_rotl1")
     threads = os.cpu_count() or 1
     pool = _C.ThreadPool(threads)
     blocks = _C.BufferPool(CHUNK, 2 * threads + 2)

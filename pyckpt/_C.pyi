@@ -14,15 +14,35 @@ zstd_version: str
 
 # --- core ---
 
-# Codec parameters: (codec, level, elem_size, transform[, raw_threshold]).
-# codec "none" stores raw bytes (transform ignored); "zstd" compresses. elem_size in {1, 2, 4, 8}.
-# transform "group" splits elements into byte planes, "group_rotl1" first rotates each element left
-# by one bit (bf16/fp32: the whole exponent lands in the top byte). raw_threshold defaults to 0.97.
 CodecName = Literal["none", "zstd"]
 TransformName = Literal["none", "group", "group_rotl1"]
-CodecParams = (
-    tuple[CodecName, int, int, TransformName] | tuple[CodecName, int, int, TransformName, float]
-)
+
+class CodecParams:
+    """How a run of chunks is encoded; immutable, validated when made (ValueError naming the
+    field). codec "none" stores raw bytes (transform ignored); "zstd" compresses. elem_size in
+    {1, 2, 4, 8}. transform "group" splits elements into byte planes, "group_rotl1" first rotates
+    each element left by one bit (bf16/fp32: the whole exponent lands in the top byte). A plane
+    is stored compressed only below raw_threshold * its raw size (in (0, 1], default 0.97).
+    Equal params compare and hash equal; they pickle."""
+
+    def __init__(
+        self,
+        codec: str,
+        level: int = 1,
+        elem_size: int = 1,
+        transform: str = "none",
+        raw_threshold: float = 0.97,
+    ) -> None: ...
+    @property
+    def codec(self) -> CodecName: ...
+    @property
+    def level(self) -> int: ...
+    @property
+    def elem_size(self) -> int: ...
+    @property
+    def transform(self) -> TransformName: ...
+    @property
+    def raw_threshold(self) -> float: ...
 
 # Chunk record: (file_offset, raw_len, checksum, transform, planes) where transform is
 # 0 none / 1 group / 2 group_rotl1 and planes is the flat tuple (mode0, len0, mode1, len1, ...),
@@ -252,7 +272,7 @@ def stitch(
     items: list[
         tuple[
             str, list[int], list[int], list[int], int, str,
-            int | tuple[tuple[int, int, int, int, tuple[int, ...]], tuple[str, int, int, str]],
+            int | tuple[tuple[int, int, int, int, tuple[int, ...]], CodecParams],
             str, int, int, int, int, int,
         ]
     ],

@@ -11,9 +11,11 @@ Layout of a checkpoint directory::
     pyckpt.json                      metadata, written last and atomically
     <rank>-<k>.<save_id>.pyckpt      data files (stored chunks back to back)
 
-Python representations used across the package (all plain tuples/lists, JSON-compatible):
+Python representations used across the package:
 
-* ``params`` = ``(codec, level, elem_size, transform)``, e.g. ``("zstd", 1, 2, "group_rotl1")``.
+* ``params`` = a :class:`pyckpt._C.CodecParams` (validated when made: :func:`codec_params_for` on
+  the write side, the metadata reader on the read side); stored in JSON as
+  ``[codec, level, elem_size, transform]``, e.g. ``["zstd", 1, 2, "group_rotl1"]``.
 * ``chunk`` = ``(file_offset, raw_len, checksum, transform_code, planes)`` where ``planes`` is a
   flat ``(mode0, len0, mode1, len1, ...)``; mode 0 = raw, 1 = zstd.
 * ``segment`` = ``(path, raw_begin, params, chunks)``: consecutive chunks of one piece stored in
@@ -23,6 +25,7 @@ Python representations used across the package (all plain tuples/lists, JSON-com
 from __future__ import annotations
 
 import errno
+import functools
 import json
 import logging
 import math
@@ -33,13 +36,17 @@ import uuid
 from array import array
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any
 
 from pyckpt import _C
 from pyckpt.errors import CheckpointFormatError, UnsupportedDtypeError
 
 if TYPE_CHECKING:
     from pyckpt._C import CodecParams
+
+#: Default of ``raw_threshold`` (:func:`codec_params_for`): a plane is stored zstd-compressed only
+#: when that saves more than 3% of its bytes, otherwise raw (decoding it is then a copy).
+RAW_THRESHOLD = 0.97
 
 __all__ = [
     "FORMAT_NAME",
@@ -63,7 +70,9 @@ __all__ = [
     "StoredTensor",
     "StoredBytes",
     "CheckpointIndex",
+    "RAW_THRESHOLD",
     "codec_params_for",
+    "codec_params_json",
     "new_save_id",
     "data_file_name",
     "is_data_file",
@@ -209,26 +218,39 @@ def data_file_rank(name: str) -> int:
     return int(m.group(1))
 
 
+@functools.lru_cache(maxsize=256)  # params are immutable: one object per distinct choice
 def codec_params_for(
-    dtype_name: str, compression: str | None, level: int, byte_grouping: bool
+    dtype_name: str,
+    compression: str | None,
+    level: int,
+    byte_grouping: bool,
+    raw_threshold: float = RAW_THRESHOLD,
 ) -> CodecParams:
     """Chooses the codec params for a tensor of ``dtype_name``.
 
     Args:
         dtype_name: torch dtype name (key of :data:`DTYPE_SIZES`), or ``"bytes"``.
-        compression: ``None``/``"none"`` or ``"zstd"``.
+        compression: ``None``/``"none"`` or ``"zstd"`` (checked by the writer).
         level: zstd level.
         byte_grouping: group bytes by element (and rotate bf16/fp32) before compressing.
+        raw_threshold: store a plane compressed only below this fraction of its raw size.
 
     Returns:
-        The ``params`` tuple passed to the native core.
+        The ``params`` passed to the native core.
+
+    Raises:
+        ValueError: ``level`` or ``raw_threshold`` out of range (from ``_C.CodecParams``, the
+            one place codec params are checked).
     """
     if compression in (None, "none"):
-        return cast("CodecParams", ("none", 0, 1, "none"))
-    if compression != "zstd":
-        raise ValueError(f"unknown compression {compression!r}; expected None or 'zstd'")
+        return _C.CodecParams("none", 0, 1, "none", raw_threshold)
     planes, transform = _GROUPING.get(dtype_name, (1, "none")) if byte_grouping else (1, "none")
-    return cast("CodecParams", ("zstd", int(level), planes, transform))
+    return _C.CodecParams("zstd", level, planes, transform, raw_threshold)
+
+
+def codec_params_json(params: CodecParams) -> list[Any]:
+    """The JSON form of ``params``: ``[codec, level, elem_size, transform]``."""
+    return [params.codec, params.level, params.elem_size, params.transform]
 
 
 @dataclass(frozen=True, slots=True)
@@ -245,7 +267,7 @@ class StoredPiece:
     offsets: tuple[int, ...]
     sizes: tuple[int, ...]
     nbytes: int
-    segments: list[tuple[str, int, tuple[str, int, int, str], list[tuple[Any, ...]]]]
+    segments: list[tuple[str, int, CodecParams, list[tuple[Any, ...]]]]
 
 
 @dataclass(frozen=True, slots=True)
@@ -266,7 +288,7 @@ class StoredBytes:
 
     fqn: str
     nbytes: int
-    segments: list[tuple[str, int, tuple[str, int, int, str], list[tuple[Any, ...]]]]
+    segments: list[tuple[str, int, CodecParams, list[tuple[Any, ...]]]]
 
 
 @dataclass
@@ -340,14 +362,14 @@ def encode_metadata(doc: Mapping[str, Any]) -> bytes:
 
 
 def segments_to_json(
-    segments: Iterable[tuple[str, int, Sequence[Any], Sequence[Sequence[Any]]]],
+    segments: Iterable[tuple[str, int, CodecParams, Sequence[Sequence[Any]]]],
 ) -> list[dict[str, Any]]:
     """Turns ``segment`` tuples with data-file *names* into their JSON form."""
     return [
         {
             "file": name,
             "raw_begin": raw_begin,
-            "codec": list(params),
+            "codec": codec_params_json(params),
             "chunks": [[c[0], c[1], c[2], c[3], list(c[4])] for c in chunks],
         }
         for name, raw_begin, params, chunks in segments
@@ -527,7 +549,7 @@ class _Validator:
         self.files: dict[str, int] = {}
         self.paths: dict[str, str] = {}  # data file name -> absolute path (one string per file)
         self.ranges: dict[str, array[int]] = {}  # data file name -> [begin, end, begin, end...]
-        self.params: dict[tuple[Any, ...], tuple[str, int, int, str]] = {}
+        self.params: dict[tuple[Any, ...], CodecParams] = {}
         self.pieces = 0
         self.segments = 0
         self.chunks = 0
@@ -727,7 +749,7 @@ class _Validator:
         self.check_tiling(ip, shape, numel, pieces)
         return StoredTensor(fqn, dtype, shape, pieces, requires_grad, memory_format)
 
-    def codec(self, value: Any, path: str, dtype: str) -> tuple[str, int, int, str]:
+    def codec(self, value: Any, path: str, dtype: str) -> CodecParams:
         if type(value) is list and len(value) == 4:
             cached = self.params.get((dtype, *value)) if all(
                 type(v) in (str, int) for v in value) else None
@@ -752,14 +774,14 @@ class _Validator:
                                       f"{transform!r} do not fit dtype {dtype}")
         else:
             raise self.fail(f"{path}[0]", f"unknown codec {_describe(codec)}")
-        result = (codec, level, elem_size, transform)
+        result = _C.CodecParams(codec, level, elem_size, transform)
         key = (dtype, *params)
         self.params[key] = result
         return result
 
     def segments_of(
         self, value: Any, nbytes: int, where: str, dtype: str
-    ) -> list[tuple[str, int, tuple[str, int, int, str], list[tuple[Any, ...]]]]:
+    ) -> list[tuple[str, int, CodecParams, list[tuple[Any, ...]]]]:
         raw_segments = self.lst(value, f"{where}.segments")
         self.count("segments", len(raw_segments), MAX_SEGMENTS, "segments")
         out = []
@@ -784,12 +806,11 @@ class _Validator:
             raise self.fail(f"{where}.segments", f"hold {expect} raw bytes, expected {nbytes}")
         return out
 
-    def chunks_of(self, chunks: list[Any], name: str, params: tuple[str, int, int, str],
-                  sp: str) -> int:
+    def chunks_of(self, chunks: list[Any], name: str, params: CodecParams, sp: str) -> int:
         """Validates the (parser-compacted) chunk records of a segment; returns raw bytes."""
         size = self.files[name]
         ranges = self.ranges[name]
-        codec, _, E, transform = params
+        codec, E, transform = params.codec, params.elem_size, params.transform
         group_code = _TRANSFORM_CODES[transform] if codec == "zstd" and E > 1 else 0
         total = 0
         for j, c in enumerate(chunks):
@@ -811,7 +832,8 @@ class _Validator:
             if type(tcode) is not int or tcode != want:
                 raise self.fail(f"{sp}.chunks[{j}][3]", f"transform code {_describe(tcode)} "
                                                         f"disagrees with the codec params "
-                                                        f"{list(params)} (expected {want})")
+                                                        f"{codec_params_json(params)} "
+                                                        f"(expected {want})")
             nplanes = E if grouped else 1
             if len(planes) != 2 * nplanes:
                 raise self.fail(f"{sp}.chunks[{j}][4]", f"must list {nplanes} (mode, length) "

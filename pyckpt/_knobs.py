@@ -15,6 +15,7 @@ from collections.abc import Iterator
 from typing import Any
 
 __all__ = [
+    "MIN_PINNED_POOL_BYTES",
     "num_threads",
     "read_threads",
     "direct_io",
@@ -125,9 +126,14 @@ def cudart_path() -> str | None:
     return raw or None
 
 
+MIN_PINNED_POOL_BYTES = 1 << 20
+
+
 def pinned_pool_bytes() -> int:
-    """``PYCKPT_PINNED_POOL_BYTES``: bound on the pinned staging pool (default 1 GiB)."""
-    return _int("pinned_pool_bytes", "PYCKPT_PINNED_POOL_BYTES", 1 << 30, 1 << 20)
+    """``PYCKPT_PINNED_POOL_BYTES``: default of the ``pinned_pool_bytes`` argument of
+    :class:`pyckpt.Writer` and :class:`pyckpt.Reader`, the bound on the pinned staging pool
+    (default 1 GiB)."""
+    return _int("pinned_pool_bytes", "PYCKPT_PINNED_POOL_BYTES", 1 << 30, MIN_PINNED_POOL_BYTES)
 
 
 def consolidate_input() -> str:

@@ -9,11 +9,16 @@ Three uses:
 
 * :meth:`DeviceStaging.stream_to_host` -- synchronous save: device tensors are cut into pool
   blocks; the caller consumes batch k (encode + write) while batch k+1 is still being copied.
-  Pinned memory is bounded by ``PYCKPT_PINNED_POOL_BYTES``.
+  Pinned memory is bounded by the owner's ``pinned_pool_bytes`` (default
+  ``PYCKPT_PINNED_POOL_BYTES``).
 * :meth:`DeviceStaging.stage_state_dict` -- asynchronous save (``AsyncStager.stage``): the whole
   state dict is copied into one reused pinned region and returned as CPU tensors that view it.
 * :meth:`DeviceStaging.upload` -- loads: host bytes go to device tensors through pinned blocks,
   copies overlapping with the filling of the next block.
+
+A :class:`pyckpt.Writer` or :class:`pyckpt.Reader` owns one :class:`DeviceStaging` (made on first
+use, dropped by ``close()`` and by pickling); the writer's DCP ``AsyncStager`` methods delegate to
+:meth:`DeviceStaging.stage_state_dict`.
 
 Thread-safety: one :class:`DeviceStaging` serves one save or load at a time (the writer's
 background thread and the next ``stage()`` call may overlap; regions are double-buffered).
@@ -33,14 +38,14 @@ from typing import Any
 import torch
 
 from pyckpt import _C, _knobs
+from pyckpt._tensors import local_view, plain
 from pyckpt.errors import CudaError
 
 __all__ = [
-    "AsyncStagingMixin",
     "DeviceStaging",
     "StagedPiece",
-    "StagingMixin",
     "block_bytes_for",
+    "is_device_tensor",
     "runtime",
 ]
 
@@ -97,20 +102,10 @@ class _TorchCuda:
 _device_api: Any = _TorchCuda()
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """The process-local data of ``t`` (a DTensor's shard, else ``t`` itself), detached."""
-    local = getattr(t, "_local_tensor", None)
-    return (local if isinstance(local, torch.Tensor) else t).detach()
-
-
-def _plain(t: torch.Tensor) -> torch.Tensor:
-    """Contiguous, without conj/neg bits, made on ``t``'s device (queued on its current stream,
-    so the staging fence orders the copies after it)."""
-    if t.is_conj():
-        t = t.resolve_conj()
-    if t.is_neg():
-        t = t.resolve_neg()
-    return t.contiguous()
+def is_device_tensor(t: object) -> bool:
+    """True when ``t`` is a tensor in device memory (a DTensor by its shard). The stager copies
+    it when :attr:`DeviceStaging.available`; otherwise torch moves it."""
+    return isinstance(t, torch.Tensor) and _device_api.is_device(local_view(t))
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -140,7 +135,8 @@ class DeviceStaging:
 
     Args:
         block_bytes: streaming block size (default 16 MiB; use :func:`block_bytes_for`).
-        pool_bytes: bound on streaming pinned memory (default ``PYCKPT_PINNED_POOL_BYTES``).
+        pool_bytes: bound on streaming pinned memory (default ``PYCKPT_PINNED_POOL_BYTES``, read
+            when this object is made).
         rt: runtime to use (default :func:`runtime`).
     """
 
@@ -168,6 +164,10 @@ class DeviceStaging:
     def available(self) -> bool:
         """True when a usable CUDA runtime was loaded (device tensors can be staged)."""
         return self._rt is not None and bool(self._rt.available)
+
+    def has_regions(self) -> bool:
+        """True while a region handed out by :meth:`stage_state_dict` is not released."""
+        return bool(self._regions)
 
     def _require(self, what: str) -> None:
         if self._rt is None:
@@ -249,7 +249,7 @@ class DeviceStaging:
         for i, (_, t) in enumerate(items):
             by_device.setdefault(_device_api.device_index(t), []).append(i)
         for device, indices in by_device.items():
-            keep = [_plain(_local(items[i][1])) for i in indices]  # alive until consumed
+            keep = [plain(items[i][1]) for i in indices]  # alive until consumed
             specs = [(items[i][0], k.data_ptr(), _nbytes(k)) for i, k in zip(indices, keep)]
             st = self.stager(device)
             stream = st.stream_to_host(specs, _device_api.current_stream(device))
@@ -341,8 +341,8 @@ class DeviceStaging:
         total = 0
         for i, (_, leaf) in enumerate(leaves_with_path):
             if isinstance(leaf, torch.Tensor):
-                local = _local(leaf)
-                src = _plain(local) if _device_api.is_device(local) else local
+                local = local_view(leaf)
+                src = plain(local) if _device_api.is_device(local) else local
                 total = _align(total, _PIECE_ALIGN)
                 layout.append((i, src, local, total))
                 total += _nbytes(src)
@@ -456,7 +456,7 @@ class DeviceStaging:
                 f"tensor {name!r}: source {tuple(src.shape)} {src.dtype} does not match "
                 f"destination {tuple(dst.shape)} {dst.dtype}"
             )
-        flat = _plain(src).reshape(-1).view(torch.uint8)
+        flat = plain(src).reshape(-1).view(torch.uint8)
 
         def fill(view: memoryview, offset: int, n: int) -> None:
             torch.frombuffer(view, dtype=torch.uint8, count=n).copy_(flat[offset : offset + n])
@@ -469,113 +469,3 @@ class DeviceStaging:
             stagers = list(self._stagers.values())
         for st in stagers:
             st.synchronize()
-
-
-class StagingMixin:
-    """Staging state and helpers shared by pyckpt's writer and reader (kept out of their
-    bodies so storage.py only calls into it at a few well-defined points)."""
-
-    def _device_staging(self) -> DeviceStaging:
-        """This object's staging state (created on first use, dropped by pickling)."""
-        st = self.__dict__.get("_pyckpt_staging")
-        if st is None:
-            st = DeviceStaging(block_bytes=self._staging_block_bytes())
-            self.__dict__["_pyckpt_staging"] = st
-        return st
-
-    def _staging_block_bytes(self) -> int | None:
-        """Streaming block size (None: the default); writers align it with their chunks."""
-        return None
-
-    def _stages_on_device(self, t: Any) -> bool:
-        """True when ``t`` is device memory that the C++ stager can copy (else use torch)."""
-        return (
-            isinstance(t, torch.Tensor)
-            and _device_api.is_device(_local(t))
-            and self._device_staging().available
-        )
-
-    def _close_staging(self) -> None:
-        st = self.__dict__.pop("_pyckpt_staging", None)
-        if st is not None:
-            st.close()
-
-    @staticmethod
-    def _drop_staging_state(state: dict[str, Any]) -> dict[str, Any]:
-        state.pop("_pyckpt_staging", None)
-        return state
-
-    def _release_staged_after(self, fut: Any, plan: Any, planner: Any) -> Any:
-        """Frees the pinned regions this plan's tensors live in once ``fut`` (write_data's
-        result) completed: the bytes are then in the file, the region may be refilled."""
-        st = self.__dict__.get("_pyckpt_staging")
-        if st is None or not st._regions:
-            return fut
-        from torch.distributed.checkpoint.planner import WriteItemType
-
-        addresses = []
-        for item in plan.items:
-            if item.type != WriteItemType.BYTE_IO:
-                data = planner.resolve_data(item)
-                if isinstance(data, torch.Tensor) and data.numel() > 0:
-                    addresses.append(_local(data).data_ptr())
-
-        def release(_: Any) -> None:
-            st.release_regions(addresses)
-
-        fut.add_done_callback(release)
-        return fut
-
-
-class AsyncStagingMixin(StagingMixin):
-    """Makes a DCP ``StorageWriter`` a full ``AsyncStager`` backed by :class:`DeviceStaging`.
-
-    Put it first in the bases (``class Writer(AsyncStagingMixin, StorageWriter)``).
-    ``dcp.async_save(sd, storage_writer=w)`` then calls :meth:`stage`, which copies the state
-    dict into a reused pinned region and returns once the copies are complete; encoding and
-    writing run in DCP's background executor. The region goes back to the pool as soon as the
-    save's ``write_data`` completed (or when nothing views it any more).
-
-    Executors: the thread-based executor (DCP's default) is the supported one: the staged
-    tensors are read in place from pinned memory. With the process-based executor DCP pickles
-    the staged state dict, moving every tensor into shared memory (one more host copy, and the
-    pinned region is not what the child writes from); the writer pickles without its staging
-    state, so it works, but gains nothing over DCP's own stager.
-    """
-
-    # AsyncStager protocol: stage() is blocking (returns after the copies), so DCP need not call
-    # synchronize_staging().
-    _synchronize_after_execute: bool = False
-
-    @property
-    def should_synchronize_after_execute(self) -> bool:
-        """Whether DCP should call :meth:`synchronize_staging` after starting the save."""
-        return self._synchronize_after_execute
-
-    def stage(self, state_dict: Any) -> Any:
-        """Returns a training-safe copy of ``state_dict`` in pinned host memory.
-
-        Raises:
-            CudaError: the CUDA runtime failed (the message names the tensor); nothing is saved.
-        """
-        return self._device_staging().stage_state_dict(state_dict)
-
-    def synchronize_staging(self) -> None:
-        """No-op: :meth:`stage` returns only after its copies completed."""
-
-    # -- generic versions, for writers that do not override these ----------------------------
-
-    def close(self) -> None:
-        """Releases staging resources, then the writer's own."""
-        self._close_staging()
-        parent_close = getattr(super(), "close", None)
-        if parent_close is not None:
-            parent_close()
-
-    def __getstate__(self) -> dict[str, Any]:
-        parent = getattr(super(), "__getstate__", None)
-        return self._drop_staging_state(dict(parent() if parent is not None else self.__dict__))
-
-    def write_data(self, plan: Any, planner: Any) -> Any:
-        fut = super().write_data(plan, planner)  # type: ignore[misc]
-        return self._release_staged_after(fut, plan, planner)

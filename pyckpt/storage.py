@@ -52,7 +52,8 @@ from torch.futures import Future
 
 from pyckpt import _C, _format, _knobs
 from pyckpt._format import DTYPE_SIZES, METADATA_FILE
-from pyckpt._staging import AsyncStagingMixin, StagingMixin, block_bytes_for
+from pyckpt._staging import DeviceStaging, block_bytes_for, is_device_tensor
+from pyckpt._tensors import local_view, resolved
 from pyckpt.errors import UnsupportedDtypeError
 
 if TYPE_CHECKING:
@@ -64,9 +65,9 @@ logger = logging.getLogger(__name__)
 
 # Decoded bytes buffered at once by a resharding load (pieces read whole need no buffer).
 _READ_BATCH_BYTES = 256 << 20
-# Aligned staging blocks between encoding and O_DIRECT writes (one being filled, two in flight).
-_STAGING_BLOCK_BYTES = 8 << 20
-_STAGING_BLOCKS = 3
+# Aligned blocks between encoding and O_DIRECT writes (one being filled, two in flight).
+_DIRECT_BLOCK_BYTES = 8 << 20
+_DIRECT_BLOCKS = 3
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -74,7 +75,8 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 
 def _storable(tensor: torch.Tensor, fqn: str) -> torch.Tensor:
-    """``tensor``'s local values, detached, without conj/neg bits; refuses what cannot be stored.
+    """``tensor``'s local values (:func:`pyckpt._tensors.resolved`); refuses what cannot be
+    stored.
 
     Raises:
         UnsupportedDtypeError: a dtype outside the format's table, or a non-strided layout.
@@ -83,15 +85,7 @@ def _storable(tensor: torch.Tensor, fqn: str) -> torch.Tensor:
         raise UnsupportedDtypeError(f"tensor {fqn!r}: dtype {tensor.dtype} cannot be stored")
     if tensor.layout != torch.strided:
         raise UnsupportedDtypeError(f"tensor {fqn!r}: layout {tensor.layout} cannot be stored")
-    t = tensor.detach()
-    local = getattr(t, "_local_tensor", None)  # a DTensor handed over whole: its local shard
-    if isinstance(local, torch.Tensor):
-        t = local
-    if t.is_conj():
-        t = t.resolve_conj()
-    if t.is_neg():
-        t = t.resolve_neg()
-    return t
+    return resolved(tensor)
 
 
 def _host_bytes(tensor: torch.Tensor, fqn: str) -> torch.Tensor:
@@ -202,6 +196,13 @@ def _save_id_of(files: dict[str, int]) -> str | None:
     return None
 
 
+def _check_pinned_pool_bytes(value: int | None) -> None:
+    if value is not None and (type(value) is not int or value < _knobs.MIN_PINNED_POOL_BYTES):
+        raise ValueError(
+            f"pinned_pool_bytes must be an int >= {_knobs.MIN_PINNED_POOL_BYTES}, got {value!r}"
+        )
+
+
 @dataclass(frozen=True)
 class _Written:
     """One rank's part of an item: segments with data-file names, and that file's size."""
@@ -212,54 +213,56 @@ class _Written:
 
 
 class _Native:
-    """Lazily created native thread pool (shared by a Writer's or Reader's operations)."""
+    """The native collaborators of a Writer or Reader, each made on first use: the worker
+    thread pool and the GPU staging (:class:`~pyckpt._staging.DeviceStaging`: pinned pools and
+    per-device stagers). :meth:`close` drops both (the owner stays usable: they are made again
+    when needed); pickling keeps only the configuration."""
 
-    def __init__(self, threads: int | None, default: Any = _knobs.num_threads) -> None:
+    def __init__(
+        self,
+        threads: int | None,
+        default: Any = _knobs.num_threads,
+        *,
+        pinned_pool_bytes: int | None = None,
+    ) -> None:
         self._threads = threads
         self._default = default
+        self._pinned_pool_bytes = pinned_pool_bytes
         self._pool: Any = None
+        self._staging: DeviceStaging | None = None
 
     def pool(self) -> Any:
         if self._pool is None:
             self._pool = _C.ThreadPool(self._threads or self._default())
         return self._pool
 
+    def staging(self, block_bytes: int | None = None) -> DeviceStaging:
+        """The GPU staging (made on first use with ``block_bytes`` blocks, default 16 MiB)."""
+        if self._staging is None:
+            self._staging = DeviceStaging(
+                block_bytes=block_bytes, pool_bytes=self._pinned_pool_bytes
+            )
+        return self._staging
+
+    def made_staging(self) -> DeviceStaging | None:
+        """The GPU staging if it was made (and not closed since), else None."""
+        return self._staging
+
     def close(self) -> None:
+        staging, self._staging = self._staging, None
+        if staging is not None:
+            staging.close()
         if self._pool is not None:
             self._pool.shutdown()
             self._pool = None
 
-
-class _NativeUser:
-    """Lifecycle shared by Writer and Reader: native resources are created lazily, released by
-    :meth:`close` (or ``with``), and never pickled (DCP's process-based async save pickles the
-    writer); the object stays usable after ``close()``."""
-
-    threads: int | None
-    _native: _Native
-    _transient: tuple[str, ...] = ()  # attributes dropped by close() and pickling
-
-    def close(self) -> None:
-        """Stops the native worker threads and frees staging and encode buffers."""
-        self._close_staging()  # type: ignore[attr-defined]
-        self._native.close()
-        for name in self._transient:
-            setattr(self, name, None)
-
-    def __enter__(self) -> Any:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
-        state["_native"] = _Native(self.threads, self._native._default)
-        state.update(dict.fromkeys(self._transient))
-        return self._drop_staging_state(state)  # type: ignore[attr-defined]
+        state["_pool"] = state["_staging"] = None
+        return state
 
 
-class Writer(_NativeUser, AsyncStagingMixin, StorageWriter):
+class Writer(StorageWriter):
     """DCP ``StorageWriter`` writing pyckpt checkpoints.
 
     Args:
@@ -269,15 +272,23 @@ class Writer(_NativeUser, AsyncStagingMixin, StorageWriter):
         level: zstd level (default ``PYCKPT_ZSTD_LEVEL`` or 1).
         byte_grouping: with zstd, split elements into byte planes (and rotate bf16/fp32 so the
             exponent fills one plane); near-random planes are stored raw.
+        raw_threshold: with zstd, a plane (or ungrouped chunk) is stored compressed only when
+            that takes fewer than ``raw_threshold`` times its raw bytes, else raw (a raw plane
+            loads as a plain copy). In (0, 1]; default 0.97. Lower values trade size for load
+            speed; 1.0 keeps every saving.
         chunk_bytes: raw bytes per independently decodable chunk (default 4 MiB).
         threads: native worker threads (default ``PYCKPT_NUM_THREADS`` or min(8, cpus)).
         direct_io: ``"auto"``, ``"on"`` or ``"off"`` (default ``PYCKPT_DIRECT_IO`` or auto).
         fsync: fsync data and metadata (default ``PYCKPT_FSYNC`` or True).
         overwrite: like DCP's ``FileSystemWriter``: with False, a save into a directory that
             already holds a complete checkpoint raises ``FileExistsError`` before writing.
+        pinned_pool_bytes: bound on the page-locked memory that streams GPU tensors to the
+            encoder in a synchronous save (default ``PYCKPT_PINNED_POOL_BYTES`` or 1 GiB, read
+            when the writer first stages a tensor; at least 1 MiB).
 
     Raises:
-        ValueError: an unknown compression or direct-I/O mode.
+        ValueError: an unknown compression or direct-I/O mode, ``pinned_pool_bytes`` below
+            1 MiB, or ``level`` or ``raw_threshold`` out of range.
 
     Save semantics (what a save never does):
 
@@ -298,16 +309,33 @@ class Writer(_NativeUser, AsyncStagingMixin, StorageWriter):
     Thread-safety: one Writer may run several saves at once (overlapping ``dcp.async_save``
     calls, into different directories): each save's path, id and lock are kept per save.
 
-    The writer is picklable (DCP's process-based async save pickles it); native resources are
-    created lazily and released by :meth:`close` (or ``with Writer(...) as w:``).
+    Collaborators (owned by composition, each made on first use and released by
+    :meth:`close`, or ``with Writer(...) as w:``; the writer stays usable after ``close()``):
+    the native worker thread pool and the GPU staging (``_native``: a
+    :class:`~pyckpt._staging.DeviceStaging` with its pinned pools and per-device stagers), the
+    pool of encode output blocks (``_encode_pool``) and the pool of aligned blocks between the
+    encoder and the O_DIRECT writes (``_direct_blocks``). The writer is picklable (DCP's
+    process-based async save pickles it): pickling keeps the arguments and drops the
+    collaborators.
 
     GPU tensors: a synchronous save streams them through pinned blocks (copies of the next
     blocks overlap the encoding and writing of the current ones; pinned memory bounded by
-    ``PYCKPT_PINNED_POOL_BYTES``). The writer is also a DCP ``AsyncStager``:
-    ``dcp.async_save(sd, storage_writer=Writer(p))`` copies the state dict into a reused pinned
-    region, returns once the copies are done, and encodes and writes in the background (see
-    :class:`pyckpt._staging.AsyncStagingMixin` for the supported executors).
+    ``pinned_pool_bytes``). The writer is also a DCP ``AsyncStager`` (its :meth:`stage`
+    delegates to the GPU staging): ``dcp.async_save(sd, storage_writer=Writer(p))`` copies the
+    state dict into a reused pinned region, returns once the copies are done, and encodes and
+    writes in the background. The region goes back to the pool as soon as the save's
+    ``write_data`` completed (or when nothing views it any more).
+
+    Executors: the thread-based executor (DCP's default) is the supported one: the staged
+    tensors are read in place from pinned memory. With the process-based executor DCP pickles
+    the staged state dict, moving every tensor into shared memory (one more host copy, and the
+    pinned region is not what the child writes from); the writer pickles without its staging
+    state, so it works, but gains nothing over DCP's own stager.
     """
+
+    # AsyncStager protocol: stage() is blocking (returns after the copies), so DCP need not call
+    # synchronize_staging().
+    _synchronize_after_execute: bool = False
 
     def __init__(
         self,
@@ -316,13 +344,16 @@ class Writer(_NativeUser, AsyncStagingMixin, StorageWriter):
         *,
         level: int | None = None,
         byte_grouping: bool = True,
+        raw_threshold: float = _format.RAW_THRESHOLD,
         chunk_bytes: int | None = None,
         threads: int | None = None,
         direct_io: str | None = None,
         fsync: bool | None = None,
         overwrite: bool = True,
+        pinned_pool_bytes: int | None = None,
     ) -> None:
         super().__init__()
+        _check_pinned_pool_bytes(pinned_pool_bytes)
         if compression not in (None, "none", "zstd"):
             raise ValueError(f"unknown compression {compression!r}; expected None or 'zstd'")
         if direct_io not in (None, "auto", "on", "off"):
@@ -338,28 +369,90 @@ class Writer(_NativeUser, AsyncStagingMixin, StorageWriter):
         self.compression = None if compression == "none" else compression
         self.level = level
         self.byte_grouping = byte_grouping
+        self.raw_threshold = raw_threshold
         self.chunk_bytes = chunk_bytes
         self.threads = threads
         self.direct_io = direct_io
         self.fsync = fsync
         self.overwrite = overwrite
-        self._native = _Native(threads)
-        self._blocks: Any = None
-        self._blocks_key: tuple[int, Any] | None = None
-        self._staging: Any = None  # aligned staging blocks of the data-file writer, reused
-        self._encode_lock = threading.Lock()  # guards the shared encode/staging pools
+        self.pinned_pool_bytes = pinned_pool_bytes
+        self._params("float32")  # a bad level or raw_threshold fails here, not mid-save
+        self._native = _Native(threads, pinned_pool_bytes=pinned_pool_bytes)
+        self._encode_pool: Any = None  # encoder output blocks, sized for (chunk, params)
+        self._encode_pool_key: tuple[int, Any] | None = None
+        self._direct_blocks: Any = None  # aligned blocks of the data-file writer, reused
+        self._encode_lock = threading.Lock()  # guards the shared encode and direct pools
         self._local: Any = None  # threading.local holding each thread's _Save
 
-    _transient = ("_blocks", "_blocks_key", "_staging", "_local")
+    # Collaborators dropped by close() and pickling (made again on first use).
+    _transient = ("_encode_pool", "_encode_pool_key", "_direct_blocks", "_local")
+
+    def close(self) -> None:
+        """Stops the native worker threads and frees the staging and encode buffers."""
+        self._native.close()
+        for name in self._transient:
+            setattr(self, name, None)
+
+    def __enter__(self) -> Writer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def __getstate__(self) -> dict[str, Any]:
-        state = super().__getstate__()
+        state = self.__dict__.copy()
+        state.update(dict.fromkeys(self._transient))
         state["_encode_lock"] = None
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self._encode_lock = threading.Lock()
+
+    # -- DCP AsyncStager (delegates to the GPU staging) --------------------------------------
+
+    @property
+    def should_synchronize_after_execute(self) -> bool:
+        """Whether DCP should call :meth:`synchronize_staging` after starting the save."""
+        return self._synchronize_after_execute
+
+    def stage(self, state_dict: Any) -> Any:
+        """Returns a training-safe copy of ``state_dict`` in pinned host memory (once every copy
+        is complete).
+
+        Raises:
+            CudaError: the CUDA runtime failed (the message names the tensor); nothing is saved.
+        """
+        return self._staging().stage_state_dict(state_dict)
+
+    def synchronize_staging(self) -> None:
+        """No-op: :meth:`stage` returns only after its copies completed."""
+
+    def _staging(self) -> DeviceStaging:
+        """The GPU staging; its blocks are a multiple of the chunk size, so split tensors align
+        with chunks."""
+        return self._native.staging(block_bytes_for(self.chunk_bytes or _knobs.chunk_bytes()))
+
+    def _release_staged_after(
+        self, fut: Future[list[WriteResult]], plan: SavePlan, planner: SavePlanner
+    ) -> Future[list[WriteResult]]:
+        """Frees the pinned regions this plan's tensors live in once ``fut`` (write_data's
+        result) completed: the bytes are then in the file, the region may be refilled."""
+        staging = self._native.made_staging()
+        if staging is None or not staging.has_regions():
+            return fut
+        addresses = []
+        for item in plan.items:
+            if item.type != WriteItemType.BYTE_IO:
+                data = planner.resolve_data(item)
+                if isinstance(data, torch.Tensor) and data.numel() > 0:
+                    addresses.append(local_view(data).data_ptr())
+
+        def release(_: Any) -> None:
+            staging.release_regions(addresses)
+
+        fut.add_done_callback(release)
+        return fut
 
     # -- per-save state ----------------------------------------------------------------------
 
@@ -456,22 +549,24 @@ class Writer(_NativeUser, AsyncStagingMixin, StorageWriter):
 
     def _params(self, dtype_name: str) -> CodecParams:
         level = self.level if self.level is not None else _knobs.zstd_level()
-        return _format.codec_params_for(dtype_name, self.compression, level, self.byte_grouping)
+        return _format.codec_params_for(
+            dtype_name, self.compression, level, self.byte_grouping, self.raw_threshold
+        )
 
     def _encode_blocks(self, chunk_bytes: int) -> Any:
         params = self._params("float32")
         key = (chunk_bytes, params)
-        if self._blocks is None or self._blocks_key != key:
+        if self._encode_pool is None or self._encode_pool_key != key:
             pool = self._native.pool()
             block = _C.max_encoded_size(chunk_bytes, params)
-            self._blocks = _C.BufferPool(block, 2 * pool.size + 2)
-            self._blocks_key = key
-        return self._blocks
+            self._encode_pool = _C.BufferPool(block, 2 * pool.size + 2)
+            self._encode_pool_key = key
+        return self._encode_pool
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         save = self._active("write_data")
         try:
-            # Saves overlapping through one writer share its encode and staging pools: their
+            # Saves overlapping through one writer share its encode and direct pools: their
             # writes run one after the other.
             with self._encode_lock:
                 fut = self._write_data(plan, planner, save)
@@ -506,7 +601,7 @@ class Writer(_NativeUser, AsyncStagingMixin, StorageWriter):
                 arr = np.frombuffer(raw, dtype=np.uint8)
                 keepalive.append(arr)
                 base, nbytes, dtype_name = arr.ctypes.data, arr.nbytes, "uint8"
-            elif self._stages_on_device(data):
+            elif is_device_tensor(data) and self._staging().available:
                 data = cast(torch.Tensor, data)
                 flat = _device_bytes(data, fqn)
                 start, end = rank_plan.ranges.get(item.index, (0, flat.numel()))
@@ -533,13 +628,13 @@ class Writer(_NativeUser, AsyncStagingMixin, StorageWriter):
         name = _format.data_file_name(rank_plan.rank, 0, rank_plan.save_id or save.save_id)
         direct = cast(Any, self.direct_io or _knobs.direct_io())
         fsync = self.fsync if self.fsync is not None else _knobs.fsync()
-        if self._staging is None:
+        if self._direct_blocks is None:
             # Allocated once per writer: on this class of VM freshly faulted-in memory runs at a
             # fraction of memcpy speed, so every save after the first reuses hot pages.
-            self._staging = _C.BufferPool(_STAGING_BLOCK_BYTES, _STAGING_BLOCKS)
+            self._direct_blocks = _C.BufferPool(_DIRECT_BLOCK_BYTES, _DIRECT_BLOCKS)
         with _C.FileWriter(
-            os.path.join(save.path, name), direct, fsync, _STAGING_BLOCK_BYTES, _STAGING_BLOCKS,
-            staging=self._staging,
+            os.path.join(save.path, name), direct, fsync, _DIRECT_BLOCK_BYTES, _DIRECT_BLOCKS,
+            staging=self._direct_blocks,
         ) as fw:
             records = fw.write_items(
                 requests, chunk_bytes, self._native.pool(), self._encode_blocks(chunk_bytes)
@@ -566,9 +661,6 @@ class Writer(_NativeUser, AsyncStagingMixin, StorageWriter):
         fut.set_result(results)
         return fut
 
-    def _staging_block_bytes(self) -> int:
-        return block_bytes_for(self.chunk_bytes or _knobs.chunk_bytes())
-
     def _write_device_items(
         self,
         fw: Any,
@@ -581,7 +673,7 @@ class Writer(_NativeUser, AsyncStagingMixin, StorageWriter):
         """Streams device byte ranges through pinned blocks into ``fw``: each batch of blocks
         is encoded and written while the next batch is still being copied. An item larger than
         a block becomes several segments (block-sized, so chunk-aligned)."""
-        staging = self._device_staging()
+        staging = self._staging()
         pool, blocks = self._native.pool(), self._encode_blocks(chunk_bytes)
         for batch in staging.stream_to_host([(fqn, t) for _, fqn, t, _, _ in items]):
             reqs = [(items[p.item][1], p.address, p.nbytes, items[p.item][4]) for p in batch]
@@ -665,7 +757,7 @@ class Writer(_NativeUser, AsyncStagingMixin, StorageWriter):
         return isinstance(checkpoint_id, (str, os.PathLike))
 
 
-class Reader(_NativeUser, StagingMixin, StorageReader):
+class Reader(StorageReader):
     """DCP ``StorageReader`` for pyckpt checkpoints, including resharded loads.
 
     Each ``ReadItem`` is served by reading, verifying and decoding only the chunks that overlap
@@ -675,6 +767,8 @@ class Reader(_NativeUser, StagingMixin, StorageReader):
         path: checkpoint directory (``dcp.load(checkpoint_id=...)`` overrides it).
         threads: native worker threads (default ``PYCKPT_READ_THREADS`` or
             ``max(8, PYCKPT_NUM_THREADS)``: reads in flight matter more than cores).
+        pinned_pool_bytes: bound on the page-locked memory that carries data to GPU
+            destinations (default ``PYCKPT_PINNED_POOL_BYTES`` or 1 GiB; at least 1 MiB).
 
     Raises (from :meth:`read_metadata`, i.e. when a load starts; making a Reader reads nothing):
         FileNotFoundError: ``path`` has no ``pyckpt.json`` (not a complete checkpoint) or a data
@@ -689,21 +783,46 @@ class Reader(_NativeUser, StagingMixin, StorageReader):
     GPU destinations are filled through pinned blocks by the C++ stager (side stream, ordered
     after and before the destination device's current stream by events).
 
+    Collaborators (owned by composition, made on first use, released by :meth:`close` or
+    ``with Reader(...) as r:``, dropped by pickling): the native worker thread pool and the GPU
+    staging (``_native``).
+
     Attributes:
         bytes_read: stored bytes read from data files by this reader so far.
         chunks_decoded: chunks read, verified and decoded so far.
     """
 
-    def __init__(self, path: str | os.PathLike[str], *, threads: int | None = None) -> None:
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        threads: int | None = None,
+        pinned_pool_bytes: int | None = None,
+    ) -> None:
         super().__init__()
+        _check_pinned_pool_bytes(pinned_pool_bytes)
         self.path = os.fspath(path)
         self.threads = threads
+        self.pinned_pool_bytes = pinned_pool_bytes
         self.load_id = uuid.uuid4().hex[:12]
         self.bytes_read = 0
         self.chunks_decoded = 0
-        self._native = _Native(threads, _knobs.read_threads)
+        self._native = _Native(threads, _knobs.read_threads, pinned_pool_bytes=pinned_pool_bytes)
         self._storage: dict[MetadataIndex, Any] = {}
         self._metadata_error: Exception | None = None
+
+    def close(self) -> None:
+        """Stops the native worker threads and frees the staging buffers."""
+        self._native.close()
+
+    def __enter__(self) -> Reader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _staging(self) -> DeviceStaging:
+        return self._native.staging()
 
     # -- StorageReader ---------------------------------------------------------------------
 
@@ -880,10 +999,10 @@ class Reader(_NativeUser, StagingMixin, StorageReader):
 
         def finish() -> None:
             src = temp.view(dtype).as_strided(lengths, strides)
-            if self._stages_on_device(target):
+            if is_device_tensor(target) and self._staging().available:
                 if src.dtype != target.dtype:
                     src = src.to(target.dtype)
-                self._device_staging().upload_from_host(fqn, target, src)
+                self._staging().upload_from_host(fqn, target, src)
             else:
                 target.copy_(src)
             commit()

@@ -71,7 +71,7 @@ def summarize(path: str | os.PathLike[str], top: int = 10) -> CheckpointSummary:
         sizes.append((fqn, t.dtype, t.shape, nbytes))
         for p in t.pieces:
             for _, _, params, chunks in p.segments:
-                codecs[f"{params[0]}/{params[3]}"] += sum(c[1] for c in chunks)
+                codecs[f"{params.codec}/{params.transform}"] += sum(c[1] for c in chunks)
     raw_total += sum(b.nbytes for b in index.bytes_items.values())
     sizes.sort(key=lambda s: -s[3])
     return CheckpointSummary(

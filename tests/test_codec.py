@@ -100,9 +100,9 @@ def split_planes(stored: bytes, record: tuple) -> list[tuple[int, bytes]]:
     return planes
 
 
-def check_against_oracles(raw: bytes, stored: bytes, record: tuple, params: tuple) -> None:
+def check_against_oracles(raw: bytes, stored: bytes, record: tuple, params: _C.CodecParams) -> None:
     """The stored layout is exactly what codec.hpp documents, checked without the C++ decoder."""
-    codec, _level, elem, transform = params
+    codec, elem, transform = params.codec, params.elem_size, params.transform
     file_offset, raw_len, checksum, tr_id, _flat = record
     assert (file_offset, raw_len) == (0, len(raw))
     assert checksum == xxh64_ref(stored)
@@ -185,7 +185,7 @@ def test_xxh64_accepts_buffers() -> None:
 @pytest.mark.parametrize("elem", [1, 2, 4, 8])
 @pytest.mark.parametrize("n", EDGE_SIZES)
 def test_roundtrip_zstd_edge_sizes(make_data, n: int, elem: int, transform: str, kind: str) -> None:
-    params = ("zstd", 1, elem, transform)
+    params = _C.CodecParams("zstd", 1, elem, transform)
     raw = make_data(kind, n)
     stored, record = roundtrip(raw, params)
     check_against_oracles(raw, stored, record, params)
@@ -193,7 +193,7 @@ def test_roundtrip_zstd_edge_sizes(make_data, n: int, elem: int, transform: str,
 
 @pytest.mark.parametrize("n", EDGE_SIZES)
 def test_roundtrip_codec_none(make_data, n: int) -> None:
-    params = ("none", 1, 2, "group_rotl1")  # transform is ignored without compression
+    params = _C.CodecParams("none", 1, 2, "group_rotl1")  # transform is ignored without compression
     raw = make_data("bf16", n)
     stored, record = roundtrip(raw, params)
     assert stored == raw
@@ -206,7 +206,7 @@ def test_roundtrip_codec_none(make_data, n: int) -> None:
     [("bf16", 2), ("fp32", 4), ("fp64", 8), ("low_entropy", 2), ("low_entropy", 4), ("low_entropy", 8)],
 )
 def test_roundtrip_large_compressible(make_data, kind: str, elem: int, level: int) -> None:
-    params = ("zstd", level, elem, "group_rotl1")
+    params = _C.CodecParams("zstd", level, elem, "group_rotl1")
     raw = make_data(kind, 256 * 1024)
     stored, record = roundtrip(raw, params)
     check_against_oracles(raw, stored, record, params)
@@ -216,14 +216,14 @@ def test_roundtrip_large_compressible(make_data, kind: str, elem: int, level: in
 @pytest.mark.parametrize("transform", TRANSFORMS)
 def test_random_data_is_stored_raw(make_data, transform: str) -> None:
     raw = make_data("random", 1 << 20)
-    stored, record = roundtrip(raw, ("zstd", 1, 2, transform))
+    stored, record = roundtrip(raw, _C.CodecParams("zstd", 1, 2, transform))
     assert set(record[4][0::2]) == {0}
     assert len(stored) == len(raw)
 
 
 def test_unaligned_length_falls_back_to_no_transform(make_data) -> None:
     raw = make_data("bf16", 4097)  # odd: not a whole number of bf16 elements
-    stored, record = roundtrip(raw, ("zstd", 1, 2, "group_rotl1"))
+    stored, record = roundtrip(raw, _C.CodecParams("zstd", 1, 2, "group_rotl1"))
     assert record[3] == 0
     assert len(record[4]) == 2
 
@@ -231,11 +231,11 @@ def test_unaligned_length_falls_back_to_no_transform(make_data) -> None:
 def test_bf16_byte_grouping_ratio(make_data) -> None:
     """Rotated byte grouping on bf16 weights must reach <= 0.70x of raw (DESIGN target ~0.67x)."""
     raw = make_data("bf16", 4 << 20)
-    stored, record = roundtrip(raw, ("zstd", 1, 2, "group_rotl1"))
+    stored, record = roundtrip(raw, _C.CodecParams("zstd", 1, 2, "group_rotl1"))
     assert len(stored) <= 0.70 * len(raw)
     # The near-random sign+mantissa plane is copied, the exponent plane compressed.
     assert record[4][0::2] == (0, 1)
-    plain, _ = roundtrip(raw, ("zstd", 1, 2, "none"))
+    plain, _ = roundtrip(raw, _C.CodecParams("zstd", 1, 2, "none"))
     assert len(stored) < len(plain)
 
 
@@ -268,13 +268,13 @@ def test_rotl1_puts_bf16_exponent_in_high_byte() -> None:
     level=st.sampled_from([1, 3]),
 )
 def test_roundtrip_property(data: bytes, elem: int, transform: str, level: int) -> None:
-    params = ("zstd", level, elem, transform)
+    params = _C.CodecParams("zstd", level, elem, transform)
     stored, record = roundtrip(data, params)
     check_against_oracles(data, stored, record, params)
 
 
 def test_encode_chunk_into_matches_encode_chunk(make_data) -> None:
-    params = ("zstd", 1, 2, "group_rotl1")
+    params = _C.CodecParams("zstd", 1, 2, "group_rotl1")
     raw = make_data("bf16", 100_000)
     stored, record = _C.encode_chunk(raw, params)
     out = bytearray(_C.max_encoded_size(len(raw), params))
@@ -291,7 +291,7 @@ def test_encode_chunk_into_matches_encode_chunk(make_data) -> None:
 
 @pytest.mark.parametrize("position", [0, 1, -1])
 def test_flipped_byte_is_a_checksum_error(make_data, position: int) -> None:
-    params = ("zstd", 1, 2, "group_rotl1")
+    params = _C.CodecParams("zstd", 1, 2, "group_rotl1")
     raw = make_data("bf16", 65536)
     stored, record = _C.encode_chunk(raw, params)
     bad = bytearray(stored)
@@ -305,15 +305,15 @@ def test_flipped_byte_is_a_checksum_error(make_data, position: int) -> None:
 
 def test_wrong_checksum_in_record_is_a_checksum_error(make_data) -> None:
     raw = make_data("random", 100)
-    stored, record = _C.encode_chunk(raw, ("none", 1, 1, "none"))
+    stored, record = _C.encode_chunk(raw, _C.CodecParams("none", 1, 1, "none"))
     bad = (record[0], record[1], record[2] ^ 1, record[3], record[4])
     with pytest.raises(ChecksumError):
-        _C.decode_chunk(stored, bad, ("none", 1, 1, "none"), bytearray(100))
+        _C.decode_chunk(stored, bad, _C.CodecParams("none", 1, 1, "none"), bytearray(100))
 
 
 def test_inconsistent_record_is_a_header_error(make_data) -> None:
     raw = make_data("random", 100)
-    params = ("none", 1, 1, "none")
+    params = _C.CodecParams("none", 1, 1, "none")
     stored, record = _C.encode_chunk(raw, params)
     bad = (record[0], 99, record[2], record[3], record[4])  # raw plane of 100 for raw_len 99
     with pytest.raises(CheckpointFormatError) as info:
@@ -321,24 +321,24 @@ def test_inconsistent_record_is_a_header_error(make_data) -> None:
     assert not isinstance(info.value, ChecksumError)
     # Grouped record with a plane count that does not match elem_size.
     raw2 = make_data("bf16", 8192)
-    p2 = ("zstd", 1, 2, "group_rotl1")
+    p2 = _C.CodecParams("zstd", 1, 2, "group_rotl1")
     stored2, rec2 = _C.encode_chunk(raw2, p2)
     with pytest.raises(CheckpointFormatError, match="planes"):
-        _C.decode_chunk(stored2, rec2, ("zstd", 1, 4, "group_rotl1"), bytearray(8192))
+        _C.decode_chunk(stored2, rec2, _C.CodecParams("zstd", 1, 4, "group_rotl1"), bytearray(8192))
 
 
 def test_short_stored_buffer_is_truncated(make_data) -> None:
     raw = make_data("random", 100)
-    stored, record = _C.encode_chunk(raw, ("none", 1, 1, "none"))
+    stored, record = _C.encode_chunk(raw, _C.CodecParams("none", 1, 1, "none"))
     with pytest.raises(CheckpointFormatError, match="needs"):
-        _C.decode_chunk(stored[:50], record, ("none", 1, 1, "none"), bytearray(100))
+        _C.decode_chunk(stored[:50], record, _C.CodecParams("none", 1, 1, "none"), bytearray(100))
 
 
 def test_corrupt_frame_with_valid_checksum_is_a_compression_error() -> None:
     garbage = b"\x28\xb5\x2f\xfd" + bytes(range(60))  # zstd magic, nonsense after it
     record = (0, 1000, xxh64_ref(garbage), 0, (1, len(garbage)))
     with pytest.raises(CompressionError, match="zstd"):
-        _C.decode_chunk(garbage, record, ("zstd", 1, 1, "none"), bytearray(1000))
+        _C.decode_chunk(garbage, record, _C.CodecParams("zstd", 1, 1, "none"), bytearray(1000))
 
 
 def test_frame_of_wrong_size_is_a_header_error() -> None:
@@ -347,11 +347,11 @@ def test_frame_of_wrong_size_is_a_header_error() -> None:
     frame = zstandard.ZstdCompressor(write_content_size=True).compress(b"x" * 500)
     record = (0, 400, xxh64_ref(frame), 0, (1, len(frame)))
     with pytest.raises(CheckpointFormatError, match="declares 500 decoded bytes") as info:
-        _C.decode_chunk(frame, record, ("zstd", 1, 1, "none"), bytearray(400))
+        _C.decode_chunk(frame, record, _C.CodecParams("zstd", 1, 1, "none"), bytearray(400))
     assert not isinstance(info.value, CompressionError)
     record = (0, 600, xxh64_ref(frame), 0, (1, len(frame)))
     with pytest.raises(CheckpointFormatError, match="declares 500 decoded bytes"):
-        _C.decode_chunk(frame, record, ("zstd", 1, 1, "none"), bytearray(600))
+        _C.decode_chunk(frame, record, _C.CodecParams("zstd", 1, 1, "none"), bytearray(600))
 
 
 def test_trailing_bytes_after_the_frame_are_a_header_error() -> None:
@@ -359,16 +359,16 @@ def test_trailing_bytes_after_the_frame_are_a_header_error() -> None:
     stored = frame + frame  # two frames in one plane: the format has exactly one
     record = (0, 500, xxh64_ref(stored), 0, (1, len(stored)))
     with pytest.raises(CheckpointFormatError, match="its frame is"):
-        _C.decode_chunk(stored, record, ("zstd", 1, 1, "none"), bytearray(500))
+        _C.decode_chunk(stored, record, _C.CodecParams("zstd", 1, 1, "none"), bytearray(500))
 
 
 @pytest.mark.parametrize(
     ("record", "params", "match"),
     [
-        ((0, 8, 0, 0, (0, 4, 0, 4)), ("zstd", 1, 1, "none"), "1 plane"),
-        ((0, 8, 0, 1, (0, 4, 0, 4)), ("zstd", 1, 4, "group"), "needs 4 planes"),
-        ((0, 8, 0, 0, (1, 9)), ("zstd", 1, 1, "none"), "stores 9 bytes for 8"),
-        ((0, 8, 0, 0, (1, 4)), ("none", 1, 1, "none"), "codec 'none'"),
+        ((0, 8, 0, 0, (0, 4, 0, 4)), _C.CodecParams("zstd", 1, 1, "none"), "1 plane"),
+        ((0, 8, 0, 1, (0, 4, 0, 4)), _C.CodecParams("zstd", 1, 4, "group"), "needs 4 planes"),
+        ((0, 8, 0, 0, (1, 9)), _C.CodecParams("zstd", 1, 1, "none"), "stores 9 bytes for 8"),
+        ((0, 8, 0, 0, (1, 4)), _C.CodecParams("none", 1, 1, "none"), "codec 'none'"),
     ],
 )
 def test_impossible_records_are_rejected(record, params, match) -> None:
@@ -389,31 +389,74 @@ def test_impossible_records_are_rejected(record, params, match) -> None:
 )
 def test_malformed_record_is_a_format_error(record) -> None:
     with pytest.raises(CheckpointFormatError):
-        _C.decode_chunk(bytes(10), record, ("none", 1, 1, "none"), bytearray(10))
+        _C.decode_chunk(bytes(10), record, _C.CodecParams("none", 1, 1, "none"), bytearray(10))
 
 
 @pytest.mark.parametrize(
-    "params",
+    ("params", "field"),
     [
-        ("lz4", 1, 1, "none"),
-        ("zstd", 1, 3, "group"),
-        ("zstd", 1, 2, "shuffle"),
-        ("zstd", 1000, 2, "group"),
-        ("zstd", 1, 2, "group", 1.5),
-        ("zstd", 1),
+        (("lz4", 1, 1, "none"), "codec"),
+        (("zstd", 1, 3, "group"), "elem_size"),
+        (("zstd", 1, 2, "shuffle"), "transform"),
+        (("zstd", 1000, 2, "group"), "zstd level"),
+        (("zstd", 1, 2, "group", 1.5), "raw_threshold"),
+        (("zstd", 1, 2, "group", 0.0), "raw_threshold"),
     ],
 )
-def test_bad_params_are_value_errors(params) -> None:
-    with pytest.raises(ValueError):
-        _C.encode_chunk(b"abcd", params)
+def test_bad_params_are_value_errors_naming_the_field(params, field) -> None:
+    with pytest.raises(ValueError, match=field):
+        _C.CodecParams(*params)
+
+
+def test_codec_params_fields_equality_and_pickling() -> None:
+    import pickle
+
+    p = _C.CodecParams("zstd", level=3, elem_size=2, transform="group_rotl1", raw_threshold=0.5)
+    assert (p.codec, p.level, p.elem_size, p.transform, p.raw_threshold) == (
+        "zstd", 3, 2, "group_rotl1", 0.5)
+    assert _C.CodecParams("none") == _C.CodecParams("none", 1, 1, "none", 0.97)
+    assert p != _C.CodecParams("zstd", 3, 2, "group_rotl1") and p != ("zstd", 3, 2, "group_rotl1")
+    q = pickle.loads(pickle.dumps(p))
+    assert q == p and hash(q) == hash(p)
+    assert len({p, q, _C.CodecParams("none")}) == 2
+    assert "group_rotl1" in repr(p)
+    with pytest.raises(AttributeError):
+        p.level = 4  # type: ignore[misc]
+
+
+@pytest.mark.parametrize("call", ["encode", "decode", "max_encoded_size"])
+def test_params_must_be_codec_params_objects(call) -> None:
+    """Tuples are no longer converted: the typed object is the only way in."""
+    raw = b"abcd" * 100
+    stored, record = _C.encode_chunk(raw, _C.CodecParams("none"))
+    as_tuple = ("none", 1, 1, "none")
+    with pytest.raises(TypeError):
+        if call == "encode":
+            _C.encode_chunk(raw, as_tuple)  # type: ignore[arg-type]
+        elif call == "decode":
+            _C.decode_chunk(stored, record, as_tuple, bytearray(len(raw)))  # type: ignore[arg-type]
+        else:
+            _C.max_encoded_size(len(raw), as_tuple)  # type: ignore[arg-type]
+
+
+def test_raw_threshold_decides_which_planes_are_stored_raw() -> None:
+    # Half zeros, half random: zstd takes it to about half its size.
+    rng = np.random.default_rng(5)
+    raw = bytes(4096) + rng.integers(0, 256, 4096, dtype=np.uint8).tobytes()
+    for threshold, mode in ((0.97, 1), (0.4, 0)):
+        stored, record = _C.encode_chunk(raw, _C.CodecParams("zstd", 1, 1, "none", threshold))
+        assert record[4][0] == mode, threshold  # plane 0: 1 = zstd frame, 0 = raw
+        out = bytearray(len(raw))
+        _C.decode_chunk(stored, record, _C.CodecParams("zstd", 1, 1, "none"), out)
+        assert bytes(out) == raw
 
 
 def test_records_accept_lists() -> None:
     """Records read back from JSON metadata arrive as lists."""
     raw = b"hello world" * 100
-    params = ("zstd", 1, 1, "none")
+    params = _C.CodecParams("zstd", 1, 1, "none")
     stored, record = _C.encode_chunk(raw, params)
     as_list = [record[0], record[1], record[2], record[3], list(record[4])]
     out = bytearray(len(raw))
-    _C.decode_chunk(stored, as_list, list(params), out)
+    _C.decode_chunk(stored, as_list, params, out)
     assert bytes(out) == raw

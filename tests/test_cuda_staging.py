@@ -15,7 +15,6 @@ import time
 
 import pytest
 import torch
-from torch.distributed.checkpoint import FileSystemWriter
 
 import pyckpt
 from pyckpt import _C, _knobs, _staging
@@ -406,19 +405,12 @@ def test_upload_failure_names_the_tensor(fake) -> None:
 # -- DCP async_save through the AsyncStager protocol -----------------------------------------
 
 
-class StagingFSWriter(_staging.AsyncStagingMixin, FileSystemWriter):
-    """DCP's own writer with pyckpt's AsyncStager: checks the protocol independently of
-    pyckpt.Writer's file format."""
-
-
-def _fs_writer_cls():
-    return StagingFSWriter
-
-
 def test_writer_is_an_async_stager(fake, tmp_path) -> None:
     from torch.distributed.checkpoint.staging import AsyncStager
 
-    w = _fs_writer_cls()(str(tmp_path))
+    from pyckpt.storage import Writer
+
+    w = Writer(str(tmp_path))
     assert isinstance(w, AsyncStager)
     assert w.should_synchronize_after_execute is False
 
@@ -430,18 +422,18 @@ def test_dcp_async_save_then_load(fake, tmp_path) -> None:
     sd = {"w": fake.dev.mark(torch.randn(64, 64)), "b": fake.dev.mark(torch.randn(64)),
           "cpu": torch.arange(5)}
     expect = {k: v.clone() for k, v in sd.items()}
-    w = _fs_writer_cls()(str(tmp_path / "c"))
+    w = pyckpt.Writer(str(tmp_path / "c"))
     try:
         fut = dcp.async_save(sd, storage_writer=w, no_dist=True)
         for v in sd.values():
             v.add_(1)  # training continues while the checkpoint is written
         fut.result()
-        st = w._device_staging()
+        st = w._staging()
         assert st.stats()["regions_outstanding"] == 0  # released once written
     finally:
         w.close()
     out = {k: torch.zeros_like(v) for k, v in expect.items()}
-    dcp.load(out, checkpoint_id=str(tmp_path / "c"), no_dist=True)
+    dcp.load(out, storage_reader=pyckpt.Reader(str(tmp_path / "c")), no_dist=True)
     for k, v in expect.items():
         assert torch.equal(out[k], v)
 
@@ -451,23 +443,29 @@ def test_dcp_async_save_failure_saves_nothing(fake, tmp_path) -> None:
     import torch.distributed.checkpoint as dcp
 
     sd = {"a": fake.dev.mark(torch.randn(16)), "b": fake.dev.mark(torch.randn(16))}
-    w = _fs_writer_cls()(str(tmp_path / "c"))
+    w = pyckpt.Writer(str(tmp_path / "c"))
     fake.fake_cudart_fail_on(b"cudaMemcpyAsync", 1, 700)
     try:
         with pytest.raises(pyckpt.CudaError, match=r"\['b'\]"):
             dcp.async_save(sd, storage_writer=w, no_dist=True)
     finally:
         w.close()
-    assert not (tmp_path / "c" / ".metadata").exists()
+    assert not (tmp_path / "c" / "pyckpt.json").exists()
 
 
 def test_writer_pickles_without_staging_state(fake, tmp_path) -> None:
     import pickle
 
-    w = _fs_writer_cls()(str(tmp_path))
+    w = pyckpt.Writer(str(tmp_path), pinned_pool_bytes=64 << 20)
     w.stage({"a": fake.dev.mark(torch.ones(3))})
+    assert w._native.made_staging() is not None
     clone = pickle.loads(pickle.dumps(w))
-    assert "_pyckpt_staging" not in clone.__dict__
+    assert clone._native.made_staging() is None  # pools and stagers stay with the original
+    assert clone.pinned_pool_bytes == 64 << 20
+    assert clone._staging().max_blocks == 4  # 16 MiB blocks
+    w.close()
+    assert w._native.made_staging() is None  # close() frees it; the writer stays usable
+    assert w.stage({"b": torch.ones(2)})["b"].tolist() == [1.0, 1.0]
     w.close()
 
 
@@ -492,11 +490,11 @@ def test_sync_save_streams_device_tensors_and_loads_back(fake, tmp_path, compres
         "nc": fake.dev.mark(torch.randn(9, 5)).t(),
         "cpu": torch.arange(11),
     }
-    with _knobs.override(pinned_pool_bytes=1 << 20):
-        with Writer(tmp_path, compression, chunk_bytes=16384) as w:
-            dcp.save(sd, storage_writer=w, no_dist=True)
-            stats = w._device_staging().stats()["pool"]
-            assert stats["pinned"] and stats["in_use"] == 0
+    with Writer(tmp_path, compression, chunk_bytes=16384, pinned_pool_bytes=1 << 20) as w:
+        dcp.save(sd, storage_writer=w, no_dist=True)
+        stats = w._staging().stats()["pool"]
+        assert stats["pinned"] and stats["in_use"] == 0
+        assert stats["max_blocks"] == 2  # the least: 1 MiB holds less than two blocks
     assert fake.counter("bytes_d2h") >= sum(
         v.numel() * v.element_size() for k, v in sd.items() if k != "cpu"
     )
@@ -506,6 +504,24 @@ def test_sync_save_streams_device_tensors_and_loads_back(fake, tmp_path, compres
     for k, v in sd.items():
         assert torch.equal(out[k], v), k
     assert fake.counter("copies_h2d") > 0
+
+
+def test_pinned_pool_bytes_is_an_argument_whose_default_is_the_environment(fake, tmp_path) -> None:
+    from pyckpt.storage import Reader, Writer
+
+    mib16 = 16 << 20  # the block size for 1 MiB chunks, and the reader's
+    with _knobs.override(pinned_pool_bytes=4 * mib16):
+        assert Writer(tmp_path, chunk_bytes=1 << 20)._staging().max_blocks == 4
+        assert Reader(tmp_path)._staging().max_blocks == 4
+        # The argument wins over the environment.
+        assert Writer(tmp_path, chunk_bytes=1 << 20, pinned_pool_bytes=6 * mib16)._staging(
+        ).max_blocks == 6
+        assert Reader(tmp_path, pinned_pool_bytes=3 * mib16)._staging().max_blocks == 3
+    for bad in (1000, True, 2.5e9):
+        with pytest.raises(ValueError, match="pinned_pool_bytes"):
+            Writer(tmp_path, pinned_pool_bytes=bad)
+        with pytest.raises(ValueError, match="pinned_pool_bytes"):
+            Reader(tmp_path, pinned_pool_bytes=bad)
 
 
 @_needs_native_io
@@ -528,7 +544,7 @@ def test_pyckpt_writer_async_save_20_times_reuses_pinned_memory(fake, tmp_path) 
             assert fake.counter("registered_bytes") == registered, step
             expected = sd["w"].clone()  # what this save holds (before training changes it)
             sd["w"].add_(1)
-        assert w._device_staging().stats()["region_pool"]["allocated"] <= 2
+        assert w._staging().stats()["region_pool"]["allocated"] <= 2
     finally:
         w.close()
     out = {k: torch.zeros_like(v) for k, v in sd.items()}
@@ -553,7 +569,7 @@ def _async_save_and_load_cpu(tmp_path) -> None:
         fut = dcp.async_save(sd, storage_writer=w, no_dist=True)
         sd["w"].add_(1)  # training goes on: the staged copy is what gets saved
         fut.result()
-        stats = w._device_staging().stats()
+        stats = w._staging().stats()
         assert stats["region_pool"] is not None and stats["regions_outstanding"] == 0
     out = {"w": torch.zeros(300, 17), "i": torch.zeros(10, dtype=torch.int64), "step": 0}
     with Reader(tmp_path / "c") as r:

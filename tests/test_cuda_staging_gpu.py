@@ -141,7 +141,7 @@ def test_twenty_async_saves_do_not_grow_rss_or_pinned_memory(tmp_path) -> None:
             dcp.async_save(sd, storage_writer=w, no_dist=True).result()
             gc.collect()
             rss.append(proc.memory_info().rss)
-        stats = w._device_staging().stats()
+        stats = w._staging().stats()
         assert stats["region_pool"]["allocated"] <= 2
         assert stats["regions_outstanding"] == 0
         # After warm-up (two regions), RSS stays flat within 64 MiB of noise.

@@ -22,8 +22,8 @@ from pyckpt import errors as pyckpt_errors
 from pyckpt.errors import CheckpointFormatError, ChecksumError
 
 PAGE = 4096
-RAW = ("none", 1, 1, "none")
-BF16 = ("zstd", 1, 2, "group_rotl1")
+RAW = _C.CodecParams("none", 1, 1, "none")
+BF16 = _C.CodecParams("zstd", 1, 2, "group_rotl1")
 ITEM_SIZES = [0, 1, PAGE - 1, PAGE, PAGE + 1, 3 * PAGE - 1, 3 * PAGE + 1, 200_000]
 
 
@@ -54,7 +54,7 @@ def write_file(
     return res
 
 
-def read_range(path: Path, written, params: tuple, lo: int, hi: int, pool, name: str = "t"):
+def read_range(path: Path, written, params: _C.CodecParams, lo: int, hi: int, pool, name: str = "t"):
     dst = np.empty(hi - lo, np.uint8)
     seg = (str(path), 0, params, written[2])
     stats = _C.read_requests([(name, [seg], lo, hi, _ptr(dst))], pool)
@@ -385,7 +385,7 @@ def test_coverage_gap_and_overlap(tmp_path, make_data, thread_pool_factory) -> N
 def test_malformed_record_names_the_tensor(tmp_path, thread_pool_factory) -> None:
     pool = thread_pool_factory(1)
     dst = np.empty(10, np.uint8)
-    seg = [str(tmp_path / "f"), 0, list(RAW), [[0, 10, 0, 9, [0, 10]]]]  # JSON-shaped, bad transform
+    seg = [str(tmp_path / "f"), 0, RAW, [[0, 10, 0, 9, [0, 10]]]]  # JSON-shaped, bad transform
     with pytest.raises(CheckpointFormatError, match="emb.weight"):
         _C.read_requests([["emb.weight", [seg], 0, 10, dst.ctypes.data]], pool)
     with pytest.raises(TypeError, match="read request"):
@@ -430,7 +430,7 @@ _EFBIG_SCRIPT = textwrap.dedent(
     blocks = _C.BufferPool(1 << 16, 6)
     try:
         with _C.FileWriter(path, direct, True, 256 << 10, 3) as w:
-            items = [("big.weight", data.ctypes.data, data.nbytes, ("none", 1, 1, "none"))]
+            items = [("big.weight", data.ctypes.data, data.nbytes, _C.CodecParams("none", 1, 1, "none"))]
             w.write_items(items, 1 << 16, pool, blocks)
             w.commit()
     except OSError as e:
@@ -470,8 +470,9 @@ def test_write_items_rejects_small_blocks(tmp_path, thread_pool_factory) -> None
     with _C.FileWriter(tmp_path / "f", "auto", False) as w:
         with pytest.raises(ValueError, match="smaller than"):
             w.write_items([("w", data.ctypes.data, data.nbytes, BF16)], 65536, pool, _C.BufferPool(PAGE, 2))
-        with pytest.raises(ValueError, match="elem_size"):
-            w.write_items([("w", data.ctypes.data, data.nbytes, ("zstd", 1, 3, "group"))], PAGE, pool, _C.BufferPool(PAGE, 2))
+        # Params cross the binding as a validated CodecParams object, never as a tuple.
+        with pytest.raises(TypeError, match=r"write item params must be a pyckpt\._C\.CodecParams"):
+            w.write_items([("w", data.ctypes.data, data.nbytes, ("zstd", 1, 2, "group"))], PAGE, pool, _C.BufferPool(PAGE, 2))
 
 
 def test_pools_basics() -> None:
@@ -547,12 +548,12 @@ def test_huge_stored_length_is_refused_before_allocating(tmp_path, thread_pool_f
     one_tib = 1 << 40
     # A zstd plane claiming a 1 TiB stored length in a 4 KiB file.
     for raw_len, match in [(4096, "stores"), (2 * one_tib, "chunk size limit")]:
-        seg = (str(path), 0, ("zstd", 1, 1, "none"), [(0, raw_len, 0, 0, (1, one_tib))])
+        seg = (str(path), 0, _C.CodecParams("zstd", 1, 1, "none"), [(0, raw_len, 0, 0, (1, one_tib))])
         with pytest.raises(CheckpointFormatError, match=match) as info:
             _C.read_requests([("huge.w", [seg], 0, 4096, dst.ctypes.data)], pool)
         assert str(path) in str(info.value) and "huge.w" in str(info.value)
     # Within every limit but past the end of the file: Truncated, from fstat, before reading.
-    seg = (str(path), 0, ("none", 1, 1, "none"), [(4000, 200, 0, 0, (0, 200))])
+    seg = (str(path), 0, _C.CodecParams("none", 1, 1, "none"), [(4000, 200, 0, 0, (0, 200))])
     with pytest.raises(CheckpointFormatError, match="file holds 4096 bytes"):
         _C.read_requests([("t", [seg], 0, 200, dst.ctypes.data)], pool)
 
@@ -581,7 +582,7 @@ def test_large_raw_len_claim_does_not_allocate_it(tmp_path) -> None:
         import numpy as np
         dst = np.empty(100, np.uint8)
         rec = (0, {raw_len}, {_C.xxh64(frame)}, 0, (1, {len(frame)}))
-        seg = ({str(path)!r}, 0, ("zstd", 1, 1, "none"), [rec])
+        seg = ({str(path)!r}, 0, _C.CodecParams("zstd", 1, 1, "none"), [rec])
         _C.read_requests([("bomb.w", [seg], 0, 100, dst.ctypes.data)], _C.ThreadPool(2))
         """
     )
@@ -606,7 +607,7 @@ _FIFO_SCRIPT = textwrap.dedent(
     sys.path.insert(0, sys.argv[1])
     from pyckpt import _C
     dst = np.empty(16, np.uint8)
-    seg = (sys.argv[2], 0, ("none", 1, 1, "none"), [(0, 16, 0, 0, (0, 16))])
+    seg = (sys.argv[2], 0, _C.CodecParams("none", 1, 1, "none"), [(0, 16, 0, 0, (0, 16))])
     try:
         _C.read_requests([("fifo.w", [seg], 0, 16, dst.ctypes.data)], _C.ThreadPool(1))
     except Exception as e:
@@ -650,7 +651,7 @@ def test_checksum_error_does_not_reveal_the_bytes_read(tmp_path, thread_pool_fac
     secret = tmp_path / "secret"
     secret.write_bytes(b"password=hunter2\n" * 4)
     dst = np.empty(8, np.uint8)
-    seg = (str(secret), 0, ("none", 1, 1, "none"), [(0, 8, 12345, 0, (0, 8))])
+    seg = (str(secret), 0, _C.CodecParams("none", 1, 1, "none"), [(0, 8, 12345, 0, (0, 8))])
     with pytest.raises(ChecksumError) as info:
         _C.read_requests([("t.w", [seg], 0, 8, dst.ctypes.data)], pool)
     msg = str(info.value)
@@ -671,7 +672,7 @@ def test_verify_segments_decodes_each_chunk_once_in_bounded_memory(tmp_path) -> 
     rec = (0, n, _C.xxh64(frame), 0, (1, len(frame)))
     code = textwrap.dedent(
         f"""
-        seg = ({str(path)!r}, 0, ("zstd", 1, 1, "none"), [{rec!r}])
+        seg = ({str(path)!r}, 0, _C.CodecParams("zstd", 1, 1, "none"), [{rec!r}])
         print("STATS", _C.verify_segments("z.w", [seg], _C.ThreadPool(2)))
         """
     )
@@ -685,7 +686,7 @@ def test_verify_segments_decodes_each_chunk_once_in_bounded_memory(tmp_path) -> 
     rec_bad = (0, n, _C.xxh64(bytes(bad)), 0, (1, len(bad)))
     pool = _C.ThreadPool(1)
     with pytest.raises((CheckpointFormatError, pyckpt_errors.CompressionError)):
-        _C.verify_segments("z.w", [(str(path), 0, ("zstd", 1, 1, "none"), [rec_bad])], pool)
+        _C.verify_segments("z.w", [(str(path), 0, _C.CodecParams("zstd", 1, 1, "none"), [rec_bad])], pool)
 
 
 def test_cli_verify_memory_does_not_grow_with_chunk_size(tmp_path) -> None:

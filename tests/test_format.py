@@ -480,9 +480,10 @@ def test_chunk_layout_matches_the_writer(raw_ckpt: Path, ckpt: Path) -> None:
         index = _format.read_index(path)
         for t in index.tensors.values():
             for p in t.pieces:
-                for _, _, (codec, _, e, _tr), chunks in p.segments:
+                for _, _, params, chunks in p.segments:
+                    e = params.elem_size
                     for _, raw_len, _, tcode, planes in chunks:
-                        if codec == "none":
+                        if params.codec == "none":
                             assert (tcode, planes) == (0, (0, raw_len))
                         else:
                             assert len(planes) == 2 * (e if tcode else 1)
@@ -648,8 +649,9 @@ def _layout(index: _format.CheckpointIndex) -> Any:
     """Where every stored byte is and how it decodes; free-form fields are left out."""
 
     def segs(segments: list[Any]) -> Any:
-        return [(os.path.basename(p), b, (c, e, t), [(ch[0], ch[1], ch[3], ch[4]) for ch in cs])
-                for p, b, (c, _, e, t), cs in segments]
+        return [(os.path.basename(p), b, (c.codec, c.elem_size, c.transform),
+                 [(ch[0], ch[1], ch[3], ch[4]) for ch in cs])
+                for p, b, c, cs in segments]
 
     return (
         sorted(index.files.items()),

@@ -17,7 +17,7 @@ import pytest
 
 from pyckpt import _C
 
-BF16 = ("zstd", 1, 2, "group_rotl1")
+BF16 = _C.CodecParams("zstd", 1, 2, "group_rotl1")
 
 
 def counter_progress_during(call: Callable[[], object]) -> tuple[float, float]:

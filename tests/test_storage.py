@@ -181,8 +181,9 @@ def test_zstd_planes_decode_with_zstandard(tmp_path: Path, dtype: torch.dtype) -
     (piece,) = index.tensors["t"].pieces
     raw_all = bits(t).numpy()
     decompressed_planes = 0
-    for path, raw_begin, (codec, _lvl, elem_size, _tr), chunks in piece.segments:
-        assert codec == "zstd"
+    for path, raw_begin, params, chunks in piece.segments:
+        assert params.codec == "zstd"
+        elem_size = params.elem_size
         pos = raw_begin
         with open(path, "rb") as f:
             for off, raw_len, _ck, transform_code, planes in chunks:
@@ -537,3 +538,31 @@ def test_pyckpt_save_raises_typed_errors(tmp_path: Path) -> None:
     with pytest.raises(pyckpt.UnsupportedDtypeError, match="'sp'"):
         pyckpt.save({"sp": torch.eye(3).to_sparse()}, tmp_path)
     assert not (tmp_path / _format.METADATA_FILE).exists()
+
+
+def test_raw_threshold_is_a_writer_argument(tmp_path) -> None:
+    # Bytes of which half are zeros: zstd keeps about half, so the default (0.97) stores the
+    # chunks compressed and raw_threshold=0.4 stores them raw. Both load bit-exact.
+    g = torch.Generator().manual_seed(11)
+    t = torch.randint(0, 256, (1 << 16,), dtype=torch.uint8, generator=g)
+    t[::2] = 0
+    stored = {}
+    for threshold in (None, 0.4):
+        path = tmp_path / str(threshold)
+        opts = {} if threshold is None else {"raw_threshold": threshold}
+        pyckpt.save({"t": t}, path, compression="zstd", chunk_bytes=4096, **opts)
+        (piece,) = _format.read_index(path).tensors["t"].pieces
+        stored[threshold] = sum(sum(c[4][1::2]) for s in piece.segments for c in s[3])
+        out = {"t": torch.zeros_like(t)}
+        pyckpt.load(out, path)
+        assert torch.equal(out["t"], t)
+    assert stored[0.4] == t.numel()
+    assert stored[None] < 0.8 * t.numel()
+
+
+@pytest.mark.parametrize("options", [{"raw_threshold": 0.0}, {"raw_threshold": 1.5},
+                                     {"compression": "zstd", "level": 1000}])
+def test_bad_codec_options_fail_when_the_writer_is_made(tmp_path, options) -> None:
+    with pytest.raises(ValueError, match="raw_threshold|zstd level"):
+        pyckpt.Writer(tmp_path, **options)
+    assert not any(tmp_path.iterdir())

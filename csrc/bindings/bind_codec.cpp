@@ -1,5 +1,6 @@
 // Chunk codec and checksum bindings (mostly for tests and tools; the pipelines live in bind_io).
 #include <memory>
+#include <string>
 
 #include "bindings/bindings.hpp"
 #include "bindings/core_convert.hpp"
@@ -11,8 +12,7 @@ namespace pyckpt::bindings {
 
 namespace {
 
-ChunkRecord encode_into(py::handle data, py::handle params, py::handle out) {
-  const CodecParams p = params_from_py(params);
+ChunkRecord encode_into(py::handle data, const CodecParams& p, py::handle out) {
   BufferRef src(data, false);
   BufferRef dst(out, true);
   const std::size_t need = max_encoded_size(src.size(), p);
@@ -22,6 +22,47 @@ ChunkRecord encode_into(py::handle data, py::handle params, py::handle out) {
   }
   py::gil_scoped_release nogil;
   return encode_chunk(src.data(), src.size(), p, dst.data());
+}
+
+Codec codec_from_name(const std::string& name) {
+  if (name == "none") return Codec::None;
+  if (name == "zstd") return Codec::Zstd;
+  throw py::value_error("codec must be 'none' or 'zstd', got '" + name + "'");
+}
+
+Transform transform_from_name(const std::string& name) {
+  if (name == "none") return Transform::None;
+  if (name == "group") return Transform::ByteGroup;
+  if (name == "group_rotl1") return Transform::ByteGroupRotl1;
+  throw py::value_error("transform must be 'none', 'group' or 'group_rotl1', got '" + name + "'");
+}
+
+const char* codec_name(Codec c) { return c == Codec::Zstd ? "zstd" : "none"; }
+
+const char* transform_name(Transform t) {
+  switch (t) {
+    case Transform::ByteGroup: return "group";
+    case Transform::ByteGroupRotl1: return "group_rotl1";
+    default: return "none";
+  }
+}
+
+// The one place codec parameters are checked: every CodecParams a Python caller holds passed it.
+CodecParams make_params(const std::string& codec, int level, std::uint32_t elem_size,
+                        const std::string& transform, double raw_threshold) {
+  CodecParams p;
+  p.codec = codec_from_name(codec);
+  p.level = level;
+  p.elem_size = elem_size;
+  p.transform = transform_from_name(transform);
+  p.raw_threshold = raw_threshold;
+  validate_params(p);  // std::invalid_argument -> ValueError
+  return p;
+}
+
+py::tuple params_state(const CodecParams& p) {
+  return py::make_tuple(codec_name(p.codec), p.level, p.elem_size, transform_name(p.transform),
+                        p.raw_threshold);
 }
 
 std::uint32_t plane_count(std::uint32_t elem_size) {
@@ -34,6 +75,51 @@ std::uint32_t plane_count(std::uint32_t elem_size) {
 }  // namespace
 
 void bind_codec(py::module_& m) {
+  py::class_<CodecParams>(m, "CodecParams", R"pbdoc(
+How a run of chunks is encoded; immutable, validated when made.
+
+Args:
+    codec: "none" (store raw bytes) or "zstd".
+    level: zstd level, in [ZSTD_minCLevel(), ZSTD_maxCLevel()] (ignored by "none").
+    elem_size: element size in bytes for byte grouping: 1, 2, 4 or 8.
+    transform: "none", "group" (split elements into byte planes) or "group_rotl1" (rotate each
+        element left by one bit first: the exponent of bf16/fp32 lands in one plane).
+    raw_threshold: a plane is stored compressed only when that takes fewer than
+        raw_threshold * its raw bytes, in (0, 1] (default 0.97).
+
+Raises:
+    ValueError: a field out of its range, naming it.
+)pbdoc")
+      .def(py::init(&make_params), py::arg("codec"), py::arg("level") = 1, py::arg("elem_size") = 1,
+           py::arg("transform") = "none", py::arg("raw_threshold") = CodecParams{}.raw_threshold)
+      .def_property_readonly("codec", [](const CodecParams& p) { return codec_name(p.codec); })
+      .def_property_readonly("level", [](const CodecParams& p) { return p.level; })
+      .def_property_readonly("elem_size", [](const CodecParams& p) { return p.elem_size; })
+      .def_property_readonly("transform",
+                             [](const CodecParams& p) { return transform_name(p.transform); })
+      .def_property_readonly("raw_threshold", [](const CodecParams& p) { return p.raw_threshold; })
+      .def("__eq__",
+           [](const CodecParams& a, py::handle b) {
+             if (!py::isinstance<CodecParams>(b)) return false;
+             return params_state(a).equal(params_state(b.cast<const CodecParams&>()));
+           })
+      .def("__hash__", [](const CodecParams& p) { return py::hash(params_state(p)); })
+      .def("__repr__",
+           [](const CodecParams& p) {
+             return py::str(
+                        "CodecParams(codec={!r}, level={}, elem_size={}, transform={!r}, "
+                        "raw_threshold={})")
+                 .format(codec_name(p.codec), p.level, p.elem_size, transform_name(p.transform),
+                         p.raw_threshold);
+           })
+      .def(py::pickle([](const CodecParams& p) { return params_state(p); },
+                      [](const py::tuple& t) {
+                        if (t.size() != 5) throw py::value_error("bad CodecParams state");
+                        return make_params(t[0].cast<std::string>(), t[1].cast<int>(),
+                                           t[2].cast<std::uint32_t>(), t[3].cast<std::string>(),
+                                           t[4].cast<double>());
+                      }));
+
   m.def(
       "xxh64",
       [](py::handle data, std::uint64_t seed) {
@@ -45,16 +131,15 @@ void bind_codec(py::module_& m) {
 
   m.def(
       "max_encoded_size",
-      [](std::uint64_t raw_len, py::handle params) {
-        return max_encoded_size(static_cast<std::size_t>(raw_len), params_from_py(params));
+      [](std::uint64_t raw_len, const CodecParams& params) {
+        return max_encoded_size(static_cast<std::size_t>(raw_len), params);
       },
       py::arg("raw_len"), py::arg("params"),
       R"pbdoc(Upper bound of a chunk's stored size for these params.)pbdoc");
 
   m.def(
       "encode_chunk",
-      [](py::handle data, py::handle params) {
-        const CodecParams p = params_from_py(params);
+      [](py::handle data, const CodecParams& p) {
         BufferRef src(data, false);
         std::unique_ptr<std::uint8_t[]> out(new std::uint8_t[max_encoded_size(src.size(), p) + 1]);
         ChunkRecord rec;
@@ -70,7 +155,7 @@ void bind_codec(py::module_& m) {
 
   m.def(
       "encode_chunk_into",
-      [](py::handle data, py::handle params, py::handle out) {
+      [](py::handle data, const CodecParams& params, py::handle out) {
         return record_to_py(encode_into(data, params, out));
       },
       py::arg("data"), py::arg("params"), py::arg("out"),
@@ -78,9 +163,8 @@ void bind_codec(py::module_& m) {
 
   m.def(
       "decode_chunk",
-      [](py::handle stored, py::handle record, py::handle params, py::handle out) {
+      [](py::handle stored, py::handle record, const CodecParams& p, py::handle out) {
         const ChunkRecord rec = record_from_py(record);
-        const CodecParams p = params_from_py(params);
         BufferRef src(stored, false);
         BufferRef dst(out, true);
         if (dst.size() != rec.raw_len) {

@@ -47,7 +47,7 @@ std::vector<WriteRequest> items_from_py(py::handle items) {
     r.name = py::cast<std::string>(t[0]);
     r.data = ptr_from_py(t[1], "data_ptr");
     r.nbytes = u64_from_py(t[2], "nbytes");
-    r.params = params_from_py(t[3]);
+    r.params = params_from_py(t[3], "write item params");
     out.push_back(std::move(r));
   }
   return out;
@@ -60,7 +60,7 @@ std::vector<ReadSegment> segments_from_py(py::handle segments) {
     ReadSegment seg;
     seg.path = path_from_py(s[0]);
     seg.raw_begin = u64_from_py(s[1], "raw_begin");
-    seg.params = params_from_py(s[2]);
+    seg.params = params_from_py(s[2], "segment params");
     for (py::handle c : py::reinterpret_borrow<py::iterable>(s[3])) {
       seg.chunks.push_back(record_from_py(c));
     }

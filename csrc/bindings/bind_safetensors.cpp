@@ -78,7 +78,7 @@ StitchItem item_from_py(py::handle obj) {
     }
     it.source.kind = StitchSource::Kind::EncodedChunk;
     it.source.chunk = record_from_py(source[py::int_(0)]);
-    it.source.params = params_from_py(source[py::int_(1)]);
+    it.source.params = params_from_py(source[py::int_(1)], "stitch source params");
   }
   it.out_path = py::cast<std::string>(seq[7]);
   it.out_offset = u64_from_py(seq[8], "out_offset");

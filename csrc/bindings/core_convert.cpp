@@ -44,32 +44,12 @@ py::sequence as_sequence(py::handle obj, std::size_t min_len, std::size_t max_le
 
 }  // namespace
 
-CodecParams params_from_py(py::handle obj) {
-  py::sequence seq = as_sequence(obj, 4, 5, "codec params (codec, level, elem_size, transform)");
-  CodecParams p;
-  const std::string codec = py::cast<std::string>(seq[0]);
-  if (codec == "none") {
-    p.codec = Codec::None;
-  } else if (codec == "zstd") {
-    p.codec = Codec::Zstd;
-  } else {
-    throw py::value_error("codec must be 'none' or 'zstd', got '" + codec + "'");
+const CodecParams& params_from_py(py::handle obj, const char* what) {
+  if (!py::isinstance<CodecParams>(obj)) {
+    throw py::type_error(std::string(what) + " must be a pyckpt._C.CodecParams, got " +
+                         std::string(py::str(py::type::of(obj).attr("__name__"))));
   }
-  p.level = py::cast<int>(seq[1]);
-  p.elem_size = static_cast<std::uint32_t>(u64_from_py(seq[2], "elem_size"));
-  const std::string tr = py::cast<std::string>(seq[3]);
-  if (tr == "none") {
-    p.transform = Transform::None;
-  } else if (tr == "group") {
-    p.transform = Transform::ByteGroup;
-  } else if (tr == "group_rotl1") {
-    p.transform = Transform::ByteGroupRotl1;
-  } else {
-    throw py::value_error("transform must be 'none', 'group' or 'group_rotl1', got '" + tr + "'");
-  }
-  if (seq.size() == 5) p.raw_threshold = py::cast<double>(seq[4]);
-  validate_params(p);
-  return p;
+  return obj.cast<const CodecParams&>();
 }
 
 ChunkRecord record_from_py(py::handle obj) {

@@ -31,8 +31,11 @@ class BufferRef {
   Py_buffer _view{};
 };
 
-/** @brief Parses (codec, level, elem_size, transform[, raw_threshold]). @throws ValueError. */
-CodecParams params_from_py(py::handle obj);
+/**
+ * @brief The CodecParams held by a `pyckpt._C.CodecParams` object (validated when it was made;
+ *        the reference lives as long as `obj`). @throws TypeError naming `what` for anything else.
+ */
+const CodecParams& params_from_py(py::handle obj, const char* what);
 
 /**
  * @brief Parses (file_offset, raw_len, checksum, transform, (mode0, len0, ...)); stored_len is

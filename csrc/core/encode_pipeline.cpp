@@ -46,11 +46,7 @@ std::vector<WrittenItem> encode_and_write(ChunkSink& out, const std::vector<Writ
   PYCKPT_EXPECT(chunk_bytes > 0 && chunk_bytes <= kMaxChunkBytes, std::invalid_argument,
                 "chunk_bytes must be in [1, ", kMaxChunkBytes, "], got ", chunk_bytes);
   for (const WriteRequest& it : items) {
-    try {
-      validate_params(it.params);
-    } catch (...) {
-      rethrow_with_context(std::current_exception(), item_context(it.name));
-    }
+    // it.params were validated when made (pyckpt._C.CodecParams); encode_chunk re-checks them.
     PYCKPT_EXPECT(it.nbytes == 0 || it.data != nullptr, std::invalid_argument, "tensor '", it.name,
                   "': null data pointer for ", it.nbytes, " bytes");
     if (it.params.codec == Codec::Zstd && it.nbytes > 0) {

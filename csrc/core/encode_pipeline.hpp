@@ -23,7 +23,7 @@ struct WriteRequest {
   std::string name;            ///< for error messages (e.g. the tensor's FQN)
   const void* data = nullptr;  ///< host bytes; must stay valid until the call returns
   std::uint64_t nbytes = 0;
-  CodecParams params;
+  CodecParams params;  ///< valid (validate_params()); the bindings make them validated
 };
 
 /** @brief Where an item landed and how it was encoded. */

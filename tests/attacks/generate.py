@@ -389,7 +389,7 @@ def _bomb(c: Ctx) -> None:
     name = c.data_file()
     path = os.path.join(c.ckpt, name)
     raw = 64 << 20
-    stored, rec = _C.encode_chunk(bytes(raw), ("zstd", 1, 1, "none"))
+    stored, rec = _C.encode_chunk(bytes(raw), _C.CodecParams("zstd", 1, 1, "none"))
     off = os.path.getsize(path)
     with open(path, "ab") as f:
         f.write(stored)
