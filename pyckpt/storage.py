@@ -50,7 +50,7 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
 from torch.futures import Future
 
-from pyckpt import _C, _format, _knobs
+from pyckpt import _C, _format, _knobs, _objstore
 from pyckpt._format import DTYPE_SIZES, METADATA_FILE
 from pyckpt._staging import AsyncStagingMixin, StagingMixin, block_bytes_for
 from pyckpt.errors import UnsupportedDtypeError
@@ -263,8 +263,8 @@ class Writer(_NativeUser, AsyncStagingMixin, StorageWriter):
     """DCP ``StorageWriter`` writing pyckpt checkpoints.
 
     Args:
-        path: checkpoint directory (created if missing). ``dcp.save(checkpoint_id=...)``
-            overrides it.
+        path: checkpoint directory (created if missing) or object-store URL
+            (``s3://bucket/prefix``). ``dcp.save(checkpoint_id=...)`` overrides it.
         compression: ``None`` (store raw) or ``"zstd"``.
         level: zstd level (default ``PYCKPT_ZSTD_LEVEL`` or 1).
         byte_grouping: with zstd, split elements into byte planes (and rotate bf16/fp32 so the
@@ -275,6 +275,9 @@ class Writer(_NativeUser, AsyncStagingMixin, StorageWriter):
         fsync: fsync data and metadata (default ``PYCKPT_FSYNC`` or True).
         overwrite: like DCP's ``FileSystemWriter``: with False, a save into a directory that
             already holds a complete checkpoint raises ``FileExistsError`` before writing.
+        storage_options: for an object-store ``path`` (``s3://bucket/prefix``): client settings
+            overriding the ``AWS_*`` environment (see docs/OBJECT_STORES.md).
+        part_bytes: for an object-store ``path``: multipart part size (default 16 MiB).
 
     Raises:
         ValueError: an unknown compression or direct-I/O mode.
@@ -321,6 +324,8 @@ class Writer(_NativeUser, AsyncStagingMixin, StorageWriter):
         direct_io: str | None = None,
         fsync: bool | None = None,
         overwrite: bool = True,
+        storage_options: dict[str, Any] | None = None,
+        part_bytes: int | None = None,
     ) -> None:
         super().__init__()
         if compression not in (None, "none", "zstd"):
@@ -343,6 +348,9 @@ class Writer(_NativeUser, AsyncStagingMixin, StorageWriter):
         self.direct_io = direct_io
         self.fsync = fsync
         self.overwrite = overwrite
+        self.storage_options = dict(storage_options or {})
+        self.part_bytes = _objstore.check_part_bytes(part_bytes)
+        self._objstores: Any = None  # object-store URL -> _objstore.Location (clients)
         self._native = _Native(threads)
         self._blocks: Any = None
         self._blocks_key: tuple[int, Any] | None = None
@@ -350,7 +358,7 @@ class Writer(_NativeUser, AsyncStagingMixin, StorageWriter):
         self._encode_lock = threading.Lock()  # guards the shared encode/staging pools
         self._local: Any = None  # threading.local holding each thread's _Save
 
-    _transient = ("_blocks", "_blocks_key", "_staging", "_local")
+    _transient = ("_blocks", "_blocks_key", "_staging", "_local", "_objstores")
 
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()
@@ -360,6 +368,13 @@ class Writer(_NativeUser, AsyncStagingMixin, StorageWriter):
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self._encode_lock = threading.Lock()
+
+    def _location(self, url: str) -> _objstore.Location:
+        if self._objstores is None:
+            self._objstores = {}
+        if url not in self._objstores:
+            self._objstores[url] = _objstore.location(url, self.storage_options)
+        return cast(_objstore.Location, self._objstores[url])
 
     # -- per-save state ----------------------------------------------------------------------
 
@@ -423,6 +438,9 @@ class Writer(_NativeUser, AsyncStagingMixin, StorageWriter):
         save = self._pending()
         save.started = True
         save.is_coordinator = is_coordinator
+        if _objstore.is_url(save.path):  # no lock: see docs/OBJECT_STORES.md
+            _objstore.set_up_save(self._location(save.path), is_coordinator, self.overwrite)
+            return
         os.makedirs(save.path, exist_ok=True)
         if is_coordinator:
             save.lock = _DirLock(save.path)
@@ -531,16 +549,7 @@ class Writer(_NativeUser, AsyncStagingMixin, StorageWriter):
             owners.append(idx)
 
         name = _format.data_file_name(rank_plan.rank, 0, rank_plan.save_id or save.save_id)
-        direct = cast(Any, self.direct_io or _knobs.direct_io())
-        fsync = self.fsync if self.fsync is not None else _knobs.fsync()
-        if self._staging is None:
-            # Allocated once per writer: on this class of VM freshly faulted-in memory runs at a
-            # fraction of memcpy speed, so every save after the first reuses hot pages.
-            self._staging = _C.BufferPool(_STAGING_BLOCK_BYTES, _STAGING_BLOCKS)
-        with _C.FileWriter(
-            os.path.join(save.path, name), direct, fsync, _STAGING_BLOCK_BYTES, _STAGING_BLOCKS,
-            staging=self._staging,
-        ) as fw:
+        with self._data_writer(save, name) as fw:
             records = fw.write_items(
                 requests, chunk_bytes, self._native.pool(), self._encode_blocks(chunk_bytes)
             )
@@ -565,6 +574,22 @@ class Writer(_NativeUser, AsyncStagingMixin, StorageWriter):
         ]
         fut.set_result(results)
         return fut
+
+    def _data_writer(self, save: _Save, name: str) -> Any:
+        """The sink of this rank's data file: a FileWriter, or a multipart upload."""
+        if _objstore.is_url(save.path):
+            return _objstore.DataUpload(self._location(save.path), name, self.part_bytes,
+                                        _objstore.DEFAULT_MAX_CONCURRENCY)
+        direct = cast(Any, self.direct_io or _knobs.direct_io())
+        fsync = self.fsync if self.fsync is not None else _knobs.fsync()
+        if self._staging is None:
+            # Allocated once per writer: on this class of VM freshly faulted-in memory runs at a
+            # fraction of memcpy speed, so every save after the first reuses hot pages.
+            self._staging = _C.BufferPool(_STAGING_BLOCK_BYTES, _STAGING_BLOCKS)
+        return _C.FileWriter(
+            os.path.join(save.path, name), direct, fsync, _STAGING_BLOCK_BYTES, _STAGING_BLOCKS,
+            staging=self._staging,
+        )
 
     def _staging_block_bytes(self) -> int:
         return block_bytes_for(self.chunk_bytes or _knobs.chunk_bytes())
@@ -598,6 +623,9 @@ class Writer(_NativeUser, AsyncStagingMixin, StorageWriter):
         save = self._active("finish")
         try:
             files, encoded = self._document(metadata, results, save)
+            if _objstore.is_url(save.path):
+                _objstore.commit_save(self._location(save.path), files, encoded)
+                return
             fsync = self.fsync if self.fsync is not None else _knobs.fsync()
             meta = os.path.join(save.path, METADATA_FILE)
             try:
@@ -672,7 +700,10 @@ class Reader(_NativeUser, StagingMixin, StorageReader):
     the byte span of the requested slice; whole pieces decode straight into the destination.
 
     Args:
-        path: checkpoint directory (``dcp.load(checkpoint_id=...)`` overrides it).
+        path: checkpoint directory or object-store URL (``s3://bucket/prefix``);
+            ``dcp.load(checkpoint_id=...)`` overrides it.
+        storage_options: for an object-store ``path``: client settings overriding the
+            ``AWS_*`` environment (see docs/OBJECT_STORES.md).
         threads: native worker threads (default ``PYCKPT_READ_THREADS`` or
             ``max(8, PYCKPT_NUM_THREADS)``: reads in flight matter more than cores).
 
@@ -694,10 +725,18 @@ class Reader(_NativeUser, StagingMixin, StorageReader):
         chunks_decoded: chunks read, verified and decoded so far.
     """
 
-    def __init__(self, path: str | os.PathLike[str], *, threads: int | None = None) -> None:
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        threads: int | None = None,
+        storage_options: dict[str, Any] | None = None,
+    ) -> None:
         super().__init__()
         self.path = os.fspath(path)
         self.threads = threads
+        self.storage_options = dict(storage_options or {})
+        self._fetcher: _objstore.Fetcher | None = None
         self.load_id = uuid.uuid4().hex[:12]
         self.bytes_read = 0
         self.chunks_decoded = 0
@@ -713,6 +752,19 @@ class Reader(_NativeUser, StagingMixin, StorageReader):
         self._metadata_error = None
         if checkpoint_id is not None:
             self.path = os.fspath(checkpoint_id)
+        self._fetcher = None
+
+    @property
+    def bytes_fetched(self) -> int:
+        """Bytes downloaded from an object store by this reader so far (0 for files)."""
+        return self._fetcher.bytes_fetched if self._fetcher is not None else 0
+
+    def _object_fetcher(self) -> _objstore.Fetcher:
+        if self._fetcher is None:
+            self._fetcher = _objstore.Fetcher(
+                _objstore.location(self.path, self.storage_options)
+            )
+        return self._fetcher
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         """Reads and validates ``pyckpt.json`` (the checkpoint is looked at here, not when the
@@ -730,7 +782,10 @@ class Reader(_NativeUser, StagingMixin, StorageReader):
         if "rank" in kwargs and self._metadata_error is not None:
             return Metadata(state_dict_metadata={})
         try:
-            index = _format.read_index(self.path)
+            if _objstore.is_url(self.path):
+                index = _objstore.read_index(self._object_fetcher().loc)
+            else:
+                index = _format.read_index(self.path)
         except Exception as e:
             self._metadata_error = e
             raise
@@ -790,7 +845,11 @@ class Reader(_NativeUser, StagingMixin, StorageReader):
             nonlocal batch, batch_bytes
             if not batch:
                 return
-            nread, ndecoded = _C.read_requests([b[0] for b in batch], pool)
+            reqs = [b[0] for b in batch]
+            if _objstore.is_url(self.path):
+                nread, ndecoded = self._object_fetcher().read_requests(reqs, pool)
+            else:
+                nread, ndecoded = _C.read_requests(reqs, pool)
             self.bytes_read += nread
             self.chunks_decoded += ndecoded
             for _, finish in batch:
@@ -893,6 +952,8 @@ class Reader(_NativeUser, StagingMixin, StorageReader):
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
+        if _objstore.is_url(checkpoint_id):
+            return True
         try:
             return os.path.isfile(os.path.join(os.fspath(checkpoint_id), METADATA_FILE))
         except TypeError:
