@@ -199,9 +199,10 @@ class Location:
         if len(detail) > 600:
             detail = detail[:600] + "..."
         msg = f"{what} {url} failed: {detail}"
-        if isinstance(e, ox.NotFoundError) or "NoSuchBucket" in detail:
+        # obstore raises the builtin FileNotFoundError / PermissionError for those statuses.
+        if isinstance(e, (ox.NotFoundError, FileNotFoundError)) or "NoSuchBucket" in detail:
             return FileNotFoundError(errno.ENOENT, msg, url)
-        if isinstance(e, (ox.PermissionDeniedError, ox.UnauthenticatedError)) or any(
+        if isinstance(e, (ox.PermissionDeniedError, ox.UnauthenticatedError, PermissionError)) or any(
             s in detail for s in ("AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch",
                                   "403 Forbidden")
         ):
@@ -217,7 +218,7 @@ class Location:
 
         try:
             return int(obstore.head(self.store(), self.key(name))["size"])
-        except ox.NotFoundError:
+        except (ox.NotFoundError, FileNotFoundError):
             return None
         except (CheckpointFormatError, ValueError):
             raise
@@ -267,6 +268,7 @@ class Location:
 
         size = self.head(name)
         if size is None:
+            self.check_bucket()  # a missing bucket is reported as such
             raise FileNotFoundError(
                 errno.ENOENT, f"not a complete pyckpt checkpoint: {METADATA_FILE} is missing",
                 self.url_of(name),

@@ -88,6 +88,7 @@ class SeaweedServer:
         self.proc: subprocess.Popen[bytes] | None = None
         self.s3_port = 0
         self._ports: list[int] = []
+        self._probes: list[str] = []  # objects written by readiness checks, read back later
         self.log_path = os.path.join(self.dir, "weed.log")
 
     # -- lifecycle -------------------------------------------------------------------------
@@ -133,8 +134,13 @@ class SeaweedServer:
         return self
 
     def _wait_ready(self) -> None:
+        """Ready means: a bucket can be made, an object written and read back, and every
+        object written by an earlier start is readable again (after a restart the gateway
+        answers before the volume server has re-registered its volumes)."""
         deadline = time.monotonic() + self.startup_timeout
         bucket = "pyckpt-readiness"
+        probe = f"probe-{len(self._probes)}"
+        last: Exception | None = None
         while time.monotonic() < deadline:
             assert self.proc is not None
             if self.proc.poll() is not None:
@@ -143,11 +149,19 @@ class SeaweedServer:
                 )
             try:
                 self.create_bucket(bucket)
+                client = self.boto3()
+                client.put_object(Bucket=bucket, Key=probe, Body=probe.encode())
+                for key in [*self._probes, probe]:
+                    body = client.get_object(Bucket=bucket, Key=key)["Body"].read()
+                    if body != key.encode():
+                        raise RuntimeError(f"probe {key} reads back {body!r}")
+                self._probes.append(probe)
                 return
-            except Exception:
+            except Exception as e:
+                last = e
                 time.sleep(0.3)
         raise ServerUnavailable(
-            f"S3 gateway not ready after {self.startup_timeout:.0f} s; log tail:\n"
+            f"S3 gateway not ready after {self.startup_timeout:.0f} s ({last}); log tail:\n"
             f"{self.log_tail()}"
         )
 
