@@ -633,3 +633,105 @@ class Fetcher:
             nread += r
             nchecked += c
         return nread, nchecked
+
+
+# -- consolidation ---------------------------------------------------------------------------
+
+
+def _plain_key(loc: Location, name: str) -> str:
+    """``prefix/name`` for an output file's plain base name (no separators, not . or ..)."""
+    if not name or "/" in name or "\\" in name or name in (".", ".."):
+        raise ValueError(f"{loc.url}: illegal object name {name!r}")
+    return f"{loc.prefix}/{name}" if loc.prefix else name
+
+
+def stage_checkpoint(loc: Location, directory: str) -> None:
+    """Downloads the pyckpt checkpoint at ``loc`` (validated metadata, then its data objects,
+    streamed) into ``directory``, which then holds the same checkpoint as files."""
+    import obstore
+
+    index = read_index(loc)  # names validated; objects checked against a listing
+    os.makedirs(directory, exist_ok=True)
+    with open(os.path.join(directory, METADATA_FILE), "wb") as f:
+        f.write(loc.get(METADATA_FILE, _format.MAX_METADATA_BYTES))
+
+    def fetch(name: str) -> None:
+        url = loc.url_of(name)
+        try:
+            stream = obstore.get(loc.store(), loc.key(name)).stream(min_chunk_size=8 << 20)
+            with open(os.path.join(directory, name), "wb") as f:
+                for part in stream:
+                    f.write(part)
+        except OSError as e:
+            if e.filename == url or isinstance(e, ObjectStoreError):
+                raise
+            raise loc.error(e, "GET", url) from None
+        except Exception as e:
+            raise loc.error(e, "GET", url) from None
+
+    names = list(index.files)
+    with concurrent.futures.ThreadPoolExecutor(max(1, min(8, len(names)))) as ex:
+        list(ex.map(fetch, names))
+
+
+def upload_file(loc: Location, path: str, part_bytes: int = DEFAULT_PART_BYTES,
+                single_put: bool = False) -> str:
+    """Uploads local file ``path`` as ``prefix/<basename>`` (multipart above ``part_bytes``,
+    or one PUT with ``single_put``); returns its URL."""
+    import pathlib
+
+    import obstore
+
+    name = os.path.basename(path)
+    key = _plain_key(loc, name)
+    url = loc.url_of(name)
+    try:
+        if single_put:
+            with open(path, "rb") as f:
+                obstore.put(loc.store(), key, f.read(), use_multipart=False)
+        else:
+            obstore.put(loc.store(), key, pathlib.Path(path), chunk_size=part_bytes,
+                        max_concurrency=DEFAULT_MAX_CONCURRENCY)
+    except Exception as e:
+        raise loc.error(e, "upload of", url) from None
+    return url
+
+
+def consolidate_staged(run: Callable[..., Any], src: str, dst: str, *, process_group: Any,
+                       **kwargs: Any) -> Any:
+    """:func:`pyckpt.consolidate` with an ``s3://`` source and/or destination, in one process:
+    a source pyckpt checkpoint is downloaded into a temp directory, the outputs are written
+    into one and then uploaded (safetensors files as multipart objects, the index JSON last
+    with one PUT, so it names only complete objects). Client settings come from the ``AWS_*``
+    environment.
+
+    Raises:
+        NotImplementedError: several ranks (object-store consolidation runs in one process).
+    """
+    import dataclasses
+    import tempfile
+
+    import torch.distributed as dist
+
+    world = 1
+    if dist.is_available() and dist.is_initialized():
+        world = int(dist.get_world_size(process_group))
+    if world > 1:
+        raise NotImplementedError(
+            "pyckpt.consolidate with s3:// URLs runs in one process (no process group); "
+            "consolidate into a shared directory and upload, or run it on one rank"
+        )
+    with tempfile.TemporaryDirectory(prefix="pyckpt-consolidate-") as tmp:
+        local_src = src
+        if is_url(src):
+            local_src = os.path.join(tmp, "src")
+            stage_checkpoint(location(src), local_src)
+        local_dst = os.path.join(tmp, "dst") if is_url(dst) else dst
+        res = run(local_src, local_dst, process_group=process_group, **kwargs)
+        if not is_url(dst):
+            return res
+        loc = location(dst)
+        loc.check_bucket()
+        files = [upload_file(loc, p) for p in res.files]
+        index = upload_file(loc, res.index_path, single_put=True)  # last: names complete files
+        return dataclasses.replace(res, files=files, index_path=index)

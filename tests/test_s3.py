@@ -385,3 +385,37 @@ def test_cli_inspect_verify_convert_with_urls(
     assert cli.main(["verify", url]) == 2
     out = capsys.readouterr().out
     assert "CORRUPT" in out and "ChecksumError" in out and f"s3://{BUCKET}/{key}" in out
+
+
+def test_consolidate_from_and_to_object_store(s3: SeaweedServer, tmp_path: Any) -> None:
+    from safetensors.torch import load_file
+
+    src = _url(_prefix())
+    dst_prefix = _prefix()
+    dst = _url(dst_prefix)
+    g = torch.Generator().manual_seed(11)
+    sd = {"a.weight": torch.randn(300, 200, generator=g).to(torch.bfloat16),
+          "b.bias": torch.randn(77, generator=g), "step": 3}
+    pyckpt.save(sd, src, compression="zstd", chunk_bytes=16 << 10)
+    res = pyckpt.consolidate(src, dst, max_file_bytes=100_000)
+    assert res.index_path == f"{dst}/model.safetensors.index.json"
+    assert len(res.files) == 2 and all(f.startswith(dst + "/") for f in res.files)
+
+    client = s3.boto3()
+    keys = s3.keys(BUCKET, dst_prefix + "/")
+    assert sorted(keys) == sorted(u.split("/", 3)[3] for u in [*res.files, res.index_path])
+    index = json.loads(client.get_object(Bucket=BUCKET, Key=f"{dst_prefix}/"
+                                         "model.safetensors.index.json")["Body"].read())
+    got: dict[str, torch.Tensor] = {}
+    for name in sorted(set(index["weight_map"].values())):
+        local = tmp_path / name
+        local.write_bytes(client.get_object(Bucket=BUCKET, Key=f"{dst_prefix}/{name}")["Body"]
+                          .read())
+        got.update(load_file(str(local)))
+    assert got.keys() == {"a.weight", "b.bias"}
+    assert same_bits(got["a.weight"], sd["a.weight"]) and same_bits(got["b.bias"], sd["b.bias"])
+
+    # Object-store source -> local directory.
+    local_dir = str(tmp_path / "out")
+    res2 = pyckpt.consolidate(src, local_dir)
+    assert same_bits(load_file(res2.files[0])["a.weight"], sd["a.weight"])
