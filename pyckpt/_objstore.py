@@ -29,7 +29,7 @@ import threading
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any
+from typing import Any, cast
 
 from pyckpt import _C, _format
 from pyckpt._format import METADATA_FILE
@@ -68,6 +68,17 @@ _RETRY_KEYS = frozenset(("max_retries", "retry_timeout"))
 
 # Test hook: called as _after_part(object_url, part_number) after each part is handed over.
 _after_part: Callable[[str, int], None] | None = None
+
+
+def _obstore() -> Any:
+    """The ``obstore`` module, or an ImportError saying how to get it."""
+    try:
+        import obstore
+    except ImportError as e:
+        raise ImportError(
+            "object-store URLs (s3://...) need the obstore client: pip install 'pyckpt[s3]'"
+        ) from e
+    return obstore
 
 
 def is_url(path: Any) -> bool:
@@ -160,6 +171,7 @@ class Location:
             return self._store
 
     def _make_store(self) -> Any:
+        _obstore()
         from obstore.store import S3Store
 
         config: dict[str, Any] = {}
@@ -182,7 +194,8 @@ class Location:
             else:
                 config[k] = v
         try:
-            return S3Store(self.bucket, config=config, client_options=client, retry_config=retry)
+            return S3Store(self.bucket, config=cast(Any, config), client_options=cast(Any, client),
+                           retry_config=cast(Any, retry))
         except Exception as e:
             raise ValueError(
                 f"{self.url}: cannot configure the object store client: "
@@ -213,7 +226,7 @@ class Location:
 
     def head(self, name: str) -> int | None:
         """Size of object ``name``, or None when it does not exist."""
-        import obstore
+        obstore = _obstore()
         from obstore import exceptions as ox
 
         try:
@@ -228,7 +241,7 @@ class Location:
     def check_bucket(self) -> None:
         """Lists at most one key of the prefix: a missing bucket or refused credentials fail
         here, naming the URL, before anything is uploaded."""
-        import obstore
+        obstore = _obstore()
 
         try:
             stream = obstore.list(self.store(), self.prefix + "/" if self.prefix else None,
@@ -241,7 +254,7 @@ class Location:
 
     def list_names(self) -> dict[str, int]:
         """Objects directly under the prefix: name -> size."""
-        import obstore
+        obstore = _obstore()
 
         out: dict[str, int] = {}
         try:
@@ -255,7 +268,7 @@ class Location:
 
     def put(self, name: str, data: bytes) -> None:
         """Writes object ``name`` with one PUT (atomic: visible whole or not at all)."""
-        import obstore
+        obstore = _obstore()
 
         try:
             obstore.put(self.store(), self.key(name), data, use_multipart=False)
@@ -264,7 +277,7 @@ class Location:
 
     def get(self, name: str, limit: int) -> bytes:
         """Object ``name`` (at most ``limit`` bytes, else CheckpointFormatError)."""
-        import obstore
+        obstore = _obstore()
 
         size = self.head(name)
         if size is None:
@@ -284,7 +297,7 @@ class Location:
 
     def get_range(self, name: str, start: int, end: int) -> Any:
         """Bytes [start, end) of object ``name`` (an ``obstore.Bytes``; buffer protocol)."""
-        import obstore
+        obstore = _obstore()
 
         try:
             return obstore.get_range(self.store(), self.key(name), start=start, end=end)
@@ -293,7 +306,7 @@ class Location:
 
     def delete(self, names: Iterable[str]) -> None:
         """Deletes objects (missing ones are fine)."""
-        import obstore
+        obstore = _obstore()
 
         keys = [self.key(n) for n in names]
         if not keys:
@@ -337,7 +350,7 @@ class DataUpload:
     """
 
     def __init__(self, loc: Location, name: str, part_bytes: int, max_concurrency: int) -> None:
-        import obstore
+        obstore = _obstore()
 
         self.loc = loc
         self.name = name
@@ -648,7 +661,7 @@ def _plain_key(loc: Location, name: str) -> str:
 def stage_checkpoint(loc: Location, directory: str) -> None:
     """Downloads the pyckpt checkpoint at ``loc`` (validated metadata, then its data objects,
     streamed) into ``directory``, which then holds the same checkpoint as files."""
-    import obstore
+    obstore = _obstore()
 
     index = read_index(loc)  # names validated; objects checked against a listing
     os.makedirs(directory, exist_ok=True)
@@ -680,7 +693,7 @@ def upload_file(loc: Location, path: str, part_bytes: int = DEFAULT_PART_BYTES,
     or one PUT with ``single_put``); returns its URL."""
     import pathlib
 
-    import obstore
+    obstore = _obstore()
 
     name = os.path.basename(path)
     key = _plain_key(loc, name)

@@ -116,8 +116,8 @@ void bind_objstore(py::module_& m) {
       m, "Block", py::buffer_protocol(),
       R"pbdoc(Encoded bytes handed to an uploader; a read-only buffer (no copy).)pbdoc")
       .def_buffer([](Block& b) {
-        return py::buffer_info(b.bytes.data(), 1, py::format_descriptor<std::uint8_t>::format(),
-                               1, {b.bytes.size()}, {1}, /*readonly=*/true);
+        return py::buffer_info(b.bytes.data(), 1, py::format_descriptor<std::uint8_t>::format(), 1,
+                               {b.bytes.size()}, {1}, /*readonly=*/true);
       })
       .def("__len__", [](const Block& b) { return b.bytes.size(); });
 
@@ -177,12 +177,15 @@ void bind_objstore(py::module_& m) {
             }
           },
           R"pbdoc(Hand over the last block.)pbdoc")
-      .def("abort", [](BlockWriter& self) { self.sink().abort(); },
-           R"pbdoc(Drop buffered bytes (idempotent; no-op after commit).)pbdoc")
-      .def_property_readonly("size", [](BlockWriter& self) { return self.sink().size(); },
-                             R"pbdoc(Bytes appended so far.)pbdoc")
-      .def_property_readonly("committed", [](BlockWriter& self) { return self.sink().committed(); },
-                             R"pbdoc(True after commit().)pbdoc");
+      .def(
+          "abort", [](BlockWriter& self) { self.sink().abort(); },
+          R"pbdoc(Drop buffered bytes (idempotent; no-op after commit).)pbdoc")
+      .def_property_readonly(
+          "size", [](BlockWriter& self) { return self.sink().size(); },
+          R"pbdoc(Bytes appended so far.)pbdoc")
+      .def_property_readonly(
+          "committed", [](BlockWriter& self) { return self.sink().committed(); },
+          R"pbdoc(True after commit().)pbdoc");
 
   m.def(
       "read_requests_from",

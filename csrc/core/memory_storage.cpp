@@ -68,8 +68,9 @@ MemorySource::MemorySource(std::string name, std::uint64_t size, std::vector<Mem
 
 const MemoryRange* MemorySource::find(std::uint64_t offset, std::size_t len) const noexcept {
   // The last range starting at or before offset (the ranges do not overlap).
-  auto it = std::upper_bound(_ranges.begin(), _ranges.end(), offset,
-                             [](std::uint64_t off, const MemoryRange& r) { return off < r.offset; });
+  auto it =
+      std::upper_bound(_ranges.begin(), _ranges.end(), offset,
+                       [](std::uint64_t off, const MemoryRange& r) { return off < r.offset; });
   if (it == _ranges.begin()) return nullptr;
   --it;
   if (offset - it->offset <= it->len && len <= it->len - (offset - it->offset)) return &*it;
@@ -82,8 +83,8 @@ void MemorySource::read_at(std::uint64_t offset, std::size_t len, void* dst) {
     if (offset > _size || len > _size - offset) {
       throw FormatError(FormatKind::Truncated, "'" + _name + "': " + std::to_string(len) +
                                                    " bytes at offset " + std::to_string(offset) +
-                                                   " run past its end (" +
-                                                   std::to_string(_size) + " bytes)");
+                                                   " run past its end (" + std::to_string(_size) +
+                                                   " bytes)");
     }
     throw SysError(EIO, "read", _name,
                    "bytes [" + std::to_string(offset) + ", " + std::to_string(offset + len) +

@@ -71,8 +71,8 @@ struct MemoryRange {
 };
 
 /**
- * @brief A ChunkSource over non-overlapping ranges of an object of `size` bytes held in memory (lent by
- *        the caller, who keeps them alive while the source lives).
+ * @brief A ChunkSource over non-overlapping ranges of an object of `size` bytes held in memory
+ * (lent by the caller, who keeps them alive while the source lives).
  *
  * view_at() lends a pointer into the range holding all requested bytes; read_at() copies from
  * it. A request outside every range is a logic error of the caller (it fetched too little) and
