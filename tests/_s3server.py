@@ -15,6 +15,7 @@ Usage::
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import random
@@ -88,7 +89,8 @@ class SeaweedServer:
         self.proc: subprocess.Popen[bytes] | None = None
         self.s3_port = 0
         self._ports: list[int] = []
-        self._probes: list[str] = []  # objects written by readiness checks, read back later
+        self._probes: list[str] = []
+        self._atexit = False  # objects written by readiness checks, read back later
         self.log_path = os.path.join(self.dir, "weed.log")
 
     # -- lifecycle -------------------------------------------------------------------------
@@ -126,6 +128,9 @@ class SeaweedServer:
             raise ServerUnavailable(f"cannot run {weed}: {e}") from e
         finally:
             log.close()
+        if not self._atexit:  # also stopped if the caller exits without close()
+            atexit.register(self.kill)
+            self._atexit = True
         try:
             self._wait_ready()
         except BaseException:
