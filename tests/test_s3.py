@@ -126,7 +126,9 @@ def test_storage_options_instead_of_environment(s3server: SeaweedServer,
 
 def test_two_ranks_save_then_resharded_loads(s3: SeaweedServer) -> None:
     url = _url(_prefix())
-    run_distributed(worker_save, 2, url, s3.env(), "zstd")
+    # Raw chunks: stored bytes are raw bytes, so the fetch bound below is exact (zstd round
+    # trips are covered by the other tests).
+    run_distributed(worker_save, 2, url, s3.env(), None)
     meta = json.loads(s3.boto3().get_object(Bucket=BUCKET, Key=url.split("/", 3)[3] +
                                             "/pyckpt.json")["Body"].read())
     assert sorted(_format.data_file_rank(n) for n in meta["files"]) == [0, 1]
@@ -135,7 +137,6 @@ def test_two_ranks_save_then_resharded_loads(s3: SeaweedServer) -> None:
     results = run_distributed(worker_load, 3, url, s3.env())
     for r in results:
         assert all(r["ok"].values()), r
-    # zstd shrinks the data: compare with the raw bytes needed (an upper bound on stored bytes).
     for r in results:
         assert 0 < r["fetched"] <= 1.1 * r["needed"], r
 
