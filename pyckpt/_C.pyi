@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from types import TracebackType
-from typing import Any, Literal, TypedDict
+from typing import Any, Literal, TypeAlias, TypedDict
 
 from typing_extensions import Buffer
 
@@ -151,6 +151,39 @@ class FileWriter:
 
 def read_requests(requests: Sequence[ReadRequest], pool: ThreadPool) -> tuple[int, int]: ...
 def verify_segments(name: str, segments: Sequence[ReadSegment], pool: ThreadPool) -> tuple[int, int]: ...
+
+class Block:
+    """Encoded bytes handed to an uploader: a read-only buffer (no copy)."""
+
+    def __buffer__(self, flags: int, /) -> memoryview: ...
+    def __len__(self) -> int: ...
+
+class BlockWriter:
+    """Encodes chunks into blocks of about ``block_bytes`` and calls ``on_block(block)`` with
+    each, in order (the last one in commit()); an exception of ``on_block`` propagates as itself.
+    Used by one thread at a time."""
+
+    def __init__(self, name: str, block_bytes: int, on_block: Callable[[Block], object]) -> None: ...
+    def append(self, data: Buffer) -> int: ...
+    def write_items(
+        self, items: Sequence[WriteItem], chunk_bytes: int, pool: ThreadPool, blocks: BufferPool
+    ) -> list[WrittenItem]: ...
+    def commit(self) -> None: ...
+    def abort(self) -> None: ...
+    @property
+    def size(self) -> int: ...
+    @property
+    def committed(self) -> bool: ...
+
+#: {object name: (size, [(offset, downloaded buffer), ...])}: non-overlapping ranges.
+Downloads: TypeAlias = Mapping[str, tuple[int, Sequence[tuple[int, Buffer]]]]
+
+def read_requests_from(
+    requests: Sequence[ReadRequest], pool: ThreadPool, sources: Downloads
+) -> tuple[int, int]: ...
+def verify_segments_from(
+    name: str, segments: Sequence[ReadSegment], pool: ThreadPool, sources: Downloads
+) -> tuple[int, int]: ...
 
 #: Largest raw length of one chunk: the writer refuses larger chunk_bytes, readers larger records.
 MAX_CHUNK_BYTES: int

@@ -659,25 +659,31 @@ class _Validator:
             if not is_data_file(name):
                 raise self.fail(fp, "illegal data file name (expected <rank>-<k>.<save_id>.pyckpt)")
             self.int_(size, fp, 0, _MAX_FILE_BYTES)
-            full = os.path.join(self.root, name)
-            try:
-                st = os.lstat(full)
-            except FileNotFoundError:
-                raise FileNotFoundError(
-                    errno.ENOENT, f"data file of checkpoint {self.root!r} is missing", full
-                ) from None
-            if stat.S_ISLNK(st.st_mode):
-                raise CheckpointFormatError(f"{full}: data file is a symbolic link; pyckpt "
-                                            "does not follow links out of a checkpoint")
-            if not stat.S_ISREG(st.st_mode):
-                raise CheckpointFormatError(f"{full}: data file is not a regular file")
-            if st.st_size < size:
-                raise CheckpointFormatError(
-                    f"{full}: data file is truncated: {st.st_size} bytes, expected {size}"
-                )
+            full = self.check_file(name, size)
             self.files[name] = size
             self.paths[name] = full
             self.ranges[name] = array("Q")
+
+    def check_file(self, name: str, size: int) -> str:
+        """Checks that data file ``name`` (a validated plain name) exists as a regular file of
+        at least ``size`` bytes; returns its full path. Other backends override this."""
+        full = os.path.join(self.root, name)
+        try:
+            st = os.lstat(full)
+        except FileNotFoundError:
+            raise FileNotFoundError(
+                errno.ENOENT, f"data file of checkpoint {self.root!r} is missing", full
+            ) from None
+        if stat.S_ISLNK(st.st_mode):
+            raise CheckpointFormatError(f"{full}: data file is a symbolic link; pyckpt "
+                                        "does not follow links out of a checkpoint")
+        if not stat.S_ISREG(st.st_mode):
+            raise CheckpointFormatError(f"{full}: data file is not a regular file")
+        if st.st_size < size:
+            raise CheckpointFormatError(
+                f"{full}: data file is truncated: {st.st_size} bytes, expected {size}"
+            )
+        return full
 
     def untag(self, value: Any, path: str, depth: int) -> Any:
         if depth > MAX_PLANNER_DEPTH:

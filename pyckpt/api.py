@@ -150,6 +150,7 @@ def load(
     *,
     process_group: Any = None,
     trusted: bool = False,
+    storage_options: dict[str, Any] | None = None,
 ) -> None:
     """Loads the checkpoint at ``path`` into ``state_dict`` in place with DCP.
 
@@ -169,6 +170,8 @@ def load(
         process_group: Process group of the load (default: the default group, if any).
         trusted: Unpickle non-tensor values with ``weights_only=False`` (DCP's default): only
             for checkpoints from a trusted source, whose values hold other Python types.
+        storage_options: for an ``s3://`` path: client settings overriding the ``AWS_*``
+            environment (see docs/OBJECT_STORES.md).
 
     Raises:
         FileNotFoundError: ``path`` holds no complete checkpoint or a data file is missing.
@@ -180,7 +183,8 @@ def load(
         Errors are the lowest failing rank's own exception, re-raised from DCP's
         ``CheckpointException`` (attached as ``__cause__``).
     """
-    with _typed_errors(), Reader(path) as reader, _single_process_quiet():
+    with _typed_errors(), Reader(path, storage_options=storage_options) as reader, \
+            _single_process_quiet():
         dcp.load(
             state_dict, storage_reader=reader, planner=load_planner(trusted),
             process_group=process_group,

@@ -161,6 +161,10 @@ def _input_dir(path: str) -> None:
     """Raises FileNotFoundError / NotADirectoryError naming ``path`` unless it is a directory."""
     import errno
 
+    from pyckpt import _objstore
+
+    if _objstore.is_url(path):  # checked (typed errors naming the URL) when it is read
+        return
     if not os.path.exists(path):
         raise FileNotFoundError(errno.ENOENT, "the checkpoint directory does not exist", path)
     if not os.path.isdir(path):
@@ -254,7 +258,12 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
 
 def _build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="pyckpt", description="pyckpt checkpoint tools")
+    parser = argparse.ArgumentParser(
+        prog="pyckpt", description="pyckpt checkpoint tools",
+        epilog="inspect, verify and convert also take s3://bucket/prefix URLs; the endpoint, "
+        "region and credentials come from the standard AWS_* environment variables "
+        "(AWS_ENDPOINT_URL, AWS_REGION, AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, "
+        "AWS_ALLOW_HTTP=true for http endpoints).")
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument(
         "--debug", action="store_true", help="show the full traceback of an error"
@@ -280,13 +289,13 @@ def _build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser(
         "inspect", parents=[common], help="summarise a pyckpt checkpoint (metadata only)")
-    p.add_argument("path", help="checkpoint directory")
+    p.add_argument("path", help="checkpoint directory or s3:// URL")
     p.add_argument("--top", type=int, default=10, help="list the N largest tensors")
     p.set_defaults(func=_cmd_inspect)
 
     p = sub.add_parser(
         "verify", parents=[common], help="read every chunk and check its checksum and encoding")
-    p.add_argument("path", help="checkpoint directory")
+    p.add_argument("path", help="checkpoint directory or s3:// URL")
     p.add_argument("--threads", type=int, default=None, help="reader threads")
     p.set_defaults(func=_cmd_verify)
 

@@ -712,6 +712,12 @@ def consolidate(
     """
     start = time.perf_counter()
     src, dst = os.fspath(src), os.fspath(dst)
+    from pyckpt import _objstore
+
+    if _objstore.is_url(src) or _objstore.is_url(dst):  # staged through local temp files
+        return cast(ConsolidationResult, _objstore.consolidate_staged(
+            consolidate, src, dst, process_group=process_group, fqn_to_file=fqn_to_file,
+            max_file_bytes=max_file_bytes, threads=threads, fsync=fsync, progress=progress))
     rank, world, distributed = _group_info(process_group)
     nthreads = _knobs.num_threads() if threads is None else int(threads)
     if nthreads < 1:

@@ -15,6 +15,7 @@ __all__ = [
     "CudaError",
     "UnsupportedDtypeError",
     "ReplicaMismatchError",
+    "ObjectStoreError",
 ]
 
 
@@ -60,3 +61,9 @@ class ReplicaMismatchError(PyckptError, ValueError):
     ) -> tuple[type[ReplicaMismatchError], tuple[str, dict[str, list[list[int]]]]]:
         # Pickled by DCP to reach every rank: keep the attribute, not only the message.
         return type(self), (str(self), self.mismatches)
+
+
+class ObjectStoreError(PyckptError, OSError):
+    """An object-store request failed for a reason other than a missing object or bucket
+    (``FileNotFoundError``) or refused credentials (``PermissionError``): e.g. the store is
+    unreachable after the retries. ``filename`` is the object's or checkpoint's URL."""

@@ -50,7 +50,7 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
 from torch.futures import Future
 
-from pyckpt import _C, _format, _knobs
+from pyckpt import _C, _format, _knobs, _objstore
 from pyckpt._format import DTYPE_SIZES, METADATA_FILE
 from pyckpt._staging import DeviceStaging, block_bytes_for, is_device_tensor
 from pyckpt._tensors import local_view, resolved
@@ -266,8 +266,8 @@ class Writer(StorageWriter):
     """DCP ``StorageWriter`` writing pyckpt checkpoints.
 
     Args:
-        path: checkpoint directory (created if missing). ``dcp.save(checkpoint_id=...)``
-            overrides it.
+        path: checkpoint directory (created if missing) or object-store URL
+            (``s3://bucket/prefix``). ``dcp.save(checkpoint_id=...)`` overrides it.
         compression: ``None`` (store raw) or ``"zstd"``.
         level: zstd level (default ``PYCKPT_ZSTD_LEVEL`` or 1).
         byte_grouping: with zstd, split elements into byte planes (and rotate bf16/fp32 so the
@@ -285,6 +285,9 @@ class Writer(StorageWriter):
         pinned_pool_bytes: bound on the page-locked memory that streams GPU tensors to the
             encoder in a synchronous save (default ``PYCKPT_PINNED_POOL_BYTES`` or 1 GiB, read
             when the writer first stages a tensor; at least 1 MiB).
+        storage_options: for an object-store ``path`` (``s3://bucket/prefix``): client settings
+            overriding the ``AWS_*`` environment (see docs/OBJECT_STORES.md).
+        part_bytes: for an object-store ``path``: multipart part size (default 16 MiB).
 
     Raises:
         ValueError: an unknown compression or direct-I/O mode, ``pinned_pool_bytes`` below
@@ -351,6 +354,8 @@ class Writer(StorageWriter):
         fsync: bool | None = None,
         overwrite: bool = True,
         pinned_pool_bytes: int | None = None,
+        storage_options: dict[str, Any] | None = None,
+        part_bytes: int | None = None,
     ) -> None:
         super().__init__()
         _check_pinned_pool_bytes(pinned_pool_bytes)
@@ -376,6 +381,9 @@ class Writer(StorageWriter):
         self.fsync = fsync
         self.overwrite = overwrite
         self.pinned_pool_bytes = pinned_pool_bytes
+        self.storage_options = dict(storage_options or {})
+        self.part_bytes = _objstore.check_part_bytes(part_bytes)
+        self._objstores: Any = None  # object-store URL -> _objstore.Location (clients)
         self._params("float32")  # a bad level or raw_threshold fails here, not mid-save
         self._native = _Native(threads, pinned_pool_bytes=pinned_pool_bytes)
         self._encode_pool: Any = None  # encoder output blocks, sized for (chunk, params)
@@ -385,7 +393,7 @@ class Writer(StorageWriter):
         self._local: Any = None  # threading.local holding each thread's _Save
 
     # Collaborators dropped by close() and pickling (made again on first use).
-    _transient = ("_encode_pool", "_encode_pool_key", "_direct_blocks", "_local")
+    _transient = ("_encode_pool", "_encode_pool_key", "_direct_blocks", "_local", "_objstores")
 
     def close(self) -> None:
         """Stops the native worker threads and frees the staging and encode buffers."""
@@ -454,6 +462,13 @@ class Writer(StorageWriter):
         fut.add_done_callback(release)
         return fut
 
+    def _location(self, url: str) -> _objstore.Location:
+        if self._objstores is None:
+            self._objstores = {}
+        if url not in self._objstores:
+            self._objstores[url] = _objstore.location(url, self.storage_options)
+        return cast(_objstore.Location, self._objstores[url])
+
     # -- per-save state ----------------------------------------------------------------------
 
     def _thread_state(self) -> Any:
@@ -516,6 +531,9 @@ class Writer(StorageWriter):
         save = self._pending()
         save.started = True
         save.is_coordinator = is_coordinator
+        if _objstore.is_url(save.path):  # no lock: see docs/OBJECT_STORES.md
+            _objstore.set_up_save(self._location(save.path), is_coordinator, self.overwrite)
+            return
         os.makedirs(save.path, exist_ok=True)
         if is_coordinator:
             save.lock = _DirLock(save.path)
@@ -626,16 +644,7 @@ class Writer(StorageWriter):
             owners.append(idx)
 
         name = _format.data_file_name(rank_plan.rank, 0, rank_plan.save_id or save.save_id)
-        direct = cast(Any, self.direct_io or _knobs.direct_io())
-        fsync = self.fsync if self.fsync is not None else _knobs.fsync()
-        if self._direct_blocks is None:
-            # Allocated once per writer: on this class of VM freshly faulted-in memory runs at a
-            # fraction of memcpy speed, so every save after the first reuses hot pages.
-            self._direct_blocks = _C.BufferPool(_DIRECT_BLOCK_BYTES, _DIRECT_BLOCKS)
-        with _C.FileWriter(
-            os.path.join(save.path, name), direct, fsync, _DIRECT_BLOCK_BYTES, _DIRECT_BLOCKS,
-            staging=self._direct_blocks,
-        ) as fw:
+        with self._data_writer(save, name) as fw:
             records = fw.write_items(
                 requests, chunk_bytes, self._native.pool(), self._encode_blocks(chunk_bytes)
             )
@@ -660,6 +669,22 @@ class Writer(StorageWriter):
         ]
         fut.set_result(results)
         return fut
+
+    def _data_writer(self, save: _Save, name: str) -> Any:
+        """The sink of this rank's data file: a FileWriter, or a multipart upload."""
+        if _objstore.is_url(save.path):
+            return _objstore.DataUpload(self._location(save.path), name, self.part_bytes,
+                                        _objstore.DEFAULT_MAX_CONCURRENCY)
+        direct = cast(Any, self.direct_io or _knobs.direct_io())
+        fsync = self.fsync if self.fsync is not None else _knobs.fsync()
+        if self._direct_blocks is None:
+            # Allocated once per writer: on this class of VM freshly faulted-in memory runs at a
+            # fraction of memcpy speed, so every save after the first reuses hot pages.
+            self._direct_blocks = _C.BufferPool(_DIRECT_BLOCK_BYTES, _DIRECT_BLOCKS)
+        return _C.FileWriter(
+            os.path.join(save.path, name), direct, fsync, _DIRECT_BLOCK_BYTES, _DIRECT_BLOCKS,
+            staging=self._direct_blocks,
+        )
 
     def _write_device_items(
         self,
@@ -690,6 +715,9 @@ class Writer(StorageWriter):
         save = self._active("finish")
         try:
             files, encoded = self._document(metadata, results, save)
+            if _objstore.is_url(save.path):
+                _objstore.commit_save(self._location(save.path), files, encoded)
+                return
             fsync = self.fsync if self.fsync is not None else _knobs.fsync()
             meta = os.path.join(save.path, METADATA_FILE)
             try:
@@ -764,7 +792,10 @@ class Reader(StorageReader):
     the byte span of the requested slice; whole pieces decode straight into the destination.
 
     Args:
-        path: checkpoint directory (``dcp.load(checkpoint_id=...)`` overrides it).
+        path: checkpoint directory or object-store URL (``s3://bucket/prefix``);
+            ``dcp.load(checkpoint_id=...)`` overrides it.
+        storage_options: for an object-store ``path``: client settings overriding the
+            ``AWS_*`` environment (see docs/OBJECT_STORES.md).
         threads: native worker threads (default ``PYCKPT_READ_THREADS`` or
             ``max(8, PYCKPT_NUM_THREADS)``: reads in flight matter more than cores).
         pinned_pool_bytes: bound on the page-locked memory that carries data to GPU
@@ -798,12 +829,15 @@ class Reader(StorageReader):
         *,
         threads: int | None = None,
         pinned_pool_bytes: int | None = None,
+        storage_options: dict[str, Any] | None = None,
     ) -> None:
         super().__init__()
         _check_pinned_pool_bytes(pinned_pool_bytes)
         self.path = os.fspath(path)
         self.threads = threads
         self.pinned_pool_bytes = pinned_pool_bytes
+        self.storage_options = dict(storage_options or {})
+        self._fetcher: _objstore.Fetcher | None = None
         self.load_id = uuid.uuid4().hex[:12]
         self.bytes_read = 0
         self.chunks_decoded = 0
@@ -832,6 +866,19 @@ class Reader(StorageReader):
         self._metadata_error = None
         if checkpoint_id is not None:
             self.path = os.fspath(checkpoint_id)
+        self._fetcher = None
+
+    @property
+    def bytes_fetched(self) -> int:
+        """Bytes downloaded from an object store by this reader so far (0 for files)."""
+        return self._fetcher.bytes_fetched if self._fetcher is not None else 0
+
+    def _object_fetcher(self) -> _objstore.Fetcher:
+        if self._fetcher is None:
+            self._fetcher = _objstore.Fetcher(
+                _objstore.location(self.path, self.storage_options)
+            )
+        return self._fetcher
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         """Reads and validates ``pyckpt.json`` (the checkpoint is looked at here, not when the
@@ -849,7 +896,10 @@ class Reader(StorageReader):
         if "rank" in kwargs and self._metadata_error is not None:
             return Metadata(state_dict_metadata={})
         try:
-            index = _format.read_index(self.path)
+            if _objstore.is_url(self.path):
+                index = _objstore.read_index(self._object_fetcher().loc)
+            else:
+                index = _format.read_index(self.path)
         except Exception as e:
             self._metadata_error = e
             raise
@@ -909,7 +959,11 @@ class Reader(StorageReader):
             nonlocal batch, batch_bytes
             if not batch:
                 return
-            nread, ndecoded = _C.read_requests([b[0] for b in batch], pool)
+            reqs = [b[0] for b in batch]
+            if _objstore.is_url(self.path):
+                nread, ndecoded = self._object_fetcher().read_requests(reqs, pool)
+            else:
+                nread, ndecoded = _C.read_requests(reqs, pool)
             self.bytes_read += nread
             self.chunks_decoded += ndecoded
             for _, finish in batch:
@@ -1012,6 +1066,8 @@ class Reader(StorageReader):
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
+        if _objstore.is_url(checkpoint_id):
+            return True
         try:
             return os.path.isfile(os.path.join(os.fspath(checkpoint_id), METADATA_FILE))
         except TypeError:

@@ -46,20 +46,35 @@ def bytes_per_rank(path: str | os.PathLike[str]) -> dict[int, int]:
 
     Sizes are read from the files themselves (``stat``), for the files the metadata lists.
     """
-    return _rank_bytes(_format.read_index(path))
+    return _rank_bytes(_read_index(path))
+
+
+def _read_index(path: str | os.PathLike[str]) -> _format.CheckpointIndex:
+    """:func:`_format.read_index`, or its object-store twin for an ``s3://`` URL (client
+    settings from the ``AWS_*`` environment)."""
+    from pyckpt import _objstore
+
+    if _objstore.is_url(path):
+        return _objstore.read_index(_objstore.location(str(path)))
+    return _format.read_index(path)
 
 
 def _rank_bytes(index: _format.CheckpointIndex) -> dict[int, int]:
+    from pyckpt import _objstore
+
     out: dict[int, int] = {}
-    for name in index.files:
+    for name, recorded in index.files.items():
         rank = _format.data_file_rank(name)
-        out[rank] = out.get(rank, 0) + os.stat(os.path.join(index.path, name)).st_size
+        # Objects were checked against a listing when the index was read: no second request.
+        size = recorded if _objstore.is_url(index.path) else os.stat(
+            os.path.join(index.path, name)).st_size
+        out[rank] = out.get(rank, 0) + size
     return dict(sorted(out.items()))
 
 
 def summarize(path: str | os.PathLike[str], top: int = 10) -> CheckpointSummary:
     """Reads a checkpoint's metadata (no tensor data) and summarises it."""
-    index = _format.read_index(path)
+    index = _read_index(path)
     dtypes: Counter[str] = Counter()
     codecs: Counter[str] = Counter()
     sizes = []
@@ -106,9 +121,12 @@ class VerifyReport:
 
 
 def _verify_piece(name: str, segments: list[Any], nbytes: int, pool: Any,
-                  report: VerifyReport) -> None:
+                  report: VerifyReport, fetcher: Any = None) -> None:
     # Each chunk is decoded once, through a bounded window, and its output discarded.
-    nread, nchunks = _C.verify_segments(name, segments, pool)
+    if fetcher is not None:  # an object store: one segment's chunks downloaded at a time
+        nread, nchunks = fetcher.verify_segments(name, segments, pool)
+    else:
+        nread, nchunks = _C.verify_segments(name, segments, pool)
     report.bytes_read += nread
     report.chunks_checked += nchunks
 
@@ -122,7 +140,10 @@ def verify(path: str | os.PathLike[str], threads: int | None = None) -> VerifyRe
             UnsupportedDtypeError, MemoryError, OSError) are collected in the report instead,
             keyed by item name, as ``"<ErrorClass>: <message>"``.
     """
-    index = _format.read_index(path)
+    from pyckpt import _objstore
+
+    index = _read_index(path)
+    fetcher = _objstore.Fetcher(_objstore.location(str(path))) if _objstore.is_url(path) else None
     pool = _C.ThreadPool(threads or _knobs.read_threads())
     report = VerifyReport()
     try:
@@ -136,7 +157,7 @@ def verify(path: str | os.PathLike[str], threads: int | None = None) -> VerifyRe
         for name, segments, nbytes in work:
             report.items_checked += 1
             try:
-                _verify_piece(name, segments, nbytes, pool, report)
+                _verify_piece(name, segments, nbytes, pool, report, fetcher)
             except (PyckptError, OSError, ValueError, RuntimeError, MemoryError) as e:
                 # Every typed error of one item (CompressionError and UnsupportedDtypeError are
                 # not ValueErrors; a damaged size can ask for more memory than there is) marks
@@ -201,8 +222,9 @@ def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], *,
     The whole state is materialised in host memory once (single process).
 
     Args:
-        src: source checkpoint directory (format detected from its metadata file).
-        dst: destination directory.
+        src: source checkpoint directory (format detected from its metadata file), or an
+            ``s3://`` URL of a pyckpt checkpoint.
+        dst: destination directory, or an ``s3://`` URL for ``to="pyckpt"``.
         to: ``"pyckpt"`` or ``"dcp"``; default: the other format.
         compression: for ``to="pyckpt"``: ``None`` or ``"zstd"``.
         trusted: unpickle non-tensor values with ``weights_only=False`` (as DCP's
@@ -218,11 +240,14 @@ def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], *,
     """
     import torch.distributed.checkpoint as dcp
 
+    from pyckpt import _objstore
     from pyckpt.storage import Reader, Writer
 
     src_s = os.fspath(src)
     reader: Any
-    if os.path.isfile(os.path.join(src_s, _format.METADATA_FILE)):
+    if _objstore.is_url(src_s):  # object stores hold pyckpt checkpoints only
+        src_fmt, reader = "pyckpt", Reader(src_s)
+    elif os.path.isfile(os.path.join(src_s, _format.METADATA_FILE)):
         src_fmt, reader = "pyckpt", Reader(src_s)
     elif os.path.isfile(os.path.join(src_s, ".metadata")):
         src_fmt, reader = "dcp", dcp.FileSystemReader(src_s)
@@ -231,6 +256,9 @@ def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], *,
     target = to or ("dcp" if src_fmt == "pyckpt" else "pyckpt")
     if target not in ("pyckpt", "dcp"):
         raise ValueError(f"unknown target format {target!r}; expected 'pyckpt' or 'dcp'")
+    if target == "dcp" and _objstore.is_url(os.fspath(dst)):
+        raise ValueError("converting to DCP's format writes a local directory, not an "
+                         f"object-store URL ({os.fspath(dst)!r})")
     sd = _empty_state_dict(reader.read_metadata())
     reader.reset()
     from pyckpt.api import _typed_errors, load_planner

@@ -2,7 +2,7 @@
 # Sets up everything pyckpt needs on a Debian/Ubuntu machine with Python >= 3.10, idempotently:
 #   - system packages: libzstd-dev, pkg-config, a C++ compiler, python3-venv (apt, only if missing)
 #   - a virtual environment in .venv with torch==2.13.0 (CPU) and pyckpt built from this checkout
-#     (non-editable, with the test/bench/model/demo/fuzz/sanitize/lint extras)
+#     (non-editable, with the test/bench/model/demo/fuzz/sanitize/lint/s3/s3-test/s3-bench extras)
 # Usage: scripts/setup.sh            (PYTHON=python3.11 scripts/setup.sh to pick an interpreter)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -42,7 +42,7 @@ fi
 echo "[pyckpt setup] building and installing pyckpt"
 # The CUDA runtime test double (pyckpt/_testing) is built only on request: the tests need it.
 "$PY" -m pip install -q --disable-pip-version-check \
-  -Ccmake.define.PYCKPT_BUILD_TESTING_RUNTIME=ON ".[test,bench,model,demo,fuzz,sanitize,lint]" 2>&1 \
+  -Ccmake.define.PYCKPT_BUILD_TESTING_RUNTIME=ON ".[test,bench,model,demo,fuzz,sanitize,lint,s3,s3-test,s3-bench]" 2>&1 \
   | { grep -v "$QUIET_PIP" || true; }
 # Checked from outside the checkout, whose pyckpt/ (without the built _C) would shadow the install.
 (cd / && "$PY" -c 'import pyckpt, pyckpt._C; print("[pyckpt setup] pyckpt", pyckpt.__version__, "with zstd", pyckpt._C.zstd_version)')

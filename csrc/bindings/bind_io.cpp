@@ -8,6 +8,7 @@
 
 #include "bindings/bindings.hpp"
 #include "bindings/core_convert.hpp"
+#include "bindings/io_convert.hpp"
 #include "core/chunk_io.hpp"
 #include "core/chunk_reader.hpp"
 #include "core/encode_pipeline.hpp"
@@ -38,6 +39,8 @@ py::sequence as_tuple(py::handle h, std::size_t n, const char* shape) {
   }
   return py::reinterpret_borrow<py::sequence>(h);
 }
+
+}  // namespace
 
 std::vector<WriteRequest> items_from_py(py::handle items) {
   std::vector<WriteRequest> out;
@@ -87,8 +90,6 @@ std::vector<ReadRequest> requests_from_py(py::handle requests) {
   }
   return out;
 }
-
-}  // namespace
 
 void bind_io(py::module_& m) {
   py::class_<FileWriter>(

@@ -10,6 +10,7 @@ namespace py = pybind11;
 void bind_pool(py::module_& m);
 void bind_codec(py::module_& m);
 void bind_io(py::module_& m);
+void bind_objstore(py::module_& m);
 void bind_safetensors(py::module_& m);
 void bind_cuda(py::module_& m);
 

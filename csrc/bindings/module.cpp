@@ -74,6 +74,7 @@ PYBIND11_MODULE(_C, m) {
   pyckpt::bindings::bind_pool(m);
   pyckpt::bindings::bind_codec(m);
   pyckpt::bindings::bind_io(m);
+  pyckpt::bindings::bind_objstore(m);
   pyckpt::bindings::bind_safetensors(m);
   pyckpt::bindings::bind_cuda(m);
 }

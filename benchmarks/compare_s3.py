@@ -1,0 +1,346 @@
+"""Compare checkpointing to an S3-compatible object store: pyckpt vs DCP+s3fs vs s3torchconnector.
+
+Usage:
+    python benchmarks/compare_s3.py [--size-mib 1024] [--ranks 2] [--repeats 3] [--json out.json]
+    python benchmarks/compare_s3.py --size-mib 16 --repeats 1      # smoke run
+
+Same run, same local SeaweedFS server (started here from tests/_s3server.py unless
+``--endpoint`` names one; credentials then come from the AWS_* variables), same state dict: a
+bf16 "model" of ``--size-mib`` MiB with trained-weight-like values (randn x 0.02), sharded on
+dim 0 over ``--ranks`` gloo ranks as DTensors (FSDP-style). For each method and repeat: a save
+(timed from the first rank's start to the last rank's end, barriers around it), then a same-
+sharding load into zeroed tensors (checked bit-exact). Methods, alternating within each repeat:
+
+* ``pyckpt-raw``, ``pyckpt-zstd``: ``pyckpt.Writer``/``Reader`` on ``s3://`` URLs.
+* ``dcp-fsspec``: DCP's ``FsspecWriter``/``FsspecReader`` over ``s3fs``.
+* ``s3torchconnector``: AWS's ``S3StorageWriter``/``S3StorageReader`` (reported as unavailable
+  when the package is missing).
+
+Bytes uploaded are the sizes of the objects each save left under its prefix; bytes downloaded
+are counted by pyckpt's reader (``Reader.bytes_fetched``) and, for the baselines, taken as the
+objects' total (a same-sharding load reads every stored byte; not counted per request).
+
+Then ``--client-mib`` MiB single-object upload/download throughput, obstore vs boto3 (s3transfer,
+multipart 16 MiB parts, 8 in flight on both sides): the client choice of docs/OBJECT_STORES.md.
+
+Prints medians with [min-max] over the repeats. Absolute figures depend on the machine (the
+server shares its cores with the client); compare methods within one run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import io
+import json
+import os
+import statistics
+import sys
+import time
+import traceback
+import uuid
+from typing import Any
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "tests"))
+
+import torch  # noqa: E402
+import torch.multiprocessing as mp  # noqa: E402
+
+BUCKET = "pyckpt-bench"
+METHODS = ("pyckpt-raw", "pyckpt-zstd", "dcp-fsspec", "s3torchconnector")
+TENSOR_MIB = 32  # size of each (full) tensor
+
+
+def _tensor_count(size_mib: int) -> int:
+    return max(1, size_mib // TENSOR_MIB)
+
+
+def _local_state(rank: int, world: int, size_mib: int, mesh: Any, zeros: bool) -> dict[str, Any]:
+    """This rank's dim-0 shards of the model, as DTensors (built from local data only)."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    elems = (min(size_mib, TENSOR_MIB) << 20) // 2
+    cols = 4096 if elems >= 4096 * world else 64
+    rows = elems // cols
+    out: dict[str, Any] = {}
+    for i in range(_tensor_count(size_mib)):
+        lo, hi = rows * rank // world, rows * (rank + 1) // world
+        if zeros:
+            local = torch.zeros(hi - lo, cols, dtype=torch.bfloat16)
+        else:
+            g = torch.Generator().manual_seed(1000 * i + rank)
+            local = (torch.randn(hi - lo, cols, generator=g) * 0.02).to(torch.bfloat16)
+        out[f"layers.{i}.weight"] = DTensor.from_local(local, mesh, [Shard(0)], run_check=False)
+    return out
+
+
+def _writer_reader(method: str, url: str, env: dict[str, str]) -> tuple[Any, Any]:
+    if method.startswith("pyckpt"):
+        import pyckpt
+
+        comp = "zstd" if method == "pyckpt-zstd" else None
+        return pyckpt.Writer(url, compression=comp), pyckpt.Reader(url)
+    if method == "dcp-fsspec":
+        from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
+
+        opts = {"key": env["AWS_ACCESS_KEY_ID"], "secret": env["AWS_SECRET_ACCESS_KEY"],
+                "client_kwargs": {"endpoint_url": env["AWS_ENDPOINT_URL"],
+                                  "region_name": env["AWS_REGION"]}}
+        return FsspecWriter(url, **opts), FsspecReader(url, **opts)
+    from s3torchconnector import S3ClientConfig
+    from s3torchconnector._s3client import S3Client
+    from s3torchconnector.dcp import S3StorageReader, S3StorageWriter
+
+    cfg = S3ClientConfig(force_path_style=True)
+    region = env["AWS_REGION"]
+    w = S3StorageWriter(region, url, s3client_config=cfg)
+    r = S3StorageReader(region, url, s3client_config=cfg)
+    for x in (w, r):  # the endpoint is an S3Client argument only
+        x.fs._client = S3Client(region, endpoint=env["AWS_ENDPOINT_URL"], s3client_config=cfg)
+    return w, r
+
+
+def _rank(rank: int, world: int, port: int, args: dict[str, Any], env: dict[str, str],
+          q: Any) -> None:
+    os.environ.update(env)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.device_mesh import init_device_mesh
+
+    dist.init_process_group("gloo", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(minutes=30))
+    try:
+        mesh = init_device_mesh("cpu", (world,))
+        sd = _local_state(rank, world, args["size_mib"], mesh, zeros=False)
+        results: list[dict[str, Any]] = []
+        for rep in range(args["repeats"]):
+            for method in args["methods"]:
+                row: dict[str, Any] = {"method": method, "repeat": rep}
+                try:
+                    url = f"s3://{BUCKET}/{method}/{rep}-{args['run']}"
+                    w, r = _writer_reader(method, url, env)
+                    dist.barrier()
+                    t0 = time.perf_counter()
+                    dcp.save(sd, storage_writer=w)
+                    dist.barrier()
+                    row["save_s"] = time.perf_counter() - t0
+                    out = _local_state(rank, world, args["size_mib"], mesh, zeros=True)
+                    dist.barrier()
+                    t0 = time.perf_counter()
+                    dcp.load(out, storage_reader=r)
+                    dist.barrier()
+                    row["load_s"] = time.perf_counter() - t0
+                    row["exact"] = all(torch.equal(out[k].to_local().view(torch.int16),
+                                                   sd[k].to_local().view(torch.int16)) for k in sd)
+                    row["fetched"] = int(getattr(r, "bytes_fetched", -1))
+                    row["url"] = url
+                    for x in (w, r):
+                        if hasattr(x, "close"):
+                            x.close()
+                except Exception as e:
+                    row["error"] = f"{type(e).__name__}: {e}"
+                    row["trace"] = traceback.format_exc()
+                results.append(row)
+                ok = torch.tensor([0 if "error" in row else 1])
+                dist.all_reduce(ok, op=dist.ReduceOp.MIN)
+                if not int(ok):  # one rank failed: the others may be stuck mid-protocol
+                    row.setdefault("error", "another rank failed")
+        q.put((rank, results))
+    except BaseException:
+        q.put((rank, traceback.format_exc()))
+        raise
+    finally:
+        dist.destroy_process_group()
+
+
+def _available(method: str) -> str | None:
+    mods = {"dcp-fsspec": ["s3fs", "torch.distributed.checkpoint._fsspec_filesystem"],
+            "s3torchconnector": ["s3torchconnector.dcp"]}.get(method, [])
+    if method.startswith("pyckpt"):
+        mods = ["obstore"]
+    for m in mods:
+        try:
+            __import__(m)
+        except Exception as e:  # ImportError, or a broken native extension
+            return f"unavailable ({m}: {type(e).__name__}: {e})"
+    return None
+
+
+def _stat(xs: list[float]) -> str:
+    if not xs:
+        return "-"
+    return f"{statistics.median(xs):.2f} [{min(xs):.2f}-{max(xs):.2f}]"
+
+
+def _client_bench(srv: Any, env: dict[str, str], mib: int, repeats: int) -> dict[str, Any]:
+    """Single-object upload/download throughput (MB/s), obstore vs boto3."""
+    import obstore
+    from obstore.store import S3Store
+
+    data = os.urandom(mib << 20)
+    store = S3Store(BUCKET, endpoint=env["AWS_ENDPOINT_URL"], region=env["AWS_REGION"],
+                    access_key_id=env["AWS_ACCESS_KEY_ID"],
+                    secret_access_key=env["AWS_SECRET_ACCESS_KEY"],
+                    client_options={"allow_http": True})
+    out: dict[str, Any] = {}
+    try:
+        import boto3
+        from boto3.s3.transfer import TransferConfig
+        from botocore.config import Config
+
+        s3 = boto3.client("s3", endpoint_url=env["AWS_ENDPOINT_URL"],
+                          aws_access_key_id=env["AWS_ACCESS_KEY_ID"],
+                          aws_secret_access_key=env["AWS_SECRET_ACCESS_KEY"],
+                          region_name=env["AWS_REGION"],
+                          config=Config(s3={"addressing_style": "path"},
+                                        max_pool_connections=16))
+        tc = TransferConfig(multipart_chunksize=16 << 20, multipart_threshold=16 << 20,
+                            max_concurrency=8)
+    except ImportError:
+        s3 = None
+    mb = len(data) / 1e6
+    for rep in range(repeats):
+        key = f"client/{rep}-{uuid.uuid4().hex[:6]}"
+        t = time.perf_counter()
+        obstore.put(store, key + "-o", data, chunk_size=16 << 20, max_concurrency=8)
+        out.setdefault("obstore_put", []).append(mb / (time.perf_counter() - t))
+        t = time.perf_counter()
+        got = obstore.get(store, key + "-o").bytes()
+        out.setdefault("obstore_get", []).append(mb / (time.perf_counter() - t))
+        assert len(got) == len(data)
+        if s3 is not None:
+            t = time.perf_counter()
+            s3.upload_fileobj(io.BytesIO(data), BUCKET, key + "-b", Config=tc)
+            out.setdefault("boto3_put", []).append(mb / (time.perf_counter() - t))
+            buf = io.BytesIO()
+            t = time.perf_counter()
+            s3.download_fileobj(BUCKET, key + "-b", buf, Config=tc)
+            out.setdefault("boto3_get", []).append(mb / (time.perf_counter() - t))
+            assert buf.getbuffer().nbytes == len(data)
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--size-mib", type=int, default=1024)
+    ap.add_argument("--ranks", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--methods", default=",".join(METHODS))
+    ap.add_argument("--client-mib", type=int, default=256)
+    ap.add_argument("--endpoint", default=None,
+                    help="use this S3 endpoint (AWS_* credentials) instead of a local server")
+    ap.add_argument("--json", default=None, help="also write the raw results here")
+    a = ap.parse_args()
+
+    srv = None
+    if a.endpoint:
+        env = {k: os.environ[k] for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")}
+        env.update(AWS_ENDPOINT_URL=a.endpoint, AWS_REGION=os.environ.get("AWS_REGION",
+                   "us-east-1"), AWS_ALLOW_HTTP="true")
+    else:
+        from _s3server import SeaweedServer
+
+        srv = SeaweedServer().start()
+        env = srv.env()
+    os.environ.update(env)
+    try:
+        if srv is not None:
+            srv.create_bucket(BUCKET)
+        methods, skipped = [], {}
+        for m in a.methods.split(","):
+            why = _available(m)
+            if why:
+                skipped[m] = why
+            else:
+                methods.append(m)
+        args = {"size_mib": a.size_mib, "repeats": a.repeats, "methods": methods,
+                "run": uuid.uuid4().hex[:6]}
+        ctx = mp.get_context("spawn")
+        q = ctx.Queue()
+        from dist_utils import free_port
+
+        port = free_port()
+        procs = [ctx.Process(target=_rank, args=(r, a.ranks, port, args, env, q))
+                 for r in range(a.ranks)]
+        for p in procs:
+            p.start()
+        per_rank: dict[int, Any] = {}
+        while len(per_rank) < a.ranks:
+            r, res = q.get(timeout=3600)
+            per_rank[r] = res
+        for p in procs:
+            p.join()
+        if any(isinstance(v, str) for v in per_rank.values()):
+            print("\n".join(v for v in per_rank.values() if isinstance(v, str)))
+            return 1
+
+        import boto3
+        from botocore.config import Config
+
+        s3 = boto3.client("s3", endpoint_url=env["AWS_ENDPOINT_URL"],
+                          aws_access_key_id=env["AWS_ACCESS_KEY_ID"],
+                          aws_secret_access_key=env["AWS_SECRET_ACCESS_KEY"],
+                          region_name=env["AWS_REGION"],
+                          config=Config(s3={"addressing_style": "path"}))
+
+        def stored(url: str) -> int:
+            prefix = url.split("/", 3)[3] + "/"
+            total = 0
+            for page in s3.get_paginator("list_objects_v2").paginate(Bucket=BUCKET,
+                                                                     Prefix=prefix):
+                total += sum(int(o["Size"]) for o in page.get("Contents", []))
+            return total
+
+        rows: dict[str, dict[str, list[Any]]] = {}
+        errors: dict[str, str] = {}
+        for i, row0 in enumerate(per_rank[0]):
+            m = row0["method"]
+            ranks = [per_rank[r][i] for r in range(a.ranks)]
+            bad = [x for x in ranks if "error" in x]
+            if bad:
+                errors[m] = bad[0]["error"]
+                continue
+            d = rows.setdefault(m, {})
+            d.setdefault("save", []).append(row0["save_s"])
+            d.setdefault("load", []).append(row0["load_s"])
+            d.setdefault("exact", []).append(all(x["exact"] for x in ranks))
+            up = stored(row0["url"])
+            d.setdefault("up", []).append(up)
+            fetched = sum(x["fetched"] for x in ranks)
+            d.setdefault("down", []).append(fetched if fetched >= 0 else up)
+        raw = a.size_mib << 20
+        print(f"\n{a.size_mib} MiB bf16, {a.ranks} ranks, {a.repeats} repeat(s); "
+              f"median [min-max]; server {env['AWS_ENDPOINT_URL']}")
+        print(f"{'method':<18} {'save s':>20} {'load s':>20} {'save MB/s':>10} "
+              f"{'up MiB':>9} {'down MiB':>9} {'exact':>6}")
+        for m in args["methods"]:
+            if m not in rows:
+                continue
+            d = rows[m]
+            mbps = raw / 1e6 / statistics.median(d["save"])
+            print(f"{m:<18} {_stat(d['save']):>20} {_stat(d['load']):>20} {mbps:>10.0f} "
+                  f"{statistics.median(d['up']) / 2**20:>9.1f} "
+                  f"{statistics.median(d['down']) / 2**20:>9.1f} {str(all(d['exact'])):>6}")
+        for m, why in {**skipped, **errors}.items():
+            print(f"{m:<18} {why}")
+
+        client = {}
+        if a.client_mib > 0:
+            client = _client_bench(srv, env, a.client_mib, a.repeats)
+            print(f"\nclient throughput, one {a.client_mib} MiB object, MB/s, median [min-max]")
+            for k, v in client.items():
+                print(f"  {k:<12} {_stat(v)}")
+        if a.json:
+            with open(a.json, "w") as f:
+                json.dump({"args": vars(a), "rows": rows, "errors": errors, "skipped": skipped,
+                           "client": client}, f, indent=1)
+    finally:
+        if srv is not None:
+            srv.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

