@@ -264,4 +264,6 @@ def stitch(
     input_mode: str,
     fsync: bool,
     progress: StitchProgress | None = None,
+    *,
+    partial: bool = False,
 ) -> dict[str, int]: ...

@@ -233,11 +233,17 @@ def consolidate_worker(rank: int, world: int, root: str, per_node: int, kwargs: 
             "foreign": foreign_opens(root, node)}
 
 
-def consolidate_kill_worker(rank: int, world: int, root: str) -> Any:
-    """Rank 1 dies (os._exit) while copying; the other rank must fail, leaving no index."""
+def consolidate_kill_main(rank: int, world: int, port: int, root: str) -> None:
+    """Process body (run as a script): rank 1 dies while copying, before any commit."""
+    import datetime
+
+    import torch.distributed as dist
+
     import pyckpt
 
     paths, _ = isolate(root, rank, ("ckpt", "export"))
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world, timeout=datetime.timedelta(seconds=60))
 
     def progress(done: int, total: int) -> None:
         if rank == 1 and done > 0:
@@ -245,7 +251,14 @@ def consolidate_kill_worker(rank: int, world: int, root: str) -> Any:
 
     try:
         pyckpt.consolidate(paths["ckpt"], paths["export"], shared_filesystem=False,
-                           fsync=False, progress=progress, batch_bytes=4096)
+                           fsync=False, progress=progress, batch_bytes=4096,
+                           max_file_bytes=500)
     except Exception as e:
-        return type(e).__name__
-    return None
+        print(f"ERROR {type(e).__name__}", flush=True)
+        os._exit(3)
+    print("OK", flush=True)
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    consolidate_kill_main(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4])

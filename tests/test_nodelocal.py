@@ -9,17 +9,22 @@ Saves, loads at the same and at other world sizes (2 -> 3, 4 -> 2, other shardin
 from __future__ import annotations
 
 import os
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 from _nodelocal_workers import (
+    consolidate_worker,
     failing_save_worker,
+    full_state,
     load_error_worker,
     load_worker,
     namespace_refusal,
     save_worker,
 )
-from dist_utils import run_distributed
+from dist_utils import free_port, run_distributed
 
 from pyckpt._format import METADATA_FILE, is_data_file
 
@@ -115,3 +120,75 @@ def test_failed_rank_leaves_no_metadata_anywhere(tmp_path: Path) -> None:
     assert [r["type"] for r in results] == ["OSError"] * 2, results
     for k in range(2):
         assert not (_node(tmp_path, k) / METADATA_FILE).exists()
+
+
+def _same_bits(a, b) -> bool:
+    return a.dtype == b.dtype and a.shape == b.shape and bytes(
+        a.contiguous().view(-1).view(__import__("torch").uint8).numpy()
+    ) == bytes(b.contiguous().view(-1).view(__import__("torch").uint8).numpy())
+
+
+def _gather_export(root: Path, nnodes: int, out: Path) -> dict:
+    """Copies every node's export into one directory (what a user would do) and loads it."""
+    from safetensors.torch import load_file
+
+    from pyckpt._consolidate import INDEX_NAME
+
+    out.mkdir()
+    indexes = set()
+    for k in range(nnodes):
+        d = _node(root, k, "export")
+        assert [n for n in os.listdir(d) if n.startswith(".")] == []  # no temp left behind
+        indexes.add((d / INDEX_NAME).read_bytes())  # every node's dst has the same index
+        for n in os.listdir(d):
+            if n != INDEX_NAME:
+                assert not (out / n).exists()  # each output file is written by one rank
+                shutil.copy(d / n, out / n)
+    assert len(indexes) == 1
+    import json
+
+    index = json.loads(indexes.pop())
+    tensors = {}
+    for fname in sorted(set(index["weight_map"].values())):
+        tensors.update(load_file(str(out / fname)))
+    return tensors
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_consolidate_over_the_process_group(tmp_path: Path, world: int) -> None:
+    _save(tmp_path, 2, 1, "zstd")
+    kwargs = {"max_file_bytes": 500, "batch_bytes": 2048, "threads": 2}
+    results = run_distributed(consolidate_worker, world, str(tmp_path), 1, kwargs)
+    for r in results:
+        assert r["foreign"] == [], r
+    assert sum(r["rank_bytes"] for r in results) == results[0]["total"]
+    assert all(r["files"] for r in results)  # every rank wrote some of the files
+    out = _gather_export(tmp_path, world, tmp_path / "all")
+    full = full_state()
+    assert sorted(out) == sorted(full)
+    for k, v in full.items():
+        assert _same_bits(out[k], v), k
+
+
+@pytest.mark.skipif(_REFUSAL is not None, reason=str(_REFUSAL))
+def test_killed_rank_mid_consolidation_leaves_no_index(tmp_path: Path) -> None:
+    from pyckpt._consolidate import INDEX_NAME
+
+    _save(tmp_path, 2, 1, "zstd")
+    port = free_port()
+    script = str(Path(__file__).with_name("_nodelocal_workers.py"))
+    procs = [
+        subprocess.Popen([sys.executable, script, str(r), "2", str(port), str(tmp_path)],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        for r in range(2)
+    ]
+    outs = [p.communicate(timeout=180) for p in procs]
+    assert procs[1].returncode == 17, outs[1]
+    assert procs[0].returncode == 3 and b"ERROR" in outs[0][0], outs[0]
+    for k in range(2):
+        d = _node(tmp_path, k, "export")
+        names = os.listdir(d)
+        assert INDEX_NAME not in names
+        assert all(n.startswith(".") and ".tmp-" in n for n in names), names
+    # The surviving rank removed its temp files; only the killed rank's remain.
+    assert os.listdir(_node(tmp_path, 0, "export")) == []
