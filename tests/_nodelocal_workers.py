@@ -233,6 +233,32 @@ def consolidate_worker(rank: int, world: int, root: str, per_node: int, kwargs: 
             "foreign": foreign_opens(root, node)}
 
 
+def agree_worker(rank: int, world: int) -> Any:
+    """pyckpt._collective.agree: rank 1 fails; every rank cleans up and raises its type."""
+    from pyckpt._collective import agree, group_info
+
+    group = group_info(None)
+    cleaned = []
+
+    def work() -> int:
+        if rank == 1:
+            raise KeyError("boom on rank 1")
+        return rank * 10
+
+    out: dict[str, Any] = {}
+    try:
+        agree(work, group, on_failure=lambda: cleaned.append(rank), what="test step")
+    except KeyError as e:
+        out["raised"] = "KeyError"
+        out["notes"] = list(getattr(e, "__notes__", []))
+    value, values = agree(lambda: rank * 10, group)
+    out["value"], out["values"] = value, values
+    root_value, _ = agree(lambda: {"plan": 42}, group, ranks="root")
+    out["root"] = root_value
+    out["cleaned"] = cleaned
+    return out
+
+
 def consolidate_kill_main(rank: int, world: int, port: int, root: str) -> None:
     """Process body (run as a script): rank 1 dies while copying, before any commit."""
     import datetime

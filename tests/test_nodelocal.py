@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 from _nodelocal_workers import (
+    agree_worker,
     consolidate_worker,
     failing_save_worker,
     full_state,
@@ -101,6 +102,26 @@ def test_missing_node_files_name_rank_and_file(tmp_path: Path) -> None:
         assert r["type"] == "FileNotFoundError", r
         assert "written by rank 1" in r["message"] and lost[0] in r["message"], r
         assert os.path.basename(r["filename"]) == lost[0]
+
+
+def test_corrupt_chunk_on_the_owner_is_a_checksum_error_on_every_rank(tmp_path: Path) -> None:
+    _save(tmp_path, 2, 1, "zstd")
+    name = _data_files(_node(tmp_path, 1))[0]
+    path = _node(tmp_path, 1) / name
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+    results = run_distributed(load_error_worker, 2, str(tmp_path), 1)
+    for r in results:
+        assert r["type"] == "ChecksumError" and name in r["message"], r
+
+
+def test_agree_reraises_the_failure_on_every_rank() -> None:
+    results = run_distributed(agree_worker, 2)
+    for rank, r in enumerate(results):
+        assert r["raised"] == "KeyError" and r["cleaned"] == [rank], r
+        assert r["value"] == rank * 10 and r["values"] == [0, 10] and r["root"] == {"plan": 42}
+    assert any("test step failed on rank 1" in n for n in results[0]["notes"]), results[0]
 
 
 def test_metadata_of_different_saves_is_refused(tmp_path: Path) -> None:
