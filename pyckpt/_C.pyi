@@ -149,8 +149,18 @@ class FileWriter:
         tb: TracebackType | None,
     ) -> bool: ...
 
-def read_requests(requests: Sequence[ReadRequest], pool: ThreadPool) -> tuple[int, int]: ...
-def verify_segments(name: str, segments: Sequence[ReadSegment], pool: ThreadPool) -> tuple[int, int]: ...
+#: {source name: (size, [(offset, buffer), ...])}: non-overlapping byte ranges already in memory
+#: (downloaded objects, chunks received from a peer); other names are files.
+MemorySources: TypeAlias = Mapping[str, tuple[int, Sequence[tuple[int, Buffer]]]]
+
+def read_requests(
+    requests: Sequence[ReadRequest], pool: ThreadPool, sources: MemorySources | None = None
+) -> tuple[int, int]: ...
+def read_stored(requests: Sequence[ReadRequest], pool: ThreadPool) -> tuple[int, int]: ...
+def verify_segments(
+    name: str, segments: Sequence[ReadSegment], pool: ThreadPool,
+    sources: MemorySources | None = None,
+) -> tuple[int, int]: ...
 
 class Block:
     """Encoded bytes handed to an uploader: a read-only buffer (no copy)."""
@@ -174,16 +184,6 @@ class BlockWriter:
     def size(self) -> int: ...
     @property
     def committed(self) -> bool: ...
-
-#: {object name: (size, [(offset, downloaded buffer), ...])}: non-overlapping ranges.
-Downloads: TypeAlias = Mapping[str, tuple[int, Sequence[tuple[int, Buffer]]]]
-
-def read_requests_from(
-    requests: Sequence[ReadRequest], pool: ThreadPool, sources: Downloads
-) -> tuple[int, int]: ...
-def verify_segments_from(
-    name: str, segments: Sequence[ReadSegment], pool: ThreadPool, sources: Downloads
-) -> tuple[int, int]: ...
 
 #: Largest raw length of one chunk: the writer refuses larger chunk_bytes, readers larger records.
 MAX_CHUNK_BYTES: int
@@ -314,4 +314,6 @@ def stitch(
     input_mode: str,
     fsync: bool,
     progress: StitchProgress | None = None,
+    *,
+    partial: bool = False,
 ) -> dict[str, int]: ...

@@ -305,6 +305,7 @@ class CheckpointIndex:
     storage_meta: dict[str, Any] = field(default_factory=dict)
     created_by: str = ""
     version: int = FORMAT_VERSION  # format version of the metadata file
+    local_files: set[str] = field(default_factory=set)  # data files present under ``path``
 
 
 # ----------------------------------------------------------------------------------------------
@@ -542,8 +543,10 @@ def _member(path: str, key: str) -> str:
 class _Validator:
     """Walks a parsed metadata document, checking it and building the index."""
 
-    def __init__(self, root: str, meta: str, version: int) -> None:
+    def __init__(self, root: str, meta: str, version: int, all_files: bool = True) -> None:
         self.root = root
+        self.all_files = all_files
+        self.local_files: set[str] = set()
         self.meta = meta
         self.version = version
         self.files: dict[str, int] = {}
@@ -626,6 +629,7 @@ class _Validator:
             storage_meta={"modules": modules},
             created_by=created_by,
             version=self.version,
+            local_files=self.local_files,
         )
         items = self.obj(doc["items"], "items")
         if len(items) > MAX_ITEMS:
@@ -661,16 +665,22 @@ class _Validator:
             self.int_(size, fp, 0, _MAX_FILE_BYTES)
             full = self.check_file(name, size)
             self.files[name] = size
-            self.paths[name] = full
+            self.paths[name] = os.path.join(self.root, name) if full is None else full
             self.ranges[name] = array("Q")
+            if full is not None:  # None: node-local, held by another node
+                self.local_files.add(name)
 
-    def check_file(self, name: str, size: int) -> str:
+    def check_file(self, name: str, size: int) -> str | None:
         """Checks that data file ``name`` (a validated plain name) exists as a regular file of
-        at least ``size`` bytes; returns its full path. Other backends override this."""
+        at least ``size`` bytes; returns its full path, or None when it is missing and the
+        checkpoint is node-local (``all_files`` False: another node holds it). Other backends
+        override this."""
         full = os.path.join(self.root, name)
         try:
             st = os.lstat(full)
         except FileNotFoundError:
+            if not self.all_files:
+                return None
             raise FileNotFoundError(
                 errno.ENOENT, f"data file of checkpoint {self.root!r} is missing", full
             ) from None
@@ -1083,8 +1093,15 @@ def _parse(holder: list[bytes], meta: str) -> tuple[dict[str, Any], int]:
     return doc, version
 
 
-def read_index(path: str | os.PathLike[str]) -> CheckpointIndex:
+def read_index(
+    path: str | os.PathLike[str], *, all_files: bool = True, document: bytes | None = None
+) -> CheckpointIndex:
     """Reads and validates the metadata of the checkpoint directory ``path``.
+
+    ``all_files=False`` reads a node-local checkpoint (``shared_filesystem=False``): a data file
+    absent from ``path`` is held by another node and is not an error here (the files present are
+    checked as usual); ``CheckpointIndex.local_files`` names the files present. ``document``
+    validates those bytes (another node's copy of ``pyckpt.json``) instead of reading the file.
 
     This is the one validation path of every reader. The metadata checksum is verified before
     anything in the document is used; then every object must have exactly its keys, every value
@@ -1103,8 +1120,9 @@ def read_index(path: str | os.PathLike[str]) -> CheckpointIndex:
     """
     root = os.fspath(path)
     meta = os.path.join(root, METADATA_FILE)
-    doc, version = _parse([_open_metadata(root, meta)], meta)
-    return _Validator(root, meta, version).index(doc)
+    raw = _open_metadata(root, meta) if document is None else bytes(document)
+    doc, version = _parse([raw], meta)
+    return _Validator(root, meta, version, all_files).index(doc)
 
 
 def tensor_index(path: str | os.PathLike[str]) -> dict[str, StoredTensor]:

@@ -13,7 +13,7 @@ are deleted only after it is written.
 
 Read path: for each batch of read requests, exactly the stored ranges of the chunks that overlap
 the requested bytes are fetched with ranged GETs (many in flight, GIL released), then verified
-and decoded natively in place (:func:`pyckpt._C.read_requests_from` lends the downloaded buffers
+and decoded natively in place (:func:`pyckpt._C.read_requests` with ``sources`` lends the downloaded buffers
 through ``ChunkSource::view_at``).
 
 Credentials, region and endpoint come from the standard ``AWS_*`` environment variables (read by
@@ -621,7 +621,7 @@ class Fetcher:
             nonlocal batch, ranges, held, nread, ndecoded
             if batch:
                 sources = self._download(_coalesce(ranges))
-                r, d = _C.read_requests_from(batch, pool, sources)
+                r, d = _C.read_requests(batch, pool, sources)
                 nread += r
                 ndecoded += d
             batch, ranges, held = [], [], 0
@@ -642,7 +642,7 @@ class Fetcher:
         for seg in segments:
             rs = [(seg[0], c[0], c[0] + _stored_len(c)) for c in seg[3]]
             sources = self._download(_coalesce(rs))
-            r, c = _C.verify_segments_from(name, [seg], pool, sources)
+            r, c = _C.verify_segments(name, [seg], pool, sources)
             nread += r
             nchecked += c
         return nread, nchecked

@@ -124,7 +124,8 @@ def save(
         check_replicas: Refuse (:class:`pyckpt.ReplicaMismatchError`, before anything is
             written) replicated tensors whose copies differ across ranks; False saves anyway.
         **writer_options: Passed to :class:`pyckpt.Writer` (``compression="zstd"``,
-            ``threads``, ``direct_io``, ``fsync``, ...).
+            ``threads``, ``direct_io``, ``fsync``, ``shared_filesystem=False`` for a
+            node-local checkpoint, ...).
 
     Returns:
         The DCP ``Metadata`` of the saved checkpoint.
@@ -151,6 +152,7 @@ def load(
     process_group: Any = None,
     trusted: bool = False,
     storage_options: dict[str, Any] | None = None,
+    shared_filesystem: bool = True,
 ) -> None:
     """Loads the checkpoint at ``path`` into ``state_dict`` in place with DCP.
 
@@ -172,6 +174,9 @@ def load(
             for checkpoints from a trusted source, whose values hold other Python types.
         storage_options: for an ``s3://`` path: client settings overriding the ``AWS_*``
             environment (see docs/OBJECT_STORES.md).
+        shared_filesystem: False for a node-local checkpoint (saved with
+            ``shared_filesystem=False``): each rank reads its own ``path`` and fetches chunks
+            held by other ranks over ``process_group`` (see :class:`pyckpt.Reader`).
 
     Raises:
         FileNotFoundError: ``path`` holds no complete checkpoint or a data file is missing.
@@ -183,8 +188,9 @@ def load(
         Errors are the lowest failing rank's own exception, re-raised from DCP's
         ``CheckpointException`` (attached as ``__cause__``).
     """
-    with _typed_errors(), Reader(path, storage_options=storage_options) as reader, \
-            _single_process_quiet():
+    reader_options = {"shared_filesystem": shared_filesystem, "process_group": process_group,
+                      "storage_options": storage_options}
+    with _typed_errors(), Reader(path, **reader_options) as reader, _single_process_quiet():
         dcp.load(
             state_dict, storage_reader=reader, planner=load_planner(trusted),
             process_group=process_group,

@@ -50,7 +50,8 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
 from torch.futures import Future
 
-from pyckpt import _C, _format, _knobs, _objstore
+from pyckpt import _C, _format, _knobs, _objstore, _peer
+from pyckpt._collective import group_info
 from pyckpt._format import DTYPE_SIZES, METADATA_FILE
 from pyckpt._staging import DeviceStaging, block_bytes_for, is_device_tensor
 from pyckpt._tensors import local_view, resolved
@@ -288,6 +289,10 @@ class Writer(StorageWriter):
         storage_options: for an object-store ``path`` (``s3://bucket/prefix``): client settings
             overriding the ``AWS_*`` environment (see docs/OBJECT_STORES.md).
         part_bytes: for an object-store ``path``: multipart part size (default 16 MiB).
+        shared_filesystem: False for a node-local checkpoint: ``path`` exists on every node
+            but holds only that node's data files; every rank writes a copy of ``pyckpt.json``
+            into its own ``path`` once all data is durable (see :mod:`pyckpt._peer` and
+            docs/ARCHITECTURE.md). Load it with ``Reader(path, shared_filesystem=False)``.
 
     Raises:
         ValueError: an unknown compression or direct-I/O mode, ``pinned_pool_bytes`` below
@@ -356,6 +361,7 @@ class Writer(StorageWriter):
         pinned_pool_bytes: int | None = None,
         storage_options: dict[str, Any] | None = None,
         part_bytes: int | None = None,
+        shared_filesystem: bool = True,
     ) -> None:
         super().__init__()
         _check_pinned_pool_bytes(pinned_pool_bytes)
@@ -381,6 +387,10 @@ class Writer(StorageWriter):
         self.fsync = fsync
         self.overwrite = overwrite
         self.pinned_pool_bytes = pinned_pool_bytes
+        self.shared_filesystem = bool(shared_filesystem)
+        if not self.shared_filesystem and _objstore.is_url(self.path):
+            raise ValueError(f"{self.path}: shared_filesystem=False is for node-local directories, "
+                             "not object-store URLs")
         self.storage_options = dict(storage_options or {})
         self.part_bytes = _objstore.check_part_bytes(part_bytes)
         self._objstores: Any = None  # object-store URL -> _objstore.Location (clients)
@@ -600,6 +610,9 @@ class Writer(StorageWriter):
         rank_plan = plan.storage_data
         if not isinstance(rank_plan, _RankPlan):
             raise RuntimeError("pyckpt.Writer.write_data called without prepare_global_plan")
+        if not self.shared_filesystem and not save.is_coordinator:
+            fsync = self.fsync if self.fsync is not None else _knobs.fsync()
+            _peer.expect_metadata(rank_plan.save_id, save.path, fsync)
         fut: Future[list[WriteResult]] = Future()
         if not plan.items:
             fut.set_result([])
@@ -729,6 +742,10 @@ class Writer(StorageWriter):
                     self._remove_files(save.path, files)
                 raise
             self._remove_stale_files(save.path, set(files))
+            if not self.shared_filesystem:  # every other rank writes its copy (see _peer)
+                metadata.storage_data = _peer.PublishedMetadata(
+                    _save_id_of(files) or save.save_id, encoded, sorted(files)
+                )
         finally:
             save.end()
             tls = self._thread_state()
@@ -800,6 +817,12 @@ class Reader(StorageReader):
             ``max(8, PYCKPT_NUM_THREADS)``: reads in flight matter more than cores).
         pinned_pool_bytes: bound on the page-locked memory that carries data to GPU
             destinations (default ``PYCKPT_PINNED_POOL_BYTES`` or 1 GiB; at least 1 MiB).
+        shared_filesystem: False for a node-local checkpoint (``Writer(...,
+            shared_filesystem=False)``): each rank reads its own ``path``; chunks of files
+            another rank holds are fetched from it over ``process_group`` (stored bytes,
+            verified by both sides, decoded here). Every rank of the group must load.
+        process_group: the group of the load for ``shared_filesystem=False`` (default: the
+            default group); it must carry CPU tensors (gloo).
 
     Raises (from :meth:`read_metadata`, i.e. when a load starts; making a Reader reads nothing):
         FileNotFoundError: ``path`` has no ``pyckpt.json`` (not a complete checkpoint) or a data
@@ -830,6 +853,8 @@ class Reader(StorageReader):
         threads: int | None = None,
         pinned_pool_bytes: int | None = None,
         storage_options: dict[str, Any] | None = None,
+        shared_filesystem: bool = True,
+        process_group: Any = None,
     ) -> None:
         super().__init__()
         _check_pinned_pool_bytes(pinned_pool_bytes)
@@ -838,6 +863,12 @@ class Reader(StorageReader):
         self.pinned_pool_bytes = pinned_pool_bytes
         self.storage_options = dict(storage_options or {})
         self._fetcher: _objstore.Fetcher | None = None
+        self.shared_filesystem = bool(shared_filesystem)
+        if not self.shared_filesystem and _objstore.is_url(self.path):
+            raise ValueError(f"{self.path}: shared_filesystem=False is for node-local directories, "
+                             "not object-store URLs")
+        self.process_group = process_group
+        self._peer_files: _peer.PeerFiles | None = None
         self.load_id = uuid.uuid4().hex[:12]
         self.bytes_read = 0
         self.chunks_decoded = 0
@@ -864,6 +895,7 @@ class Reader(StorageReader):
         self.load_id = uuid.uuid4().hex[:12]
         self._storage = {}
         self._metadata_error = None
+        self._peer_files = None
         if checkpoint_id is not None:
             self.path = os.fspath(checkpoint_id)
         self._fetcher = None
@@ -898,8 +930,12 @@ class Reader(StorageReader):
         try:
             if _objstore.is_url(self.path):
                 index = _objstore.read_index(self._object_fetcher().loc)
-            else:
+            elif self.shared_filesystem:
                 index = _format.read_index(self.path)
+            else:  # collective: every rank reads its copy, then they agree on who holds what
+                index, self._peer_files = _peer.discover(
+                    self.path, group_info(self.process_group)
+                )
         except Exception as e:
             self._metadata_error = e
             raise
@@ -951,6 +987,20 @@ class Reader(StorageReader):
         return plans
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        if self._peer_files is None:
+            return self._read_data(plan, planner, None)
+        exchange = _peer.Exchange(self._peer_files, self._native.pool())
+        try:
+            fut = self._read_data(plan, planner, exchange)
+        except Exception as e:
+            exchange.finish(e)  # tells the other ranks, then raises e
+            raise
+        exchange.finish()
+        return fut
+
+    def _read_data(
+        self, plan: LoadPlan, planner: LoadPlanner, exchange: _peer.Exchange | None
+    ) -> Future[None]:
         pool = self._native.pool()
         batch: list[tuple[Any, ...]] = []  # (request, finish callback args)
         batch_bytes = 0
@@ -959,11 +1009,13 @@ class Reader(StorageReader):
             nonlocal batch, batch_bytes
             if not batch:
                 return
-            reqs = [b[0] for b in batch]
+            requests = [b[0] for b in batch]
             if _objstore.is_url(self.path):
-                nread, ndecoded = self._object_fetcher().read_requests(reqs, pool)
-            else:
-                nread, ndecoded = _C.read_requests(reqs, pool)
+                nread, ndecoded = self._object_fetcher().read_requests(requests, pool)
+            elif exchange is None:
+                nread, ndecoded = _C.read_requests(requests, pool)
+            else:  # one round of transfers with the other ranks (collective)
+                nread, ndecoded = _peer.read_requests(exchange, requests, pool)
             self.bytes_read += nread
             self.chunks_decoded += ndecoded
             for _, finish in batch:

@@ -3,6 +3,7 @@
 // waiting.
 #include <pybind11/stl.h>
 
+#include <map>
 #include <memory>
 #include <optional>
 
@@ -13,6 +14,7 @@
 #include "core/chunk_reader.hpp"
 #include "core/encode_pipeline.hpp"
 #include "core/error.hpp"
+#include "core/memory_storage.hpp"
 #include "core/posix_storage.hpp"
 
 namespace pyckpt::bindings {
@@ -91,6 +93,32 @@ std::vector<ReadRequest> requests_from_py(py::handle requests) {
   return out;
 }
 
+MemorySources::MemorySources(py::handle sources) {
+  if (sources.is_none()) return;
+  for (auto kv : py::reinterpret_borrow<py::dict>(sources)) {
+    const std::string name = py::cast<std::string>(kv.first);
+    py::sequence t = as_tuple(kv.second, 2, "memory source (size, [(offset, buffer), ...])");
+    Entry e;
+    e.size = u64_from_py(t[0], "size");
+    for (py::handle r : py::reinterpret_borrow<py::iterable>(t[1])) {
+      py::sequence rt = as_tuple(r, 2, "memory range (offset, buffer)");
+      _buffers.push_back(std::make_unique<BufferRef>(rt[1], false));
+      const BufferRef& b = *_buffers.back();
+      e.ranges.push_back(MemoryRange{u64_from_py(rt[0], "offset"),
+                                     static_cast<const std::uint8_t*>(b.data()), b.size()});
+    }
+    _entries[name] = std::move(e);
+  }
+}
+
+SourceOpener MemorySources::opener() const {
+  return [this](const std::string& name) -> std::unique_ptr<ChunkSource> {
+    auto it = _entries.find(name);
+    if (it == _entries.end()) return open_posix_source(name);
+    return std::make_unique<MemorySource>(name, it->second.size, it->second.ranges);
+  };
+}
+
 void bind_io(py::module_& m) {
   py::class_<FileWriter>(
       m, "FileWriter",
@@ -163,36 +191,52 @@ void bind_io(py::module_& m) {
 
   m.def(
       "read_requests",
+      [](py::handle requests, ThreadPool& pool, py::handle sources) {
+        const std::vector<ReadRequest> reqs = requests_from_py(requests);
+        const MemorySources memory(sources);
+        ReadStats st;
+        {
+          py::gil_scoped_release nogil;
+          st = read_requests(reqs, pool, memory.opener());
+        }
+        return py::make_tuple(st.bytes_read, st.chunks_decoded);
+      },
+      py::arg("requests"), py::arg("pool"), py::arg("sources") = py::none(),
+      R"pbdoc(Read, verify and decode the chunks overlapping each request's [lo, hi) into dst_ptr; returns (bytes_read, chunks_decoded). `sources` = {name: (size, [(offset, buffer), ...])} serves those segment names from byte ranges already in memory (downloaded objects, chunks received from a peer), verified and decoded in place; other names are files. SAFETY: each dst_ptr must point to hi - lo writable bytes kept alive until this returns.)pbdoc");
+
+  m.def(
+      "read_stored",
       [](py::handle requests, ThreadPool& pool) {
         const std::vector<ReadRequest> reqs = requests_from_py(requests);
         ReadStats st;
         {
           py::gil_scoped_release nogil;
-          st = read_requests(reqs, pool);
+          st = read_stored(reqs, pool);
         }
         return py::make_tuple(st.bytes_read, st.chunks_decoded);
       },
       py::arg("requests"), py::arg("pool"),
-      R"pbdoc(Read, verify and decode the chunks overlapping each request's [lo, hi) into dst_ptr; returns (bytes_read, chunks_decoded). SAFETY: each dst_ptr must point to hi - lo writable bytes kept alive until this returns.)pbdoc");
+      R"pbdoc(Read the stored (still encoded) bytes of every chunk of each request's segments back to back into dst_ptr, verifying each checksum without decoding; returns (bytes_read, chunks). SAFETY: each dst_ptr must point to the sum of the segments' stored_len bytes, kept alive until this returns.)pbdoc");
 
   m.def(
       "verify_segments",
-      [](const std::string& name, py::handle segments, ThreadPool& pool) {
+      [](const std::string& name, py::handle segments, ThreadPool& pool, py::handle sources) {
         std::vector<ReadSegment> segs;
         try {
           segs = segments_from_py(segments);
         } catch (const FormatError&) {
           rethrow_with_context(std::current_exception(), "tensor '" + name + "'");
         }
+        const MemorySources memory(sources);
         ReadStats st;
         {
           py::gil_scoped_release nogil;
-          st = verify_segments(name, segs, pool);
+          st = verify_segments(name, segs, pool, memory.opener());
         }
         return py::make_tuple(st.bytes_read, st.chunks_decoded);
       },
-      py::arg("name"), py::arg("segments"), py::arg("pool"),
-      R"pbdoc(Read and fully check every chunk of an item's segments (sizes, checksums, zstd frames), decoding each once with bounded memory; returns (bytes_read, chunks_checked).)pbdoc");
+      py::arg("name"), py::arg("segments"), py::arg("pool"), py::arg("sources") = py::none(),
+      R"pbdoc(Read and fully check every chunk of an item's segments (sizes, checksums, zstd frames), decoding each once with bounded memory; returns (bytes_read, chunks_checked). `sources` as for read_requests.)pbdoc");
 
   m.attr("MAX_CHUNK_BYTES") = kMaxChunkBytes;
 }

@@ -1,8 +1,7 @@
 // Object-store bindings: BlockWriter (encoded chunks handed to a Python uploader in owned
-// blocks that export the buffer protocol, so the client reads them without a copy) and reads
-// and verification of chunks from ranges a client downloaded (buffers lent to the chunk path
-// through ChunkSource::view_at, so they are verified and decoded in place). The GIL is held
-// only to hand a block over or to take buffers; encoding, checking and decoding run without it.
+// blocks that export the buffer protocol, so the client reads them without a copy). Downloaded
+// ranges are read through read_requests/verify_segments(sources=...) (bind_io.cpp). The GIL is
+// held only to hand a block over; encoding runs without it.
 #include <pybind11/stl.h>
 
 #include <cerrno>
@@ -68,46 +67,6 @@ class BlockWriter {
   BlockSink _sink;
 };
 
-/** Keeps the downloaded buffers of one call alive and opens MemorySources over them. */
-class Downloads {
- public:
-  /** sources: {name: (size, [(offset, buffer), ...])}. Needs the GIL. */
-  explicit Downloads(py::handle sources) {
-    for (auto kv : py::reinterpret_borrow<py::dict>(sources)) {
-      const std::string name = py::cast<std::string>(kv.first);
-      py::tuple t = py::reinterpret_borrow<py::tuple>(kv.second);
-      Entry e;
-      e.size = u64_from_py(t[0], "size");
-      for (py::handle r : py::reinterpret_borrow<py::iterable>(t[1])) {
-        py::tuple rt = py::reinterpret_borrow<py::tuple>(r);
-        _buffers.push_back(std::make_unique<BufferRef>(rt[1], false));
-        const BufferRef& b = *_buffers.back();
-        e.ranges.push_back(MemoryRange{u64_from_py(rt[0], "offset"),
-                                       static_cast<const std::uint8_t*>(b.data()), b.size()});
-      }
-      _entries.emplace(name, std::move(e));
-    }
-  }
-
-  /** Drops the buffer views; needs the GIL. */
-  ~Downloads() { _buffers.clear(); }
-
-  SourceOpener opener() const {
-    return [this](const std::string& name) -> std::unique_ptr<ChunkSource> {
-      auto it = _entries.find(name);
-      if (it == _entries.end()) throw SysError(ENOENT, "open", name, "object not downloaded");
-      return std::make_unique<MemorySource>(name, it->second.size, it->second.ranges);
-    };
-  }
-
- private:
-  struct Entry {
-    std::uint64_t size = 0;
-    std::vector<MemoryRange> ranges;
-  };
-  std::vector<std::unique_ptr<BufferRef>> _buffers;
-  std::map<std::string, Entry> _entries;
-};
 
 }  // namespace
 
@@ -186,41 +145,6 @@ void bind_objstore(py::module_& m) {
       .def_property_readonly(
           "committed", [](BlockWriter& self) { return self.sink().committed(); },
           R"pbdoc(True after commit().)pbdoc");
-
-  m.def(
-      "read_requests_from",
-      [](py::handle requests, ThreadPool& pool, py::handle sources) {
-        const std::vector<ReadRequest> reqs = requests_from_py(requests);
-        Downloads dl(sources);
-        ReadStats st;
-        {
-          py::gil_scoped_release nogil;
-          st = read_requests(reqs, pool, dl.opener());
-        }
-        return py::make_tuple(st.bytes_read, st.chunks_decoded);
-      },
-      py::arg("requests"), py::arg("pool"), py::arg("sources"),
-      R"pbdoc(As read_requests, with segment paths naming objects of sources = {name: (size, [(offset, buffer), ...])}: downloaded, non-overlapping ranges holding every chunk needed, verified and decoded in place. SAFETY: as read_requests.)pbdoc");
-
-  m.def(
-      "verify_segments_from",
-      [](const std::string& name, py::handle segments, ThreadPool& pool, py::handle sources) {
-        std::vector<ReadSegment> segs;
-        try {
-          segs = segments_from_py(segments);
-        } catch (const FormatError&) {
-          rethrow_with_context(std::current_exception(), "tensor '" + name + "'");
-        }
-        Downloads dl(sources);
-        ReadStats st;
-        {
-          py::gil_scoped_release nogil;
-          st = verify_segments(name, segs, pool, dl.opener());
-        }
-        return py::make_tuple(st.bytes_read, st.chunks_decoded);
-      },
-      py::arg("name"), py::arg("segments"), py::arg("pool"), py::arg("sources"),
-      R"pbdoc(As verify_segments, over downloaded ranges (see read_requests_from).)pbdoc");
 }
 
 }  // namespace pyckpt::bindings
