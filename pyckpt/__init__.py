@@ -16,9 +16,8 @@ from typing import Any
 from pyckpt import errors
 from pyckpt._C import __version__
 
-# Imported eagerly (it does not import torch): importing the submodule pyckpt.consolidate would
-# otherwise rebind the package attribute `consolidate` from the function to the module.
-from pyckpt.consolidate import consolidate
+# The function lives in pyckpt._consolidate (scan / plan / run); importing it does not import torch.
+from pyckpt._consolidate import consolidate
 from pyckpt.errors import (
     CheckpointFormatError,
     ChecksumError,

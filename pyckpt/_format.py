@@ -283,6 +283,7 @@ class CheckpointIndex:
     storage_meta: dict[str, Any] = field(default_factory=dict)
     created_by: str = ""
     version: int = FORMAT_VERSION  # format version of the metadata file
+    local_files: set[str] = field(default_factory=set)  # data files present under ``path``
 
 
 # ----------------------------------------------------------------------------------------------
@@ -520,8 +521,10 @@ def _member(path: str, key: str) -> str:
 class _Validator:
     """Walks a parsed metadata document, checking it and building the index."""
 
-    def __init__(self, root: str, meta: str, version: int) -> None:
+    def __init__(self, root: str, meta: str, version: int, all_files: bool = True) -> None:
         self.root = root
+        self.all_files = all_files
+        self.local_files: set[str] = set()
         self.meta = meta
         self.version = version
         self.files: dict[str, int] = {}
@@ -604,6 +607,7 @@ class _Validator:
             storage_meta={"modules": modules},
             created_by=created_by,
             version=self.version,
+            local_files=self.local_files,
         )
         items = self.obj(doc["items"], "items")
         if len(items) > MAX_ITEMS:
@@ -641,6 +645,11 @@ class _Validator:
             try:
                 st = os.lstat(full)
             except FileNotFoundError:
+                if not self.all_files:  # node-local: held by another node
+                    self.files[name] = size
+                    self.paths[name] = full
+                    self.ranges[name] = array("Q")
+                    continue
                 raise FileNotFoundError(
                     errno.ENOENT, f"data file of checkpoint {self.root!r} is missing", full
                 ) from None
@@ -656,6 +665,7 @@ class _Validator:
             self.files[name] = size
             self.paths[name] = full
             self.ranges[name] = array("Q")
+            self.local_files.add(name)
 
     def untag(self, value: Any, path: str, depth: int) -> Any:
         if depth > MAX_PLANNER_DEPTH:
@@ -1055,8 +1065,12 @@ def _parse(holder: list[bytes], meta: str) -> tuple[dict[str, Any], int]:
     return doc, version
 
 
-def read_index(path: str | os.PathLike[str]) -> CheckpointIndex:
+def read_index(path: str | os.PathLike[str], *, all_files: bool = True) -> CheckpointIndex:
     """Reads and validates the metadata of the checkpoint directory ``path``.
+
+    ``all_files=False`` reads a node-local checkpoint (``shared_filesystem=False``): a data file
+    absent from ``path`` is held by another node and is not an error here (the files present are
+    checked as usual); ``CheckpointIndex.local_files`` names the files present.
 
     This is the one validation path of every reader. The metadata checksum is verified before
     anything in the document is used; then every object must have exactly its keys, every value
@@ -1076,7 +1090,7 @@ def read_index(path: str | os.PathLike[str]) -> CheckpointIndex:
     root = os.fspath(path)
     meta = os.path.join(root, METADATA_FILE)
     doc, version = _parse([_open_metadata(root, meta)], meta)
-    return _Validator(root, meta, version).index(doc)
+    return _Validator(root, meta, version, all_files).index(doc)
 
 
 def tensor_index(path: str | os.PathLike[str]) -> dict[str, StoredTensor]:

@@ -40,13 +40,17 @@ def _snap(pos: int, tensors: Sequence[tuple[int, int]]) -> int:
     return start
 
 
-def partition(files: Sequence[Sequence[tuple[int, int]]], nranks: int) -> list[list[Range]]:
+def partition(
+    files: Sequence[Sequence[tuple[int, int]]], nranks: int, *, whole_files: bool = False
+) -> list[list[Range]]:
     """Splits the data sections of ``files`` among ``nranks`` ranks, balanced by bytes.
 
     Args:
         files: per output file, its tensors in data-section order as ``(nbytes, item_bytes)``
             (``item_bytes >= 1``; every ``nbytes`` a multiple of it).
         nranks: number of ranks (>= 1).
+        whole_files: always keep every file on one rank (the whole-file assignment, balanced
+            or not), e.g. when each rank writes into its own local directory.
 
     Returns:
         Per rank, a list of ``(file_index, lo, hi)`` ranges (``lo < hi``) of the files' data
@@ -81,7 +85,7 @@ def partition(files: Sequence[Sequence[tuple[int, int]]], nranks: int) -> list[l
         owner[i] = r
         loads[r] = load + sizes[i]
         heapq.heappush(heap, (loads[r], r))
-    if max(loads) <= WHOLE_FILE_SLACK * total / nranks:
+    if whole_files or max(loads) <= WHOLE_FILE_SLACK * total / nranks:
         for i in order:
             out[owner[i]].append((i, 0, sizes[i]))
         return out

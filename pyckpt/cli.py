@@ -92,7 +92,7 @@ def _worker(
     """Body of one ``--workers`` process: join the gloo group, consolidate, report."""
     import torch.distributed as dist
 
-    from pyckpt.consolidate import consolidate
+    from pyckpt._consolidate import consolidate
 
     try:
         dist.init_process_group(
@@ -175,7 +175,7 @@ def _cmd_consolidate(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     try:
         if args.workers == 1:
-            from pyckpt.consolidate import consolidate
+            from pyckpt._consolidate import consolidate
 
             res = consolidate(
                 args.src, args.dst, progress=bar.update, **_consolidate_kwargs(args, args.threads)

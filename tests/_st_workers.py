@@ -152,7 +152,7 @@ def worker_consolidate(rank: int, world: int, port: int, jobs: list, result_dir:
     """Runs consolidate(src, dst, **kwargs) for each (tag, src, dst, kwargs) job in one group."""
     import torch.distributed as dist
 
-    from pyckpt.consolidate import consolidate
+    from pyckpt._consolidate import consolidate
 
     _init(rank, world, port)
     try:
@@ -171,7 +171,7 @@ def worker_consolidate(rank: int, world: int, port: int, jobs: list, result_dir:
 def worker_subgroup(rank: int, world: int, port: int, src: str, dst: str, result_dir: str) -> None:
     import torch.distributed as dist
 
-    from pyckpt.consolidate import consolidate
+    from pyckpt._consolidate import consolidate
 
     _init(rank, world, port)
     try:
@@ -204,7 +204,7 @@ def worker_dcp_save(rank: int, world: int, port: int, root: str, use_async: bool
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
-    from pyckpt.consolidate import consolidate
+    from pyckpt._consolidate import consolidate
 
     _init(rank, world, port)
     try:

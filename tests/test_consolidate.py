@@ -31,7 +31,7 @@ from _st_workers import (
 
 import pyckpt
 from pyckpt import _C, CheckpointFormatError, PyckptError, UnsupportedDtypeError
-from pyckpt.consolidate import INDEX_NAME
+from pyckpt._consolidate import INDEX_NAME
 
 ALL_DTYPES = [
     torch.bool,
@@ -361,7 +361,8 @@ def test_header_parser_accepts_every_dtype_and_escapes():
 
 
 def test_sub_byte_split_off_byte_boundary():
-    from pyckpt.consolidate import _Block, _byte_geometry, _Tensor
+    from pyckpt._consolidate.plan import _byte_geometry
+    from pyckpt._consolidate.scan import _Block, _Tensor
 
     t = _Tensor("q", "F4", (2, 6), 4, [_Block("a", 0, (0, 0), (2, 3)), _Block("b", 0, (0, 3), (2, 3))])
     with pytest.raises(UnsupportedDtypeError, match="not a byte boundary"):
@@ -394,7 +395,7 @@ def test_crash_mid_export_leaves_no_final_file(tmp_path):
 def test_error_during_copy_removes_temps(tmp_path, monkeypatch):
     src, paths = _good_src(tmp_path)
     dst = str(tmp_path / "dst")
-    mod = importlib.import_module("pyckpt.consolidate")
+    mod = importlib.import_module("pyckpt._consolidate.run")
 
     real = mod._C.stitch
 
@@ -537,10 +538,19 @@ def test_symlinked_input_shard_is_refused(tmp_path):
 @pytest.mark.parametrize("bad", ["../x.safetensors", "/tmp/x.safetensors", "a/b.safetensors"])
 def test_output_names_are_plain(tmp_path, bad):
     src, _ = _good_src(tmp_path)
-    from pyckpt.consolidate import _scan_safetensors
+    from pyckpt._consolidate.scan import _scan_safetensors
 
     names = sorted(_scan_safetensors(src))
     dst = tmp_path / "dst"
     with pytest.raises(ValueError, match="basename"):
         pyckpt.consolidate(src, dst, fqn_to_file={n: bad for n in names}, fsync=False)
     assert not dst.exists()
+
+
+def test_input_mode_argument(tmp_path):
+    full = {"w": sample_tensor((37, 29), torch.int32, 4)}
+    _roundtrip(tmp_path / "a", full, {"w": grid_blocks((37, 29), [3, 2], uneven=True)}, nfiles=6,
+               input_mode="mmap")
+    src, _ = _good_src(tmp_path / "b")
+    with pytest.raises(ValueError, match="input_mode"):
+        pyckpt.consolidate(src, tmp_path / "b" / "dst", input_mode="mmapp")

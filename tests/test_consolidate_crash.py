@@ -23,7 +23,7 @@ import torch
 from safetensors.torch import load_file
 
 import pyckpt
-from pyckpt.consolidate import INDEX_NAME
+from pyckpt._consolidate import INDEX_NAME
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
 

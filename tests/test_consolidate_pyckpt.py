@@ -22,8 +22,8 @@ from dist_utils import run_distributed
 
 import pyckpt
 from pyckpt import _C, ChecksumError, UnsupportedDtypeError
+from pyckpt._consolidate import INDEX_NAME
 from pyckpt._format import read_index
-from pyckpt.consolidate import INDEX_NAME
 
 COMPRESSIONS = [None, "zstd"]
 

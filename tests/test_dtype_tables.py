@@ -1,7 +1,7 @@
 """The dtype tables of the Python layer and the native safetensors parser agree.
 
 pyckpt keeps one element-size table per layer (``_format.DTYPE_SIZES`` for the checkpoint format,
-``consolidate._ST_DTYPES`` for the torch -> safetensors names, the C++ ``safetensors`` table for
+``_consolidate.scan._ST_DTYPES`` for the torch -> safetensors names, the C++ ``safetensors`` table for
 header parsing); this test ties them together so that none can drift.
 """
 
@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from pyckpt import _C, _format
-from pyckpt.consolidate import _ST_DTYPES
+from pyckpt._consolidate.scan import _ST_DTYPES
 
 
 def _header_file(path: Path, st_dtype: str, nbytes: int) -> Path:

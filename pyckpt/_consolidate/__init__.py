@@ -1,0 +1,185 @@
+"""Export a sharded checkpoint to standard Hugging Face safetensors files, spread over ranks.
+
+See :func:`consolidate` and ``docs/CONSOLIDATE.md``. The work is three steps, one module each:
+:mod:`~pyckpt._consolidate.scan` (input headers or metadata -> ``dict[name, _Tensor]``),
+:mod:`~pyckpt._consolidate.plan` (output files, headers, per-rank byte shares) and
+:mod:`~pyckpt._consolidate.run` (temp files, native stitching, commit). Between scanning and
+planning, :func:`select_tensors` is the seam where a selection step may filter or rename the
+scanned tensors.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from pyckpt import _knobs
+from pyckpt._collective import agree, group_info
+from pyckpt._consolidate.plan import INDEX_NAME, _Plan, make_plan
+from pyckpt._consolidate.run import ProgressFn, commit, create_outputs, remove_temps, run_share
+from pyckpt._consolidate.scan import ScannedTensors, scan
+
+__all__ = ["consolidate", "ConsolidationResult", "INDEX_NAME", "select_tensors"]
+
+logger = logging.getLogger("pyckpt.consolidate")
+
+_INPUT_MODES = ("pread", "mmap")
+
+
+def select_tensors(tensors: ScannedTensors) -> ScannedTensors:
+    """The seam between scanning and planning: returns the tensors to export, by output name.
+
+    Today every scanned tensor is exported under its own name. A selection step (filter by
+    prefix, rename, skip) replaces this mapping; each value's ``name`` must equal its key.
+    """
+    return tensors
+
+
+@dataclass(frozen=True)
+class ConsolidationResult:
+    """What :func:`consolidate` did (the same on every rank except ``rank_bytes``/``seconds``).
+
+    Attributes:
+        files: final paths of the safetensors files written, in index order.
+        index_path: path of ``model.safetensors.index.json``.
+        total_bytes: tensor data bytes over all files (the index's ``metadata.total_size``).
+        rank_bytes: tensor data bytes this rank copied.
+        seconds: wall time of the call on this rank.
+    """
+
+    files: list[str]
+    index_path: str
+    total_bytes: int
+    rank_bytes: int
+    seconds: float
+
+
+# --------------------------------------------------------------------------- public API
+
+
+def consolidate(
+    src: str | os.PathLike[str],
+    dst: str | os.PathLike[str],
+    *,
+    process_group: Any = None,
+    fqn_to_file: Mapping[str, int | str] | None = None,
+    max_file_bytes: int | None = None,
+    threads: int | None = None,
+    fsync: bool | None = None,
+    progress: ProgressFn | None = None,
+    input_mode: str | None = None,
+) -> ConsolidationResult:
+    """Writes the full tensors of a sharded checkpoint as standard Hugging Face safetensors files.
+
+    Accepted input (``src``, a directory):
+
+    * a pyckpt checkpoint (the directory holds ``pyckpt.json``; written by
+      ``dcp.save(sd, storage_writer=pyckpt.Writer(src, compression=None | "zstd"))``): its
+      chunks are read, checksum-verified and decoded natively on the way, one chunk at a time
+      per copy thread. Every pyckpt dtype with a safetensors spelling is accepted (all but
+      complex128 and complex32); non-tensor items (DCP ``BYTE_IO`` values such as a step
+      counter) have no safetensors form and are skipped;
+    * the ``*.safetensors`` files written by DCP's
+      ``HuggingFaceStorageWriter(save_distributed=True)`` (each file's ``__metadata__`` carries
+      ``DCP_SHARDING_INFO`` with every shard's ``saved_offsets``), and plain safetensors files
+      without that key (each tensor then is whole, at offset 0). Every file header is validated
+      strictly; all safetensors dtypes are accepted.
+
+    Either way: any tensor rank, shards (DTensor pieces) along any dimension or several, of
+    uneven sizes.
+
+    Output (``dst``, created if needed): ``model-0000i-of-0000N.safetensors`` files (8-byte
+    aligned header padded with spaces, ``__metadata__ = {"format": "pt"}``, tensors contiguous
+    and sorted by name) and ``model.safetensors.index.json`` (``metadata.total_size``,
+    ``weight_map``). Each file is written under a hidden temp name and renamed only once every
+    rank has finished it; the index is renamed last. A failure or a crash never leaves a
+    partial file under a final name (a killed run can leave ``.*.tmp-*`` files behind).
+
+    Every rank of ``process_group`` must call this with the same arguments; each copies a share
+    of the output balanced by bytes (whole files when that balances within 5%, else byte ranges
+    that may split a file or a tensor). Rank 0 reads the headers or metadata, plans, creates
+    and sizes the temp files; all ranks write their ranges (native threads, GIL released, memory
+    bounded by ``threads`` x 2 x 16 MiB, or ``threads`` x 2 chunks for pyckpt inputs); rank 0
+    fsyncs, renames and writes the index. Processes outside the group must not call it. After ``dcp.async_save``, wait for the returned future
+    (``fut.result()``) on every rank before consolidating its output.
+
+    Args:
+        src: input directory.
+        dst: output directory (may equal ``src``'s parent; must not be ``src`` itself if the
+            output names could collide with the inputs).
+        process_group: the ranks that share the work; default: the default group when
+            ``torch.distributed`` is initialised, else this process alone.
+        fqn_to_file: tensor name -> output file, either a 1-based index (files named
+            ``model-<i>-of-<max>.safetensors``) or an explicit ``*.safetensors`` basename.
+            Must name every tensor.
+        max_file_bytes: without ``fqn_to_file``, start a new output file (in name order) before
+            a tensor that would push the current one past this many data bytes. Default: one file.
+        threads: native copy threads per rank (default ``PYCKPT_NUM_THREADS``).
+        fsync: fsync outputs before renaming (default ``PYCKPT_FSYNC``, on).
+        progress: called on this rank as ``progress(bytes_done, bytes_total)`` about every 0.1 s
+            from a helper thread while copying.
+        input_mode: how input shards are read: ``"pread"`` or ``"mmap"`` (a mapping with
+            ``madvise(SEQUENTIAL|WILLNEED)``); default ``PYCKPT_CONSOLIDATE_INPUT``, else
+            ``"pread"``.
+
+    Returns:
+        A :class:`ConsolidationResult`.
+
+    Raises:
+        CheckpointFormatError: malformed or inconsistent input (bad header or metadata, offsets
+            beyond a file, overlapping shards, a missing shard, mismatched dtypes or ranks);
+            names the tensor and file.
+        ChecksumError: a pyckpt chunk does not match its recorded checksum (names the tensor,
+            the data file and the chunk's offset); no output file is left behind.
+        CompressionError: a pyckpt chunk's zstd frame does not decode.
+        UnsupportedDtypeError: a pyckpt tensor whose dtype safetensors cannot represent (names
+            the tensor), or a sub-byte dtype sharded at a non-byte boundary.
+        FileNotFoundError / OSError: I/O failures, with the file name.
+        ValueError: bad arguments.
+    """
+    start = time.perf_counter()
+    src, dst = os.fspath(src), os.fspath(dst)
+    group = group_info(process_group)
+    rank, world = group.rank, group.world
+    nthreads = _knobs.num_threads() if threads is None else int(threads)
+    if nthreads < 1:
+        raise ValueError(f"threads must be >= 1, got {threads}")
+    do_fsync = _knobs.fsync() if fsync is None else bool(fsync)
+    mode = _knobs.consolidate_input() if input_mode is None else str(input_mode)
+    if mode not in _INPUT_MODES:
+        raise ValueError(f"input_mode must be one of {', '.join(_INPUT_MODES)}, got {input_mode!r}")
+
+    def plan_and_create() -> _Plan:
+        tensors = select_tensors(scan(src))
+        p = make_plan(tensors, world, fqn_to_file, max_file_bytes)
+        create_outputs(p, dst)
+        return p
+
+    plan, _ = agree(plan_and_create, group, ranks="root", what="planning")
+    assert plan is not None
+    cleanup = (lambda: remove_temps(plan, dst)) if rank == 0 else None
+
+    rank_bytes, _ = agree(
+        lambda: run_share(plan, dst, plan.shares[rank], nthreads, do_fsync, progress, mode),
+        group, on_failure=cleanup, what="consolidation",
+    )
+    finals, _ = agree(lambda: commit(plan, dst, do_fsync), group, ranks="root",
+                      on_failure=cleanup, what="commit")
+    if rank != 0:
+        finals = [os.path.join(dst, f.name) for f in plan.files]
+    seconds = time.perf_counter() - start
+    logger.info(
+        "rank %d/%d consolidated %d of %d bytes into %d file(s) in %.3f s",
+        rank, world, rank_bytes, plan.total_bytes, len(plan.files), seconds,
+    )
+    return ConsolidationResult(
+        files=list(finals or []),
+        index_path=os.path.join(dst, INDEX_NAME),
+        total_bytes=plan.total_bytes,
+        rank_bytes=int(rank_bytes or 0),
+        seconds=seconds,
+    )

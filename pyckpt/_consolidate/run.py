@@ -1,0 +1,226 @@
+"""Consolidation, step 3: running a plan (temp files, stitching, commit).
+
+Rank 0 (or, for node-local outputs, each writing rank) creates the temp files with their
+headers and final sizes; every rank stitches its share natively; the files are fsynced, renamed
+into place and the index is written last.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from pyckpt import _C
+from pyckpt._consolidate.plan import INDEX_NAME, _byte_geometry, _Plan
+from pyckpt.errors import PyckptError
+
+__all__ = ["ProgressFn", "create_outputs", "remove_temps", "stitch_items", "run_share", "commit"]
+
+_TASK_BYTES = 16 << 20
+
+ProgressFn = Callable[[int, int], None]
+
+
+def create_outputs(plan: _Plan, dst: str) -> None:
+    """Creates every temp file with its header and its final size (rank 0, before any write)."""
+    os.makedirs(dst, exist_ok=True)
+    created = []
+    try:
+        for f in plan.files:
+            path = os.path.join(dst, f.tmp)
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+            created.append(path)
+            try:
+                view = memoryview(f.header)
+                while view:
+                    view = view[os.write(fd, view) :]
+                os.ftruncate(fd, f.size)
+                if f.size > len(f.header):
+                    # Reserve the blocks now: ENOSPC surfaces before any copy, and writes into
+                    # allocated extents skip per-page delayed allocation (measured ~1.5x faster).
+                    os.posix_fallocate(fd, len(f.header), f.size - len(f.header))
+            finally:
+                os.close(fd)
+    except BaseException:
+        for path in created:
+            _unlink_quiet(path)
+        raise
+
+
+def _unlink_quiet(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
+def remove_temps(plan: _Plan, dst: str) -> None:
+    for f in plan.files:
+        _unlink_quiet(os.path.join(dst, f.tmp))
+    _unlink_quiet(os.path.join(dst, plan.index_tmp))
+
+
+def stitch_items(plan: _Plan, dst: str, share: list[tuple[int, int, int]]) -> list[tuple]:
+    """Turns this rank's byte ranges into stitcher items (one per overlapping shard)."""
+    items = []
+    for file_index, lo, hi in share:
+        f = plan.files[file_index]
+        out_path = os.path.join(dst, f.tmp)
+        for name, begin, end in f.tensors:
+            a, b = max(lo, begin), min(hi, end)
+            if a >= b:
+                continue
+            t = plan.tensors[name]
+            for blk in t.blocks:
+                shape, offsets, sizes, item = _byte_geometry(t, blk)
+                if blk.segments is not None:
+                    items.extend(
+                        _chunk_items(
+                            name, shape, offsets, sizes, blk.segments, out_path,
+                            f.data_start + begin, a - begin, b - begin,
+                        )
+                    )
+                    continue
+                items.append(
+                    (
+                        name, shape, offsets, sizes, item, blk.path, blk.offset, out_path,
+                        f.data_start + begin, (a - begin) // item, (b - begin) // item,
+                        0, 2**64 - 1,
+                    )
+                )
+    return items
+
+
+def _chunk_items(
+    name: str,
+    shape: list[int],
+    offsets: list[int],
+    sizes: list[int],
+    segments: tuple[Any, ...],
+    out_path: str,
+    out_offset: int,
+    lo: int,
+    hi: int,
+) -> list[tuple]:
+    """Stitcher items (one per chunk) for the chunks of a pyckpt piece that reach [lo, hi).
+
+    Byte geometry (item size 1): chunk ``[p, q)`` of the piece's raw bytes is block elements
+    ``[p, q)``. A chunk whose first and last byte both land before ``lo`` or at/after ``hi`` of
+    the tensor is left out (the stitcher would skip it anyway; this keeps the item list short
+    when ranks split a large tensor).
+    """
+    strides = [1] * len(shape)
+    for d in range(len(shape) - 1, 0, -1):
+        strides[d - 1] = strides[d] * shape[d]
+
+    def global_index(k: int) -> int:
+        g = 0
+        for d in range(len(sizes) - 1, -1, -1):
+            k, r = divmod(k, sizes[d])
+            g += (offsets[d] + r) * strides[d]
+        return g
+
+    items = []
+    for path, raw_begin, params, chunks in segments:
+        pos = raw_begin
+        for rec in chunks:
+            p, q = pos, pos + rec[1]
+            pos = q
+            if p == q or global_index(q - 1) < lo or global_index(p) >= hi:
+                continue
+            items.append(
+                (name, shape, offsets, sizes, 1, path, (rec, params), out_path, out_offset,
+                 lo, hi, p, q)
+            )
+    return items
+
+
+def run_share(
+    plan: _Plan,
+    dst: str,
+    share: list[tuple[int, int, int]],
+    threads: int,
+    fsync: bool,
+    progress: ProgressFn | None,
+    input_mode: str = "pread",
+) -> int:
+    """Stitches this rank's byte ranges of the output files natively; returns the bytes copied."""
+    items = stitch_items(plan, dst, share)
+    total = sum(hi - lo for _, lo, hi in share)
+    counter = _C.StitchProgress()
+    done = threading.Event()
+    poller = None
+    if progress is not None:
+        progress(0, total)
+
+        def poll() -> None:
+            while not done.wait(0.1):
+                progress(counter.bytes, total)
+
+        poller = threading.Thread(target=poll, name="pyckpt-consolidate-progress", daemon=True)
+        poller.start()
+    try:
+        stats = _C.stitch(
+            items, threads, _TASK_BYTES, input_mode, fsync, counter
+        )
+    finally:
+        done.set()
+        if poller is not None:
+            poller.join()
+    if progress is not None:
+        progress(counter.bytes, total)
+    if stats["bytes"] != total:
+        raise PyckptError(f"stitched {stats['bytes']} bytes, expected {total}")
+    return total
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def commit(plan: _Plan, dst: str, fsync: bool) -> list[str]:
+    """fsyncs every file, withdraws an earlier export's index, renames the files into place,
+    then writes the index last (rank 0): a crash leaves either no index or a complete export."""
+    finals = []
+    for f in plan.files:
+        tmp = os.path.join(dst, f.tmp)
+        if fsync:
+            fd = os.open(tmp, os.O_RDONLY | os.O_CLOEXEC)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+    # An earlier export's index would name a mix of old and new shards while they are swapped:
+    # withdraw it first, so the directory looks incomplete until the new index lands.
+    old_index = os.path.join(dst, INDEX_NAME)
+    if os.path.lexists(old_index):
+        os.unlink(old_index)
+        if fsync:
+            _fsync_dir(dst)
+    for f in plan.files:
+        final = os.path.join(dst, f.name)
+        os.replace(os.path.join(dst, f.tmp), final)
+        finals.append(final)
+    index = {
+        "metadata": {"total_size": plan.total_bytes},
+        "weight_map": {n: f.name for f in plan.files for n, _, _ in f.tensors},
+    }
+    tmp = os.path.join(dst, plan.index_tmp)
+    with open(tmp, "w", encoding="utf-8") as fh:
+        json.dump(index, fh, indent=2, sort_keys=True)
+        fh.write("\n")
+        fh.flush()
+        if fsync:
+            os.fsync(fh.fileno())
+    os.replace(tmp, os.path.join(dst, INDEX_NAME))
+    if fsync:
+        _fsync_dir(dst)
+    return finals
+

@@ -1,0 +1,229 @@
+"""Consolidation, step 1: scanning the input into ``dict[name, _Tensor]``.
+
+Two input kinds: a directory of safetensors shards (DCP's ``HuggingFaceStorageWriter`` or plain
+files) and a pyckpt checkpoint (``pyckpt.json``). Both become the same model: a :class:`_Tensor`
+per name, holding the row-major blocks (shards or pieces) that tile it. This mapping is the seam
+between scanning and planning: a selection step may filter or rename its entries before
+:func:`pyckpt._consolidate.plan.make_plan` lays out the output.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from dataclasses import dataclass, field
+from typing import Any, cast
+
+from pyckpt import _C
+from pyckpt.errors import CheckpointFormatError, PyckptError, UnsupportedDtypeError
+
+__all__ = ["scan", "is_pyckpt", "ScannedTensors"]
+
+logger = logging.getLogger("pyckpt.consolidate")
+
+_SHARDING_KEY = "DCP_SHARDING_INFO"
+
+
+@dataclass(frozen=True)
+class _Block:
+    """Row-major bytes of one shard: ``path`` at absolute ``offset``, hyper-rectangle geometry.
+
+    For a pyckpt piece, ``segments`` holds its stored segments (``_format`` tuples) and the bytes
+    come from decoding their chunks; ``path`` is then the first segment's file (for messages).
+    """
+
+    path: str
+    offset: int
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+    segments: tuple[Any, ...] | None = None
+
+
+@dataclass
+class _Tensor:
+    name: str
+    dtype: str  # safetensors spelling, e.g. "BF16"
+    shape: tuple[int, ...]
+    bits: int
+    blocks: list[_Block] = field(default_factory=list)
+    encoded: bool = False  # pyckpt input: blocks are decoded from chunks, stitched as bytes
+
+    @property
+    def nbytes(self) -> int:
+        n = self.bits
+        for d in self.shape:
+            n *= d
+        return n // 8
+
+
+
+#: The seam between scanning and planning: tensor name -> its blocks.
+ScannedTensors = dict[str, _Tensor]
+
+
+def _int_tuple(value: Any, what: str) -> tuple[int, ...]:
+    if not isinstance(value, list) or not all(
+        isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value
+    ):
+        raise CheckpointFormatError(f"{what} must be a list of non-negative integers, got {value!r}")
+    return tuple(value)
+
+
+def _scan_safetensors(src: str) -> dict[str, _Tensor]:
+    """Reads every ``*.safetensors`` header in ``src`` and groups the shards by tensor."""
+    names = sorted(
+        n for n in os.listdir(src) if n.endswith(".safetensors") and not n.startswith(".")
+    )
+    if not names:
+        if os.path.isfile(os.path.join(src, ".metadata")):
+            raise CheckpointFormatError(
+                f"{src}: a DCP FileSystemWriter checkpoint (.metadata, no pyckpt.json) cannot be "
+                "consolidated directly; convert it first with `pyckpt convert SRC PYCKPT_DIR` "
+                "(pyckpt.tools.convert), then consolidate that"
+            )
+        raise CheckpointFormatError(f"{src}: no *.safetensors files to consolidate")
+    tensors: dict[str, _Tensor] = {}
+    origin: dict[str, str] = {}
+    for fname in names:
+        path = os.path.join(src, fname)
+        # Shards are plain files inside src: a symlink could point anywhere (another user's
+        # file, a device), so it is refused before anything is opened.
+        if os.path.islink(path) or not os.path.isfile(path):
+            raise CheckpointFormatError(
+                f"{path}: input shards must be regular files inside {src} (symlinks and other "
+                "file types are refused)"
+            )
+        header = _C.read_safetensors_header(path)
+        sharding = None
+        raw = cast("dict[str, str]", header["metadata"]).get(_SHARDING_KEY)
+        if raw is not None:
+            try:
+                sharding = json.loads(raw)
+            except ValueError as e:
+                raise CheckpointFormatError(f"{path}: {_SHARDING_KEY} is not valid JSON: {e}") from None
+            if not isinstance(sharding, dict):
+                raise CheckpointFormatError(f"{path}: {_SHARDING_KEY} is not a JSON object")
+        for name, dtype, shape, begin, _end in cast("list[Any]", header["tensors"]):
+            if sharding is None:
+                offsets = (0,) * len(shape)
+            else:
+                entry = sharding.get(name)
+                if not isinstance(entry, dict) or "saved_offsets" not in entry:
+                    raise CheckpointFormatError(
+                        f"{path}: tensor {name!r} has no saved_offsets in {_SHARDING_KEY}"
+                    )
+                offsets = _int_tuple(entry["saved_offsets"], f"{path}: saved_offsets of {name!r}")
+                if len(offsets) != len(shape):
+                    raise CheckpointFormatError(
+                        f"{path}: tensor {name!r} has shape {list(shape)} but saved_offsets "
+                        f"{list(offsets)}"
+                    )
+            t = tensors.get(name)
+            if t is None:
+                t = tensors[name] = _Tensor(
+                    name, dtype, (), _C.safetensors_dtype_bits(dtype)
+                )
+                origin[name] = fname
+            elif t.dtype != dtype:
+                raise CheckpointFormatError(
+                    f"tensor {name!r} is {t.dtype} in {origin[name]} but {dtype} in {fname}"
+                )
+            elif len(t.blocks[0].sizes) != len(shape):
+                raise CheckpointFormatError(
+                    f"tensor {name!r} has rank {len(t.blocks[0].sizes)} in {origin[name]} "
+                    f"but rank {len(shape)} in {fname}"
+                )
+            t.blocks.append(_Block(path, header["data_start"] + begin, offsets, tuple(shape)))
+    for t in tensors.values():
+        ndim = len(t.blocks[0].sizes)
+        t.shape = tuple(max(b.offsets[d] + b.sizes[d] for b in t.blocks) for d in range(ndim))
+        _C.check_tiling(
+            t.name,
+            list(t.shape),
+            [(list(b.offsets), list(b.sizes), os.path.basename(b.path)) for b in t.blocks],
+        )
+    return tensors
+
+
+#: pyckpt dtype (torch name) -> safetensors dtype. Absent: no safetensors spelling exists
+#: (complex128, complex32), refused with UnsupportedDtypeError.
+_ST_DTYPES: dict[str, str] = {
+    "float64": "F64",
+    "float32": "F32",
+    "float16": "F16",
+    "bfloat16": "BF16",
+    "float8_e4m3fn": "F8_E4M3",
+    "float8_e5m2": "F8_E5M2",
+    "float8_e8m0fnu": "F8_E8M0",
+    "float8_e4m3fnuz": "F8_E4M3FNUZ",
+    "float8_e5m2fnuz": "F8_E5M2FNUZ",
+    "complex64": "C64",
+    "int64": "I64",
+    "int32": "I32",
+    "int16": "I16",
+    "int8": "I8",
+    "uint64": "U64",
+    "uint32": "U32",
+    "uint16": "U16",
+    "uint8": "U8",
+    "bool": "BOOL",
+}
+
+
+
+def is_pyckpt(src: str) -> bool:
+    """True when ``src`` holds a pyckpt checkpoint (``pyckpt.json``)."""
+    from pyckpt._format import METADATA_FILE
+
+    return os.path.isfile(os.path.join(src, METADATA_FILE))
+
+
+def _scan_pyckpt(src: str, check_files: bool = True) -> dict[str, _Tensor]:
+    """Reads a pyckpt checkpoint's metadata; every stored tensor becomes a _Tensor of pieces."""
+    from pyckpt._format import DTYPE_SIZES, read_index
+
+    index = read_index(src, all_files=check_files)
+    if index.bytes_items:
+        logger.info(
+            "%s: skipping %d non-tensor item(s) (DCP BYTE_IO values have no safetensors form)",
+            src, len(index.bytes_items),
+        )
+    if not index.tensors:
+        raise CheckpointFormatError(f"{src}: the checkpoint holds no tensors to consolidate")
+    tensors: dict[str, _Tensor] = {}
+    for name in sorted(index.tensors):
+        st = index.tensors[name]
+        dtype = _ST_DTYPES.get(st.dtype)
+        if dtype is None:
+            raise UnsupportedDtypeError(
+                f"tensor {name!r} has dtype {st.dtype}, which safetensors cannot represent"
+            )
+        bits = _C.safetensors_dtype_bits(dtype)
+        if bits != 8 * DTYPE_SIZES[st.dtype]:  # the two tables must agree
+            raise PyckptError(f"dtype tables disagree on {st.dtype} / {dtype}")
+        t = tensors[name] = _Tensor(name, dtype, tuple(st.shape), bits, encoded=True)
+        for piece in st.pieces:
+            segs = tuple(piece.segments)
+            origin = os.path.join(src, "<no data>") if not segs else segs[0][0]
+            t.blocks.append(_Block(origin, 0, tuple(piece.offsets), tuple(piece.sizes), segs))
+        _C.check_tiling(
+            name, list(t.shape),
+            [(list(b.offsets), list(b.sizes), os.path.basename(b.path)) for b in t.blocks],
+        )
+    return tensors
+
+
+
+def scan(src: str, *, check_files: bool = True) -> ScannedTensors:
+    """Reads the input's headers or metadata: every tensor with the blocks that tile it.
+
+    Args:
+        src: a pyckpt checkpoint directory or a directory of ``*.safetensors`` files.
+        check_files: for a pyckpt checkpoint, require every data file the metadata names to be
+            present in ``src`` (off for node-local checkpoints, whose files are spread over
+            the nodes).
+    """
+    if is_pyckpt(src):
+        return _scan_pyckpt(src, check_files=check_files)
+    return _scan_safetensors(src)
