@@ -13,9 +13,9 @@ import re
 import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Union
+from typing import Any
 
-from pyckpt.errors import PyckptError, UnsupportedDtypeError
+from pyckpt.errors import ExportNameCollisionError, UnsupportedDtypeError
 
 __all__ = [
     "AUTO",
@@ -53,8 +53,11 @@ class _Auto:
 #: optimizer (``{"model": ..., "optim": ...}``), else every tensor.
 AUTO = _Auto()
 
-Selector = Union[str, "re.Pattern[str]", Callable[[str], bool], Sequence[Union[str, "re.Pattern[str]"]]]
-Renamer = Union[Mapping[str, str], Callable[[str], str]]
+#: A ``select`` value other than AUTO / None.
+Selector = (
+    str | re.Pattern[str] | Callable[[str], bool] | Sequence[str | re.Pattern[str]]
+)
+Renamer = Mapping[str, str] | Callable[[str], str]
 
 #: Top-level keys that mark an optimizer next to a ``model`` key.
 _OPTIM_KEYS = ("optim", "optimizer")
@@ -67,26 +70,6 @@ _DTYPE_NAMES = {
     "fp16": "F16", "f16": "F16", "float16": "F16", "half": "F16",
     "fp32": "F32", "f32": "F32", "float32": "F32", "float": "F32",
 }
-
-
-class ExportNameCollisionError(PyckptError, ValueError):
-    """Two exported tensors would get the same name after ``strip_prefix`` / ``rename``.
-
-    Attributes:
-        name: the output name both would get.
-        sources: the two source tensor names.
-    """
-
-    def __init__(self, name: str, sources: tuple[str, str]) -> None:
-        super().__init__(
-            f"tensors {sources[0]!r} and {sources[1]!r} would both be exported as {name!r}; "
-            "change strip_prefix / rename, or narrow select"
-        )
-        self.name = name
-        self.sources = sources
-
-    def __reduce__(self) -> tuple[type[ExportNameCollisionError], tuple[str, tuple[str, str]]]:
-        return type(self), (self.name, self.sources)
 
 
 @dataclass(frozen=True)
@@ -337,16 +320,17 @@ def choose(
             f"selected tensor(s) {listed}{more} have a dtype safetensors cannot represent; "
             "leave them out of select"
         )
-    skipped = sorted(n for n in unsupported if n not in taken or n in bad)
+    # Left unselected, or taken only by the automatic choice: skipped, and said so.
+    skipped = sorted(unsupported)
     taken = [n for n in taken if n not in unsupported]
     if skipped:
         listed = ", ".join(f"{n!r} ({unsupported[n]})" for n in skipped[:10])
         more = f" and {len(skipped) - 10} more" if len(skipped) > 10 else ""
-        # Only the unselected ones would be silent otherwise; tell about each of them once.
         warnings.warn(
             f"consolidate: skipping {len(skipped)} tensor(s) whose dtype safetensors cannot "
             f"represent: {listed}{more}",
-            stacklevel=3,
+            UserWarning,
+            stacklevel=2,
         )
     if not taken:
         raise ValueError(

@@ -15,6 +15,7 @@ __all__ = [
     "CudaError",
     "UnsupportedDtypeError",
     "ReplicaMismatchError",
+    "ExportNameCollisionError",
 ]
 
 
@@ -60,3 +61,24 @@ class ReplicaMismatchError(PyckptError, ValueError):
     ) -> tuple[type[ReplicaMismatchError], tuple[str, dict[str, list[list[int]]]]]:
         # Pickled by DCP to reach every rank: keep the attribute, not only the message.
         return type(self), (str(self), self.mismatches)
+
+
+class ExportNameCollisionError(PyckptError, ValueError):
+    """Two exported tensors would get one name after ``strip_prefix`` / ``rename``.
+
+    Attributes:
+        name: the output name both would get.
+        sources: the two source tensor names.
+    """
+
+    def __init__(self, name: str, sources: tuple[str, str]) -> None:
+        super().__init__(
+            f"tensors {sources[0]!r} and {sources[1]!r} would both be exported as {name!r}; "
+            "change strip_prefix / rename, or narrow select"
+        )
+        self.name = name
+        self.sources = tuple(sources)
+
+    def __reduce__(self) -> tuple[type[ExportNameCollisionError], tuple[str, tuple[str, ...]]]:
+        # Pickled to reach every rank of a consolidation: keep the attributes.
+        return type(self), (self.name, self.sources)
