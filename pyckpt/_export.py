@@ -320,18 +320,10 @@ def choose(
             f"selected tensor(s) {listed}{more} have a dtype safetensors cannot represent; "
             "leave them out of select"
         )
-    # Left unselected, or taken only by the automatic choice: skipped, and said so.
+    # Left unselected, or taken only by the automatic choice: skipped (said so below, once the
+    # rest of the choice has proved valid).
     skipped = sorted(unsupported)
     taken = [n for n in taken if n not in unsupported]
-    if skipped:
-        listed = ", ".join(f"{n!r} ({unsupported[n]})" for n in skipped[:10])
-        more = f" and {len(skipped) - 10} more" if len(skipped) > 10 else ""
-        warnings.warn(
-            f"consolidate: skipping {len(skipped)} tensor(s) whose dtype safetensors cannot "
-            f"represent: {listed}{more}",
-            UserWarning,
-            stacklevel=2,
-        )
     if not taken:
         raise ValueError(
             f"nothing to export: the selection ({spec.select_text}) matches none of the "
@@ -354,6 +346,14 @@ def choose(
         description += f"; floating tensors cast to {spec.dtype} ({len(casts)} converted)"
     if skipped:
         description += f"; {len(skipped)} tensor(s) skipped (dtype safetensors cannot hold)"
+        listed = ", ".join(f"{n!r} ({unsupported[n]})" for n in skipped[:10])
+        more = f" and {len(skipped) - 10} more" if len(skipped) > 10 else ""
+        warnings.warn(
+            f"consolidate: skipping {len(skipped)} tensor(s) whose dtype safetensors cannot "
+            f"represent: {listed}{more}",
+            UserWarning,
+            stacklevel=2,
+        )
     logger.info("consolidate: %s", description)
     return ExportChoice(names=names, casts=casts, skipped=skipped, description=description)
 
