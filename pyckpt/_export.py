@@ -192,6 +192,7 @@ def make_spec(
     Raises:
         ValueError: an argument of the wrong form.
     """
+    pred: Any
     if select is AUTO or select is None:
         pred, text = select, ("automatic" if select is AUTO else "every tensor")
     else:

@@ -31,7 +31,7 @@ inline std::uint16_t to_f16(std::uint32_t x) noexcept {
   if (a >= 0x477FF000u) {  // >= 65520 (halfway from 65504, the largest fp16, to 2^16): infinity
     return static_cast<std::uint16_t>(sign | 0x7C00u);
   }
-  if (a >= 0x38800000u) {  // >= 2^-14: a normal fp16
+  if (a >= 0x38800000u) {               // >= 2^-14: a normal fp16
     std::uint32_t r = a - 0x38000000u;  // exponent bias 127 -> 15
     r += 0x0FFFu + ((r >> 13) & 1u);    // round to nearest even on the 13 dropped bits
     return static_cast<std::uint16_t>(sign | (r >> 13));
@@ -95,27 +95,20 @@ inline std::uint32_t from_f64(double v) noexcept { return f32_bits(static_cast<f
 
 std::size_t float_format_bytes(FloatFormat f) noexcept {
   switch (f) {
-    case FloatFormat::F64:
-      return 8;
-    case FloatFormat::F32:
-      return 4;
+    case FloatFormat::F64: return 8;
+    case FloatFormat::F32: return 4;
     case FloatFormat::F16:
-    case FloatFormat::BF16:
-      return 2;
+    case FloatFormat::BF16: return 2;
   }
   return 0;
 }
 
 const char* float_format_name(FloatFormat f) noexcept {
   switch (f) {
-    case FloatFormat::F64:
-      return "F64";
-    case FloatFormat::F32:
-      return "F32";
-    case FloatFormat::F16:
-      return "F16";
-    case FloatFormat::BF16:
-      return "BF16";
+    case FloatFormat::F64: return "F64";
+    case FloatFormat::F32: return "F32";
+    case FloatFormat::F16: return "F16";
+    case FloatFormat::BF16: return "BF16";
   }
   return "?";
 }

@@ -499,8 +499,8 @@ StitchStats stitch(const std::vector<StitchItem>& items, const StitchOptions& op
   std::vector<ChunkTask> chunk_tasks;
   for (auto& [key, g] : groups) {
     if (!g.encoded) {
-      const std::uint64_t step = std::max<std::uint64_t>(
-          1, options.task_bytes / std::max(g.item_bytes, g.out_item_bytes));
+      const std::uint64_t step =
+          std::max<std::uint64_t>(1, options.task_bytes / std::max(g.item_bytes, g.out_item_bytes));
       for (std::uint64_t x = g.lo; x < g.hi; x += step) {
         tasks.push_back(Task{&g, x, std::min(g.hi, x + step)});
       }
