@@ -13,7 +13,7 @@ from typing import Any, TypeVar
 
 from pyckpt.errors import PyckptError
 
-__all__ = ["Group", "group_info", "broadcast", "all_gather", "portable", "agree"]
+__all__ = ["Group", "group_info", "broadcast", "all_gather", "portable", "add_note", "agree"]
 
 T = TypeVar("T")
 
@@ -82,6 +82,13 @@ def portable(exc: BaseException) -> BaseException:
         return PyckptError(f"{type(exc).__name__}: {exc}")
 
 
+def add_note(exc: BaseException, text: str) -> None:
+    """``exc.add_note(text)`` where Python has it (3.11+); a no-op on 3.10."""
+    method = getattr(exc, "add_note", None)
+    if method is not None:
+        method(text)
+
+
 def agree(
     fn: Callable[[], T],
     group: Group,
@@ -138,5 +145,5 @@ def agree(
     if error is not None:
         raise error
     bad_rank, remote = failed[0]
-    remote.add_note(f"pyckpt: {what} failed on rank {bad_rank}")
+    add_note(remote, f"pyckpt: {what} failed on rank {bad_rank}")
     raise remote

@@ -1065,12 +1065,15 @@ def _parse(holder: list[bytes], meta: str) -> tuple[dict[str, Any], int]:
     return doc, version
 
 
-def read_index(path: str | os.PathLike[str], *, all_files: bool = True) -> CheckpointIndex:
+def read_index(
+    path: str | os.PathLike[str], *, all_files: bool = True, document: bytes | None = None
+) -> CheckpointIndex:
     """Reads and validates the metadata of the checkpoint directory ``path``.
 
     ``all_files=False`` reads a node-local checkpoint (``shared_filesystem=False``): a data file
     absent from ``path`` is held by another node and is not an error here (the files present are
-    checked as usual); ``CheckpointIndex.local_files`` names the files present.
+    checked as usual); ``CheckpointIndex.local_files`` names the files present. ``document``
+    validates those bytes (another node's copy of ``pyckpt.json``) instead of reading the file.
 
     This is the one validation path of every reader. The metadata checksum is verified before
     anything in the document is used; then every object must have exactly its keys, every value
@@ -1089,7 +1092,8 @@ def read_index(path: str | os.PathLike[str], *, all_files: bool = True) -> Check
     """
     root = os.fspath(path)
     meta = os.path.join(root, METADATA_FILE)
-    doc, version = _parse([_open_metadata(root, meta)], meta)
+    raw = _open_metadata(root, meta) if document is None else bytes(document)
+    doc, version = _parse([raw], meta)
     return _Validator(root, meta, version, all_files).index(doc)
 
 

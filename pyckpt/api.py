@@ -124,7 +124,8 @@ def save(
         check_replicas: Refuse (:class:`pyckpt.ReplicaMismatchError`, before anything is
             written) replicated tensors whose copies differ across ranks; False saves anyway.
         **writer_options: Passed to :class:`pyckpt.Writer` (``compression="zstd"``,
-            ``threads``, ``direct_io``, ``fsync``, ...).
+            ``threads``, ``direct_io``, ``fsync``, ``shared_filesystem=False`` for a
+            node-local checkpoint, ...).
 
     Returns:
         The DCP ``Metadata`` of the saved checkpoint.
@@ -150,6 +151,7 @@ def load(
     *,
     process_group: Any = None,
     trusted: bool = False,
+    shared_filesystem: bool = True,
 ) -> None:
     """Loads the checkpoint at ``path`` into ``state_dict`` in place with DCP.
 
@@ -169,6 +171,9 @@ def load(
         process_group: Process group of the load (default: the default group, if any).
         trusted: Unpickle non-tensor values with ``weights_only=False`` (DCP's default): only
             for checkpoints from a trusted source, whose values hold other Python types.
+        shared_filesystem: False for a node-local checkpoint (saved with
+            ``shared_filesystem=False``): each rank reads its own ``path`` and fetches chunks
+            held by other ranks over ``process_group`` (see :class:`pyckpt.Reader`).
 
     Raises:
         FileNotFoundError: ``path`` holds no complete checkpoint or a data file is missing.
@@ -180,7 +185,8 @@ def load(
         Errors are the lowest failing rank's own exception, re-raised from DCP's
         ``CheckpointException`` (attached as ``__cause__``).
     """
-    with _typed_errors(), Reader(path) as reader, _single_process_quiet():
+    reader_options = {"shared_filesystem": shared_filesystem, "process_group": process_group}
+    with _typed_errors(), Reader(path, **reader_options) as reader, _single_process_quiet():
         dcp.load(
             state_dict, storage_reader=reader, planner=load_planner(trusted),
             process_group=process_group,

@@ -50,7 +50,8 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
 from torch.futures import Future
 
-from pyckpt import _C, _format, _knobs
+from pyckpt import _C, _format, _knobs, _peer
+from pyckpt._collective import group_info
 from pyckpt._format import DTYPE_SIZES, METADATA_FILE
 from pyckpt._staging import AsyncStagingMixin, StagingMixin, block_bytes_for
 from pyckpt.errors import UnsupportedDtypeError
@@ -275,6 +276,10 @@ class Writer(_NativeUser, AsyncStagingMixin, StorageWriter):
         fsync: fsync data and metadata (default ``PYCKPT_FSYNC`` or True).
         overwrite: like DCP's ``FileSystemWriter``: with False, a save into a directory that
             already holds a complete checkpoint raises ``FileExistsError`` before writing.
+        shared_filesystem: False for a node-local checkpoint: ``path`` exists on every node
+            but holds only that node's data files; every rank writes a copy of ``pyckpt.json``
+            into its own ``path`` once all data is durable (see :mod:`pyckpt._peer` and
+            docs/ARCHITECTURE.md). Load it with ``Reader(path, shared_filesystem=False)``.
 
     Raises:
         ValueError: an unknown compression or direct-I/O mode.
@@ -321,6 +326,7 @@ class Writer(_NativeUser, AsyncStagingMixin, StorageWriter):
         direct_io: str | None = None,
         fsync: bool | None = None,
         overwrite: bool = True,
+        shared_filesystem: bool = True,
     ) -> None:
         super().__init__()
         if compression not in (None, "none", "zstd"):
@@ -343,6 +349,7 @@ class Writer(_NativeUser, AsyncStagingMixin, StorageWriter):
         self.direct_io = direct_io
         self.fsync = fsync
         self.overwrite = overwrite
+        self.shared_filesystem = bool(shared_filesystem)
         self._native = _Native(threads)
         self._blocks: Any = None
         self._blocks_key: tuple[int, Any] | None = None
@@ -487,6 +494,9 @@ class Writer(_NativeUser, AsyncStagingMixin, StorageWriter):
         rank_plan = plan.storage_data
         if not isinstance(rank_plan, _RankPlan):
             raise RuntimeError("pyckpt.Writer.write_data called without prepare_global_plan")
+        if not self.shared_filesystem and not save.is_coordinator:
+            fsync = self.fsync if self.fsync is not None else _knobs.fsync()
+            _peer.expect_metadata(rank_plan.save_id, save.path, fsync)
         fut: Future[list[WriteResult]] = Future()
         if not plan.items:
             fut.set_result([])
@@ -609,6 +619,10 @@ class Writer(_NativeUser, AsyncStagingMixin, StorageWriter):
                     self._remove_files(save.path, files)
                 raise
             self._remove_stale_files(save.path, set(files))
+            if not self.shared_filesystem:  # every other rank writes its copy (see _peer)
+                metadata.storage_data = _peer.PublishedMetadata(
+                    _save_id_of(files) or save.save_id, encoded, sorted(files)
+                )
         finally:
             save.end()
             tls = self._thread_state()
@@ -675,6 +689,12 @@ class Reader(_NativeUser, StagingMixin, StorageReader):
         path: checkpoint directory (``dcp.load(checkpoint_id=...)`` overrides it).
         threads: native worker threads (default ``PYCKPT_READ_THREADS`` or
             ``max(8, PYCKPT_NUM_THREADS)``: reads in flight matter more than cores).
+        shared_filesystem: False for a node-local checkpoint (``Writer(...,
+            shared_filesystem=False)``): each rank reads its own ``path``; chunks of files
+            another rank holds are fetched from it over ``process_group`` (stored bytes,
+            verified by both sides, decoded here). Every rank of the group must load.
+        process_group: the group of the load for ``shared_filesystem=False`` (default: the
+            default group); it must carry CPU tensors (gloo).
 
     Raises (from :meth:`read_metadata`, i.e. when a load starts; making a Reader reads nothing):
         FileNotFoundError: ``path`` has no ``pyckpt.json`` (not a complete checkpoint) or a data
@@ -694,10 +714,20 @@ class Reader(_NativeUser, StagingMixin, StorageReader):
         chunks_decoded: chunks read, verified and decoded so far.
     """
 
-    def __init__(self, path: str | os.PathLike[str], *, threads: int | None = None) -> None:
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        threads: int | None = None,
+        shared_filesystem: bool = True,
+        process_group: Any = None,
+    ) -> None:
         super().__init__()
         self.path = os.fspath(path)
         self.threads = threads
+        self.shared_filesystem = bool(shared_filesystem)
+        self.process_group = process_group
+        self._peer_files: _peer.PeerFiles | None = None
         self.load_id = uuid.uuid4().hex[:12]
         self.bytes_read = 0
         self.chunks_decoded = 0
@@ -730,7 +760,12 @@ class Reader(_NativeUser, StagingMixin, StorageReader):
         if "rank" in kwargs and self._metadata_error is not None:
             return Metadata(state_dict_metadata={})
         try:
-            index = _format.read_index(self.path)
+            if self.shared_filesystem:
+                index = _format.read_index(self.path)
+            else:  # collective: every rank reads its copy, then they agree on who holds what
+                index, self._peer_files = _peer.discover(
+                    self.path, group_info(self.process_group)
+                )
         except Exception as e:
             self._metadata_error = e
             raise
@@ -782,6 +817,20 @@ class Reader(_NativeUser, StagingMixin, StorageReader):
         return plans
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        if self._peer_files is None:
+            return self._read_data(plan, planner, None)
+        exchange = _peer.Exchange(self._peer_files, self._native.pool())
+        try:
+            fut = self._read_data(plan, planner, exchange)
+        except Exception as e:
+            exchange.finish(e)  # tells the other ranks, then raises e
+            raise
+        exchange.finish()
+        return fut
+
+    def _read_data(
+        self, plan: LoadPlan, planner: LoadPlanner, exchange: _peer.Exchange | None
+    ) -> Future[None]:
         pool = self._native.pool()
         batch: list[tuple[Any, ...]] = []  # (request, finish callback args)
         batch_bytes = 0
@@ -790,7 +839,11 @@ class Reader(_NativeUser, StagingMixin, StorageReader):
             nonlocal batch, batch_bytes
             if not batch:
                 return
-            nread, ndecoded = _C.read_requests([b[0] for b in batch], pool)
+            requests = [b[0] for b in batch]
+            if exchange is None:
+                nread, ndecoded = _C.read_requests(requests, pool)
+            else:  # one round of transfers with the other ranks (collective)
+                nread, ndecoded = _peer.read_requests(exchange, requests, pool)
             self.bytes_read += nread
             self.chunks_decoded += ndecoded
             for _, finish in batch:

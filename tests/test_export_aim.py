@@ -518,3 +518,19 @@ def test_cli_all_and_bad_options(tmp_path):
         assert proc.returncode == 1, (bad, proc.stderr)
         assert "pyckpt consolidate: error:" in proc.stderr and msg in proc.stderr, proc.stderr
     assert _listing(tmp_path / "bad") == []
+
+
+def test_node_local_export_takes_the_same_options(tmp_path):
+    # shared_filesystem=False plans on rank 0 like the shared path: the default model-only
+    # choice and the cast apply; tied-weight dedup (which compares bytes on rank 0) is refused.
+    sd = {"model": {"w": torch.randn(4, 3), "n": torch.arange(3)}, "optim": {"m": torch.zeros(4, 3)}}
+    pyckpt.save(sd, tmp_path / "ckpt", shared_filesystem=False)
+    res = pyckpt.consolidate(tmp_path / "ckpt", tmp_path / "dst", shared_filesystem=False,
+                             dtype="bf16", fsync=False)
+    assert "exporting the model" in res.selection
+    out = load_outputs(res.index_path)
+    assert sorted(out) == ["n", "w"] and same_bits(out["n"], sd["model"]["n"])
+    _same_cast(out["w"], sd["model"]["w"], torch.bfloat16)
+    with pytest.raises(ValueError, match="dedup_tied is not supported with shared_filesystem"):
+        pyckpt.consolidate(tmp_path / "ckpt", tmp_path / "d2", shared_filesystem=False,
+                           dedup_tied=True)

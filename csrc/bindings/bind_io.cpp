@@ -3,6 +3,7 @@
 // waiting.
 #include <pybind11/stl.h>
 
+#include <map>
 #include <memory>
 #include <optional>
 
@@ -12,6 +13,7 @@
 #include "core/chunk_reader.hpp"
 #include "core/encode_pipeline.hpp"
 #include "core/error.hpp"
+#include "core/memory_storage.hpp"
 #include "core/posix_storage.hpp"
 
 namespace pyckpt::bindings {
@@ -162,17 +164,47 @@ void bind_io(py::module_& m) {
 
   m.def(
       "read_requests",
+      [](py::handle requests, ThreadPool& pool, py::object memory) {
+        const std::vector<ReadRequest> reqs = requests_from_py(requests);
+        // Sources named in `memory` are buffers (bytes received from a peer), lent in place.
+        std::vector<std::unique_ptr<BufferRef>> held;
+        std::map<std::string, std::pair<const std::uint8_t*, std::uint64_t>> views;
+        if (!memory.is_none()) {
+          for (auto kv : py::reinterpret_borrow<py::dict>(memory)) {
+            held.push_back(std::make_unique<BufferRef>(kv.second, false));
+            views[py::cast<std::string>(kv.first)] = {
+                static_cast<const std::uint8_t*>(held.back()->data()), held.back()->size()};
+          }
+        }
+        const SourceOpener open = [&views](const std::string& name) {
+          auto found = views.find(name);
+          if (found == views.end()) return open_posix_source(name);
+          return std::unique_ptr<ChunkSource>(
+              std::make_unique<MemorySource>(name, found->second.first, found->second.second));
+        };
+        ReadStats st;
+        {
+          py::gil_scoped_release nogil;
+          st = read_requests(reqs, pool, open);
+        }
+        return py::make_tuple(st.bytes_read, st.chunks_decoded);
+      },
+      py::arg("requests"), py::arg("pool"), py::arg("memory") = py::none(),
+      R"pbdoc(Read, verify and decode the chunks overlapping each request's [lo, hi) into dst_ptr; returns (bytes_read, chunks_decoded). `memory` maps source names to buffers (bytes-like) read in place instead of files. SAFETY: each dst_ptr must point to hi - lo writable bytes kept alive until this returns.)pbdoc");
+
+  m.def(
+      "read_stored",
       [](py::handle requests, ThreadPool& pool) {
         const std::vector<ReadRequest> reqs = requests_from_py(requests);
         ReadStats st;
         {
           py::gil_scoped_release nogil;
-          st = read_requests(reqs, pool);
+          st = read_stored(reqs, pool);
         }
         return py::make_tuple(st.bytes_read, st.chunks_decoded);
       },
       py::arg("requests"), py::arg("pool"),
-      R"pbdoc(Read, verify and decode the chunks overlapping each request's [lo, hi) into dst_ptr; returns (bytes_read, chunks_decoded). SAFETY: each dst_ptr must point to hi - lo writable bytes kept alive until this returns.)pbdoc");
+      R"pbdoc(Read the stored (still encoded) bytes of every chunk of each request's segments back to back into dst_ptr, verifying each checksum without decoding; returns (bytes_read, chunks). SAFETY: each dst_ptr must point to the sum of the segments' stored_len bytes, kept alive until this returns.)pbdoc");
 
   m.def(
       "verify_segments",

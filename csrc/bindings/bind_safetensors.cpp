@@ -189,7 +189,8 @@ void bind_safetensors(py::module_& m) {
   m.def(
       "stitch",
       [](const py::sequence& items, std::size_t threads, std::size_t task_bytes,
-         const std::string& input_mode, bool fsync, StitchProgress* progress) {
+         const std::string& input_mode, bool fsync, StitchProgress* progress,
+         bool partial) {
         std::vector<StitchItem> work;
         work.reserve(items.size());
         for (py::handle item : items) work.push_back(item_from_py(item));
@@ -205,6 +206,7 @@ void bind_safetensors(py::module_& m) {
                                       "'");
         }
         opts.fsync = fsync;
+        opts.partial = partial;
         opts.progress = progress ? &progress->bytes : nullptr;
         StitchStats s;
         {
@@ -218,8 +220,8 @@ void bind_safetensors(py::module_& m) {
         return out;
       },
       py::arg("items"), py::arg("threads"), py::arg("task_bytes"), py::arg("input_mode"),
-      py::arg("fsync"), py::arg("progress") = nullptr,
-      R"pbdoc(Copy shard blocks or decoded chunks into pre-sized outputs; items are (name, shape, offsets, sizes, item_bytes, src_path, src_offset | (chunk, params), out_path, out_offset, lo, hi, block_lo, block_hi[, None | (from_dtype, to_dtype)]).)pbdoc");
+      py::arg("fsync"), py::arg("progress") = nullptr, py::kw_only(), py::arg("partial") = false,
+      R"pbdoc(Copy shard blocks or decoded chunks into pre-sized outputs (partial=True: the encoded-chunk items of a tensor may cover only part of its range, the rest coming in other calls); items are (name, shape, offsets, sizes, item_bytes, src_path, src_offset | (chunk, params), out_path, out_offset, lo, hi, block_lo, block_hi[, None | (from_dtype, to_dtype)]).)pbdoc");
 
   m.def(
       "convert_floats",

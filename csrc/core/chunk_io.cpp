@@ -58,6 +58,13 @@ const std::uint8_t* load_chunk(ChunkSource& src, const ChunkRecord& rec, const C
   return out;
 }
 
+void read_stored_chunk(ChunkSource& src, const ChunkRecord& rec, const CodecParams& params,
+                       std::uint8_t* dst) {
+  validate_chunk(rec, params, src.size());
+  src.read_at(rec.file_offset, static_cast<std::size_t>(rec.stored_len), dst);
+  verify_chunk_checksum(dst, rec);
+}
+
 void check_chunk(ChunkSource& src, const ChunkRecord& rec, const CodecParams& params) {
   validate_chunk(rec, params, src.size());
   verify_chunk(stored_bytes(src, rec, nullptr), rec, params);

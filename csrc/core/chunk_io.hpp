@@ -56,6 +56,14 @@ const std::uint8_t* load_chunk(ChunkSource& src, const ChunkRecord& rec, const C
                                std::uint8_t* dst);
 
 /**
+ * @brief Reads one chunk's stored bytes (rec.stored_len, as stored: compressed or raw) into `dst`
+ *        and verifies their checksum, without decoding: what an owner sends to a peer rank.
+ * @throws as validate_chunk(), ChunkSource::read_at() and verify_chunk_checksum().
+ */
+void read_stored_chunk(ChunkSource& src, const ChunkRecord& rec, const CodecParams& params,
+                       std::uint8_t* dst);
+
+/**
  * @brief Reads and fully checks one chunk (sizes, checksum, every zstd frame) without keeping
  *        its decoded bytes: memory is the stored bytes plus a fixed window (verify_chunk()).
  * @throws as load_chunk().

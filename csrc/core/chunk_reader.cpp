@@ -135,6 +135,30 @@ ReadStats read_requests(const std::vector<ReadRequest>& requests, ThreadPool& po
   return run_chunk_tasks(tasks, pool, read_chunk);
 }
 
+ReadStats read_stored(const std::vector<ReadRequest>& requests, ThreadPool& pool,
+                      const SourceOpener& open) {
+  Sources sources(open);
+  std::vector<ChunkTask> tasks;  // raw_off: where the chunk's stored bytes go in req.dst
+  for (const ReadRequest& req : requests) {
+    std::uint64_t out = 0;
+    for (const ReadSegment& seg : req.segments) {
+      ChunkSource* src = nullptr;
+      for (const ChunkRecord& rec : seg.chunks) {
+        if (src == nullptr) src = &sources.get(seg.path, req.name);
+        PYCKPT_EXPECT(req.dst != nullptr, std::invalid_argument, "tensor '", req.name,
+                      "': null destination");
+        tasks.push_back(ChunkTask{&req, &seg, &rec, src, out});
+        out += rec.stored_len;
+      }
+    }
+  }
+  return run_chunk_tasks(tasks, pool, [](const ChunkTask& t) -> std::uint64_t {
+    auto* dst = static_cast<std::uint8_t*>(t.req->dst) + t.raw_off;
+    read_stored_chunk(*t.src, *t.rec, t.seg->params, dst);
+    return t.rec->stored_len;
+  });
+}
+
 ReadStats verify_segments(const std::string& name, const std::vector<ReadSegment>& segments,
                           ThreadPool& pool, const SourceOpener& open) {
   Sources sources(open);

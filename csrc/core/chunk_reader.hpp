@@ -43,6 +43,16 @@ struct ReadStats {
 };
 
 /**
+ * @brief Reads the stored bytes of every chunk of each request's segments, back to back in
+ *        segment and chunk order, into the request's `dst` (the sum of their stored_len bytes;
+ *        lo and hi are ignored), validating each record and verifying its checksum but not
+ *        decoding: the bytes an owner rank sends to a peer (compressed, as stored).
+ * @throws as read_requests() (no Coverage/Overlap checks: the segments are taken whole).
+ */
+ReadStats read_stored(const std::vector<ReadRequest>& requests, ThreadPool& pool,
+                      const SourceOpener& open = open_posix_source);
+
+/**
  * @brief Reads, verifies and decodes, in parallel, only the chunks overlapping each [lo, hi).
  *
  * Sources are opened with `open` (once per name, only when one of their chunks is needed).

@@ -171,6 +171,10 @@ struct StitchOptions {
   std::size_t task_bytes = 16u << 20;  ///< bytes per task; also the per-thread buffer bound
   InputMode input = InputMode::Pread;  ///< how inputs are read
   bool fsync = true;                   ///< fsync each output file after writing
+  /// EncodedChunk items of a tensor may supply only part of its [lo, hi) (the rest is written
+  /// by other calls, e.g. as chunks arrive from peer ranks): the Coverage check is skipped, and
+  /// the caller checks that the calls' byte counts add up.
+  bool partial = false;
   std::atomic<std::uint64_t>* progress = nullptr;  ///< bytes done, updated per task (may be null)
 };
 

@@ -18,19 +18,23 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from pyckpt import _export, _knobs
-from pyckpt._collective import agree, group_info
+from pyckpt import _C, _export, _knobs
+from pyckpt._collective import Group, agree, group_info
+from pyckpt._consolidate.nodelocal import DEFAULT_BATCH_BYTES, run_share_nodelocal
 from pyckpt._consolidate.plan import INDEX_NAME, _Plan, make_plan
 from pyckpt._consolidate.run import (
     ProgressFn,
     commit,
+    commit_files,
     create_outputs,
     remove_temps,
     run_share,
     tensor_digest,
+    write_index,
 )
-from pyckpt._consolidate.scan import ScannedTensors, _Tensor, scan
+from pyckpt._consolidate.scan import ScannedTensors, _Tensor, is_pyckpt, scan
 from pyckpt._export import AUTO
+from pyckpt._peer import discover
 
 __all__ = ["consolidate", "ConsolidationResult", "INDEX_NAME", "select_tensors"]
 
@@ -132,6 +136,8 @@ def consolidate(
     rename: Mapping[str, str] | Callable[[str], str] | None = None,
     dtype: Any = None,
     dedup_tied: bool | Mapping[str, str] = False,
+    shared_filesystem: bool = True,
+    batch_bytes: int | None = None,
 ) -> ConsolidationResult:
     """Writes the full tensors of a sharded checkpoint as standard Hugging Face safetensors files.
 
@@ -203,6 +209,15 @@ def consolidate(
             ``transformers``' ``save_pretrained`` does; or ``{dropped: kept}`` output names,
             verified equal. Left-out names are listed under ``metadata.tied_weights`` in the
             index (not in ``weight_map``).
+        shared_filesystem: False when ``src`` is a node-local pyckpt checkpoint (saved with
+            ``shared_filesystem=False``): each rank sees only its own node's files under
+            ``src``. Every output file is then written whole by one rank into that rank's
+            ``dst``, chunks held by other ranks travel over ``process_group`` (which must carry
+            CPU tensors: gloo), and every rank writes the index into its ``dst`` last, once
+            every rank's files are in place. ``files`` in the result then lists this rank's
+            files only. See docs/CONSOLIDATE.md.
+        batch_bytes: with ``shared_filesystem=False``, stored bytes a rank fetches from its
+            peers per round (default 64 MiB); bounds the memory of the transfer.
 
     Returns:
         A :class:`ConsolidationResult`.
@@ -235,6 +250,12 @@ def consolidate(
         raise ValueError(f"input_mode must be one of {', '.join(_INPUT_MODES)}, got {input_mode!r}")
 
     spec = _export.make_spec(select, strip_prefix, rename, dtype, dedup_tied)
+
+    if not shared_filesystem:
+        return _consolidate_nodelocal(
+            src, dst, group, fqn_to_file, max_file_bytes, nthreads, do_fsync, progress, mode,
+            DEFAULT_BATCH_BYTES if batch_bytes is None else int(batch_bytes), start, spec,
+        )
 
     def plan_and_create() -> tuple[_Plan, _export.ExportChoice | None]:
         others: list[str] = []
@@ -275,4 +296,76 @@ def consolidate(
         selection="" if choice is None else choice.description,
         skipped=[] if choice is None else list(choice.skipped),
         tied=dict(plan.ties),
+    )
+
+
+def _consolidate_nodelocal(
+    src: str,
+    dst: str,
+    group: Group,
+    fqn_to_file: Mapping[str, int | str] | None,
+    max_file_bytes: int | None,
+    nthreads: int,
+    do_fsync: bool,
+    progress: ProgressFn | None,
+    mode: str,
+    batch_bytes: int,
+    start: float,
+    spec: _export.ExportSpec,
+) -> ConsolidationResult:
+    """consolidate() for a node-local checkpoint (see its ``shared_filesystem`` argument)."""
+    if batch_bytes < 1:
+        raise ValueError(f"batch_bytes must be positive, got {batch_bytes}")
+    if spec.dedup_tied is not False:
+        # Comparing the candidates' bytes would need them gathered on rank 0.
+        raise ValueError("dedup_tied is not supported with shared_filesystem=False")
+    rank = group.rank
+    _, files = discover(src, group)  # collective; every rank raises a failure of any rank
+
+    def plan_only() -> tuple[_Plan, _export.ExportChoice | None]:
+        if not is_pyckpt(src):
+            raise ValueError(
+                f"{src}: shared_filesystem=False needs a pyckpt checkpoint (pyckpt.json)"
+            )
+        others: list[str] = []
+        tensors, choice = select_tensors(
+            scan(src, check_files=False, others=others), spec, others=others
+        )
+        return (
+            make_plan(tensors, group.world, fqn_to_file, max_file_bytes, whole_files=True),
+            choice,
+        )
+
+    planned, _ = agree(plan_only, group, ranks="root", what="planning")
+    assert planned is not None
+    plan, choice = planned
+    mine = [i for i, w in enumerate(plan.writers) if w == rank]
+    cleanup = lambda: remove_temps(plan, dst, mine)  # noqa: E731
+    agree(lambda: create_outputs(plan, dst, mine), group, on_failure=cleanup, what="creating files")
+    try:
+        with _C.ThreadPool(nthreads) as pool:
+            rank_bytes = run_share_nodelocal(
+                plan, src, dst, files, pool, nthreads, do_fsync, progress, mode, batch_bytes
+            )
+    except Exception:
+        cleanup()
+        raise
+    # Every rank's files are written: each commits its own, then (all committed) the index.
+    agree(lambda: None, group, on_failure=cleanup, what="consolidation")
+    finals, _ = agree(lambda: commit_files(plan, dst, do_fsync, mine), group,
+                      on_failure=cleanup, what="commit")
+    write_index(plan, dst, do_fsync)
+    seconds = time.perf_counter() - start
+    logger.info(
+        "rank %d/%d consolidated %d of %d bytes into %d of %d file(s) in %.3f s (node-local)",
+        rank, group.world, rank_bytes, plan.total_bytes, len(mine), len(plan.files), seconds,
+    )
+    return ConsolidationResult(
+        files=list(finals or []),
+        index_path=os.path.join(dst, INDEX_NAME),
+        total_bytes=plan.total_bytes,
+        rank_bytes=rank_bytes,
+        seconds=seconds,
+        selection="" if choice is None else choice.description,
+        skipped=[] if choice is None else list(choice.skipped),
     )

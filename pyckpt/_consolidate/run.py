@@ -13,7 +13,7 @@ import json
 import os
 import tempfile
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from pyckpt import _C
@@ -23,7 +23,7 @@ from pyckpt.errors import PyckptError, UnsupportedDtypeError
 
 __all__ = [
     "ProgressFn", "create_outputs", "remove_temps", "stitch_items", "run_share", "commit",
-    "tensor_digest",
+    "tensor_digest", "commit_files", "write_index", "stitch",
 ]
 
 _TASK_BYTES = 16 << 20
@@ -31,12 +31,13 @@ _TASK_BYTES = 16 << 20
 ProgressFn = Callable[[int, int], None]
 
 
-def create_outputs(plan: _Plan, dst: str) -> None:
-    """Creates every temp file with its header and its final size (rank 0, before any write)."""
+def create_outputs(plan: _Plan, dst: str, indices: Sequence[int] | None = None) -> None:
+    """Creates the temp files (default: all) with their headers and final sizes, before any
+    write (rank 0; with node-local outputs, each writing rank its own files)."""
     os.makedirs(dst, exist_ok=True)
     created = []
     try:
-        for f in plan.files:
+        for f in _subset(plan, indices):
             path = os.path.join(dst, f.tmp)
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
             created.append(path)
@@ -64,8 +65,13 @@ def _unlink_quiet(path: str) -> None:
         pass
 
 
-def remove_temps(plan: _Plan, dst: str) -> None:
-    for f in plan.files:
+def _subset(plan: _Plan, indices: Sequence[int] | None) -> list[Any]:
+    return list(plan.files) if indices is None else [plan.files[i] for i in indices]
+
+
+def remove_temps(plan: _Plan, dst: str, indices: Sequence[int] | None = None) -> None:
+    """Removes the temp files (default: all) and the index's temp file."""
+    for f in _subset(plan, indices):
         _unlink_quiet(os.path.join(dst, f.tmp))
     _unlink_quiet(os.path.join(dst, plan.index_tmp))
 
@@ -171,7 +177,26 @@ def run_share(
     """Stitches this rank's byte ranges of the output files natively; returns the bytes copied."""
     items = stitch_items(plan, dst, share)
     total = sum(hi - lo for _, lo, hi in share)
+    done_bytes = stitch([items], threads, fsync, progress, input_mode, total)
+    if done_bytes != total:
+        raise PyckptError(f"stitched {done_bytes} bytes, expected {total}")
+    return total
+
+
+def stitch(
+    batches: Any,
+    threads: int,
+    fsync: bool,
+    progress: ProgressFn | None,
+    input_mode: str,
+    total: int,
+    partial: bool = False,
+) -> int:
+    """Runs ``_C.stitch`` on each list of items ``batches`` yields, reporting progress over all
+    of them (``progress(done, total)`` about every 0.1 s); returns the bytes stitched.
+    ``partial``: a batch may supply only part of a tensor (the caller checks the total)."""
     counter = _C.StitchProgress()
+    base = 0
     done = threading.Event()
     poller = None
     if progress is not None:
@@ -179,23 +204,25 @@ def run_share(
 
         def poll() -> None:
             while not done.wait(0.1):
-                progress(counter.bytes, total)
+                progress(base + counter.bytes, total)
 
         poller = threading.Thread(target=poll, name="pyckpt-consolidate-progress", daemon=True)
         poller.start()
     try:
-        stats = _C.stitch(
-            items, threads, _TASK_BYTES, input_mode, fsync, counter
-        )
+        for items in batches:
+            if not items:
+                continue
+            counter = _C.StitchProgress()
+            stats = _C.stitch(items, threads, _TASK_BYTES, input_mode, fsync, counter,
+                              partial=partial)
+            base += int(stats["bytes"])
     finally:
         done.set()
         if poller is not None:
             poller.join()
     if progress is not None:
-        progress(counter.bytes, total)
-    if stats["bytes"] != total:
-        raise PyckptError(f"stitched {stats['bytes']} bytes, expected {total}")
-    return total
+        progress(base, total)
+    return base
 
 
 def tensor_digest(t: _Tensor, scratch_dir: str, threads: int, input_mode: str = "pread") -> bytes:
@@ -242,8 +269,17 @@ def _fsync_dir(path: str) -> None:
 def commit(plan: _Plan, dst: str, fsync: bool) -> list[str]:
     """fsyncs every file, withdraws an earlier export's index, renames the files into place,
     then writes the index last (rank 0): a crash leaves either no index or a complete export."""
+    finals = commit_files(plan, dst, fsync)
+    write_index(plan, dst, fsync)
+    return finals
+
+
+def commit_files(plan: _Plan, dst: str, fsync: bool, indices: Sequence[int] | None = None) -> list[str]:
+    """fsyncs the files (default: all), withdraws an earlier export's index from ``dst``, then
+    renames the files into place; returns their final paths."""
     finals = []
-    for f in plan.files:
+    files = _subset(plan, indices)
+    for f in files:
         tmp = os.path.join(dst, f.tmp)
         if fsync:
             fd = os.open(tmp, os.O_RDONLY | os.O_CLOEXEC)
@@ -258,10 +294,15 @@ def commit(plan: _Plan, dst: str, fsync: bool) -> list[str]:
         os.unlink(old_index)
         if fsync:
             _fsync_dir(dst)
-    for f in plan.files:
+    for f in files:
         final = os.path.join(dst, f.name)
         os.replace(os.path.join(dst, f.tmp), final)
         finals.append(final)
+    return finals
+
+
+def write_index(plan: _Plan, dst: str, fsync: bool) -> None:
+    """Writes ``model.safetensors.index.json`` atomically (the last step of an export)."""
     metadata: dict[str, Any] = {"total_size": plan.total_bytes}
     if plan.ties:  # written once: the index records which name each left-out copy equals
         metadata["tied_weights"] = dict(sorted(plan.ties.items()))
@@ -279,5 +320,4 @@ def commit(plan: _Plan, dst: str, fsync: bool) -> list[str]:
     os.replace(tmp, os.path.join(dst, INDEX_NAME))
     if fsync:
         _fsync_dir(dst)
-    return finals
 

@@ -1,0 +1,384 @@
+"""Node-local checkpoints: which rank holds each data file, and chunk transfers between ranks.
+
+A node-local checkpoint (``Writer(path, shared_filesystem=False)``) has the same ``path`` on
+every rank, but each rank's directory holds only the data files of the ranks that share it (its
+node) plus a copy of ``pyckpt.json``. Data file names carry the writer's rank
+(``<rank>-<k>.<save_id>.pyckpt``, docs/FORMAT.md); which rank *holds* a file now is found at
+load time (:func:`discover`): every rank lists the files it has, the lists are all-gathered, and
+each file is served by the lowest rank holding it. That works whatever the node layout, for a
+load at the same or at another world size.
+
+Chunks travel as stored (compressed or raw) over the process group in rounds
+(:class:`Exchange`): in each round every rank all-gathers what it needs from whom; each owner
+reads those chunks' stored bytes natively and verifies their checksums (``_C.read_stored``);
+the bytes move with one ``all_to_all_single``; each receiver verifies again and decodes natively
+straight into its destination (``_C.read_requests(memory=...)``: the received buffer is a
+``MemorySource`` whose bytes the chunk path uses in place). Every rank takes part in every round;
+a rank with nothing left to fetch keeps serving until all are done (:meth:`Exchange.finish`).
+Errors are agreed on: a failure on any rank (reading, verifying, decoding) is raised on every
+rank at the next round, so no rank is left waiting in a collective.
+
+The group must support CPU tensors (gloo; for an NCCL training group pass a gloo group).
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+from pyckpt import _C, _format
+from pyckpt._collective import Group, add_note, all_gather, broadcast, portable
+
+__all__ = ["PeerFiles", "discover", "Exchange", "read_requests"]
+
+# One chunk wanted from its owner: (file basename, chunk record tuple, codec params tuple).
+Need = tuple[str, tuple[Any, ...], Any]
+
+
+class PeerFiles:
+    """Where the data files of a node-local checkpoint are, from this rank's point of view.
+
+    Attributes:
+        root: this rank's checkpoint directory.
+        group: the process group.
+        owners: data file basename -> group rank that serves it.
+        local: basenames present in ``root``.
+    """
+
+    def __init__(self, root: str, group: Group, owners: dict[str, int], local: set[str]) -> None:
+        self.root = root
+        self.group = group
+        self.owners = owners
+        self.local = local
+
+    def owner(self, path: str) -> int:
+        """Group rank holding the data file ``path`` (this rank when it is local)."""
+        name = os.path.basename(path)
+        if name in self.local:
+            return self.group.rank
+        return self.owners[name]
+
+
+def writer_rank(name: str) -> int:
+    """The rank that wrote data file ``name`` (from ``<rank>-<k>.<save_id>.pyckpt``)."""
+    return int(name.split("-", 1)[0])
+
+
+def discover(root: str, group: Group) -> tuple[_format.CheckpointIndex, PeerFiles]:
+    """Reads this rank's copy of the metadata and finds which rank holds each data file.
+
+    Collective: every rank of ``group`` must call it once at the same point. A rank whose
+    directory has no ``pyckpt.json`` (a node added since the save, or whose copy was lost) gets
+    the copy of the lowest rank that has one, validated the same way. Any rank's failure is
+    raised on every rank.
+
+    Raises:
+        FileNotFoundError: no rank has ``pyckpt.json``, or a data file is held by no rank (its
+            ``filename``; the message names the rank that wrote it).
+        CheckpointFormatError: the ranks' copies of ``pyckpt.json`` belong to different saves, or
+            a copy is damaged.
+    """
+    meta = os.path.join(root, _format.METADATA_FILE)
+    index: _format.CheckpointIndex | None = None
+    error: BaseException | None = None
+    try:
+        index = _format.read_index(root, all_files=False)
+    except FileNotFoundError as e:
+        if e.filename != meta:
+            error = e
+    except Exception as e:
+        error = e
+    try:
+        present = sorted(n for n in os.listdir(root) if _format.is_data_file(n))
+    except FileNotFoundError:
+        present = []
+    mine = (None if index is None else index.save_id, present,
+            None if error is None else portable(error))
+    gathered = all_gather(mine, group)
+    if error is not None:
+        raise error
+    for r, (_, _, remote) in enumerate(gathered):
+        if remote is not None:
+            add_note(remote, f"pyckpt: reading the node-local metadata failed on rank {r}")
+            raise remote
+    save_ids = {r: sid for r, (sid, _, _) in enumerate(gathered) if sid is not None}
+    if not save_ids:
+        raise FileNotFoundError(
+            errno.ENOENT,
+            f"not a complete pyckpt checkpoint on any rank: {_format.METADATA_FILE} is missing",
+            meta,
+        )
+    if len(set(save_ids.values())) != 1:
+        from pyckpt.errors import CheckpointFormatError
+
+        raise CheckpointFormatError(
+            f"{root}: the ranks' copies of {_format.METADATA_FILE} belong to different saves "
+            f"(save id by rank: {save_ids}); a save did not complete on every node"
+        )
+    if len(save_ids) < group.world:  # some ranks have no copy: the lowest holder sends it
+        src = min(save_ids)
+        document = None
+        if group.rank == src:
+            with open(meta, "rb") as fh:
+                document = fh.read()
+        document = broadcast(document, group, src)
+        if index is None:
+            index = _format.read_index(root, all_files=False, document=document)
+    assert index is not None
+    owners: dict[str, int] = {}
+    for r, (_, names, _) in enumerate(gathered):
+        for name in names:
+            owners.setdefault(name, r)
+    for name in sorted(index.files):
+        if name not in owners:
+            raise FileNotFoundError(
+                errno.ENOENT,
+                f"data file {name} of the node-local checkpoint {root!r}, written by rank "
+                f"{writer_rank(name)}, is held by no rank of the group (that node's directory "
+                "is missing or incomplete)",
+                os.path.join(root, name),
+            )
+    return index, PeerFiles(root, group, owners, set(index.local_files))
+
+
+class Exchange:
+    """Rounds of chunk transfers between the ranks of a node-local checkpoint.
+
+    Every rank calls :meth:`fetch` any number of times (one round each), then :meth:`finish`,
+    which keeps serving the others until every rank has finished. A rank must not call
+    collectives of its own in between.
+    """
+
+    def __init__(self, files: PeerFiles, pool: Any) -> None:
+        self.files = files
+        self.pool = pool
+        self.bytes_received = 0
+        self.bytes_sent = 0
+        self._round = 0
+
+    def fetch(self, needs: Sequence[Need]) -> tuple[dict[str, Any], list[int]]:
+        """One round: fetches ``needs`` (grouped and ordered by owner as given).
+
+        Returns:
+            ``(memory, offsets)``: source name -> received buffer (a ``uint8`` tensor) for
+            ``_C.read_requests(memory=...)``, and for each need the offset of its stored bytes in
+            the buffer named ``peer_source(owner)``.
+        """
+        memory, offsets, _ = self._step(list(needs), done=False, error=None)
+        return memory, offsets
+
+    def finish(self, error: BaseException | None = None) -> None:
+        """Serves the other ranks until all are done; raises the first failure of any rank."""
+        while True:
+            _, _, all_done = self._step([], done=True, error=error)
+            error = None
+            if all_done:
+                return
+
+    # -- one round ---------------------------------------------------------------------------
+
+    def _step(
+        self, needs: list[Need], done: bool, error: BaseException | None
+    ) -> tuple[dict[str, Any], list[int], bool]:
+        import torch
+        import torch.distributed as dist
+
+        group = self.files.group
+        me = group.rank
+        self._round += 1
+        wire = [(self.files.owner(os.path.join(self.files.root, n[0])), *n) for n in needs]
+        gathered = all_gather((wire, done, None if error is None else portable(error)), group)
+        _raise_first(gathered, me, error, "a node-local transfer")
+        all_done = all(d for _, d, _ in gathered)
+        if all(not w for w, _, _ in gathered):
+            return {}, [], all_done
+
+        # Owner side: read and verify what each rank wants from this one, back to back.
+        send_sizes = [sum(stored_len(rec) for o, _, rec, _ in gathered[r][0] if o == me)
+                      for r in range(group.world)]
+        send = torch.empty(sum(send_sizes), dtype=torch.uint8)
+        read_error: BaseException | None = None
+        try:
+            requests = []
+            pos = 0
+            for r in range(group.world):
+                segs = [(os.path.join(self.files.root, name), 0, params, [rec])
+                        for o, name, rec, params in gathered[r][0] if o == me]
+                if segs:
+                    requests.append((f"chunks for rank {r}", segs, 0, 0, send.data_ptr() + pos))
+                pos += send_sizes[r]
+            if requests:
+                _C.read_stored(requests, self.pool)
+        except Exception as e:
+            read_error = e
+        statuses = all_gather((None, True, None if read_error is None else portable(read_error)),
+                              group)
+        _raise_first(statuses, me, read_error, "reading chunks for a peer")
+
+        # Receiver side: what each owner sends, in the order asked.
+        recv_sizes = [0] * group.world
+        offsets = []
+        for owner, _, rec, _ in wire:
+            offsets.append(recv_sizes[owner])
+            recv_sizes[owner] += stored_len(rec)
+        recv = torch.empty(sum(recv_sizes), dtype=torch.uint8)
+        dist.all_to_all_single(recv, send, recv_sizes, send_sizes, group=group.pg)
+        self.bytes_sent += sum(send_sizes)
+        self.bytes_received += sum(recv_sizes)
+        memory = {}
+        start = 0
+        for owner, size in enumerate(recv_sizes):
+            if size:
+                memory[peer_source(owner)] = recv[start:start + size].numpy()
+            start += size
+        return memory, offsets, all_done
+
+
+def peer_source(owner: int) -> str:
+    """Name of the in-memory source holding the bytes received from ``owner`` in a round."""
+    return f"<chunks from rank {owner}>"
+
+
+def _raise_first(
+    gathered: list[tuple[Any, bool, BaseException | None]],
+    me: int,
+    mine: BaseException | None,
+    what: str,
+) -> None:
+    if mine is not None:
+        raise mine
+    for r, (_, _, err) in enumerate(gathered):
+        if err is not None and r != me:
+            add_note(err, f"pyckpt: {what} failed on rank {r}")
+            raise err
+
+
+def stored_len(rec: Sequence[Any]) -> int:
+    """Stored bytes of a chunk record ``(file_offset, raw_len, xxh64, transform, planes)``."""
+    return sum(rec[4][1::2])
+
+
+def read_requests(
+    exchange: Exchange, requests: Sequence[tuple[Any, ...]], pool: Any
+) -> tuple[int, int]:
+    """``_C.read_requests`` for a node-local checkpoint: one :meth:`Exchange.fetch` round.
+
+    Chunks of local files are read from disk; the chunks of other ranks' files that overlap a
+    request are fetched from their owners and decoded from the received buffer. Collective: one
+    round per call (see :class:`Exchange`).
+    """
+    files = exchange.files
+    needs: list[Need] = []
+    where: dict[tuple[str, int], int] = {}  # (file, file_offset) -> index in needs
+    plans = []
+    for name, segments, lo, hi, dst in requests:
+        remote_segs: list[tuple[int, list[tuple[int, Any]]]] = []
+        local = []
+        for si, seg in enumerate(segments):
+            path, raw_begin, params, chunks = seg
+            if files.owner(path) == files.group.rank:
+                local.append(seg)
+                continue
+            picked = []
+            pos = raw_begin
+            for rec in chunks:
+                a, b = pos, pos + rec[1]
+                pos = b
+                if rec[1] == 0 or b <= lo or a >= hi:
+                    continue
+                key = (os.path.basename(path), rec[0])
+                if key not in where:
+                    where[key] = len(needs)
+                    needs.append((key[0], tuple(rec), params))
+                picked.append((a, rec))
+            remote_segs.append((si, picked))
+        plans.append((name, segments, lo, hi, dst, local, remote_segs))
+    memory, offsets = exchange.fetch(needs)
+    out = []
+    for name, segments, lo, hi, dst, local, remote_segs in plans:
+        segs = list(local)
+        for si, picked in remote_segs:
+            path, _, params, _ = segments[si]
+            owner = files.owner(path)
+            for a, rec in picked:
+                off = offsets[where[(os.path.basename(path), rec[0])]]
+                segs.append((peer_source(owner), a, params, [(off, *tuple(rec)[1:])]))
+        out.append((name, segs, lo, hi, dst))
+    return _C.read_requests(out, pool, memory=memory)
+
+
+# ----------------------------------------------------------------------------- saving
+
+# save id -> (this rank's checkpoint directory, fsync) of node-local saves waiting for the
+# coordinator's metadata on this process (a non-coordinator rank between write_data and the end
+# of dcp.save).
+_expected: dict[str, tuple[str, bool]] = {}
+_expected_lock = threading.Lock()
+
+
+def expect_metadata(save_id: str, root: str, fsync: bool) -> None:
+    """Registers a node-local save whose metadata this (non-coordinator) rank will write."""
+    with _expected_lock:
+        _expected[save_id] = (root, fsync)
+
+
+class PublishedMetadata:
+    """The committed metadata of a node-local save, carried to every rank by DCP itself.
+
+    DCP runs ``StorageWriter.finish`` on the coordinator only and then broadcasts the returned
+    ``Metadata`` (pickled) to every rank before ``dcp.save`` returns there. The coordinator's
+    Writer puts this object into ``Metadata.storage_data``; unpickling it on a rank that has
+    the save pending (:func:`expect_metadata`) writes the same ``pyckpt.json`` into that rank's
+    directory, then removes that directory's data files of earlier saves. At that point every
+    rank's data files are durable (the coordinator's ``finish`` runs only after every rank's
+    ``write_data`` succeeded), and the coordinator's copy is already committed. A rank whose
+    copy cannot be written raises from ``dcp.save``; its directory then holds no copy of this
+    save, and a node-local load refuses the mixture (:func:`discover`).
+
+    Unpickling it anywhere else (no such save pending in the process) does nothing.
+    """
+
+    def __init__(self, save_id: str, document: bytes, files: list[str]) -> None:
+        self.save_id = save_id
+        self.document = document
+        self.files = files
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return _publish, (self.save_id, self.document, self.files)
+
+    def __repr__(self) -> str:
+        return f"PublishedMetadata(save_id={self.save_id!r}, files={len(self.files)})"
+
+
+def _publish(save_id: str, document: bytes, files: list[str]) -> PublishedMetadata:
+    with _expected_lock:
+        target = _expected.pop(save_id, None)
+    if target is not None:
+        write_metadata_copy(target[0], document, set(files), target[1])
+    return PublishedMetadata(save_id, document, files)
+
+
+def write_metadata_copy(root: str, document: bytes, files: set[str], fsync: bool) -> None:
+    """Writes ``pyckpt.json`` (atomically, fsynced) into ``root`` unless it already holds exactly
+    ``document``, then removes data files of earlier saves there (not in ``files``)."""
+    meta = os.path.join(root, _format.METADATA_FILE)
+    try:
+        with open(meta, "rb") as fh:
+            same = fh.read() == document
+    except FileNotFoundError:
+        same = False
+    if not same:
+        with _C.FileWriter(meta, "off", fsync) as fw:
+            fw.append(document)
+            fw.commit()
+    for name in os.listdir(root):
+        stale = _format.is_data_file(name) and name not in files
+        crashed = ".tmp-" in name and name.split(".tmp-")[0].endswith(".pyckpt")
+        if stale or crashed:
+            try:
+                os.unlink(os.path.join(root, name))
+            except FileNotFoundError:
+                pass
