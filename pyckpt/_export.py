@@ -62,6 +62,11 @@ Renamer = Mapping[str, str] | Callable[[str], str]
 #: Top-level keys that mark an optimizer next to a ``model`` key.
 _OPTIM_KEYS = ("optim", "optimizer")
 
+#: Names of input embeddings, the copy of a tie that is kept: ``*embed*`` (Llama's
+#: ``model.embed_tokens``, BERT's ``word_embeddings``, GPT-NeoX's ``embed_in``), GPT-2's ``wte``
+#: and T5's ``shared``.
+_EMBEDDING = re.compile(r"embed|(^|\.)(wte|shared)\.")
+
 #: Floating safetensors dtypes a cast converts (others, like float8, are exported unchanged).
 CAST_SOURCES = frozenset(("F64", "F32", "F16", "BF16"))
 
@@ -370,10 +375,12 @@ def tie_candidates(
 ) -> list[tuple[str, str]]:
     """Pairs (duplicate, kept) of output names whose contents :func:`find_ties` compares.
 
-    With ``dedup_tied=True``: every 2-D tensor whose name does not contain ``embed``, paired
-    with each 2-D tensor of the same source dtype and shape whose name does (an output head
-    tied to the input embedding, e.g. ``lm_head.weight`` and ``model.embed_tokens.weight``, or
-    BERT's ``cls.predictions.decoder.weight`` and ``bert.embeddings.word_embeddings.weight``).
+    With ``dedup_tied=True``: every 2-D tensor whose name is not an input embedding's, paired
+    with each 2-D input embedding of the same source dtype and shape (an output head tied to
+    the input embedding, e.g. ``lm_head.weight`` and ``model.embed_tokens.weight``, BERT's
+    ``cls.predictions.decoder.weight`` and ``bert.embeddings.word_embeddings.weight``, GPT-2's
+    ``lm_head.weight`` and ``transformer.wte.weight``). Input embeddings are the names that
+    contain ``embed`` or a ``wte.`` / ``shared.`` component.
     The embedding is the copy kept, as ``transformers``' ``save_pretrained`` does. Tensors that
     are merely equal (layer norms still at their initial ones, zero biases) are never candidates:
     they are not 2-D embedding-shaped pairs.
@@ -407,11 +414,11 @@ def tie_candidates(
         return pairs
     embeds: dict[tuple[str, tuple[int, ...]], list[str]] = {}
     for out in sorted(choice.names):
-        if "embed" in out and len(shapes[choice.names[out]]) == 2:
+        if _EMBEDDING.search(out) and len(shapes[choice.names[out]]) == 2:
             embeds.setdefault(key(out), []).append(out)
     pairs = []
     for out in sorted(choice.names):
-        if "embed" in out or len(shapes[choice.names[out]]) != 2:
+        if _EMBEDDING.search(out) or len(shapes[choice.names[out]]) != 2:
             continue
         for kept in embeds.get(key(out), []):
             pairs.append((out, kept))

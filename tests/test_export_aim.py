@@ -534,3 +534,26 @@ def test_node_local_export_takes_the_same_options(tmp_path):
     with pytest.raises(ValueError, match="dedup_tied is not supported with shared_filesystem"):
         pyckpt.consolidate(tmp_path / "ckpt", tmp_path / "d2", shared_filesystem=False,
                            dedup_tied=True)
+
+
+@pytest.mark.parametrize(
+    ("embedding", "head"),
+    [("model.embed_tokens.weight", "lm_head.weight"),  # Llama, Mistral, Qwen
+     ("transformer.wte.weight", "lm_head.weight"),  # GPT-2
+     ("shared.weight", "lm_head.weight"),  # T5
+     ("bert.embeddings.word_embeddings.weight", "cls.predictions.decoder.weight")],  # BERT
+)
+def test_tie_candidates_pair_heads_with_input_embeddings(embedding, head):
+    from pyckpt import _export
+
+    names = {embedding: "F32", head: "F32", "norm.weight": "F32", "o.weight": "F32",
+             "x.shared_proj.weight": "F32"}
+    shapes = {embedding: (50, 8), head: (50, 8), "norm.weight": (8,), "o.weight": (8, 8),
+              "x.shared_proj.weight": (50, 8)}
+    spec = _export.make_spec(select=None, dedup_tied=True)
+    choice = _export.choose(spec, names)
+    pairs = _export.tie_candidates(choice, spec, names, shapes)
+    assert pairs == sorted([(head, embedding), ("x.shared_proj.weight", embedding)])
+    # Only pairs whose bytes are equal become ties.
+    digests = {embedding: b"e", head: b"e", "x.shared_proj.weight": b"other"}
+    assert _export.find_ties(choice, pairs, digests.__getitem__, explicit=False) == {head: embedding}

@@ -205,9 +205,9 @@ def consolidate(
             (or ``torch.bfloat16`` ...) natively on the way, rounding to nearest even exactly as
             ``Tensor.to``; integer, bool, complex and float8 tensors are never cast.
         dedup_tied: ``True`` writes an output head tied to the input embedding (2-D tensors of
-            equal dtype, shape and bytes, one named ``*embed*``) once, keeping the embedding as
-            ``transformers``' ``save_pretrained`` does; or ``{dropped: kept}`` output names,
-            verified equal. Left-out names are listed under ``metadata.tied_weights`` in the
+            equal dtype, shape and bytes, one named ``*embed*``, ``*wte.*`` or ``*shared.*``)
+            once, keeping the embedding as ``transformers``' ``save_pretrained`` does; or
+            ``{dropped: kept}`` output names, verified equal. Left-out names are listed under ``metadata.tied_weights`` in the
             index (not in ``weight_map``).
         shared_filesystem: False when ``src`` is a node-local pyckpt checkpoint (saved with
             ``shared_filesystem=False``): each rank sees only its own node's files under
