@@ -68,13 +68,16 @@ def _negative(t: torch.Tensor) -> torch.Tensor:
 # ----------------------------------------------------------------------------- acceptance
 
 
-transformers = pytest.importorskip(
-    "transformers", reason="transformers is not installed (pip install 'pyckpt[test]')"
-)
+def _transformers():
+    # Only the acceptance tests need transformers; the rest of the module runs without it.
+    return pytest.importorskip(
+        "transformers", reason="transformers is not installed (pip install 'pyckpt[test]')"
+    )
 
 
 def _trained_llama(tie: bool):
     """The README quickstart's objects: a (tiny) model and its AdamW optimizer, trained 3 steps."""
+    transformers = _transformers()
     torch.manual_seed(0)
     config = transformers.LlamaConfig(
         vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
@@ -95,7 +98,7 @@ def _trained_llama(tie: bool):
 
 def _load_hf(dst, model, **kwargs):
     model.config.save_pretrained(dst)
-    hf, info = transformers.LlamaForCausalLM.from_pretrained(
+    hf, info = _transformers().LlamaForCausalLM.from_pretrained(
         dst, output_loading_info=True, attn_implementation="eager", **kwargs
     )
     assert info["missing_keys"] == set() or info["missing_keys"] == []
