@@ -371,7 +371,7 @@ def _cast_state():
     }
 
 
-@pytest.mark.parametrize("kind", ["pyckpt-zstd", "pyckpt-raw", "st-dim0", "st-dim1"])
+@pytest.mark.parametrize("kind", ["pyckpt-zstd", "pyckpt-raw", "st-dim0", "st-dim1", "st-dim1-mmap"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_cast_on_export_bit_exact(tmp_path, kind, dtype):
     sd = _cast_state()
@@ -379,11 +379,12 @@ def test_cast_on_export_bit_exact(tmp_path, kind, dtype):
     if kind.startswith("pyckpt"):
         _save(src, sd, None if kind == "pyckpt-raw" else "zstd", chunk_bytes=4096)
     else:  # DCP sharded safetensors, 3 uneven shards along dim 0 or dim 1 (scattered rows)
-        dim = int(kind[-1])
+        dim = int(kind[len("st-dim")])
         blocks = {k: grid_blocks(tuple(v.shape), [3 if d == dim else 1 for d in range(v.dim())],
                                  uneven=True) for k, v in sd.items()}
         write_dcp_shards(str(src), sd, blocks, 3)
-    res = _export(src, tmp_path / "dst", dtype=dtype, max_file_bytes=2000)
+    res = _export(src, tmp_path / "dst", dtype=dtype, max_file_bytes=2000,
+                  input_mode="mmap" if kind.endswith("mmap") else "pread")
     assert len(res.files) > 1
     out = load_outputs(res.index_path)
     assert sorted(out) == sorted(sd)
