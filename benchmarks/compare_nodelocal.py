@@ -91,6 +91,24 @@ def _split_by_node(shared: str, nodes: str, world: int) -> list[str]:
     return dirs
 
 
+def _check_same(shared: str, nodes: list[str]) -> None:
+    """The node-local export (spread over the nodes' dst) equals the shared one, bit for bit."""
+    import torch
+    from safetensors.torch import load_file
+
+    def tensors(dirs: list[str]) -> dict:
+        out: dict = {}
+        for d in dirs:
+            for n in os.listdir(d):
+                if n.endswith(".safetensors"):
+                    out.update(load_file(os.path.join(d, n)))
+        return out
+
+    a, b = tensors([shared]), tensors(nodes)
+    assert sorted(a) == sorted(b)
+    assert all(torch.equal(a[k].view(torch.uint8), b[k].view(torch.uint8)) for k in a)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--repeats", type=int, default=3)
@@ -130,6 +148,8 @@ def main() -> None:
                 assert total == size, (total, size)
                 if rep:
                     times[name].append(secs)
+        _check_same(os.path.join(work, "dst-shared"),
+                    [os.path.join(work, f"dst-n{k}") for k in range(args.world)])
         print("\n| mode | wall (slowest worker) | output GB/s |")
         print("|---|---|---|")
         for name, ts in times.items():

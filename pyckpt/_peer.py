@@ -13,7 +13,7 @@ Chunks travel as stored (compressed or raw) over the process group in rounds
 reads those chunks' stored bytes natively and verifies their checksums (``_C.read_stored``);
 the bytes move with one ``all_to_all_single``; each receiver verifies again and decodes natively
 straight into its destination (``_C.read_requests(memory=...)``: the received buffer is a
-``MemorySource`` whose bytes the chunk path uses in place). Every rank takes part in every round;
+``BufferSource`` whose bytes the chunk path uses in place). Every rank takes part in every round;
 a rank with nothing left to fetch keeps serving until all are done (:meth:`Exchange.finish`).
 Errors are agreed on: a failure on any rank (reading, verifying, decoding) is raised on every
 rank at the next round, so no rank is left waiting in a collective.

@@ -741,6 +741,7 @@ class Reader(_NativeUser, StagingMixin, StorageReader):
         self.load_id = uuid.uuid4().hex[:12]
         self._storage = {}
         self._metadata_error = None
+        self._peer_files = None
         if checkpoint_id is not None:
             self.path = os.fspath(checkpoint_id)
 

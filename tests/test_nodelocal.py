@@ -217,3 +217,23 @@ def test_killed_rank_mid_consolidation_leaves_no_index(tmp_path: Path) -> None:
         assert all(n.startswith(".") and ".tmp-" in n for n in names), names
     # The surviving rank removed its temp files; only the killed rank's remain.
     assert os.listdir(_node(tmp_path, 0, "export")) == []
+
+
+def test_single_process_node_local_save_load_consolidate(tmp_path: Path) -> None:
+    import torch
+    from safetensors.torch import load_file
+
+    import pyckpt
+
+    full = full_state()
+    pyckpt.save(dict(full), tmp_path / "ckpt", shared_filesystem=False, compression="zstd")
+    sd = {k: torch.zeros_like(v) for k, v in full.items()}
+    pyckpt.load(sd, tmp_path / "ckpt", shared_filesystem=False)
+    assert all(_same_bits(sd[k], v) for k, v in full.items())
+    res = pyckpt.consolidate(tmp_path / "ckpt", tmp_path / "out", shared_filesystem=False,
+                             fsync=False)
+    out = load_file(res.files[0])
+    assert all(_same_bits(out[k], v) for k, v in full.items())
+    with pytest.raises(ValueError, match="batch_bytes"):
+        pyckpt.consolidate(tmp_path / "ckpt", tmp_path / "out2", shared_filesystem=False,
+                           batch_bytes=0)

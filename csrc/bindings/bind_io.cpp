@@ -180,7 +180,7 @@ void bind_io(py::module_& m) {
           auto found = views.find(name);
           if (found == views.end()) return open_posix_source(name);
           return std::unique_ptr<ChunkSource>(
-              std::make_unique<MemorySource>(name, found->second.first, found->second.second));
+              std::make_unique<BufferSource>(name, found->second.first, found->second.second));
         };
         ReadStats st;
         {

@@ -189,8 +189,7 @@ void bind_safetensors(py::module_& m) {
   m.def(
       "stitch",
       [](const py::sequence& items, std::size_t threads, std::size_t task_bytes,
-         const std::string& input_mode, bool fsync, StitchProgress* progress,
-         bool partial) {
+         const std::string& input_mode, bool fsync, StitchProgress* progress, bool partial) {
         std::vector<StitchItem> work;
         work.reserve(items.size());
         for (py::handle item : items) work.push_back(item_from_py(item));

@@ -17,18 +17,18 @@
 
 namespace pyckpt {
 
-class MemorySource final : public ChunkSource {
+class BufferSource final : public ChunkSource {
  public:
-  MemorySource(std::string name, const std::uint8_t* data, std::uint64_t size)
+  BufferSource(std::string name, const std::uint8_t* data, std::uint64_t size)
       : _name(std::move(name)), _data(data), _size(size) {}
 
   const std::string& name() const noexcept override { return _name; }
   std::uint64_t size() const noexcept override { return _size; }
 
   void read_at(std::uint64_t offset, std::size_t len, void* dst) override {
-    PYCKPT_EXPECT_FORMAT(offset <= _size && len <= _size - offset, FormatKind::Truncated,
-                         "'", _name, "': bytes [", offset, ", ", offset + len,
-                         ") lie beyond its ", _size, " bytes");
+    PYCKPT_EXPECT_FORMAT(offset <= _size && len <= _size - offset, FormatKind::Truncated, "'",
+                         _name, "': bytes [", offset, ", ", offset + len, ") lie beyond its ",
+                         _size, " bytes");
     if (len != 0) std::memcpy(dst, _data + offset, len);
   }
 

@@ -521,9 +521,8 @@ StitchStats stitch(const std::vector<StitchItem>& items, const StitchOptions& op
     // Pieces were checked to tile the tensor and chunks to tile each piece, so a count that
     // differs means the items themselves are inconsistent.
     PYCKPT_EXPECT_FORMAT(options.partial ? supplied <= g.hi - g.lo : supplied == g.hi - g.lo,
-                         FormatKind::Coverage, "tensor '", g.name,
-                         "': its chunks supply ", supplied, " of the ", g.hi - g.lo, " elements [",
-                         g.lo, ", ", g.hi, ")");
+                         FormatKind::Coverage, "tensor '", g.name, "': its chunks supply ",
+                         supplied, " of the ", g.hi - g.lo, " elements [", g.lo, ", ", g.hi, ")");
   }
 
   StitchStats stats;

@@ -96,7 +96,8 @@ class ConsolidationResult:
     """What :func:`consolidate` did (the same on every rank except ``rank_bytes``/``seconds``).
 
     Attributes:
-        files: final paths of the safetensors files written, in index order.
+        files: final paths of the safetensors files written, in index order (with
+            ``shared_filesystem=False``: only the files this rank wrote into its own ``dst``).
         index_path: path of ``model.safetensors.index.json``.
         total_bytes: tensor data bytes over all files (the index's ``metadata.total_size``).
         rank_bytes: tensor data bytes this rank copied.

@@ -10,6 +10,7 @@
 #include "core/chunk_reader.hpp"
 #include "core/codec.hpp"
 #include "core/error.hpp"
+#include "core/memory_storage.hpp"
 #include "core/thread_pool.hpp"
 #include "test_support.hpp"
 
@@ -121,6 +122,48 @@ TEST(read_requests_through_a_memory_backend_full_and_partial) {
   const ReadStats v = verify_segments("t", {seg}, pool, mem.opener());
   CHECK(v.chunks_decoded == s.chunks.size());
   CHECK(v.bytes_read == s.file.size() - 7);
+}
+
+TEST(read_stored_then_decode_from_a_received_buffer) {
+  // What a node-local load does: the owner reads the stored bytes of some chunks back to back
+  // (verified, not decoded); the receiver decodes them from that buffer in place.
+  const Stored s = store(40000, 8192, kBf16, 5);
+  Memory mem;
+  mem.files["owner"] = s.file;
+  ThreadPool pool(2);
+  const std::vector<ChunkRecord> wanted{s.chunks[1], s.chunks[3]};
+  std::uint64_t total = 0;
+  for (const ChunkRecord& r : wanted) total += r.stored_len;
+  std::vector<std::uint8_t> sent(total);
+  ReadRequest out{"t", {ReadSegment{"owner", 0, kBf16, wanted}}, 0, 0, sent.data()};
+  const ReadStats st = read_stored({out}, pool, mem.opener());
+  CHECK(st.bytes_read == total && st.chunks_decoded == 2);
+
+  // Receiver: records remapped into the received buffer, decoded through pyckpt::BufferSource.
+  ChunkRecord a = wanted[0], b = wanted[1];
+  a.file_offset = 0;
+  b.file_offset = a.stored_len;
+  const SourceOpener received = [&sent](const std::string& name) -> std::unique_ptr<ChunkSource> {
+    return std::make_unique<pyckpt::BufferSource>(name, sent.data(), sent.size());
+  };
+  std::vector<std::uint8_t> dst(8192);
+  ReadRequest r1{"t", {ReadSegment{"peer", 8192, kBf16, {a}}}, 8192, 16384, dst.data()};
+  read_requests({r1}, pool, received);
+  CHECK(std::equal(dst.begin(), dst.end(), s.raw.begin() + 8192));
+  ReadRequest r3{
+      "t", {ReadSegment{"peer", 3 * 8192, kBf16, {b}}}, 3 * 8192 + 10, 4 * 8192, dst.data()};
+  read_requests({r3}, pool, received);
+  CHECK(std::equal(dst.begin(), dst.begin() + 8182, s.raw.begin() + 3 * 8192 + 10));
+
+  // A corrupt stored byte on the owner is caught before anything is sent.
+  mem.files["owner"][wanted[1].file_offset + 3] ^= 0x40;
+  CHECK_THROWS(read_stored({out}, pool, mem.opener()), FormatError, "checksum");
+  // A record beyond the received buffer is refused before any read.
+  ChunkRecord far = b;
+  far.file_offset = sent.size();
+  ReadRequest bad{
+      "t", {ReadSegment{"peer", 3 * 8192, kBf16, {far}}}, 3 * 8192, 4 * 8192, dst.data()};
+  CHECK_THROWS(read_requests({bad}, pool, received), FormatError, "");
 }
 
 TEST(overlapping_and_missing_chunks_are_format_errors) {
