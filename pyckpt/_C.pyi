@@ -301,14 +301,19 @@ class StitchProgress:
     @property
     def bytes(self) -> int: ...
 
+_StitchSource = int | tuple[tuple[int, int, int, int, tuple[int, ...]], CodecParams]
+# The optional last field casts elements on the way: None or (from, to) safetensors float dtype
+# names among F64, F32, F16, BF16 (to: not F64); item_bytes is then the source element size.
+StitchItem = (
+    tuple[str, list[int], list[int], list[int], int, str, _StitchSource, str, int, int, int, int, int]
+    | tuple[
+        str, list[int], list[int], list[int], int, str, _StitchSource, str, int, int, int, int, int,
+        tuple[str, str] | None,
+    ]
+)
+
 def stitch(
-    items: list[
-        tuple[
-            str, list[int], list[int], list[int], int, str,
-            int | tuple[tuple[int, int, int, int, tuple[int, ...]], CodecParams],
-            str, int, int, int, int, int,
-        ]
-    ],
+    items: list[StitchItem],
     threads: int,
     task_bytes: int,
     input_mode: str,
@@ -317,3 +322,4 @@ def stitch(
     *,
     partial: bool = False,
 ) -> dict[str, int]: ...
+def convert_floats(src: Buffer, from_dtype: str, to_dtype: str, out: Buffer) -> None: ...

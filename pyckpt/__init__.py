@@ -23,6 +23,7 @@ from pyckpt.errors import (
     ChecksumError,
     CompressionError,
     CudaError,
+    ExportNameCollisionError,
     PyckptError,
     ReplicaMismatchError,
     UnsupportedDtypeError,
@@ -42,6 +43,7 @@ __all__ = [
     "ChecksumError",
     "CompressionError",
     "CudaError",
+    "ExportNameCollisionError",
     "ReplicaMismatchError",
     "UnsupportedDtypeError",
 ]

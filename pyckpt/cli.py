@@ -4,8 +4,9 @@
 * ``pyckpt verify CKPT`` reads every chunk, checking sizes, checksums and zstd frames.
 * ``pyckpt convert SRC DST`` converts between DCP ``FileSystemWriter`` checkpoints and pyckpt's.
 * ``pyckpt bench`` compares pyckpt with DCP's writers/readers on one workload in one run.
-* ``pyckpt consolidate SRC DST [--workers N]`` exports a sharded checkpoint (pyckpt's own format
-  or DCP's sharded safetensors) to Hugging Face safetensors. With ``--workers N > 1`` it starts
+* ``pyckpt consolidate SRC DST [--workers N] [--select PREFIX ...] [--dtype bf16] ...`` exports a
+  sharded checkpoint (pyckpt's own format or DCP's sharded safetensors) to Hugging Face
+  safetensors; the export options mirror :func:`pyckpt.consolidate`'s. With ``--workers N > 1`` it starts
   N local processes that form a gloo group on 127.0.0.1 (no torchrun needed) and share the work
   through :func:`pyckpt.consolidate`; a progress bar (tqdm when installed, else a plain stderr
   line) sums the bytes the workers report.
@@ -83,7 +84,43 @@ def _consolidate_kwargs(args: argparse.Namespace, threads: int | None) -> dict[s
         "max_file_bytes": args.max_file_bytes,
         "threads": threads,
         "fsync": False if args.no_fsync else None,
+        **_export_kwargs(args),
     }
+
+
+def _export_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """The export options (--select, --select-regex, --all, --strip-prefix, --rename, --dtype,
+    --dedup-tied) as keyword arguments of :func:`pyckpt.consolidate`."""
+    import re
+
+    kwargs: dict[str, Any] = {}
+    chosen: list[Any] = list(args.select or [])
+    for pattern in args.select_regex or []:
+        try:
+            chosen.append(re.compile(pattern))
+        except re.error as e:
+            raise ValueError(f"--select-regex {pattern!r}: {e}") from None
+    if args.all and chosen:
+        raise ValueError("--all exports every tensor; it cannot be combined with --select")
+    if args.all:
+        kwargs["select"] = None
+    elif chosen:
+        kwargs["select"] = chosen
+    if args.strip_prefix:
+        kwargs["strip_prefix"] = list(args.strip_prefix)
+    if args.rename:
+        mapping: dict[str, str] = {}
+        for spec in args.rename:
+            old, sep, new = spec.partition("=")
+            if not sep or not old:
+                raise ValueError(f"--rename takes OLD=NEW (a prefix and its replacement), got {spec!r}")
+            mapping[old] = new
+        kwargs["rename"] = mapping
+    if args.dtype:
+        kwargs["dtype"] = args.dtype
+    if args.dedup_tied:
+        kwargs["dedup_tied"] = True
+    return kwargs
 
 
 def _worker(
@@ -104,12 +141,12 @@ def _worker(
             )
         finally:
             dist.destroy_process_group()
-        q.put(("done", rank, res.rank_bytes, res.total_bytes, len(res.files)))
+        q.put(("done", rank, res.rank_bytes, res.total_bytes, len(res.files), res.selection))
     except BaseException as e:  # reported to the parent, which decides the exit status
         q.put(("error", rank, f"{type(e).__name__}: {e}"))
 
 
-def _run_workers(args: argparse.Namespace, bar: _Progress) -> tuple[int, int]:
+def _run_workers(args: argparse.Namespace, bar: _Progress) -> tuple[int, int, str]:
     import multiprocessing
 
     ctx = multiprocessing.get_context("spawn")
@@ -126,7 +163,7 @@ def _run_workers(args: argparse.Namespace, bar: _Progress) -> tuple[int, int]:
         p.start()
     done: dict[int, int] = {}
     totals: dict[int, int] = {}
-    finished: dict[int, tuple[int, int]] = {}
+    finished: dict[int, tuple[int, int, str]] = {}
     errors: dict[int, str] = {}
     try:
         while len(finished) + len(errors) < n:
@@ -143,7 +180,7 @@ def _run_workers(args: argparse.Namespace, bar: _Progress) -> tuple[int, int]:
                 done[rank], totals[rank] = msg[2], msg[3]
                 bar.update(sum(done.values()), sum(totals.values()))
             elif kind == "done":
-                finished[rank] = (msg[3], msg[4])
+                finished[rank] = (msg[3], msg[4], msg[5])
             else:
                 errors[rank] = msg[2]
     finally:
@@ -175,6 +212,7 @@ def _cmd_consolidate(args: argparse.Namespace) -> int:
     _input_dir(args.src)
     if args.workers < 1:
         raise SystemExit("pyckpt consolidate: --workers must be >= 1")
+    _export_kwargs(args)  # bad export options fail here, before any worker starts
     bar = _Progress(not args.quiet)
     start = time.perf_counter()
     try:
@@ -184,13 +222,15 @@ def _cmd_consolidate(args: argparse.Namespace) -> int:
             res = consolidate(
                 args.src, args.dst, progress=bar.update, **_consolidate_kwargs(args, args.threads)
             )
-            total, nfiles = res.total_bytes, len(res.files)
+            total, nfiles, selection = res.total_bytes, len(res.files), res.selection
         else:
-            total, nfiles = _run_workers(args, bar)
+            total, nfiles, selection = _run_workers(args, bar)
     finally:
         bar.close()
     secs = time.perf_counter() - start
     if not args.quiet:
+        if selection:
+            sys.stderr.write(selection.replace("select=None (`--all`)", "--all") + "\n")
         sys.stderr.write(
             f"wrote {nfiles} file(s), {total / 2**20:,.1f} MiB in {secs:.2f} s "
             f"({total / 2**30 / max(secs, 1e-9):.2f} GiB/s) to {args.dst}\n"
@@ -285,6 +325,24 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--no-fsync", action="store_true", help="do not fsync the outputs")
     p.add_argument("--quiet", action="store_true", help="no progress bar or summary")
+    g = p.add_argument_group(
+        "choosing what to export",
+        "Default: a checkpoint saved as {'model': ..., 'optim': ...} exports the model alone, "
+        "named without 'model.'; any other checkpoint exports every tensor.",
+    )
+    g.add_argument("--select", action="append", metavar="PREFIX",
+                   help="export tensors whose name starts with PREFIX (repeatable)")
+    g.add_argument("--select-regex", action="append", metavar="REGEX",
+                   help="export tensors whose name matches REGEX (re.search; repeatable)")
+    g.add_argument("--all", action="store_true", help="export every tensor (no default choice)")
+    g.add_argument("--strip-prefix", action="append", metavar="PREFIX",
+                   help="remove PREFIX from the start of exported names (repeatable)")
+    g.add_argument("--rename", action="append", metavar="OLD=NEW",
+                   help="replace the name prefix OLD by NEW (repeatable; after --strip-prefix)")
+    g.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default=None,
+                   help="cast floating tensors on the way (round to nearest even, as torch)")
+    g.add_argument("--dedup-tied", action="store_true",
+                   help="write an output head tied to the input embedding once")
     p.set_defaults(func=_cmd_consolidate)
 
     p = sub.add_parser(

@@ -16,6 +16,7 @@ __all__ = [
     "UnsupportedDtypeError",
     "ReplicaMismatchError",
     "ObjectStoreError",
+    "ExportNameCollisionError",
 ]
 
 
@@ -67,3 +68,24 @@ class ObjectStoreError(PyckptError, OSError):
     """An object-store request failed for a reason other than a missing object or bucket
     (``FileNotFoundError``) or refused credentials (``PermissionError``): e.g. the store is
     unreachable after the retries. ``filename`` is the object's or checkpoint's URL."""
+
+
+class ExportNameCollisionError(PyckptError, ValueError):
+    """Two exported tensors would get one name after ``strip_prefix`` / ``rename``.
+
+    Attributes:
+        name: the output name both would get.
+        sources: the two source tensor names.
+    """
+
+    def __init__(self, name: str, sources: tuple[str, str]) -> None:
+        super().__init__(
+            f"tensors {sources[0]!r} and {sources[1]!r} would both be exported as {name!r}; "
+            "change strip_prefix / rename, or narrow select"
+        )
+        self.name = name
+        self.sources = tuple(sources)
+
+    def __reduce__(self) -> tuple[type[ExportNameCollisionError], tuple[str, tuple[str, ...]]]:
+        # Pickled to reach every rank of a consolidation: keep the attributes.
+        return type(self), (self.name, self.sources)

@@ -97,13 +97,15 @@ def complex_ckpt(tmp_path: Path) -> Path:
 def test_consolidate_error_is_one_line_no_bar(complex_ckpt: Path, tmp_path: Path) -> None:
     # Single-worker consolidate used to print a raw traceback for UnsupportedDtypeError, and
     # the progress bar before it.
-    r = _cli("consolidate", str(complex_ckpt), str(tmp_path / "out"))
+    # --all: the complex128 tensor is selected explicitly (the default would skip it with a
+    # warning), so the export is refused.
+    r = _cli("consolidate", str(complex_ckpt), str(tmp_path / "out"), "--all")
     assert r.returncode == 1, r.stderr
     assert r.stderr.startswith("pyckpt consolidate: error: "), r.stderr
     assert "'z'" in r.stderr and "complex128" in r.stderr
     # One line: no traceback, no progress bar drawn before the error.
     assert r.stderr.count("\n") == 1 and "\r" not in r.stderr, r.stderr
-    r = _cli("consolidate", str(complex_ckpt), str(tmp_path / "out"), "--debug")
+    r = _cli("consolidate", str(complex_ckpt), str(tmp_path / "out"), "--all", "--debug")
     assert r.returncode != 0
     assert "Traceback" in r.stderr and "UnsupportedDtypeError" in r.stderr
 

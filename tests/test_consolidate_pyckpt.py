@@ -121,9 +121,15 @@ def test_unsupported_dtype_names_the_tensor(tmp_path, dtype):
     sd = {"ok": torch.ones(4), "freq.cis": torch.ones(3, dtype=dtype)}
     src, dst = tmp_path / "src", tmp_path / "dst"
     _save(src, sd, None)
+    # Asked for everything (select=None): refused, naming the tensor, nothing written.
     with pytest.raises(UnsupportedDtypeError, match=r"'freq\.cis'.*" + _name(dtype)):
-        pyckpt.consolidate(src, dst, fsync=False)
+        pyckpt.consolidate(src, dst, fsync=False, select=None)
     assert not os.path.exists(dst)
+    # The default selection skips it with a warning naming it, and exports the rest.
+    with pytest.warns(UserWarning, match=r"skipping 1 tensor.*'freq\.cis' \(" + _name(dtype)):
+        res = pyckpt.consolidate(src, dst, fsync=False)
+    assert res.skipped == ["freq.cis"]
+    _check(os.path.join(dst, INDEX_NAME), {"ok": sd["ok"]})
 
 
 def test_cli_pyckpt_input(tmp_path):

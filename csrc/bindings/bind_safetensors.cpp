@@ -7,6 +7,7 @@
 
 #include "bindings/bindings.hpp"
 #include "bindings/core_convert.hpp"
+#include "core/float_cast.hpp"
 #include "core/safetensors.hpp"
 #include "core/stitcher.hpp"
 
@@ -49,17 +50,26 @@ StDtype dtype_arg(const std::string& name) {
 }
 
 // (name, shape, offsets, sizes, item_bytes, src_path, source, out_path, out_offset, lo, hi,
-//  block_lo, block_hi); source is an int (RawFile offset) or (chunk record, codec params).
+//  block_lo, block_hi[, cast]); source is an int (RawFile offset) or (chunk record, codec
+// params); cast is None or (from, to) safetensors float dtype names.
 constexpr std::size_t kItemFields = 13;
+
+FloatFormat float_format_arg(const std::string& name) {
+  const auto f = float_format_from_name(name);
+  if (!f) {
+    throw std::invalid_argument("cannot cast dtype '" + name + "' (F64, F32, F16 or BF16 only)");
+  }
+  return *f;
+}
 
 StitchItem item_from_py(py::handle obj) {
   if (!py::isinstance<py::tuple>(obj) && !py::isinstance<py::list>(obj)) {
     throw py::type_error("stitch item must be a tuple");
   }
   auto seq = py::reinterpret_borrow<py::sequence>(obj);
-  if (seq.size() != kItemFields) {
+  if (seq.size() != kItemFields && seq.size() != kItemFields + 1) {
     throw py::value_error("stitch item has " + std::to_string(seq.size()) + " fields, expected " +
-                          std::to_string(kItemFields));
+                          std::to_string(kItemFields) + " or " + std::to_string(kItemFields + 1));
   }
   StitchItem it;
   it.name = py::cast<std::string>(seq[0]);
@@ -86,6 +96,11 @@ StitchItem item_from_py(py::handle obj) {
   it.hi = u64_from_py(seq[10], "hi");
   it.block_lo = u64_from_py(seq[11], "block_lo");
   it.block_hi = u64_from_py(seq[12], "block_hi");
+  if (seq.size() > kItemFields && !seq[kItemFields].is_none()) {
+    const auto cast = py::cast<std::pair<std::string, std::string>>(seq[kItemFields]);
+    it.cast.from = float_format_arg(cast.first);
+    it.cast.to = float_format_arg(cast.second);
+  }
   return it;
 }
 
@@ -205,7 +220,31 @@ void bind_safetensors(py::module_& m) {
       },
       py::arg("items"), py::arg("threads"), py::arg("task_bytes"), py::arg("input_mode"),
       py::arg("fsync"), py::arg("progress") = nullptr, py::kw_only(), py::arg("partial") = false,
-      R"pbdoc(Copy shard blocks or decoded chunks into pre-sized outputs (partial=True: the encoded-chunk items of a tensor may cover only part of its range, the rest coming in other calls); items are (name, shape, offsets, sizes, item_bytes, src_path, src_offset | (chunk, params), out_path, out_offset, lo, hi, block_lo, block_hi).)pbdoc");
+      R"pbdoc(Copy shard blocks or decoded chunks into pre-sized outputs (partial=True: the encoded-chunk items of a tensor may cover only part of its range, the rest coming in other calls); items are (name, shape, offsets, sizes, item_bytes, src_path, src_offset | (chunk, params), out_path, out_offset, lo, hi, block_lo, block_hi[, None | (from_dtype, to_dtype)]).)pbdoc");
+
+  m.def(
+      "convert_floats",
+      [](py::handle src, const std::string& from, const std::string& to, py::handle out) {
+        const FloatFormat f = float_format_arg(from);
+        const FloatFormat t = float_format_arg(to);
+        BufferRef in(src, false);
+        BufferRef dst(out, true);
+        const std::size_t fb = float_format_bytes(f);
+        if (in.size() % fb != 0) {
+          throw std::invalid_argument("convert_floats: " + std::to_string(in.size()) +
+                                      " input bytes are not whole " + from + " elements");
+        }
+        const std::uint64_t count = in.size() / fb;
+        if (dst.size() != count * float_format_bytes(t)) {
+          throw std::invalid_argument("convert_floats: output holds " + std::to_string(dst.size()) +
+                                      " bytes, expected " +
+                                      std::to_string(count * float_format_bytes(t)));
+        }
+        py::gil_scoped_release release;
+        convert_floats(f, t, in.data(), dst.data(), count);
+      },
+      py::arg("src"), py::arg("from_dtype"), py::arg("to_dtype"), py::arg("out"),
+      R"pbdoc(Convert F64/F32/F16/BF16 elements of src into out (round to nearest even, as torch).)pbdoc");
 }
 
 }  // namespace pyckpt::bindings

@@ -17,6 +17,7 @@
 #include "core/chunk_io.hpp"
 #include "core/codec.hpp"
 #include "core/error.hpp"
+#include "core/float_cast.hpp"
 #include "core/posix_storage.hpp"
 #include "core/thread_pool.hpp"
 
@@ -113,7 +114,9 @@ struct Group {
   std::string name;
   PosixFile* out = nullptr;
   std::uint64_t out_offset = 0;
-  std::uint64_t item_bytes = 1;
+  std::uint64_t item_bytes = 1;      // source bytes per element
+  std::uint64_t out_item_bytes = 1;  // output bytes per element (differs only under a cast)
+  FloatCast cast;                    // conversion on the way (disabled: a byte copy)
   std::uint64_t lo = 0;
   std::uint64_t hi = 0;
   bool encoded = false;  // every part is an EncodedChunk source (never mixed with RawFile)
@@ -156,11 +159,12 @@ void read_source(const Part& p, std::uint64_t src_off, std::uint64_t n, std::byt
 TaskResult run_task(const Task& t, InputMode mode, std::size_t buffer_bytes) {
   const Group& g = *t.group;
   const std::uint64_t e = g.item_bytes;
-  const std::uint64_t out_bytes = (t.y - t.x) * e;
+  const std::uint64_t out_bytes = (t.y - t.x) * e;  // source bytes of the range
   TaskResult res;
   // Fast path: one block supplies the whole range contiguously (dim-0 shards, whole tensors):
-  // an in-kernel copy from the input file to the output file.
+  // an in-kernel copy from the input file to the output file (not when elements are converted).
   for (const Part& p : g.parts) {
+    if (g.cast.enabled()) break;
     const std::uint64_t a = std::max(p.layout.lower_bound(t.x), p.item->block_lo);
     const std::uint64_t b = std::min(p.layout.lower_bound(t.y), p.block_hi);
     if (a >= b) continue;
@@ -206,6 +210,14 @@ TaskResult run_task(const Task& t, InputMode mode, std::size_t buffer_bytes) {
   PYCKPT_EXPECT_FORMAT(filled == out_bytes, FormatKind::Coverage, "tensor '", g.name,
                        "': its shards supply ", filled, " of the ", out_bytes,
                        " bytes of elements [", t.x, ", ", t.y, ")");
+  if (g.cast.enabled()) {
+    thread_local std::vector<std::byte> cbuf;
+    const std::uint64_t n = (t.y - t.x) * g.out_item_bytes;
+    if (cbuf.size() < n) cbuf.resize(static_cast<std::size_t>(n));
+    convert_floats(g.cast.from, g.cast.to, obuf.data(), cbuf.data(), t.y - t.x);
+    pwrite_output(*g.out, cbuf.data(), n, g.out_offset + t.x * g.out_item_bytes, g.name);
+    return res;
+  }
   pwrite_output(*g.out, obuf.data(), out_bytes, g.out_offset + t.x * e, g.name);
   return res;
 }
@@ -224,19 +236,29 @@ std::uint64_t run_chunk_task(const ChunkTask& t) {
   // Block element k of this chunk is at raw + (k - block_lo) * e.
   const std::uint64_t block_lo = p.item->block_lo;
   const auto* from = reinterpret_cast<const std::byte*>(raw + (t.a - block_lo) * e);
+  if (g.cast.enabled()) {
+    // Convert the wanted elements once into a per-thread buffer; runs below then walk it in
+    // output elements.
+    thread_local std::vector<std::byte> cbuf;
+    const std::uint64_t n = (t.b - t.a) * g.out_item_bytes;
+    if (cbuf.size() < n) cbuf.resize(static_cast<std::size_t>(n));
+    convert_floats(g.cast.from, g.cast.to, from, cbuf.data(), t.b - t.a);
+    from = cbuf.data();
+  }
+  const std::uint64_t oe = g.out_item_bytes;
   const std::uint64_t first = p.layout.global_index(t.a);
   std::uint64_t runs = 0;
   if (p.layout.global_index(t.b - 1) - first == t.b - 1 - t.a) {
-    pwrite_output(*g.out, from, (t.b - t.a) * e, g.out_offset + first * e, g.name);
+    pwrite_output(*g.out, from, (t.b - t.a) * oe, g.out_offset + first * oe, g.name);
     return 1;
   }
   p.layout.for_each_run(t.a, t.b, [&](std::uint64_t k, std::uint64_t gi, std::uint64_t cnt) {
-    const std::byte* run = from + (k - t.a) * e;
-    const std::uint64_t dst = g.out_offset + gi * e;
+    const std::byte* run = from + (k - t.a) * oe;
+    const std::uint64_t dst = g.out_offset + gi * oe;
     if (t.map_out) {
-      std::memcpy(g.out->data() + dst, run, cnt * e);
+      std::memcpy(g.out->data() + dst, run, cnt * oe);
     } else {
-      pwrite_output(*g.out, run, cnt * e, dst, g.name);
+      pwrite_output(*g.out, run, cnt * oe, dst, g.name);
     }
     ++runs;
   });
@@ -397,6 +419,14 @@ StitchStats stitch(const std::vector<StitchItem>& items, const StitchOptions& op
                   "': item_bytes must be >= 1");
     BlockLayout layout(item.shape, item.offsets, item.sizes);
     const std::uint64_t e = item.item_bytes;
+    std::uint64_t oe = e;  // output bytes per element
+    if (item.cast.enabled()) {
+      PYCKPT_EXPECT(e == float_format_bytes(item.cast.from) && item.cast.to != FloatFormat::F64,
+                    std::invalid_argument, "tensor '", item.name, "': cannot cast ",
+                    float_format_name(item.cast.from), " to ", float_format_name(item.cast.to),
+                    " with item_bytes ", e);
+      oe = float_format_bytes(item.cast.to);
+    }
     PYCKPT_EXPECT(item.lo <= item.hi && item.hi <= layout.tensor_elements(), std::invalid_argument,
                   "tensor '", item.name, "': range [", item.lo, ", ", item.hi, ") outside its ",
                   layout.tensor_elements(), " elements");
@@ -434,9 +464,10 @@ StitchStats stitch(const std::vector<StitchItem>& items, const StitchOptions& op
 
     auto& out = outputs[item.out_path];
     if (!out) out = std::make_unique<PosixFile>(item.out_path, OpenFor::ReadWrite);
-    std::uint64_t tensor_bytes = 0;
-    PYCKPT_EXPECT(mul_ok(layout.tensor_elements(), e, tensor_bytes), std::invalid_argument,
-                  "tensor '", item.name, "' size overflows");
+    std::uint64_t tensor_bytes = 0;  // checked at the larger element size: buffers use both
+    PYCKPT_EXPECT(mul_ok(layout.tensor_elements(), std::max(e, oe), tensor_bytes),
+                  std::invalid_argument, "tensor '", item.name, "' size overflows");
+    tensor_bytes = layout.tensor_elements() * oe;
     PYCKPT_EXPECT(item.out_offset <= out->size() && tensor_bytes <= out->size() - item.out_offset,
                   std::invalid_argument, "output file '", item.out_path, "' is ", out->size(),
                   " bytes, too short for tensor '", item.name, "' at offset ", item.out_offset);
@@ -447,6 +478,8 @@ StitchStats stitch(const std::vector<StitchItem>& items, const StitchOptions& op
       g.out = out.get();
       g.out_offset = item.out_offset;
       g.item_bytes = e;
+      g.out_item_bytes = oe;
+      g.cast = item.cast;
       g.lo = item.lo;
       g.hi = item.hi;
       g.encoded = encoded;
@@ -456,6 +489,8 @@ StitchStats stitch(const std::vector<StitchItem>& items, const StitchOptions& op
                     "' disagree on name, item size or range");
       PYCKPT_EXPECT(g.encoded == encoded, std::invalid_argument, "items writing tensor '", g.name,
                     "' mix raw-file and encoded-chunk sources");
+      PYCKPT_EXPECT(g.cast == item.cast, std::invalid_argument, "items writing tensor '", g.name,
+                    "' disagree on its cast");
     }
     g.parts.push_back(Part{&item, std::move(layout), in.get(), block_hi});
   }
@@ -464,7 +499,8 @@ StitchStats stitch(const std::vector<StitchItem>& items, const StitchOptions& op
   std::vector<ChunkTask> chunk_tasks;
   for (auto& [key, g] : groups) {
     if (!g.encoded) {
-      const std::uint64_t step = std::max<std::uint64_t>(1, options.task_bytes / g.item_bytes);
+      const std::uint64_t step =
+          std::max<std::uint64_t>(1, options.task_bytes / std::max(g.item_bytes, g.out_item_bytes));
       for (std::uint64_t x = g.lo; x < g.hi; x += step) {
         tasks.push_back(Task{&g, x, std::min(g.hi, x + step)});
       }
@@ -478,7 +514,7 @@ StitchStats stitch(const std::vector<StitchItem>& items, const StitchOptions& op
       if (a >= b) continue;
       supplied += b - a;
       const bool scattered = p.layout.global_index(b - 1) - p.layout.global_index(a) != b - 1 - a;
-      const bool map_out = scattered && p.layout.run_elements() * g.item_bytes < kMinPwriteRun;
+      const bool map_out = scattered && p.layout.run_elements() * g.out_item_bytes < kMinPwriteRun;
       if (map_out) g.out->map(false);  // before any task runs: map() is not thread-safe
       chunk_tasks.push_back(ChunkTask{&g, &p, a, b, map_out});
     }
@@ -504,7 +540,7 @@ StitchStats stitch(const std::vector<StitchItem>& items, const StitchOptions& op
       if (i < tasks.size()) {
         const Task& t = tasks[i];
         runs.fetch_add(run_task(t, mode, buffer_bytes).runs, std::memory_order_relaxed);
-        done = (t.y - t.x) * t.group->item_bytes;
+        done = (t.y - t.x) * t.group->out_item_bytes;
       } else {
         const ChunkTask& t = chunk_tasks[i - tasks.size()];
         const StitchItem& it = *t.part->item;
@@ -517,13 +553,13 @@ StitchStats stitch(const std::vector<StitchItem>& items, const StitchOptions& op
                                chunk_context(it.source.path, it.name, it.source.chunk.file_offset));
         }
         trim_chunk_scratch();
-        done = (t.b - t.a) * t.group->item_bytes;
+        done = (t.b - t.a) * t.group->out_item_bytes;
       }
       if (progress) progress->fetch_add(done, std::memory_order_relaxed);
     });
   }
-  for (const Task& t : tasks) stats.bytes += (t.y - t.x) * t.group->item_bytes;
-  for (const ChunkTask& t : chunk_tasks) stats.bytes += (t.b - t.a) * t.group->item_bytes;
+  for (const Task& t : tasks) stats.bytes += (t.y - t.x) * t.group->out_item_bytes;
+  for (const ChunkTask& t : chunk_tasks) stats.bytes += (t.b - t.a) * t.group->out_item_bytes;
   stats.tasks = tasks.size() + chunk_tasks.size();
   stats.runs = runs.load();
   if (options.fsync) {

@@ -30,6 +30,7 @@
 #include <vector>
 
 #include "core/codec.hpp"
+#include "core/float_cast.hpp"
 
 namespace pyckpt {
 
@@ -151,6 +152,11 @@ struct StitchItem {
   /// byte is block element block_lo. The default (0, max) means the whole block.
   std::uint64_t block_lo = 0;
   std::uint64_t block_hi = UINT64_MAX;  ///< clamped to the block's element count
+  /// Elements are converted on the way (an export casting fp32 to bf16): item_bytes is then the
+  /// source element size (float_format_bytes(cast.from)), positions stay in elements, and the
+  /// output tensor at out_offset holds float_format_bytes(cast.to) bytes per element. Disabled
+  /// by default (a byte-exact copy).
+  FloatCast cast;
 };
 
 /** @brief How stitch() reads RawFile sources. */
@@ -189,7 +195,9 @@ struct StitchStats {
  * chunk is read, verified and decoded once, even when it lands in scattered runs). Outputs are
  * written with pwrite; scattered runs shorter than 64 KiB of decoded chunks are copied into a
  * MAP_SHARED mapping of the output instead (one syscall per run would dominate). Memory use is
- * bounded by threads x (2 x task_bytes + 2 x the largest chunk) plus the mappings.
+ * bounded by threads x (2 x task_bytes + 2 x the largest chunk) plus the mappings. Items with an
+ * enabled StitchItem::cast are converted in memory after reading or decoding (never through the
+ * in-kernel copy), with one more per-thread buffer of the converted bytes.
  * @param items the copies; items may share inputs and outputs; their destinations must not overlap.
  * @param options see StitchOptions.
  * @return counters.
@@ -205,8 +213,10 @@ struct StitchStats {
  *         the chunks of a tensor do not supply exactly its range [lo, hi);
  *         std::invalid_argument for inconsistent items (bad geometry, zero item size, an output
  *         range beyond the output file, a chunk whose raw_len does not match its block range,
- *         raw and encoded sources mixed in one tensor). The first failure is thrown after every
- * task has finished; outputs are then partially written (the caller owns cleanup).
+ *         raw and encoded sources mixed in one tensor, a cast whose source size differs from
+ *         item_bytes or that the items of one tensor disagree on). The first failure is thrown
+ *         after every task has finished; outputs are then partially written (the caller owns
+ *         cleanup).
  */
 StitchStats stitch(const std::vector<StitchItem>& items, const StitchOptions& options);
 

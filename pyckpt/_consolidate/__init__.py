@@ -10,14 +10,15 @@ scanned tensors.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import time
-from collections.abc import Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
 from typing import Any, cast
 
-from pyckpt import _C, _knobs
+from pyckpt import _C, _export, _knobs
 from pyckpt._collective import Group, agree, group_info
 from pyckpt._consolidate.nodelocal import DEFAULT_BATCH_BYTES, run_share_nodelocal
 from pyckpt._consolidate.plan import INDEX_NAME, _Plan, make_plan
@@ -28,9 +29,11 @@ from pyckpt._consolidate.run import (
     create_outputs,
     remove_temps,
     run_share,
+    tensor_digest,
     write_index,
 )
-from pyckpt._consolidate.scan import ScannedTensors, is_pyckpt, scan
+from pyckpt._consolidate.scan import ScannedTensors, _Tensor, is_pyckpt, scan
+from pyckpt._export import AUTO
 from pyckpt._peer import discover
 
 __all__ = ["consolidate", "ConsolidationResult", "INDEX_NAME", "select_tensors"]
@@ -40,13 +43,52 @@ logger = logging.getLogger("pyckpt.consolidate")
 _INPUT_MODES = ("pread", "mmap")
 
 
-def select_tensors(tensors: ScannedTensors) -> ScannedTensors:
-    """The seam between scanning and planning: returns the tensors to export, by output name.
+def select_tensors(
+    tensors: ScannedTensors,
+    spec: _export.ExportSpec | None = None,
+    *,
+    others: Iterable[str] = (),
+    digest: Callable[[_Tensor], bytes] | None = None,
+) -> tuple[ScannedTensors, _export.ExportChoice | None]:
+    """The seam between scanning and planning: the tensors to export, by output name.
 
-    Today every scanned tensor is exported under its own name. A selection step (filter by
-    prefix, rename, skip) replaces this mapping; each value's ``name`` must equal its key.
+    Applies ``spec`` (:func:`pyckpt._export.make_spec`): selection, renaming, the dtype cast and
+    tied-weight dedup. Each returned value's ``name`` equals its key; a cast tensor carries
+    ``cast_to``. Without a spec every supported tensor is exported under its own name.
+
+    Args:
+        tensors: from :func:`~pyckpt._consolidate.scan.scan`.
+        spec: the export choices; None: everything, unchanged.
+        others: names of non-tensor items (they tell the ``{"model", "optim"}`` layout apart).
+        digest: content digest of a tensor, for tied-weight candidates (needed with dedup).
+
+    Returns:
+        ``(tensors to export, what was chosen)`` (the choice is None without a spec).
     """
-    return tensors
+    if spec is None:
+        spec = _export.make_spec(select=None)
+    supported = {n: t.dtype for n, t in tensors.items() if not t.unsupported}
+    unsupported = {n: str(t.unsupported) for n, t in tensors.items() if t.unsupported}
+    choice = _export.choose(spec, supported, unsupported, others)
+    pairs = _export.tie_candidates(
+        choice, spec, supported, {n: t.shape for n, t in tensors.items()}
+    )
+    if pairs:
+        if digest is None:
+            raise ValueError("dedup_tied needs a digest function")
+        _export.find_ties(
+            choice, pairs, lambda src: digest(tensors[src]),
+            explicit=not isinstance(spec.dedup_tied, bool),
+        )
+    out: ScannedTensors = {}
+    for name, src in choice.names.items():
+        if name in choice.ties:
+            continue
+        cast = choice.casts.get(name)
+        out[name] = dataclasses.replace(
+            tensors[src], name=name, cast_to=None if cast is None else cast[1]
+        )
+    return out, choice
 
 
 @dataclass(frozen=True)
@@ -60,6 +102,10 @@ class ConsolidationResult:
         total_bytes: tensor data bytes over all files (the index's ``metadata.total_size``).
         rank_bytes: tensor data bytes this rank copied.
         seconds: wall time of the call on this rank.
+        selection: one line saying what was exported (and, for the automatic model-only
+            choice, how to get everything).
+        skipped: tensors left out because safetensors cannot hold their dtype.
+        tied: tied weights written once: name left out -> name written.
     """
 
     files: list[str]
@@ -67,6 +113,9 @@ class ConsolidationResult:
     total_bytes: int
     rank_bytes: int
     seconds: float
+    selection: str = ""
+    skipped: list[str] = field(default_factory=list)
+    tied: dict[str, str] = field(default_factory=dict)
 
 
 # --------------------------------------------------------------------------- public API
@@ -83,6 +132,11 @@ def consolidate(
     fsync: bool | None = None,
     progress: ProgressFn | None = None,
     input_mode: str | None = None,
+    select: Any = AUTO,
+    strip_prefix: str | list[str] | None = None,
+    rename: Mapping[str, str] | Callable[[str], str] | None = None,
+    dtype: Any = None,
+    dedup_tied: bool | Mapping[str, str] = False,
     shared_filesystem: bool = True,
     batch_bytes: int | None = None,
 ) -> ConsolidationResult:
@@ -138,6 +192,24 @@ def consolidate(
         input_mode: how input shards are read: ``"pread"`` or ``"mmap"`` (a mapping with
             ``madvise(SEQUENTIAL|WILLNEED)``); default ``PYCKPT_CONSOLIDATE_INPUT``, else
             ``"pread"``.
+        select: which tensors to export (see docs/CONSOLIDATE.md, "Choosing what to export").
+            Default: when the checkpoint's top level holds ``model`` and ``optim`` (or
+            ``optimizer``), as in ``dcp.save({"model": ..., "optim": ...})``, only the tensors
+            under ``model.``, named without that prefix (logged, and in ``result.selection``);
+            otherwise every tensor. ``None``: every tensor. Else a prefix, a compiled regex
+            (``re.search``), a list of prefixes and regexes, or a callable ``(name) -> bool``.
+        strip_prefix: prefix(es) removed from the selected names (the longest that matches).
+        rename: ``{old_prefix: new_prefix}`` (longest match) or a callable ``(name) -> name``,
+            applied after ``strip_prefix``. Two tensors ending with one name raise
+            ``ExportNameCollisionError`` naming both.
+        dtype: cast floating tensors (F64/F32/F16/BF16) to ``"bf16"``, ``"fp16"`` or ``"fp32"``
+            (or ``torch.bfloat16`` ...) natively on the way, rounding to nearest even exactly as
+            ``Tensor.to``; integer, bool, complex and float8 tensors are never cast.
+        dedup_tied: ``True`` writes an output head tied to the input embedding (2-D tensors of
+            equal dtype, shape and bytes, one named ``*embed*``, ``*wte.*`` or ``*shared.*``)
+            once, keeping the embedding as ``transformers``' ``save_pretrained`` does; or
+            ``{dropped: kept}`` output names, verified equal. Left-out names are listed under ``metadata.tied_weights`` in the
+            index (not in ``weight_map``).
         shared_filesystem: False when ``src`` is a node-local pyckpt checkpoint (saved with
             ``shared_filesystem=False``): each rank sees only its own node's files under
             ``src``. Every output file is then written whole by one rank into that rank's
@@ -158,8 +230,11 @@ def consolidate(
         ChecksumError: a pyckpt chunk does not match its recorded checksum (names the tensor,
             the data file and the chunk's offset); no output file is left behind.
         CompressionError: a pyckpt chunk's zstd frame does not decode.
-        UnsupportedDtypeError: a pyckpt tensor whose dtype safetensors cannot represent (names
-            the tensor), or a sub-byte dtype sharded at a non-byte boundary.
+        UnsupportedDtypeError: a selected pyckpt tensor whose dtype safetensors cannot represent
+            (names the tensor; unselected ones, and any under the default selection, are
+            skipped with a ``UserWarning`` naming them), or a sub-byte dtype sharded at a
+            non-byte boundary.
+        ExportNameCollisionError: two exported tensors would get the same name.
         FileNotFoundError / OSError: I/O failures, with the file name.
         ValueError: bad arguments.
     """
@@ -176,7 +251,8 @@ def consolidate(
         return cast(ConsolidationResult, _objstore.consolidate_staged(
             consolidate, src, dst, process_group=process_group, fqn_to_file=fqn_to_file,
             max_file_bytes=max_file_bytes, threads=threads, fsync=fsync, progress=progress,
-            input_mode=input_mode))
+            input_mode=input_mode, select=select, strip_prefix=strip_prefix, rename=rename,
+            dtype=dtype, dedup_tied=dedup_tied))
     group = group_info(process_group)
     rank, world = group.rank, group.world
     nthreads = _knobs.num_threads() if threads is None else int(threads)
@@ -187,20 +263,29 @@ def consolidate(
     if mode not in _INPUT_MODES:
         raise ValueError(f"input_mode must be one of {', '.join(_INPUT_MODES)}, got {input_mode!r}")
 
+    spec = _export.make_spec(select, strip_prefix, rename, dtype, dedup_tied)
+
     if not shared_filesystem:
         return _consolidate_nodelocal(
             src, dst, group, fqn_to_file, max_file_bytes, nthreads, do_fsync, progress, mode,
-            DEFAULT_BATCH_BYTES if batch_bytes is None else int(batch_bytes), start,
+            DEFAULT_BATCH_BYTES if batch_bytes is None else int(batch_bytes), start, spec,
         )
 
-    def plan_and_create() -> _Plan:
-        tensors = select_tensors(scan(src))
+    def plan_and_create() -> tuple[_Plan, _export.ExportChoice | None]:
+        others: list[str] = []
+        tensors, choice = select_tensors(
+            scan(src, others=others), spec, others=others,
+            digest=lambda t: tensor_digest(t, dst, nthreads, mode),
+        )
         p = make_plan(tensors, world, fqn_to_file, max_file_bytes)
+        if choice is not None:
+            p.ties = dict(choice.ties)
         create_outputs(p, dst)
-        return p
+        return p, choice
 
-    plan, _ = agree(plan_and_create, group, ranks="root", what="planning")
-    assert plan is not None
+    planned, _ = agree(plan_and_create, group, ranks="root", what="planning")
+    assert planned is not None
+    plan, choice = planned
     cleanup = (lambda: remove_temps(plan, dst)) if rank == 0 else None
 
     rank_bytes, _ = agree(
@@ -222,6 +307,9 @@ def consolidate(
         total_bytes=plan.total_bytes,
         rank_bytes=int(rank_bytes or 0),
         seconds=seconds,
+        selection="" if choice is None else choice.description,
+        skipped=[] if choice is None else list(choice.skipped),
+        tied=dict(plan.ties),
     )
 
 
@@ -237,23 +325,34 @@ def _consolidate_nodelocal(
     mode: str,
     batch_bytes: int,
     start: float,
+    spec: _export.ExportSpec,
 ) -> ConsolidationResult:
     """consolidate() for a node-local checkpoint (see its ``shared_filesystem`` argument)."""
     if batch_bytes < 1:
         raise ValueError(f"batch_bytes must be positive, got {batch_bytes}")
+    if spec.dedup_tied is not False:
+        # Comparing the candidates' bytes would need them gathered on rank 0.
+        raise ValueError("dedup_tied is not supported with shared_filesystem=False")
     rank = group.rank
     _, files = discover(src, group)  # collective; every rank raises a failure of any rank
 
-    def plan_only() -> _Plan:
+    def plan_only() -> tuple[_Plan, _export.ExportChoice | None]:
         if not is_pyckpt(src):
             raise ValueError(
                 f"{src}: shared_filesystem=False needs a pyckpt checkpoint (pyckpt.json)"
             )
-        tensors = select_tensors(scan(src, check_files=False))
-        return make_plan(tensors, group.world, fqn_to_file, max_file_bytes, whole_files=True)
+        others: list[str] = []
+        tensors, choice = select_tensors(
+            scan(src, check_files=False, others=others), spec, others=others
+        )
+        return (
+            make_plan(tensors, group.world, fqn_to_file, max_file_bytes, whole_files=True),
+            choice,
+        )
 
-    plan, _ = agree(plan_only, group, ranks="root", what="planning")
-    assert plan is not None
+    planned, _ = agree(plan_only, group, ranks="root", what="planning")
+    assert planned is not None
+    plan, choice = planned
     mine = [i for i, w in enumerate(plan.writers) if w == rank]
     cleanup = lambda: remove_temps(plan, dst, mine)  # noqa: E731
     agree(lambda: create_outputs(plan, dst, mine), group, on_failure=cleanup, what="creating files")
@@ -281,4 +380,6 @@ def _consolidate_nodelocal(
         total_bytes=plan.total_bytes,
         rank_bytes=rank_bytes,
         seconds=seconds,
+        selection="" if choice is None else choice.description,
+        skipped=[] if choice is None else list(choice.skipped),
     )

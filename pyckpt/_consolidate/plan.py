@@ -40,6 +40,7 @@ class _Plan:
     shares: list[list[tuple[int, int, int]]]  # per rank: (file index, lo, hi) of data sections
     index_tmp: str
     writers: list[int] = field(default_factory=list)  # per file: its writing rank (whole_files)
+    ties: dict[str, str] = field(default_factory=dict)  # tied weight left out -> the copy written
 
     @property
     def total_bytes(self) -> int:
@@ -105,8 +106,11 @@ def _byte_geometry(t: _Tensor, b: _Block) -> tuple[list[int], list[int], list[in
     Sub-byte dtypes (F4, F6_*) are stitched as bytes: the last dimension is rescaled, which needs
     every shard boundary along it to fall on a byte boundary. pyckpt pieces are always stitched
     as bytes (last dimension times the element size, a scalar as a vector of its bytes): their
-    chunks are byte ranges that may start or end inside an element.
+    chunks are byte ranges that may start or end inside an element. A tensor cast on the way
+    (``cast_to``) is stitched in whole source elements instead: the stitcher converts elements.
     """
+    if t.cast_to is not None:
+        return list(t.shape), list(b.offsets), list(b.sizes), t.bits // 8
     if t.encoded:
         item = t.bits // 8
         if not t.shape:
@@ -154,12 +158,19 @@ def make_plan(
         whole_files: give every output file to exactly one rank (never split a file between
             ranks), as needed when each rank writes into its own local directory.
     """
+    bad = sorted(n for n, t in tensors.items() if t.unsupported)
+    if bad:
+        raise UnsupportedDtypeError(
+            f"tensor {bad[0]!r} has dtype {tensors[bad[0]].unsupported}, which safetensors cannot "
+            "represent"
+        )
     groups = _assign_files(tensors, fqn_to_file, max_file_bytes)
     token = uuid.uuid4().hex[:12]
     files: list[_OutFile] = []
     for fname, members in groups.items():
         header, layout, data_bytes = _C.safetensors_header(
-            [(n, tensors[n].dtype, list(tensors[n].shape)) for n in members], [("format", "pt")]
+            [(n, tensors[n].out_dtype, list(tensors[n].shape)) for n in members],
+            [("format", "pt")],
         )
         files.append(
             _OutFile(
@@ -172,7 +183,7 @@ def make_plan(
             )
         )
     work = [
-        [(e - b, max(1, tensors[n].bits // 8) if tensors[n].bits % 8 == 0 else 1)
+        [(e - b, max(1, tensors[n].out_bits // 8) if tensors[n].out_bits % 8 == 0 else 1)
          for n, b, e in f.tensors]
         for f in files
     ]

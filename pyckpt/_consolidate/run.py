@@ -7,19 +7,23 @@ into place and the index is written last.
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import json
 import os
+import tempfile
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from pyckpt import _C
-from pyckpt._consolidate.plan import INDEX_NAME, _byte_geometry, _Plan
-from pyckpt.errors import PyckptError
+from pyckpt._consolidate.plan import INDEX_NAME, _byte_geometry, _OutFile, _Plan
+from pyckpt._consolidate.scan import _Tensor
+from pyckpt.errors import PyckptError, UnsupportedDtypeError
 
 __all__ = [
     "ProgressFn", "create_outputs", "remove_temps", "stitch_items", "run_share", "commit",
-    "commit_files", "write_index", "stitch",
+    "tensor_digest", "commit_files", "write_index", "stitch",
 ]
 
 _TASK_BYTES = 16 << 20
@@ -83,21 +87,24 @@ def stitch_items(plan: _Plan, dst: str, share: list[tuple[int, int, int]]) -> li
             if a >= b:
                 continue
             t = plan.tensors[name]
+            cast = None if t.cast_to is None else (t.dtype, t.cast_to)
             for blk in t.blocks:
                 shape, offsets, sizes, item = _byte_geometry(t, blk)
+                out_item = item if cast is None else t.out_bits // 8  # output bytes per element
                 if blk.segments is not None:
                     items.extend(
                         _chunk_items(
                             name, shape, offsets, sizes, blk.segments, out_path,
-                            f.data_start + begin, a - begin, b - begin,
+                            f.data_start + begin, (a - begin) // out_item,
+                            (b - begin) // out_item, item, cast,
                         )
                     )
                     continue
                 items.append(
                     (
                         name, shape, offsets, sizes, item, blk.path, blk.offset, out_path,
-                        f.data_start + begin, (a - begin) // item, (b - begin) // item,
-                        0, 2**64 - 1,
+                        f.data_start + begin, (a - begin) // out_item, (b - begin) // out_item,
+                        0, 2**64 - 1, cast,
                     )
                 )
     return items
@@ -113,11 +120,15 @@ def _chunk_items(
     out_offset: int,
     lo: int,
     hi: int,
+    item: int = 1,
+    cast: tuple[str, str] | None = None,
 ) -> list[tuple]:
     """Stitcher items (one per chunk) for the chunks of a pyckpt piece that reach [lo, hi).
 
     Byte geometry (item size 1): chunk ``[p, q)`` of the piece's raw bytes is block elements
-    ``[p, q)``. A chunk whose first and last byte both land before ``lo`` or at/after ``hi`` of
+    ``[p, q)``. With a ``cast``, the geometry is in elements of ``item`` bytes: chunk ``[p, q)``
+    is block elements ``[p / item, q / item)``, so every chunk must hold whole elements (pyckpt
+    writes chunks of a multiple of 4096 bytes, so its own checkpoints always do). A chunk whose first and last byte both land before ``lo`` or at/after ``hi`` of
     the tensor is left out (the stitcher would skip it anyway; this keeps the item list short
     when ranks split a large tensor).
     """
@@ -138,11 +149,18 @@ def _chunk_items(
         for rec in chunks:
             p, q = pos, pos + rec[1]
             pos = q
+            if item != 1:
+                if p % item or q % item:
+                    raise UnsupportedDtypeError(
+                        f"tensor {name!r} cannot be cast on export: its chunk at offset {rec[0]} "
+                        f"of {path} holds raw bytes [{p}, {q}), not whole {item}-byte elements"
+                    )
+                p, q = p // item, q // item
             if p == q or global_index(q - 1) < lo or global_index(p) >= hi:
                 continue
             items.append(
-                (name, shape, offsets, sizes, 1, path, (rec, params), out_path, out_offset,
-                 lo, hi, p, q)
+                (name, shape, offsets, sizes, item, path, (rec, params), out_path, out_offset,
+                 lo, hi, p, q, cast)
             )
     return items
 
@@ -207,6 +225,39 @@ def stitch(
     return base
 
 
+def tensor_digest(t: _Tensor, scratch_dir: str, threads: int, input_mode: str = "pread") -> bytes:
+    """BLAKE2b of a tensor's full row-major bytes as stored (before any cast).
+
+    The tensor is stitched (decoded and checksum-verified, like an export) into a hidden scratch
+    file in ``scratch_dir``, hashed and removed: the bytes of two tensors can then be compared
+    whatever their sharding. Used for the few tied-weight candidates only.
+    """
+    whole = dataclasses.replace(t, cast_to=None)
+    nbytes = whole.nbytes
+    os.makedirs(scratch_dir, exist_ok=True)
+    fd, path = tempfile.mkstemp(prefix=".pyckpt-tie-", suffix=".tmp", dir=scratch_dir)
+    try:
+        os.ftruncate(fd, nbytes)
+        base = os.path.basename(path)
+        out = _OutFile(base, base, b"", nbytes, 0, [(t.name, 0, nbytes)])
+        plan = _Plan({t.name: whole}, [out], [[(0, 0, nbytes)]], index_tmp="")
+        items = stitch_items(plan, scratch_dir, plan.shares[0])
+        if items:
+            _C.stitch(items, threads, _TASK_BYTES, input_mode, False)
+        h = hashlib.blake2b(digest_size=32)
+        pos = 0
+        while pos < nbytes:
+            block = os.pread(fd, min(_TASK_BYTES, nbytes - pos), pos)
+            if not block:
+                raise PyckptError(f"{path}: scratch file ended at {pos} of {nbytes} bytes")
+            h.update(block)
+            pos += len(block)
+        return h.digest()
+    finally:
+        os.close(fd)
+        _unlink_quiet(path)
+
+
 def _fsync_dir(path: str) -> None:
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
@@ -252,8 +303,11 @@ def commit_files(plan: _Plan, dst: str, fsync: bool, indices: Sequence[int] | No
 
 def write_index(plan: _Plan, dst: str, fsync: bool) -> None:
     """Writes ``model.safetensors.index.json`` atomically (the last step of an export)."""
+    metadata: dict[str, Any] = {"total_size": plan.total_bytes}
+    if plan.ties:  # written once: the index records which name each left-out copy equals
+        metadata["tied_weights"] = dict(sorted(plan.ties.items()))
     index = {
-        "metadata": {"total_size": plan.total_bytes},
+        "metadata": metadata,
         "weight_map": {n: f.name for f in plan.files for n, _, _ in f.tensors},
     }
     tmp = os.path.join(dst, plan.index_tmp)

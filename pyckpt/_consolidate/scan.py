@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any, cast
 
 from pyckpt import _C
-from pyckpt.errors import CheckpointFormatError, PyckptError, UnsupportedDtypeError
+from pyckpt.errors import CheckpointFormatError, PyckptError
 
 __all__ = ["scan", "is_pyckpt", "ScannedTensors"]
 
@@ -48,10 +48,22 @@ class _Tensor:
     bits: int
     blocks: list[_Block] = field(default_factory=list)
     encoded: bool = False  # pyckpt input: blocks are decoded from chunks, stitched as bytes
+    cast_to: str | None = None  # export: floats converted to this dtype on the way
+    unsupported: str | None = None  # pyckpt dtype safetensors cannot hold (dtype is then "")
+
+    @property
+    def out_dtype(self) -> str:
+        """The dtype written to the output (``dtype`` unless cast)."""
+        return self.cast_to or self.dtype
+
+    @property
+    def out_bits(self) -> int:
+        return self.bits if self.cast_to is None else _C.safetensors_dtype_bits(self.cast_to)
 
     @property
     def nbytes(self) -> int:
-        n = self.bits
+        """Bytes of the tensor in the output."""
+        n = self.out_bits
         for d in self.shape:
             n *= d
         return n // 8
@@ -147,7 +159,8 @@ def _scan_safetensors(src: str) -> dict[str, _Tensor]:
 
 
 #: pyckpt dtype (torch name) -> safetensors dtype. Absent: no safetensors spelling exists
-#: (complex128, complex32), refused with UnsupportedDtypeError.
+#: (complex128, complex32): such tensors are skipped with a warning unless selected (then
+#: UnsupportedDtypeError).
 _ST_DTYPES: dict[str, str] = {
     "float64": "F64",
     "float32": "F32",
@@ -179,11 +192,20 @@ def is_pyckpt(src: str) -> bool:
     return os.path.isfile(os.path.join(src, METADATA_FILE))
 
 
-def _scan_pyckpt(src: str, check_files: bool = True) -> dict[str, _Tensor]:
-    """Reads a pyckpt checkpoint's metadata; every stored tensor becomes a _Tensor of pieces."""
+def _scan_pyckpt(
+    src: str, check_files: bool = True, others: list[str] | None = None
+) -> dict[str, _Tensor]:
+    """Reads a pyckpt checkpoint's metadata; every stored tensor becomes a _Tensor of pieces.
+
+    A tensor whose dtype safetensors cannot hold is kept with ``unsupported`` set (and no
+    blocks): the selection step skips it with a warning, or refuses it when it is selected.
+    ``others`` receives the names of the non-tensor items.
+    """
     from pyckpt._format import DTYPE_SIZES, read_index
 
     index = read_index(src, all_files=check_files)
+    if others is not None:
+        others.extend(index.bytes_items)
     if index.bytes_items:
         logger.info(
             "%s: skipping %d non-tensor item(s) (DCP BYTE_IO values have no safetensors form)",
@@ -196,9 +218,10 @@ def _scan_pyckpt(src: str, check_files: bool = True) -> dict[str, _Tensor]:
         st = index.tensors[name]
         dtype = _ST_DTYPES.get(st.dtype)
         if dtype is None:
-            raise UnsupportedDtypeError(
-                f"tensor {name!r} has dtype {st.dtype}, which safetensors cannot represent"
+            tensors[name] = _Tensor(
+                name, "", tuple(st.shape), 8 * DTYPE_SIZES.get(st.dtype, 0), unsupported=st.dtype
             )
+            continue
         bits = _C.safetensors_dtype_bits(dtype)
         if bits != 8 * DTYPE_SIZES[st.dtype]:  # the two tables must agree
             raise PyckptError(f"dtype tables disagree on {st.dtype} / {dtype}")
@@ -215,7 +238,9 @@ def _scan_pyckpt(src: str, check_files: bool = True) -> dict[str, _Tensor]:
 
 
 
-def scan(src: str, *, check_files: bool = True) -> ScannedTensors:
+def scan(
+    src: str, *, check_files: bool = True, others: list[str] | None = None
+) -> ScannedTensors:
     """Reads the input's headers or metadata: every tensor with the blocks that tile it.
 
     Args:
@@ -223,7 +248,8 @@ def scan(src: str, *, check_files: bool = True) -> ScannedTensors:
         check_files: for a pyckpt checkpoint, require every data file the metadata names to be
             present in ``src`` (off for node-local checkpoints, whose files are spread over
             the nodes).
+        others: if given, receives the names of a pyckpt checkpoint's non-tensor items.
     """
     if is_pyckpt(src):
-        return _scan_pyckpt(src, check_files=check_files)
+        return _scan_pyckpt(src, check_files=check_files, others=others)
     return _scan_safetensors(src)
