@@ -178,8 +178,8 @@ void check_count(std::size_t count) {
 }  // namespace
 
 std::vector<std::uint64_t> block_digests(const std::vector<ByteSpan>& spans,
-                                         const std::vector<std::uint64_t>& seeds,
-                                         std::size_t block, std::size_t threads) {
+                                         const std::vector<std::uint64_t>& seeds, std::size_t block,
+                                         std::size_t threads) {
   check_block(block);
   if (seeds.size() != spans.size()) {
     throw std::invalid_argument("block digests: one seed per span is needed");

@@ -36,8 +36,8 @@ struct ByteSpan {
  * @note The spans must stay valid and unchanged during the call; no Python is touched.
  */
 std::vector<std::uint64_t> block_digests(const std::vector<ByteSpan>& spans,
-                                         const std::vector<std::uint64_t>& seeds,
-                                         std::size_t block, std::size_t threads);
+                                         const std::vector<std::uint64_t>& seeds, std::size_t block,
+                                         std::size_t threads);
 
 /**
  * @brief The blocks that a sampled digest of `n` bytes reads, in increasing order.
