@@ -6,15 +6,17 @@ the planners alternating between repeats); the table gives the median save wall 
 rank, barrier to barrier) and the bytes each rank wrote, read from the data files on disk. A second table times the coordinator's global planning on
 synthetic local plans of many tensors.
 
-The replica check (every rank hashes every replicated byte it holds, the coordinator compares
-the digests) is measured twice: end to end, as the save time of ``pyckpt`` (check on, the
-default) against ``pyckpt-nocheck`` (``SavePlanner(check_replicas=False)``); and directly, as
-the time each rank spends in ``pyckpt.planner.replica_digests`` over its state dict (``check
-s``, slowest rank, median of the repeats; ``check %`` = that over the ``pyckpt-nocheck`` save
-time). At world size 1 the check does not run (nothing to compare), but ``check s`` is still
-measured.
+The replica check (every rank digests the replicated tensors it holds, the coordinator compares
+the digests) is measured in both of its modes, ``sample`` (the default: at most 1 MiB read per
+tensor) and ``full`` (every byte): end to end, as the save time of ``pyckpt`` (default check)
+and ``pyckpt-full`` (``check_replicas="full"``) against ``pyckpt-nocheck``
+(``check_replicas=False``); and directly, as the time each rank spends in
+``pyckpt.planner.replica_digests`` over its state dict (all ranks at once, as in a save; slowest
+rank per repeat), given as median [min-max] over the repeats and as a share of the median
+``pyckpt-nocheck`` save. At world size 1 the check does not run (nothing to compare), but its
+time is still measured.
 
-    python benchmarks/bench_replicated.py --worlds 2 4 --plan-counts   # check cost only
+    python benchmarks/bench_replicated.py --check-cost --repeats 5   # check cost only, 2 and 4 ranks
 
     python benchmarks/bench_replicated.py --size-gib 1 --worlds 1 2 4 --json replicated.json
     python benchmarks/bench_replicated.py --workload single --plan-counts   # saves only
@@ -41,21 +43,25 @@ import sys
 import tempfile
 import time
 import traceback
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.multiprocessing as mp
 
 from pyckpt import tools
 
-PLANNERS = ("pyckpt", "pyckpt-nocheck", "dcp-default")
+PLANNERS = ("pyckpt", "pyckpt-full", "pyckpt-nocheck", "dcp-default")
+CHECK_PLANNERS = ("pyckpt", "pyckpt-full", "pyckpt-nocheck")
+CHECK_MODES: tuple[Literal["sample", "full"], ...] = ("sample", "full")
 
 
 def _planner(name: str) -> Any:
     import pyckpt
 
     if name == "pyckpt":
-        return pyckpt.SavePlanner()
+        return pyckpt.SavePlanner()  # the default check: sampled
+    if name == "pyckpt-full":
+        return pyckpt.SavePlanner(check_replicas="full")
     if name == "pyckpt-nocheck":
         return pyckpt.SavePlanner(check_replicas=False)
     return None  # DCP's DefaultSavePlanner
@@ -69,17 +75,22 @@ def _tensors(tree: Any) -> list[torch.Tensor]:
     return [tree] if isinstance(tree, torch.Tensor) else []
 
 
-def time_hashing(sd: dict[str, Any], repeats: int) -> list[float]:
-    """Seconds per repeat for the replica check's hashing of every tensor of ``sd`` (what each
-    rank does in SavePlanner.create_local_plan when every tensor is replicated)."""
+def time_hashing(sd: dict[str, Any], repeats: int, barrier: Any = None) -> dict[str, list[float]]:
+    """Seconds per repeat of the replica check's digests of every tensor of ``sd`` (what each
+    rank does in SavePlanner.create_local_plan when every tensor is replicated), per mode
+    (``check-sample``, ``check-full``); the modes alternate, ``barrier`` (if any) starts every
+    rank's repeat together."""
     from pyckpt.planner import replica_digests
 
     tensors = _tensors(sd)
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        replica_digests(tensors)
-        times.append(time.perf_counter() - start)
+    times: dict[str, list[float]] = {f"check-{mode}": [] for mode in CHECK_MODES}
+    for r in range(repeats):
+        for mode in CHECK_MODES if r % 2 == 0 else CHECK_MODES[::-1]:
+            if barrier is not None:
+                barrier()
+            start = time.perf_counter()
+            replica_digests(tensors, mode=mode)
+            times[f"check-{mode}"].append(time.perf_counter() - start)
     return times
 
 
@@ -139,8 +150,7 @@ def _save_rank(
         try:
             sd = make_state_dict(workload, size)  # identical on every rank
             times: dict[str, list[float]] = {name: [] for name in planners}
-            dist.barrier()
-            times["check"] = time_hashing(sd, repeats)
+            times.update(time_hashing(sd, repeats, dist.barrier))
             for name in _alternating(planners, repeats):
                 path = os.path.join(root, f"w{world}-{name}")
                 planner = _planner(name)
@@ -170,7 +180,7 @@ def _single_process_save(
 
     sd = make_state_dict(workload, size)
     times: dict[str, list[float]] = {name: [] for name in planners}
-    times["check"] = time_hashing(sd, repeats)
+    times.update(time_hashing(sd, repeats))
     for name in _alternating(planners, repeats):
         path = os.path.join(root, f"w1-{name}")
         planner = _planner(name)
@@ -187,8 +197,8 @@ def run_saves(
     world: int, workload: str, size: int, root: str, planners: list[str], repeats: int
 ) -> dict[str, list[float]]:
     """Saves on ``world`` spawned gloo ranks; returns per planner the time of each repeat
-    (slowest rank, barrier to barrier), and under ``"check"`` the replica hashing time of each
-    repeat (slowest rank)."""
+    (slowest rank, barrier to barrier), and under ``"check-sample"`` / ``"check-full"`` the
+    replica digest time of each repeat (slowest rank)."""
     if world == 1:
         return _single_process_save(workload, size, root, planners, repeats)
     ctx = mp.get_context("spawn")
@@ -222,7 +232,7 @@ def run_saves(
                 p.join()
     return {
         name: [max(results[r][name][k] for r in range(world)) for k in range(repeats)]
-        for name in [*planners, "check"]
+        for name in [*planners, *(f"check-{mode}" for mode in CHECK_MODES)]
     }
 
 
@@ -279,6 +289,57 @@ def _mib(n: float) -> str:
     return f"{n / (1 << 20):.1f}"
 
 
+def _spread(samples: list[float]) -> str:
+    """``median [min-max]`` in seconds."""
+    return f"{statistics.median(samples):.3f} [{min(samples):.3f}-{max(samples):.3f}]"
+
+
+def check_read_bytes(sd: dict[str, Any]) -> dict[str, int]:
+    """Bytes each rank's check reads per mode (``sample``: tensors up to a sample whole, at
+    most one sample of larger ones)."""
+    from pyckpt import planner
+
+    sample = planner._SAMPLE_BLOCK_BYTES * planner._SAMPLE_BLOCKS
+    sizes = [t.numel() * t.element_size() for t in _tensors(sd)]
+    return {"off": 0, "sample": sum(min(n, sample) for n in sizes), "full": sum(sizes)}
+
+
+def check_rows(
+    world: int, times: dict[str, list[float]], read: dict[str, int]
+) -> list[dict[str, Any]]:
+    """The replica check's cost at one world size, per mode: its own time per rank and the
+    save with it, against the save without it (``pyckpt-nocheck``)."""
+    base = statistics.median(times["pyckpt-nocheck"])
+    rows = []
+    for mode, planner in (("off", "pyckpt-nocheck"), ("sample", "pyckpt"), ("full", "pyckpt-full")):
+        check = times.get(f"check-{mode}", [0.0])
+        save = times[planner]
+        rows.append(
+            {
+                "world": world,
+                "mode": mode,
+                "check_s": statistics.median(check),
+                "check_s_samples": check,
+                "check_over_nocheck_save": statistics.median(check) / base,
+                "save_s": statistics.median(save),
+                "save_s_samples": save,
+                "save_over_nocheck_save": statistics.median(save) / base,
+                "read_bytes_per_rank": read[mode],
+            }
+        )
+    return rows
+
+
+def print_check_rows(rows: list[dict[str, Any]]) -> None:
+    for row in rows:
+        check = "-" if row["mode"] == "off" else f"{_spread(row['check_s_samples'])} s"
+        share = "-" if row["mode"] == "off" else f"{100 * row['check_over_nocheck_save']:.1f} %"
+        print(
+            f"{row['world']:>5} {row['mode']:<6} {check:>26} {share:>8}   "
+            f"{_spread(row['save_s_samples'])} s  x{row['save_over_nocheck_save']:.3f}"
+        )
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--size-gib", type=float, default=1.0, help="state dict size per rank")
@@ -298,8 +359,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--plan-world", type=int, default=4)
     parser.add_argument("--plan-repeats", type=int, default=5)
     parser.add_argument("--skip-saves", action="store_true")
+    parser.add_argument(
+        "--check-cost",
+        action="store_true",
+        help="only the replica check's cost: worlds 2 and 4 (unless --worlds), planners "
+        "pyckpt / pyckpt-full / pyckpt-nocheck, no planning table",
+    )
     parser.add_argument("--json", default=None, help="also write the results here")
     args = parser.parse_args(argv)
+    planners = list(PLANNERS)
+    if args.check_cost:
+        planners = list(CHECK_PLANNERS)
+        if "--worlds" not in (argv if argv is not None else sys.argv[1:]):
+            args.worlds = [2, 4]
+        args.plan_counts = []
 
     size = int(args.size_gib * (1 << 30))
     report: dict[str, Any] = {
@@ -330,13 +403,15 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"{'world':>5} {'planner':<14} {'save s':>7} {'GB/s':>6} {'max/mean':>8}  MiB per rank"
         )
+        check_table: list[dict[str, Any]] = []
+        read = check_read_bytes(make_state_dict(args.workload, size))
         base = tempfile.mkdtemp(prefix="pyckpt-bench-repl-", dir=args.dir)
         try:
             for world in args.worlds:
                 root = os.path.join(base, f"w{world}")
                 os.makedirs(root)
-                times = run_saves(world, args.workload, size, root, list(PLANNERS), args.repeats)
-                for name in PLANNERS:
+                times = run_saves(world, args.workload, size, root, planners, args.repeats)
+                for name in planners:
                     per_rank = bytes_per_rank(os.path.join(root, f"w{world}-{name}"), world)
                     ratio = max(per_rank) / (sum(per_rank) / world)
                     median = statistics.median(times[name])
@@ -354,25 +429,22 @@ def main(argv: list[str] | None = None) -> int:
                         f"{world:>5} {name:<14} {median:>7.2f} {row['gb_per_s']:>6.2f} "
                         f"{ratio:>8.3f}  {' '.join(_mib(b) for b in per_rank)}"
                     )
-                check = statistics.median(times["check"])
-                base_save = statistics.median(times["pyckpt-nocheck"])
-                report["checks"].append(
-                    {
-                        "world": world,
-                        "check_s": check,
-                        "check_s_samples": times["check"],
-                        "check_gb_per_s": total / check / 1e9,
-                        "check_over_save": check / base_save,
-                    }
-                )
-                print(
-                    f"{world:>5} replica check: {check:.3f} s per rank "
-                    f"({total / check / 1e9:.1f} GB/s), {100 * check / base_save:.1f} % of the "
-                    "pyckpt-nocheck save"
-                )
+                rows = check_rows(world, times, read)
+                report["checks"] += rows
+                check_table += rows
                 shutil.rmtree(root)
         finally:
             shutil.rmtree(base, ignore_errors=True)
+        print(
+            f"\nreplica check per rank (slowest rank; median [min-max] of {args.repeats}), share "
+            "of the median pyckpt-nocheck save; save with that check, and its ratio to the "
+            "pyckpt-nocheck save"
+        )
+        print(
+            f"check reads per rank: sample {_mib(read['sample'])} MiB, full {_mib(read['full'])} MiB"
+        )
+        print(f"{'world':>5} {'mode':<6} {'check s':>26} {'share':>8}   save s")
+        print_check_rows(check_table)
 
     if args.plan_counts:
         print_planning(args, report)

@@ -16,7 +16,7 @@ import os
 import pickle
 import warnings
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -108,7 +108,7 @@ def save(
     path: str | os.PathLike[str],
     *,
     process_group: Any = None,
-    check_replicas: bool = True,
+    check_replicas: bool | Literal["sample", "full"] = True,
     **writer_options: Any,
 ) -> Metadata:
     """Saves ``state_dict`` to the checkpoint directory ``path`` with DCP.
@@ -122,7 +122,9 @@ def save(
         path: Checkpoint directory; created if missing.
         process_group: Process group of the save (default: the default group, if any).
         check_replicas: Refuse (:class:`pyckpt.ReplicaMismatchError`, before anything is
-            written) replicated tensors whose copies differ across ranks; False saves anyway.
+            written) replicated tensors whose copies differ across ranks. ``True`` /
+            ``"sample"``: compare a sample of at most 1 MiB per tensor; ``"full"``: every
+            byte; ``False``: save anyway (see :class:`pyckpt.SavePlanner`).
         **writer_options: Passed to :class:`pyckpt.Writer` (``compression="zstd"``,
             ``threads``, ``direct_io``, ``fsync``, ``shared_filesystem=False`` for a
             node-local checkpoint, ...).

@@ -18,11 +18,13 @@ bytes, which rank writes which part of each replicated item:
 * non-tensor values (``BYTE_IO`` items) are never split and are written once.
 
 Before any of that, the planner checks that the copies of replicated tensors agree: each rank
-hashes every tensor it holds that other ranks may hold too (:func:`replica_digests`, in the local
+digests every tensor it holds that other ranks may hold too (:func:`replica_digests`, in the local
 plan step), and the coordinator compares the digests of each item's holders. Copies that differ
 (desynchronised DDP replicas, say) would otherwise be saved as a silent mix of the ranks' bytes;
 instead every rank raises :class:`pyckpt.errors.ReplicaMismatchError` before anything is
-written. ``SavePlanner(check_replicas=False)`` skips the check.
+written. By default the digest reads a sample of at most 1 MiB per tensor (the same blocks on
+every rank); ``SavePlanner(check_replicas="full")`` reads every byte, and
+``SavePlanner(check_replicas=False)`` skips the check.
 
 The outcome reaches the storage layer in ``SavePlan.storage_data`` as a :class:`ByteRanges`:
 for every item a rank writes only partially, the half-open byte range of the item's row-major
@@ -38,10 +40,10 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import time
 from collections import ChainMap
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
-from typing import Any, cast
+from typing import Any, Literal, cast
 
 import numpy as np
 import torch
@@ -407,12 +409,25 @@ _ItemKey = tuple[str, tuple[int, ...] | None]
 """An item's identity: its fqn and chunk offset (what ``MetadataIndex`` equality compares)."""
 
 Digest = tuple[str, int]
-"""A content digest: its kind (``"xxh64"`` of the bytes, or ``"rowcol"`` for the device
-checksum of large device tensors) and value."""
+"""A content digest: its kind and value. Kinds: ``"sampled"`` (the default check: a sample of
+blocks, host or device), ``"xxh64"`` (every byte, host copies and small device tensors) and
+``"rowcol"`` (every byte: the device checksum of large device tensors)."""
+
+CheckMode = Literal["sample", "full"]
+"""What a replica check reads: a sample of each tensor (the default) or every byte."""
 
 _HASH_BLOCK_BYTES = 4 << 20
-"""Host copies are hashed in blocks of this many bytes on several threads; small tensors are
-batched so that each task hashes at least this many bytes."""
+"""A full digest hashes host bytes in blocks of this many bytes, on several threads."""
+
+_SAMPLE_BLOCK_BYTES = 16 << 10
+"""A sampled digest reads blocks of this many bytes (16 KiB)."""
+
+_SAMPLE_BLOCKS = 64
+"""A sampled digest reads at most this many blocks of a tensor (1 MiB): the first, the last and
+one in each of 62 equal strata between; a tensor of at most 1 MiB is read whole."""
+
+_DEVICE_BATCH_BYTES = 64 << 20
+"""Device bytes are copied to the host for hashing in batches of at most about this size."""
 
 _DEVICE_SMALL_BYTES = 1 << 20
 """Device tensors up to this size are copied to the host in one batch per device and hashed
@@ -483,41 +498,6 @@ def _xxh64(data: np.ndarray, seed: int = 0) -> int:
     return _C.xxh64(cast(Any, data), seed)
 
 
-def _host_digests(arrays: Sequence[np.ndarray], threads: int) -> list[int]:
-    """XXH64 digests of host byte tensors: each is cut into blocks hashed by the native XXH64
-    (which releases the GIL) on ``threads`` threads; an item's digest is the XXH64, seeded with
-    its length, of its block digests. Every byte is read once."""
-    blocks: list[list[int]] = [[0] * max(1, -(-a.nbytes // _HASH_BLOCK_BYTES)) for a in arrays]
-    tasks: list[list[tuple[int, int, np.ndarray]]] = []
-    task: list[tuple[int, int, np.ndarray]] = []
-    task_bytes = 0
-    for slot, arr in enumerate(arrays):
-        for b in range(len(blocks[slot])):
-            part = arr[b * _HASH_BLOCK_BYTES : (b + 1) * _HASH_BLOCK_BYTES]
-            task.append((slot, b, part))
-            task_bytes += part.nbytes + 256  # small items still cost a call each
-            if task_bytes >= _HASH_BLOCK_BYTES:
-                tasks.append(task)
-                task, task_bytes = [], 0
-    if task:
-        tasks.append(task)
-
-    def run(work: list[tuple[int, int, np.ndarray]]) -> None:
-        for slot, b, part in work:
-            blocks[slot][b] = _xxh64(part)
-
-    if threads > 1 and len(tasks) > 1:
-        with ThreadPoolExecutor(min(threads, len(tasks)), "pyckpt-hash") as pool:
-            for _ in pool.map(run, tasks):
-                pass
-    else:
-        for work in tasks:
-            run(work)
-    return [
-        _xxh64(np.array(digests, dtype="<u8"), arr.nbytes) for arr, digests in zip(arrays, blocks)
-    ]
-
-
 def _rowcol_checksum(flat: torch.Tensor) -> torch.Tensor:
     """The device checksum of one byte tensor, as an int64 tensor on its device.
 
@@ -580,27 +560,120 @@ def _device_digests(flats: Sequence[torch.Tensor]) -> tuple[list[np.ndarray], li
     return arrays, checksums
 
 
-def replica_digests(tensors: Sequence[torch.Tensor], *, threads: int | None = None) -> list[Digest]:
+def _to_host(pieces: Sequence[torch.Tensor]) -> list[np.ndarray]:
+    """Copies byte tensors of one device to the host, concatenated in batches of about
+    :data:`_DEVICE_BATCH_BYTES` (one transfer each, bounding the device's temporary)."""
+    out: list[np.ndarray] = []
+    batch: list[torch.Tensor] = []
+    size = 0
+    for k, piece in enumerate(pieces):
+        batch.append(piece)
+        size += piece.numel()
+        if size >= _DEVICE_BATCH_BYTES or k == len(pieces) - 1:
+            host = torch.cat(batch).cpu().numpy()
+            pos = 0
+            for p in batch:
+                out.append(host[pos : pos + p.numel()])
+                pos += p.numel()
+            batch, size = [], 0
+    return out
+
+
+def _gather_sample(flat: torch.Tensor, blocks: Sequence[int]) -> torch.Tensor:
+    """The given blocks of a byte tensor (increasing, the last one its last block), gathered on
+    its device into one tensor: one ``index_select`` over the whole blocks, plus the tail."""
+    size = _SAMPLE_BLOCK_BYTES
+    last = blocks[-1]
+    body = flat[: last * size].view(last, size)
+    index = torch.tensor(blocks[:-1], dtype=torch.long, device=flat.device)
+    return torch.cat([body.index_select(0, index).reshape(-1), flat[last * size :]])
+
+
+def _device_samples(flats: Sequence[torch.Tensor]) -> list[np.ndarray]:
+    """The bytes that a sampled digest reads from byte tensors on devices, on the host.
+
+    Per device, two small transfers: the first and last blocks of the tensors larger than a
+    sample (they seed the choice of blocks, as in ``_C.sampled_blocks``), then the chosen
+    blocks, gathered on the device, and the smaller tensors whole. Hashing the result with
+    ``_C.block_digests`` (seed: the tensor's size) gives the digest ``_C.sampled_digests``
+    computes from a host copy.
+    """
+    size, count = _SAMPLE_BLOCK_BYTES, _SAMPLE_BLOCKS
+    out = [np.empty(0, dtype=np.uint8)] * len(flats)
+    for device in {f.device for f in flats}:
+        slots = [i for i, f in enumerate(flats) if f.device == device]
+        large = [i for i in slots if flats[i].numel() > size * count]
+        ends = []
+        for i in large:
+            ends += [flats[i][:size], flats[i][(flats[i].numel() - 1) // size * size :]]
+        end_digests = [_xxh64(e) for e in _to_host(ends)]
+        seeds = {i: end_digests[2 * k : 2 * k + 2] for k, i in enumerate(large)}
+        pieces = []
+        for i in slots:
+            flat = flats[i]
+            if i in seeds:
+                blocks = _C.sampled_blocks(flat.numel(), size, count, *seeds[i])
+                flat = _gather_sample(flat, blocks)
+            pieces.append(flat)
+        for i, host in zip(slots, _to_host(pieces)):
+            out[i] = host
+    return out
+
+
+def replica_digests(
+    tensors: Sequence[torch.Tensor], *, mode: CheckMode = "full", threads: int | None = None
+) -> list[Digest]:
     """Content digests of tensors, for comparing copies of replicated state across ranks.
 
-    Host tensors get an XXH64-based digest (hashed in blocks on ``threads`` threads with the GIL
-    released; each byte read once), and so do device tensors of up to 1 MiB, copied to the host
-    in one batch. Larger device tensors get a checksum computed on the device (row and column
-    sums, see ``_rowcol_checksum``), so their bytes are not copied to the host. Digests depend
-    only on the values' bytes (row-major), not on strides or, for one kind, on the device.
+    ``mode="full"`` reads every byte: host tensors get an XXH64-based digest (the native XXH64
+    of 4 MiB blocks, hashed on ``threads`` threads with the GIL released, then of the block
+    digests), and so do device tensors of up to 1 MiB, copied to the host in one batch. Larger
+    device tensors get a checksum computed on the device (row and column sums, see
+    ``_rowcol_checksum``), so their bytes are not copied to the host.
+
+    ``mode="sample"`` reads at most 1 MiB per tensor: tensors up to 1 MiB whole, larger ones
+    64 blocks of 16 KiB (the first, the last, and one in each of 62 equal strata between, at
+    positions drawn from the content of the first and last blocks, so equal copies read the
+    same blocks). Device tensors are sampled on the device and only the sample is copied to the
+    host, so host and device copies get comparable digests. A difference outside the sampled
+    blocks is not seen: see docs/REPLICATED.md.
+
+    Digests depend only on the values' bytes (row-major), not on strides or, for one kind, on
+    the device.
 
     Args:
         tensors: Plain tensors (a DTensor's local tensor, not the DTensor).
+        mode: ``"full"`` or ``"sample"``.
         threads: Hashing threads (default ``PYCKPT_NUM_THREADS``).
 
     Returns:
         One ``(kind, value)`` digest per tensor, in order; equal bytes give equal digests of the
         same kind.
+
+    Raises:
+        ValueError: Unknown ``mode``.
     """
+    if mode not in ("full", "sample"):
+        raise ValueError(f"replica check mode must be 'full' or 'sample', got {mode!r}")
+    nthreads = threads if threads is not None else _knobs.num_threads()
     flats = [_flat_bytes(t) for t in tensors]
     on_device = [i for i, f in enumerate(flats) if f.device.type != "cpu"]
-    arrays = [f.numpy() if f.device.type == "cpu" else None for f in flats]
+    on_host = [i for i, f in enumerate(flats) if f.device.type == "cpu"]
     out: list[Digest] = [("", 0)] * len(flats)
+    if mode == "sample":
+        values = _C.sampled_digests(
+            [flats[i].numpy() for i in on_host], _SAMPLE_BLOCK_BYTES, _SAMPLE_BLOCKS, nthreads
+        )
+        for i, value in zip(on_host, values):
+            out[i] = ("sampled", value)
+        if on_device:
+            samples = _device_samples([flats[i] for i in on_device])
+            seeds = [flats[i].numel() for i in on_device]
+            values = _C.block_digests(samples, _SAMPLE_BLOCK_BYTES, seeds, nthreads)
+            for i, value in zip(on_device, values):
+                out[i] = ("sampled", value)
+        return out
+    arrays = [f.numpy() if f.device.type == "cpu" else None for f in flats]
     if on_device:
         small, checksums = _device_digests([flats[i] for i in on_device])
         for i, array, checksum in zip(on_device, small, checksums):
@@ -609,8 +682,9 @@ def replica_digests(tensors: Sequence[torch.Tensor], *, threads: int | None = No
             else:
                 out[i] = ("rowcol", checksum)
     hashed = [i for i, a in enumerate(arrays) if a is not None]
-    nthreads = threads if threads is not None else _knobs.num_threads()
-    values = _host_digests([cast(np.ndarray, arrays[i]) for i in hashed], nthreads)
+    values = _C.block_digests(
+        [arrays[i] for i in hashed], _HASH_BLOCK_BYTES, [flats[i].numel() for i in hashed], nthreads
+    )
     for i, value in zip(hashed, values):
         out[i] = ("xxh64", value)
     return out
@@ -678,10 +752,18 @@ class SavePlanner(DefaultSavePlanner):
         flatten_sharded_tensors: Flatten nested ``ShardedTensor``\\ s (FSDP 2D), as DCP does.
         split_alignment: Interior split points lie at multiples of this many bytes (a positive
             multiple of 16; default :data:`SPLIT_ALIGNMENT`, 1 MiB).
-        check_replicas: Before planning, check that every copy of replicated state is
-            identical and raise :class:`pyckpt.errors.ReplicaMismatchError` (on every rank,
-            before anything is written) if not. Costs each rank one read of every replicated
-            byte it holds (on its device for GPU tensors). Skipped in a single process.
+        check_replicas: Before planning, check that the copies of replicated state agree and
+            raise :class:`pyckpt.errors.ReplicaMismatchError` (on every rank, before anything
+            is written) if not. ``True`` or ``"sample"`` (the default): each rank reads the
+            same sample of at most 1 MiB per tensor (tensors up to 1 MiB whole), which finds
+            copies that differ nearly everywhere (desynchronised DDP) but can miss a difference
+            confined to bytes outside the sample (see docs/REPLICATED.md). ``"full"``: each rank
+            reads every replicated byte it holds (on its device for large GPU tensors).
+            ``False``: no check. Skipped in a single process.
+
+    Raises:
+        ValueError: ``split_alignment`` is not a positive multiple of 16, or ``check_replicas``
+            is not one of ``True``, ``False``, ``"sample"``, ``"full"``.
     """
 
     def __init__(
@@ -690,18 +772,27 @@ class SavePlanner(DefaultSavePlanner):
         flatten_sharded_tensors: bool = True,
         *,
         split_alignment: int = SPLIT_ALIGNMENT,
-        check_replicas: bool = True,
+        check_replicas: bool | CheckMode = True,
     ) -> None:
         if split_alignment <= 0 or split_alignment % 16:
             raise ValueError(
                 f"split_alignment must be a positive multiple of 16, got {split_alignment}"
+            )
+        mode: Literal[False] | CheckMode
+        if check_replicas is True or check_replicas == "sample":
+            mode = "sample"
+        elif check_replicas is False or check_replicas == "full":
+            mode = check_replicas
+        else:
+            raise ValueError(
+                f"check_replicas must be True, False, 'sample' or 'full', got {check_replicas!r}"
             )
         super().__init__(
             flatten_state_dict=flatten_state_dict,
             flatten_sharded_tensors=flatten_sharded_tensors,
         )
         self.split_alignment = split_alignment
-        self.check_replicas = check_replicas
+        self.check_replicas = mode  # "sample", "full" or False
 
     def create_local_plan(self) -> SavePlan:
         """DCP's local plan, plus the digests of the items other ranks may also hold.
@@ -730,7 +821,14 @@ class SavePlanner(DefaultSavePlanner):
             ):
                 keys.append(_key(item.index))
                 tensors.append(data)
-        digests = dict(zip(keys, replica_digests(tensors)))
+        start = time.perf_counter()
+        digests = dict(zip(keys, replica_digests(tensors, mode=self.check_replicas)))
+        logger.debug(
+            "replica check (%s): %d tensors digested in %.3f s",
+            self.check_replicas,
+            len(tensors),
+            time.perf_counter() - start,
+        )
         plan = _CheckedPlan(
             items=plan.items,
             storage_data=plan.storage_data,

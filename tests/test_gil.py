@@ -110,6 +110,13 @@ def test_xxh64_releases_gil(big) -> None:
     assert_released(lambda: [_C.xxh64(big) for _ in range(8)])
 
 
+def test_replica_digests_release_gil(big) -> None:
+    # The replica check's digests: every byte on several threads, and a 1 MiB sample per buffer.
+    assert_released(lambda: _C.block_digests([big] * 4, 4 << 20, [big.nbytes] * 4, 2))
+    parts = [big[k << 20 :] for k in range(24)]  # 8-32 MiB each: one 1 MiB sample per part
+    assert_released(lambda: _C.sampled_digests(parts, 16 << 10, 64, 2))
+
+
 def test_encode_and_decode_release_gil(big) -> None:
     stored, rec = _C.encode_chunk(big, BF16)
     out = np.empty_like(big)

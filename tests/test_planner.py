@@ -25,6 +25,7 @@ from torch.distributed.checkpoint.planner import (
     WriteItemType,
 )
 
+from pyckpt import _C
 from pyckpt import planner as planner_mod
 from pyckpt.errors import ReplicaMismatchError
 from pyckpt.planner import (
@@ -580,3 +581,144 @@ def test_local_plan_has_no_digests_in_one_process() -> None:
     planner.set_up_planner({"w": torch.ones(4)}, is_coordinator=True)
     plan = planner.create_local_plan()
     assert not getattr(plan, "replica_digests", None)
+
+
+# --- sampled replica check (the default) -----------------------------------------------------
+
+BLOCK = planner_mod._SAMPLE_BLOCK_BYTES
+COUNT = planner_mod._SAMPLE_BLOCKS
+
+
+def sampled(t: torch.Tensor) -> tuple[str, int]:
+    (digest,) = replica_digests([t], mode="sample")
+    return digest
+
+
+def sample_of(flat: torch.Tensor) -> list[int]:
+    """The blocks a sampled digest of the byte tensor ``flat`` reads."""
+    data = flat.numpy()
+    m = max(1, -(-data.nbytes // BLOCK))
+    first, last = _C.xxh64(data[:BLOCK]), _C.xxh64(data[(m - 1) * BLOCK :])
+    return _C.sampled_blocks(data.nbytes, BLOCK, COUNT, first, last)
+
+
+def test_sampled_blocks_are_the_ends_and_one_per_stratum() -> None:
+    assert BLOCK * COUNT == MiB  # the documented bound of a sampled digest's reading
+    for n in (0, 1, BLOCK, BLOCK * COUNT, BLOCK * COUNT + 1, 10 * MiB + 5, 1 << 40):
+        blocks = _C.sampled_blocks(n, BLOCK, COUNT, 1, 2)
+        m = max(1, -(-n // BLOCK))
+        if m <= COUNT:
+            assert blocks == list(range(m)), n
+            continue
+        assert len(blocks) == COUNT and blocks[0] == 0 and blocks[-1] == m - 1, n
+        inner, strata = m - 2, COUNT - 2
+        for j, b in enumerate(blocks[1:-1]):
+            assert 1 + j * inner // strata <= b < 1 + (j + 1) * inner // strata, (n, j)
+    # The choice follows the content of the first and last blocks, and nothing else.
+    n = 64 * MiB
+    blocks = _C.sampled_blocks(n, BLOCK, COUNT, 1, 2)
+    assert blocks == _C.sampled_blocks(n, BLOCK, COUNT, 1, 2)
+    assert blocks != _C.sampled_blocks(n, BLOCK, COUNT, 1, 3)
+    assert blocks != _C.sampled_blocks(n, BLOCK, COUNT, 4, 2)
+    with pytest.raises(ValueError, match="block size"):
+        _C.sampled_blocks(n, 0, COUNT, 1, 2)
+    with pytest.raises(ValueError, match="count"):
+        _C.sampled_digests([b"abc"], BLOCK, 2)
+
+
+def test_sampled_digest_sees_changes_in_its_sample_and_not_elsewhere() -> None:
+    g = torch.Generator().manual_seed(7)
+    base = torch.randint(0, 256, (8 * MiB + 1001,), dtype=torch.uint8, generator=g)
+    n = base.numel()
+    reference = sampled(base)
+    assert reference[0] == "sampled"
+    assert sampled(base.clone()) == reference
+    blocks = sample_of(base)
+    assert len(blocks) == COUNT
+    # Any change inside a sampled block is found (the last one is the 1001-byte tail).
+    for b in blocks:
+        for pos in (b * BLOCK, b * BLOCK + 5000 % (n - b * BLOCK), min(n, (b + 1) * BLOCK) - 1):
+            base[pos] ^= 0x10
+            assert sampled(base) != reference, (b, pos)
+            base[pos] ^= 0x10
+    # The documented limit: a change confined to blocks outside the sample is not seen by the
+    # default check (the full check sees it).
+    full = replica_digests([base])[0]
+    unsampled = sorted(set(range(-(-n // BLOCK))) - set(blocks))
+    for b in unsampled[:: len(unsampled) // 8]:
+        base[b * BLOCK + 100] ^= 0x10
+        assert sampled(base) == reference, b
+        assert replica_digests([base])[0] != full, b
+        base[b * BLOCK + 100] ^= 0x10
+    # A desynchronised replica (every element slightly off) is always found.
+    assert sampled(base ^ 1) != reference
+
+
+def test_sampled_digest_finds_every_long_enough_differing_run() -> None:
+    # Strata hold at most s = ceil((m - 2) / 62) blocks, so the gap between two sampled blocks
+    # is at most 2 s - 2 blocks and any differing run of 2 s blocks' bytes meets the sample.
+    g = torch.Generator().manual_seed(11)
+    base = torch.randint(0, 256, (8 * MiB + 1001,), dtype=torch.uint8, generator=g)
+    n = base.numel()
+    m = -(-n // BLOCK)
+    s = -(-(m - 2) // (COUNT - 2))
+    run = 2 * s * BLOCK
+    rng = random.Random(3)
+    for _ in range(200):
+        blocks = _C.sampled_blocks(n, BLOCK, COUNT, rng.getrandbits(64), rng.getrandbits(64))
+        assert max(b - a - 1 for a, b in zip(blocks, blocks[1:])) <= 2 * s - 2
+    reference = sampled(base)
+    # Just after the sampled block before the widest gap of this content's sample, and spread.
+    blocks = sample_of(base)
+    a = max(zip(blocks, blocks[1:]), key=lambda ab: ab[1] - ab[0])[0]
+    for start in [(a + 1) * BLOCK, *range(0, n - run, 49999), n - run]:
+        base[start : start + run] ^= 0x01
+        assert sampled(base) != reference, start
+        base[start : start + run] ^= 0x01
+
+
+def test_sampled_digests_match_between_host_and_device_paths(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The device path is plain torch: on CPU tensors it gathers what it gathers on a GPU.
+    g = torch.Generator().manual_seed(9)
+    buffer = torch.randint(0, 256, (5 * MiB + 3,), dtype=torch.uint8, generator=g)
+    tensors = [
+        buffer[:0],
+        buffer[:5],
+        buffer[: BLOCK * COUNT],  # read whole
+        buffer[: BLOCK * COUNT + 1],  # the smallest sampled tensor: the tail is one byte
+        buffer[2:],  # starts off a 4-byte boundary
+        buffer[3 : 3 + 3 * MiB].view(torch.int8),
+        torch.randn(1000, 700, generator=g).t(),  # values, not layout
+    ]
+    host = replica_digests(tensors, mode="sample")
+    assert all(kind == "sampled" for kind, _ in host)
+    flats = [planner_mod._flat_bytes(t) for t in tensors]
+    sizes = [f.numel() for f in flats]
+    for batch in (planner_mod._DEVICE_BATCH_BYTES, 100_000):  # one transfer; several
+        monkeypatch.setattr(planner_mod, "_DEVICE_BATCH_BYTES", batch)
+        samples = planner_mod._device_samples(flats)
+        for flat, got in zip(flats, samples):
+            want = b"".join(
+                flat[b * BLOCK : (b + 1) * BLOCK].numpy().tobytes() for b in sample_of(flat)
+            )
+            assert got.tobytes() == want and got.nbytes <= BLOCK * COUNT
+        values = _C.block_digests(samples, BLOCK, sizes)
+        assert [("sampled", v) for v in values] == host
+    # Neither the thread count nor the company of other tensors changes a digest.
+    assert replica_digests(tensors, mode="sample", threads=1) == host
+    assert replica_digests(tensors[::-1], mode="sample", threads=3) == host[::-1]
+
+
+def test_check_replicas_modes() -> None:
+    assert SavePlanner().check_replicas == "sample"
+    assert SavePlanner(check_replicas=True).check_replicas == "sample"
+    assert SavePlanner(check_replicas="sample").check_replicas == "sample"
+    assert SavePlanner(check_replicas="full").check_replicas == "full"
+    assert SavePlanner(check_replicas=False).check_replicas is False
+    for bad in ("Full", "off", 1, 0, None):
+        with pytest.raises(ValueError, match="check_replicas must be"):
+            SavePlanner(check_replicas=bad)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="'full' or 'sample'"):
+        replica_digests([torch.ones(2)], mode="fast")  # type: ignore[arg-type]

@@ -252,12 +252,15 @@ def _load_world(rank: int, world: int, root: str) -> None:
 
 
 def replica_state(
-    mesh: Any, *, plain_off: bool = False, dtensor_off: bool = False
+    mesh: Any, *, plain_off: bool = False, desync: bool = False, dtensor_off: bool = False
 ) -> dict[str, Any]:
     """DDP-style plain tensors, a ``Replicate()`` DTensor and a non-tensor, about 5 MiB.
 
     ``plain_off`` / ``dtensor_off`` change one element of this rank's copy of ``ddp.w`` and
-    ``ddp.b`` / of ``rep`` (the caller decides on which ranks).
+    ``ddp.b`` / of ``rep`` (the caller decides on which ranks); the element of ``ddp.w`` lies
+    outside the blocks the default sampled check reads (only ``check_replicas="full"`` sees
+    it), the one of ``rep`` in its last block (always read). ``desync`` changes every element
+    of ``ddp.w`` (a desynchronised DDP replica) and one of ``ddp.b``.
     """
     from torch.distributed.tensor import DTensor, Replicate
 
@@ -266,6 +269,9 @@ def replica_state(
     rep = pattern((MiB // 2,), torch.float32, 43).clone()  # 2 MiB
     if plain_off:
         w[123457] += 1
+        b[5] += 1
+    if desync:
+        w.view(torch.int32).bitwise_xor_(1)  # the lowest mantissa bit of every element
         b[5] += 1
     if dtensor_off:
         rep[MiB // 2 - 1] *= 2
@@ -325,8 +331,12 @@ def _mismatch_world(rank: int, world: int, root: str) -> list[tuple[dict[str, An
     errors = []
 
     # Plain tensors differ on the odd ranks: every rank raises, naming both and the groups.
-    bad = replica_state(mesh, plain_off=rank % 2 == 1)
+    # The default check reads a sample of 'ddp.w', which a desynchronised replica fails...
+    bad = replica_state(mesh, desync=rank % 2 == 1)
     errors.append(_refused(lambda: pyckpt.save(bad, path, fsync=False)))
+    # ... and the full check reads every byte: one element outside that sample is found.
+    bad = replica_state(mesh, plain_off=rank % 2 == 1)
+    errors.append(_refused(lambda: pyckpt.save(bad, path, fsync=False, check_replicas="full")))
     # A Replicate() DTensor differs on the last rank, saved through dcp.save directly.
     bad = replica_state(mesh, dtensor_off=rank == world - 1)
 
@@ -445,13 +455,15 @@ def test_differing_replicas_are_refused_before_writing(tmp_path: Path, world: in
     even = [r for r in range(world) if r % 2 == 0]
     expected = [
         {"ddp.w": [even, odd], "ddp.b": [even, odd]},
+        {"ddp.w": [even, odd], "ddp.b": [even, odd]},
         {"rep": [list(range(world - 1)), [world - 1]]},
     ]
     if world == 4:
         expected.append({"h at offset [2, 0]": [[1], [3]]})
     for rank, errors in enumerate(results):  # the same error on every rank
         assert [m for m, _ in errors] == expected, rank
-        plain, dtensor = errors[0][1], errors[1][1]
+        plain, dtensor = errors[0][1], errors[2][1]
+        assert errors[1][1] == plain
         assert f"'ddp.w': ranks {even} vs {odd}" in plain
         assert f"'ddp.b': ranks {even} vs {odd}" in plain
         assert f"'rep': ranks {list(range(world - 1))} vs [{world - 1}]" in dtensor

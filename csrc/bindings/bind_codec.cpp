@@ -1,6 +1,9 @@
 // Chunk codec and checksum bindings (mostly for tests and tools; the pipelines live in bind_io).
+#include <pybind11/stl.h>
+
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "bindings/bindings.hpp"
 #include "bindings/core_convert.hpp"
@@ -72,6 +75,19 @@ std::uint32_t plane_count(std::uint32_t elem_size) {
   return elem_size;
 }
 
+// Borrows the buffers of a sequence of objects (numpy arrays, bytes, ...) while the GIL is
+// released; the views are released (GIL held) when this goes out of scope.
+struct BorrowedSpans {
+  explicit BorrowedSpans(py::handle objects) {
+    for (py::handle obj : py::reinterpret_borrow<py::sequence>(objects)) {
+      refs.push_back(std::make_unique<BufferRef>(obj, false));
+      spans.push_back(ByteSpan{refs.back()->data(), refs.back()->size()});
+    }
+  }
+  std::vector<std::unique_ptr<BufferRef>> refs;
+  std::vector<ByteSpan> spans;
+};
+
 }  // namespace
 
 void bind_codec(py::module_& m) {
@@ -119,6 +135,34 @@ Raises:
                                            t[2].cast<std::uint32_t>(), t[3].cast<std::string>(),
                                            t[4].cast<double>());
                       }));
+
+  m.def(
+      "block_digests",
+      [](py::handle buffers, std::size_t block, const std::vector<std::uint64_t>& seeds,
+         std::size_t threads) {
+        BorrowedSpans b(buffers);
+        py::gil_scoped_release nogil;
+        return block_digests(b.spans, seeds, block, threads);
+      },
+      py::arg("buffers"), py::arg("block"), py::arg("seeds"), py::arg("threads") = 1,
+      R"pbdoc(Per buffer: XXH64 (seed seeds[i]) of the little-endian u64 array of the XXH64s of its block-byte pieces (the last may be shorter). GIL released, up to threads threads.)pbdoc");
+
+  m.def(
+      "sampled_digests",
+      [](py::handle buffers, std::size_t block, std::size_t count, std::size_t threads) {
+        BorrowedSpans b(buffers);
+        py::gil_scoped_release nogil;
+        return sampled_digests(b.spans, block, count, threads);
+      },
+      py::arg("buffers"), py::arg("block"), py::arg("count"), py::arg("threads") = 1,
+      R"pbdoc(Per buffer of n bytes: block_digests (seed n) of its blocks chosen by sampled_blocks, read at most count * block bytes. GIL released, up to threads threads.)pbdoc");
+
+  m.def(
+      "sampled_blocks",
+      [](std::uint64_t nbytes, std::size_t block, std::size_t count, std::uint64_t first,
+         std::uint64_t last) { return sampled_blocks(nbytes, block, count, first, last); },
+      py::arg("nbytes"), py::arg("block"), py::arg("count"), py::arg("first"), py::arg("last"),
+      R"pbdoc(Indices of the blocks a sampled digest of nbytes reads (all if at most count; else the first, the last and one per stratum between, seeded by first and last, the XXH64s of the first and last blocks).)pbdoc");
 
   m.def(
       "xxh64",
