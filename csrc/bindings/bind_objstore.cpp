@@ -67,7 +67,6 @@ class BlockWriter {
   BlockSink _sink;
 };
 
-
 }  // namespace
 
 void bind_objstore(py::module_& m) {
