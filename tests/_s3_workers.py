@@ -87,3 +87,33 @@ def worker_load(rank: int, world: int, url: str, env: dict[str, str]) -> dict[st
         ok[k] = same_bits(local, full[k][idx])
         needed += local.numel() * local.element_size()
     return {"ok": ok, "fetched": reader.bytes_fetched, "needed": needed}
+
+
+def worker_consolidate(rank: int, world: int, src: str, dst: str, env: dict[str, str],
+                       max_file_bytes: int) -> dict[str, Any]:
+    """``pyckpt.consolidate(src, dst)`` over the group; returns the result (or the error) and
+    the data objects this rank downloaded (from the INFO record of the staging step)."""
+    import logging
+
+    os.environ.update(env)
+    import torch.distributed as dist
+
+    import pyckpt
+
+    staged: list[str] = []
+
+    class Grab(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            staged.extend(getattr(record, "pyckpt_staged", []))
+
+    log = logging.getLogger("pyckpt.consolidate")
+    log.setLevel(logging.INFO)
+    log.addHandler(Grab())
+    try:
+        res = pyckpt.consolidate(src, dst, process_group=dist.group.WORLD,
+                                 max_file_bytes=max_file_bytes)
+    except Exception as e:
+        import traceback
+        return {"staged": staged, "error": type(e).__name__, "message": str(e), "tb": traceback.format_exc()}
+    return {"staged": staged, "files": res.files, "index": res.index_path,
+            "rank_bytes": res.rank_bytes, "total_bytes": res.total_bytes}
