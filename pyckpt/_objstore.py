@@ -831,10 +831,12 @@ def consolidate_staged(run: Callable[..., Any], src: str, dst: str, *, process_g
             return list(uploaded)
 
         def drop() -> None:  # best effort: the objects this rank uploaded
-            try:
-                loc.delete([u.rsplit("/", 1)[-1] for u in uploaded])
-            except OSError:
-                pass
+            keys = [_plain_key(loc, u.rsplit("/", 1)[-1]) for u in uploaded]
+            if keys:
+                try:
+                    _obstore().delete(loc.store(), keys)
+                except Exception:
+                    pass
 
         _, per_rank = agree(upload, group, on_failure=drop, what="upload")
         index_url, _ = agree(lambda: upload_file(loc, res.index_path, single_put=True), group,

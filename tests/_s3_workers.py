@@ -90,12 +90,15 @@ def worker_load(rank: int, world: int, url: str, env: dict[str, str]) -> dict[st
 
 
 def worker_consolidate(rank: int, world: int, src: str, dst: str, env: dict[str, str],
-                       max_file_bytes: int) -> dict[str, Any]:
+                       max_file_bytes: int,
+                       rank_env: dict[int, dict[str, str]] | None = None) -> dict[str, Any]:
     """``pyckpt.consolidate(src, dst)`` over the group; returns the result (or the error) and
-    the data objects this rank downloaded (from the INFO record of the staging step)."""
+    the data objects this rank downloaded (from the INFO record of the staging step).
+    ``rank_env[rank]`` overrides ``env`` on that rank."""
     import logging
 
     os.environ.update(env)
+    os.environ.update((rank_env or {}).get(rank, {}))
     import torch.distributed as dist
 
     import pyckpt

@@ -15,7 +15,14 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from _s3_workers import full_state, same_bits, worker_consolidate, worker_load, worker_save
-from _s3server import ACCESS_KEY, SECRET_KEY, SeaweedServer, ServerUnavailable
+from _s3server import (
+    ACCESS_KEY,
+    READONLY_KEY,
+    READONLY_SECRET,
+    SECRET_KEY,
+    SeaweedServer,
+    ServerUnavailable,
+)
 from dist_utils import run_distributed
 
 import pyckpt
@@ -488,3 +495,18 @@ def test_two_ranks_consolidate_failure_leaves_no_index(s3: SeaweedServer) -> Non
     assert [r.get("error") for r in results] == ["ChecksumError", "ChecksumError"], results
     assert any(name in r["message"] for r in results), results
     assert s3.keys(BUCKET, dst_prefix + "/") == {}
+
+
+def test_two_ranks_consolidate_upload_refused_on_one_rank_deletes_the_others(
+        s3: SeaweedServer) -> None:
+    src = _url(_prefix())
+    dst_prefix = _prefix()
+    run_distributed(worker_save, 2, src, s3.env(), "zstd")
+    # Rank 1 may read the source but not write: its upload fails after rank 0 uploaded its file.
+    readonly = {1: {"AWS_ACCESS_KEY_ID": READONLY_KEY, "AWS_SECRET_ACCESS_KEY": READONLY_SECRET}}
+    results = run_distributed(worker_consolidate, 2, src, _url(dst_prefix), s3.env(), 200_000,
+                              readonly)
+    assert [r.get("error") for r in results] == ["PermissionError", "PermissionError"], results
+    assert all(r["staged"] for r in results)  # both ranks got past the download
+    assert READONLY_SECRET not in results[0]["message"] + results[1]["message"]
+    assert s3.keys(BUCKET, dst_prefix + "/") == {}  # no index, and rank 0's file deleted
