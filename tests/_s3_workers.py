@@ -91,10 +91,12 @@ def worker_load(rank: int, world: int, url: str, env: dict[str, str]) -> dict[st
 
 def worker_consolidate(rank: int, world: int, src: str, dst: str, env: dict[str, str],
                        max_file_bytes: int,
-                       rank_env: dict[int, dict[str, str]] | None = None) -> dict[str, Any]:
-    """``pyckpt.consolidate(src, dst)`` over the group; returns the result (or the error) and
-    the data objects this rank downloaded (from the INFO record of the staging step).
-    ``rank_env[rank]`` overrides ``env`` on that rank."""
+                       rank_env: dict[int, dict[str, str]] | None = None,
+                       options: dict[str, Any] | None = None) -> dict[str, Any]:
+    """``pyckpt.consolidate(src, dst, **options)`` over the group; returns the result (or the
+    error) and the data objects this rank downloaded (from the INFO record of the staging
+    step). ``rank_env[rank]`` overrides ``env`` on that rank; ``{rank}`` in ``dst`` is replaced
+    by the rank (a private local destination per rank)."""
     import logging
 
     os.environ.update(env)
@@ -113,8 +115,9 @@ def worker_consolidate(rank: int, world: int, src: str, dst: str, env: dict[str,
     log.setLevel(logging.INFO)
     log.addHandler(Grab())
     try:
-        res = pyckpt.consolidate(src, dst, process_group=dist.group.WORLD,
-                                 max_file_bytes=max_file_bytes)
+        res = pyckpt.consolidate(src, dst.replace("{rank}", str(rank)),
+                                 process_group=dist.group.WORLD, max_file_bytes=max_file_bytes,
+                                 **(options or {}))
     except Exception as e:
         import traceback
         return {"staged": staged, "error": type(e).__name__, "message": str(e), "tb": traceback.format_exc()}

@@ -510,3 +510,52 @@ def test_two_ranks_consolidate_upload_refused_on_one_rank_deletes_the_others(
     assert all(r["staged"] for r in results)  # both ranks got past the download
     assert READONLY_SECRET not in results[0]["message"] + results[1]["message"]
     assert s3.keys(BUCKET, dst_prefix + "/") == {}  # no index, and rank 0's file deleted
+
+
+def test_two_ranks_consolidate_local_source_or_local_destination(s3: SeaweedServer,
+                                                                 tmp_path: Any) -> None:
+    from safetensors.torch import load_file, save_file
+
+    want = full_state()
+    # Object store -> a local directory per rank (laid out as node-local consolidation does).
+    src = _url(_prefix())
+    run_distributed(worker_save, 2, src, s3.env(), "zstd")
+    dst = str(tmp_path / "out{rank}")
+    results = run_distributed(worker_consolidate, 2, src, dst, s3.env(), 200_000)
+    got: dict[str, torch.Tensor] = {}
+    for rank, r in enumerate(results):
+        assert "error" not in r, r
+        assert len(r["files"]) == 1 and r["files"][0].startswith(str(tmp_path / f"out{rank}"))
+        assert (tmp_path / f"out{rank}" / "model.safetensors.index.json").is_file()
+        got.update(load_file(r["files"][0]))
+    assert got.keys() == want.keys() and all(same_bits(got[k], v) for k, v in want.items())
+
+    # A local (shared) pyckpt checkpoint -> the object store: nothing is downloaded.
+    local = str(tmp_path / "ckpt")
+    run_distributed(worker_save, 2, local, s3.env(), None)
+    dst_prefix = _prefix()
+    results = run_distributed(worker_consolidate, 2, local, _url(dst_prefix), s3.env(), 200_000)
+    assert all("error" not in r and r["staged"] == [] for r in results), results
+    client = s3.boto3()
+    got = {}
+    for url in results[0]["files"]:
+        path = tmp_path / url.rsplit("/", 1)[-1]
+        path.write_bytes(client.get_object(Bucket=BUCKET, Key=url.split("/", 3)[3])["Body"]
+                         .read())
+        got.update(load_file(str(path)))
+    assert got.keys() == want.keys() and all(same_bits(got[k], v) for k, v in want.items())
+    assert f"{dst_prefix}/model.safetensors.index.json" in s3.keys(BUCKET, dst_prefix + "/")
+
+    # Refused on several ranks: tied-weight dedup, and safetensors inputs (one rank only).
+    results = run_distributed(worker_consolidate, 2, src, _url(_prefix()), s3.env(), 200_000,
+                              None, {"dedup_tied": True})
+    assert [r.get("error") for r in results] == ["ValueError", "ValueError"], results
+    st_dir = tmp_path / "st"
+    st_dir.mkdir()
+    save_file(want, str(st_dir / "model.safetensors"))
+    out_prefix = _prefix()
+    results = run_distributed(worker_consolidate, 2, str(st_dir), _url(out_prefix), s3.env(),
+                              200_000)
+    assert [r.get("error") for r in results] == ["NotImplementedError"] * 2, results
+    assert str(st_dir) in results[0]["message"]
+    assert s3.keys(BUCKET, out_prefix + "/") == {}
