@@ -8,6 +8,7 @@ client is obstore, the server is real, multi-rank saves run on gloo ranks.
 from __future__ import annotations
 
 import json
+import os
 import uuid
 from typing import Any
 
@@ -528,6 +529,17 @@ def test_two_ranks_consolidate_local_source_or_local_destination(s3: SeaweedServ
         assert len(r["files"]) == 1 and r["files"][0].startswith(str(tmp_path / f"out{rank}"))
         assert (tmp_path / f"out{rank}" / "model.safetensors.index.json").is_file()
         got.update(load_file(r["files"][0]))
+    assert got.keys() == want.keys() and all(same_bits(got[k], v) for k, v in want.items())
+    # Both ranks into one shared directory (as `pyckpt consolidate --workers 2` does).
+    shared = tmp_path / "shared"
+    results = run_distributed(worker_consolidate, 2, src, str(shared), s3.env(), 200_000)
+    assert all("error" not in r for r in results), results
+    index = json.loads((shared / "model.safetensors.index.json").read_text())
+    assert sorted(os.listdir(shared)) == sorted(
+        ["model.safetensors.index.json", *set(index["weight_map"].values())])
+    got = {}
+    for name in set(index["weight_map"].values()):
+        got.update(load_file(str(shared / name)))
     assert got.keys() == want.keys() and all(same_bits(got[k], v) for k, v in want.items())
 
     # A local (shared) pyckpt checkpoint -> the object store: nothing is downloaded.
