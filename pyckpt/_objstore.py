@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import errno
+import logging
 import os
 import threading
 from collections.abc import Callable, Iterable, Mapping
@@ -34,6 +35,8 @@ from typing import Any, cast
 from pyckpt import _C, _format
 from pyckpt._format import METADATA_FILE
 from pyckpt.errors import CheckpointFormatError, ObjectStoreError
+
+logger = logging.getLogger("pyckpt.consolidate")
 
 __all__ = [
     "DEFAULT_PART_BYTES",
@@ -658,9 +661,32 @@ def _plain_key(loc: Location, name: str) -> str:
     return f"{loc.prefix}/{name}" if loc.prefix else name
 
 
-def stage_checkpoint(loc: Location, directory: str) -> None:
+def stage_shares(files: Mapping[str, int], world: int) -> list[list[str]]:
+    """Data object names by rank: each object to exactly one rank, balanced by bytes (largest
+    first, each to the least loaded rank, ties to the lower rank; deterministic)."""
+    loads = [0] * world
+    shares: list[list[str]] = [[] for _ in range(world)]
+    for name in sorted(files, key=lambda n: (-files[n], n)):
+        r = min(range(world), key=lambda i: (loads[i], i))
+        shares[r].append(name)
+        loads[r] += files[name]
+    return shares
+
+
+def stage_checkpoint(loc: Location, directory: str,
+                     share: tuple[int, int] | None = None) -> list[str]:
     """Downloads the pyckpt checkpoint at ``loc`` (validated metadata, then its data objects,
-    streamed) into ``directory``, which then holds the same checkpoint as files."""
+    streamed) into ``directory``, which then holds the same checkpoint as files.
+
+    Args:
+        loc: the checkpoint.
+        directory: created if needed.
+        share: ``(rank, world)``: download only that rank's share of the data objects
+            (:func:`stage_shares`); ``directory`` then holds a node-local checkpoint.
+
+    Returns:
+        The names of the data objects downloaded.
+    """
     obstore = _obstore()
 
     index = read_index(loc)  # names validated; objects checked against a listing
@@ -683,8 +709,11 @@ def stage_checkpoint(loc: Location, directory: str) -> None:
             raise loc.error(e, "GET", url) from None
 
     names = list(index.files)
+    if share is not None:
+        names = stage_shares(index.files, share[1])[share[0]]
     with concurrent.futures.ThreadPoolExecutor(max(1, min(8, len(names)))) as ex:
         list(ex.map(fetch, names))
+    return names
 
 
 def upload_file(loc: Location, path: str, part_bytes: int = DEFAULT_PART_BYTES,
@@ -711,40 +740,106 @@ def upload_file(loc: Location, path: str, part_bytes: int = DEFAULT_PART_BYTES,
 
 
 def consolidate_staged(run: Callable[..., Any], src: str, dst: str, *, process_group: Any,
+                       shared_filesystem: bool = True, batch_bytes: int | None = None,
                        **kwargs: Any) -> Any:
-    """:func:`pyckpt.consolidate` with an ``s3://`` source and/or destination, in one process:
-    a source pyckpt checkpoint is downloaded into a temp directory, the outputs are written
-    into one and then uploaded (safetensors files as multipart objects, the index JSON last
-    with one PUT, so it names only complete objects). Client settings come from the ``AWS_*``
-    environment.
+    """:func:`pyckpt.consolidate` with an ``s3://`` source and/or destination. Client settings
+    come from the ``AWS_*`` environment.
+
+    One process: a source pyckpt checkpoint is downloaded into a temp directory, the outputs
+    are written into one and then uploaded (safetensors files as multipart objects, the index
+    JSON last with one PUT, so it names only complete objects).
+
+    Several ranks: the work is split as node-local consolidation splits it. Each rank downloads
+    the validated ``pyckpt.json`` and only its share of the data objects (each object to one
+    rank, balanced by bytes) into a private temp directory (a local ``src`` is read in place,
+    shared or node-local); all ranks then run ``run(..., shared_filesystem=False)`` over
+    ``process_group`` into a private temp directory (or, for a local ``dst``, into each rank's
+    own ``dst``, laid out as node-local consolidation lays it out). For an ``s3://``
+    destination each rank uploads the files it wrote; once every rank has succeeded, rank 0
+    uploads the index with one PUT, last. On any rank's failure no index is uploaded, the
+    objects this call uploaded are deleted (best effort) and every rank raises.
 
     Raises:
-        NotImplementedError: several ranks (object-store consolidation runs in one process).
+        ValueError: ``dedup_tied`` with several ranks (as with ``shared_filesystem=False``).
+        NotImplementedError: several ranks and a local ``src`` that is not a pyckpt checkpoint.
     """
     import dataclasses
     import tempfile
 
-    import torch.distributed as dist
+    from pyckpt._collective import agree, group_info
 
-    world = 1
-    if dist.is_available() and dist.is_initialized():
-        world = int(dist.get_world_size(process_group))
-    if world > 1:
-        raise NotImplementedError(
-            "pyckpt.consolidate with s3:// URLs runs in one process (no process group); "
-            "consolidate into a shared directory and upload, or run it on one rank"
+    group = group_info(process_group)
+    if group.world == 1:
+        with tempfile.TemporaryDirectory(prefix="pyckpt-consolidate-") as tmp:
+            local_src = src
+            if is_url(src):
+                local_src = os.path.join(tmp, "src")
+                stage_checkpoint(location(src), local_src)
+            local_dst = os.path.join(tmp, "dst") if is_url(dst) else dst
+            res = run(local_src, local_dst, process_group=process_group,
+                      shared_filesystem=shared_filesystem, batch_bytes=batch_bytes, **kwargs)
+            if not is_url(dst):
+                return res
+            loc = location(dst)
+            loc.check_bucket()
+            files = [upload_file(loc, p) for p in res.files]
+            index = upload_file(loc, res.index_path, single_put=True)  # last: complete files
+            return dataclasses.replace(res, files=files, index_path=index)
+
+    if kwargs.get("dedup_tied", False) is not False:  # refused by the node-local mode
+        raise ValueError(
+            "dedup_tied is not supported by pyckpt.consolidate with s3:// URLs on several ranks"
         )
+    if not is_url(src):
+        def check_source() -> None:
+            from pyckpt._consolidate.scan import is_pyckpt
+
+            if not is_pyckpt(src):
+                raise NotImplementedError(
+                    f"{src}: pyckpt.consolidate to an s3:// destination on several ranks needs "
+                    "a pyckpt checkpoint (pyckpt.json); consolidate safetensors inputs on one "
+                    "rank"
+                )
+
+        agree(check_source, group, ranks="root", what="checking the source")
+    dst_loc = location(dst) if is_url(dst) else None
     with tempfile.TemporaryDirectory(prefix="pyckpt-consolidate-") as tmp:
-        local_src = src
-        if is_url(src):
-            local_src = os.path.join(tmp, "src")
-            stage_checkpoint(location(src), local_src)
-        local_dst = os.path.join(tmp, "dst") if is_url(dst) else dst
-        res = run(local_src, local_dst, process_group=process_group, **kwargs)
-        if not is_url(dst):
+        local_src = os.path.join(tmp, "src") if is_url(src) else src
+        local_dst = os.path.join(tmp, "dst") if dst_loc is not None else dst
+
+        def prepare() -> None:
+            if dst_loc is not None:
+                dst_loc.check_bucket()
+            if is_url(src):
+                names = stage_checkpoint(location(src), local_src, (group.rank, group.world))
+                logger.info(
+                    "rank %d/%d downloaded %d data object(s) of %s", group.rank, group.world,
+                    len(names), src, extra={"pyckpt_staged": list(names)},
+                )
+
+        agree(prepare, group, what="downloading the source")
+        res = run(local_src, local_dst, process_group=process_group, shared_filesystem=False,
+                  batch_bytes=batch_bytes, **kwargs)
+        if dst_loc is None:
             return res
-        loc = location(dst)
-        loc.check_bucket()
-        files = [upload_file(loc, p) for p in res.files]
-        index = upload_file(loc, res.index_path, single_put=True)  # last: names complete files
-        return dataclasses.replace(res, files=files, index_path=index)
+        loc = dst_loc
+        uploaded: list[str] = []
+
+        def upload() -> list[str]:
+            for p in res.files:
+                uploaded.append(upload_file(loc, p))
+            return list(uploaded)
+
+        def drop() -> None:  # best effort: the objects this rank uploaded
+            keys = [_plain_key(loc, u.rsplit("/", 1)[-1]) for u in uploaded]
+            if keys:
+                try:
+                    _obstore().delete(loc.store(), keys)
+                except Exception:
+                    pass
+
+        _, per_rank = agree(upload, group, on_failure=drop, what="upload")
+        index_url, _ = agree(lambda: upload_file(loc, res.index_path, single_put=True), group,
+                             ranks="root", on_failure=drop, what="index upload")
+        files = sorted((u for urls in per_rank for u in urls), key=lambda u: u.rsplit("/", 1)[-1])
+        return dataclasses.replace(res, files=files, index_path=index_url)

@@ -158,6 +158,9 @@ class Exchange:
         self.bytes_received = 0
         self.bytes_sent = 0
         self._round = 0
+        # Set once a round has raised a failure: every rank raised it in that same round, so
+        # no further round may run (a rank calling finish() then would wait for the others).
+        self._failed = False
 
     def fetch(self, needs: Sequence[Need]) -> tuple[dict[str, Any], list[int]]:
         """One round: fetches ``needs`` (grouped and ordered by owner as given).
@@ -171,7 +174,12 @@ class Exchange:
         return memory, offsets
 
     def finish(self, error: BaseException | None = None) -> None:
-        """Serves the other ranks until all are done; raises the first failure of any rank."""
+        """Serves the other ranks until all are done; raises the first failure of any rank.
+
+        After a round has already raised a failure (on every rank at once), returns at once.
+        """
+        if self._failed:
+            return
         while True:
             _, _, all_done = self._step([], done=True, error=error)
             error = None
@@ -191,7 +199,7 @@ class Exchange:
         self._round += 1
         wire = [(self.files.owner(os.path.join(self.files.root, n[0])), *n) for n in needs]
         gathered = all_gather((wire, done, None if error is None else portable(error)), group)
-        _raise_first(gathered, me, error, "a node-local transfer")
+        self._raise_first(gathered, me, error, "a node-local transfer")
         all_done = all(d for _, d, _ in gathered)
         if all(not w for w, _, _ in gathered):
             return {}, [], all_done
@@ -216,7 +224,7 @@ class Exchange:
             read_error = e
         statuses = all_gather((None, True, None if read_error is None else portable(read_error)),
                               group)
-        _raise_first(statuses, me, read_error, "reading chunks for a peer")
+        self._raise_first(statuses, me, read_error, "reading chunks for a peer")
 
         # Receiver side: what each owner sends, in the order asked.
         recv_sizes = [0] * group.world
@@ -235,6 +243,14 @@ class Exchange:
                 memory[peer_source(owner)] = recv[start:start + size].numpy()
             start += size
         return memory, offsets, all_done
+
+    def _raise_first(self, gathered: list[tuple[Any, bool, BaseException | None]], me: int,
+                     mine: BaseException | None, what: str) -> None:
+        try:
+            _raise_first(gathered, me, mine, what)
+        except BaseException:
+            self._failed = True
+            raise
 
 
 def peer_source(owner: int) -> str:

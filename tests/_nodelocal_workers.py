@@ -233,6 +233,21 @@ def consolidate_worker(rank: int, world: int, root: str, per_node: int, kwargs: 
             "foreign": foreign_opens(root, node)}
 
 
+def consolidate_error_worker(rank: int, world: int, root: str, per_node: int,
+                             kwargs: dict) -> Any:
+    """As :func:`consolidate_worker`, returning the error (type, message) instead of raising."""
+    import pyckpt
+
+    node = rank // per_node
+    paths, _ = isolate(root, node, ("ckpt", "export"))
+    try:
+        pyckpt.consolidate(paths["ckpt"], paths["export"], shared_filesystem=False,
+                           fsync=False, **kwargs)
+    except Exception as e:
+        return {"type": type(e).__name__, "message": str(e)}
+    return {"type": None}
+
+
 def agree_worker(rank: int, world: int) -> Any:
     """pyckpt._collective.agree: rank 1 fails; every rank cleans up and raises its type."""
     from pyckpt._collective import agree, group_info

@@ -87,3 +87,39 @@ def worker_load(rank: int, world: int, url: str, env: dict[str, str]) -> dict[st
         ok[k] = same_bits(local, full[k][idx])
         needed += local.numel() * local.element_size()
     return {"ok": ok, "fetched": reader.bytes_fetched, "needed": needed}
+
+
+def worker_consolidate(rank: int, world: int, src: str, dst: str, env: dict[str, str],
+                       max_file_bytes: int,
+                       rank_env: dict[int, dict[str, str]] | None = None,
+                       options: dict[str, Any] | None = None) -> dict[str, Any]:
+    """``pyckpt.consolidate(src, dst, **options)`` over the group; returns the result (or the
+    error) and the data objects this rank downloaded (from the INFO record of the staging
+    step). ``rank_env[rank]`` overrides ``env`` on that rank; ``{rank}`` in ``dst`` is replaced
+    by the rank (a private local destination per rank)."""
+    import logging
+
+    os.environ.update(env)
+    os.environ.update((rank_env or {}).get(rank, {}))
+    import torch.distributed as dist
+
+    import pyckpt
+
+    staged: list[str] = []
+
+    class Grab(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            staged.extend(getattr(record, "pyckpt_staged", []))
+
+    log = logging.getLogger("pyckpt.consolidate")
+    log.setLevel(logging.INFO)
+    log.addHandler(Grab())
+    try:
+        res = pyckpt.consolidate(src, dst.replace("{rank}", str(rank)),
+                                 process_group=dist.group.WORLD, max_file_bytes=max_file_bytes,
+                                 **(options or {}))
+    except Exception as e:
+        import traceback
+        return {"staged": staged, "error": type(e).__name__, "message": str(e), "tb": traceback.format_exc()}
+    return {"staged": staged, "files": res.files, "index": res.index_path,
+            "rank_bytes": res.rank_bytes, "total_bytes": res.total_bytes}

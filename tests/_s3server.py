@@ -33,6 +33,9 @@ __all__ = ["SeaweedServer", "ServerUnavailable", "find_weed"]
 
 ACCESS_KEY = "pyckpt-test-key"
 SECRET_KEY = "pyckpt-test-secret-do-not-log"
+# A second identity that may read and list but not write (uploads are refused with 403).
+READONLY_KEY = "pyckpt-test-readonly-key"
+READONLY_SECRET = "pyckpt-test-readonly-secret"
 REGION = "us-east-1"
 
 
@@ -106,11 +109,15 @@ class SeaweedServer:
         data = os.path.join(self.dir, "data")
         os.makedirs(data, exist_ok=True)
         config = os.path.join(self.dir, "s3.json")
-        with open(config, "w") as f:  # one identity: other keys are refused (403)
+        with open(config, "w") as f:  # two identities: other keys are refused (403)
             json.dump({"identities": [{
                 "name": "pyckpt-test",
                 "credentials": [{"accessKey": ACCESS_KEY, "secretKey": SECRET_KEY}],
                 "actions": ["Admin", "Read", "Write", "List", "Tagging"],
+            }, {
+                "name": "pyckpt-test-readonly",
+                "credentials": [{"accessKey": READONLY_KEY, "secretKey": READONLY_SECRET}],
+                "actions": ["Read", "List"],
             }]}, f)
         cmd = [
             weed, "server", f"-dir={data}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",

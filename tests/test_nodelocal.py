@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 from _nodelocal_workers import (
     agree_worker,
+    consolidate_error_worker,
     consolidate_worker,
     failing_save_worker,
     full_state,
@@ -193,6 +194,27 @@ def test_consolidate_over_the_process_group(tmp_path: Path, world: int) -> None:
     assert sorted(out) == sorted(full)
     for k, v in full.items():
         assert _same_bits(out[k], v), k
+
+
+def test_local_read_failure_mid_consolidation_is_raised_on_every_rank(tmp_path: Path) -> None:
+    # Every chunk of node 0's file is corrupt, and one output file per rank: rank 0 fails on
+    # its own (local) chunks while rank 1 learns of it in a transfer round; both must raise
+    # the ChecksumError (no rank left waiting in a collective).
+    _save(tmp_path, 2, 1, None)
+    name = _data_files(_node(tmp_path, 0))[0]
+    path = _node(tmp_path, 0) / name
+    data = bytearray(path.read_bytes())
+    for i in range(0, len(data), 64):
+        data[i] ^= 0xFF
+    path.write_bytes(bytes(data))
+    kwargs = {"max_file_bytes": 500, "batch_bytes": 2048, "threads": 1}
+    results = run_distributed(consolidate_error_worker, 2, str(tmp_path), 1, kwargs)
+    for r in results:
+        assert r["type"] == "ChecksumError" and name in r["message"], r
+    from pyckpt._consolidate import INDEX_NAME
+
+    for k in range(2):
+        assert INDEX_NAME not in os.listdir(_node(tmp_path, k, "export"))
 
 
 @pytest.mark.skipif(_REFUSAL is not None, reason=str(_REFUSAL))

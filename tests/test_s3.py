@@ -8,14 +8,22 @@ client is obstore, the server is real, multi-rank saves run on gloo ranks.
 from __future__ import annotations
 
 import json
+import os
 import uuid
 from typing import Any
 
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from _s3_workers import full_state, same_bits, worker_load, worker_save
-from _s3server import ACCESS_KEY, SECRET_KEY, SeaweedServer, ServerUnavailable
+from _s3_workers import full_state, same_bits, worker_consolidate, worker_load, worker_save
+from _s3server import (
+    ACCESS_KEY,
+    READONLY_KEY,
+    READONLY_SECRET,
+    SECRET_KEY,
+    SeaweedServer,
+    ServerUnavailable,
+)
 from dist_utils import run_distributed
 
 import pyckpt
@@ -420,3 +428,146 @@ def test_consolidate_from_and_to_object_store(s3: SeaweedServer, tmp_path: Any) 
     local_dir = str(tmp_path / "out")
     res2 = pyckpt.consolidate(src, local_dir)
     assert same_bits(load_file(res2.files[0])["a.weight"], sd["a.weight"])
+
+
+def _metadata(s3: SeaweedServer, url: str) -> dict[str, Any]:
+    key = url.split("/", 3)[3] + "/pyckpt.json"
+    return dict(json.loads(s3.boto3().get_object(Bucket=BUCKET, Key=key)["Body"].read()))
+
+
+def test_two_ranks_consolidate_object_store_to_object_store(s3: SeaweedServer,
+                                                            tmp_path: Any) -> None:
+    from safetensors.torch import load_file
+
+    src = _url(_prefix())
+    dst_prefix = _prefix()
+    dst = _url(dst_prefix)
+    run_distributed(worker_save, 2, src, s3.env(), "zstd")
+    sizes = _metadata(s3, src)["files"]
+    assert len(sizes) == 2
+
+    # "r" and "v" (11 KiB) in one file, "w" (384 KiB) in the other: one output file per rank.
+    results = run_distributed(worker_consolidate, 2, src, dst, s3.env(), 200_000)
+    for r in results:
+        assert "error" not in r, r
+    # Each rank downloaded exactly its share of the data objects, each object by one rank.
+    shares = _objstore.stage_shares(sizes, 2)
+    assert [sorted(r["staged"]) for r in results] == [sorted(s) for s in shares]
+    assert all(shares) and sorted(results[0]["staged"] + results[1]["staged"]) == sorted(sizes)
+    assert results[0]["rank_bytes"] > 0 and results[1]["rank_bytes"] > 0
+
+    files = results[0]["files"]
+    assert results[1]["files"] == files and len(files) == 2
+    assert all(r["index"] == f"{dst}/model.safetensors.index.json" for r in results)
+    client = s3.boto3()
+    keys = s3.keys(BUCKET, dst_prefix + "/")
+    assert sorted(keys) == sorted(u.split("/", 3)[3] for u in [*files, results[0]["index"]])
+    index = json.loads(client.get_object(Bucket=BUCKET, Key=f"{dst_prefix}/"
+                                         "model.safetensors.index.json")["Body"].read())
+    assert index["metadata"]["total_size"] == results[0]["total_bytes"]
+    got: dict[str, torch.Tensor] = {}
+    for name in sorted(set(index["weight_map"].values())):
+        local = tmp_path / name
+        local.write_bytes(client.get_object(Bucket=BUCKET, Key=f"{dst_prefix}/{name}")["Body"]
+                          .read())
+        part = load_file(str(local))
+        assert all(index["weight_map"][k] == name for k in part)
+        got.update(part)
+    want = full_state()
+    assert got.keys() == want.keys()
+    for k, v in want.items():
+        assert same_bits(got[k], v), k
+
+
+def test_two_ranks_consolidate_failure_leaves_no_index(s3: SeaweedServer) -> None:
+    src = _url(_prefix())
+    src_prefix = src.split("/", 3)[3]
+    dst_prefix = _prefix()
+    run_distributed(worker_save, 2, src, s3.env(), None)
+    # Corrupt one data object (same size): the rank that reads its chunks fails mid-way.
+    client = s3.boto3()
+    name = sorted(_metadata(s3, src)["files"])[1]
+    key = f"{src_prefix}/{name}"
+    data = bytearray(client.get_object(Bucket=BUCKET, Key=key)["Body"].read())
+    data[len(data) // 2] ^= 0xFF
+    client.put_object(Bucket=BUCKET, Key=key, Body=bytes(data))
+
+    results = run_distributed(worker_consolidate, 2, src, _url(dst_prefix), s3.env(), 200_000)
+    assert [r.get("error") for r in results] == ["ChecksumError", "ChecksumError"], results
+    assert any(name in r["message"] for r in results), results
+    assert s3.keys(BUCKET, dst_prefix + "/") == {}
+
+
+def test_two_ranks_consolidate_upload_refused_on_one_rank_deletes_the_others(
+        s3: SeaweedServer) -> None:
+    src = _url(_prefix())
+    dst_prefix = _prefix()
+    run_distributed(worker_save, 2, src, s3.env(), "zstd")
+    # Rank 1 may read the source but not write: its upload fails after rank 0 uploaded its file.
+    readonly = {1: {"AWS_ACCESS_KEY_ID": READONLY_KEY, "AWS_SECRET_ACCESS_KEY": READONLY_SECRET}}
+    results = run_distributed(worker_consolidate, 2, src, _url(dst_prefix), s3.env(), 200_000,
+                              readonly)
+    assert [r.get("error") for r in results] == ["PermissionError", "PermissionError"], results
+    assert all(r["staged"] for r in results)  # both ranks got past the download
+    assert READONLY_SECRET not in results[0]["message"] + results[1]["message"]
+    assert s3.keys(BUCKET, dst_prefix + "/") == {}  # no index, and rank 0's file deleted
+
+
+def test_two_ranks_consolidate_local_source_or_local_destination(s3: SeaweedServer,
+                                                                 tmp_path: Any) -> None:
+    from safetensors.torch import load_file, save_file
+
+    want = full_state()
+    # Object store -> a local directory per rank (laid out as node-local consolidation does).
+    src = _url(_prefix())
+    run_distributed(worker_save, 2, src, s3.env(), "zstd")
+    dst = str(tmp_path / "out{rank}")
+    results = run_distributed(worker_consolidate, 2, src, dst, s3.env(), 200_000)
+    got: dict[str, torch.Tensor] = {}
+    for rank, r in enumerate(results):
+        assert "error" not in r, r
+        assert len(r["files"]) == 1 and r["files"][0].startswith(str(tmp_path / f"out{rank}"))
+        assert (tmp_path / f"out{rank}" / "model.safetensors.index.json").is_file()
+        got.update(load_file(r["files"][0]))
+    assert got.keys() == want.keys() and all(same_bits(got[k], v) for k, v in want.items())
+    # Both ranks into one shared directory (as `pyckpt consolidate --workers 2` does).
+    shared = tmp_path / "shared"
+    results = run_distributed(worker_consolidate, 2, src, str(shared), s3.env(), 200_000)
+    assert all("error" not in r for r in results), results
+    index = json.loads((shared / "model.safetensors.index.json").read_text())
+    assert sorted(os.listdir(shared)) == sorted(
+        ["model.safetensors.index.json", *set(index["weight_map"].values())])
+    got = {}
+    for name in set(index["weight_map"].values()):
+        got.update(load_file(str(shared / name)))
+    assert got.keys() == want.keys() and all(same_bits(got[k], v) for k, v in want.items())
+
+    # A local (shared) pyckpt checkpoint -> the object store: nothing is downloaded.
+    local = str(tmp_path / "ckpt")
+    run_distributed(worker_save, 2, local, s3.env(), None)
+    dst_prefix = _prefix()
+    results = run_distributed(worker_consolidate, 2, local, _url(dst_prefix), s3.env(), 200_000)
+    assert all("error" not in r and r["staged"] == [] for r in results), results
+    client = s3.boto3()
+    got = {}
+    for url in results[0]["files"]:
+        path = tmp_path / url.rsplit("/", 1)[-1]
+        path.write_bytes(client.get_object(Bucket=BUCKET, Key=url.split("/", 3)[3])["Body"]
+                         .read())
+        got.update(load_file(str(path)))
+    assert got.keys() == want.keys() and all(same_bits(got[k], v) for k, v in want.items())
+    assert f"{dst_prefix}/model.safetensors.index.json" in s3.keys(BUCKET, dst_prefix + "/")
+
+    # Refused on several ranks: tied-weight dedup, and safetensors inputs (one rank only).
+    results = run_distributed(worker_consolidate, 2, src, _url(_prefix()), s3.env(), 200_000,
+                              None, {"dedup_tied": True})
+    assert [r.get("error") for r in results] == ["ValueError", "ValueError"], results
+    st_dir = tmp_path / "st"
+    st_dir.mkdir()
+    save_file(want, str(st_dir / "model.safetensors"))
+    out_prefix = _prefix()
+    results = run_distributed(worker_consolidate, 2, str(st_dir), _url(out_prefix), s3.env(),
+                              200_000)
+    assert [r.get("error") for r in results] == ["NotImplementedError"] * 2, results
+    assert str(st_dir) in results[0]["message"]
+    assert s3.keys(BUCKET, out_prefix + "/") == {}

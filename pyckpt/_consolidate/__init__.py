@@ -243,13 +243,9 @@ def consolidate(
     from pyckpt import _objstore
 
     if _objstore.is_url(src) or _objstore.is_url(dst):  # staged through local temp files
-        if not shared_filesystem:
-            raise NotImplementedError(
-                "pyckpt.consolidate: shared_filesystem=False with an s3:// source or "
-                "destination is not supported"
-            )
         return cast(ConsolidationResult, _objstore.consolidate_staged(
-            consolidate, src, dst, process_group=process_group, fqn_to_file=fqn_to_file,
+            consolidate, src, dst, process_group=process_group,
+            shared_filesystem=shared_filesystem, batch_bytes=batch_bytes, fqn_to_file=fqn_to_file,
             max_file_bytes=max_file_bytes, threads=threads, fsync=fsync, progress=progress,
             input_mode=input_mode, select=select, strip_prefix=strip_prefix, rename=rename,
             dtype=dtype, dedup_tied=dedup_tied))

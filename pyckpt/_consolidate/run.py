@@ -310,14 +310,19 @@ def write_index(plan: _Plan, dst: str, fsync: bool) -> None:
         "metadata": metadata,
         "weight_map": {n: f.name for f in plan.files for n, _, _ in f.tensors},
     }
-    tmp = os.path.join(dst, plan.index_tmp)
-    with open(tmp, "w", encoding="utf-8") as fh:
-        json.dump(index, fh, indent=2, sort_keys=True)
-        fh.write("\n")
-        fh.flush()
-        if fsync:
-            os.fsync(fh.fileno())
-    os.replace(tmp, os.path.join(dst, INDEX_NAME))
+    # One temp name per process: node-local ranks that share ``dst`` all write the same index.
+    tmp = os.path.join(dst, f"{plan.index_tmp}.{os.getpid()}")
+    try:
+        with open(tmp, "w", encoding="utf-8") as fh:
+            json.dump(index, fh, indent=2, sort_keys=True)
+            fh.write("\n")
+            fh.flush()
+            if fsync:
+                os.fsync(fh.fileno())
+        os.replace(tmp, os.path.join(dst, INDEX_NAME))
+    except BaseException:
+        _unlink_quiet(tmp)
+        raise
     if fsync:
         _fsync_dir(dst)
 
