@@ -93,6 +93,16 @@ std::vector<ReadRequest> requests_from_py(py::handle requests) {
   return out;
 }
 
+py::list written_to_py(const std::vector<WrittenItem>& written) {
+  py::list out;
+  for (const WrittenItem& w : written) {
+    py::list chunks;
+    for (const ChunkRecord& c : w.chunks) chunks.append(record_to_py(c));
+    out.append(py::make_tuple(w.offset, w.stored_bytes, chunks));
+  }
+  return out;
+}
+
 MemorySources::MemorySources(py::handle sources) {
   if (sources.is_none()) return;
   for (auto kv : py::reinterpret_borrow<py::dict>(sources)) {
@@ -157,13 +167,7 @@ void bind_io(py::module_& m) {
               py::gil_scoped_release nogil;
               written = encode_and_write(self, reqs, chunk_bytes, pool, blocks);
             }
-            py::list out;
-            for (const WrittenItem& w : written) {
-              py::list chunks;
-              for (const ChunkRecord& c : w.chunks) chunks.append(record_to_py(c));
-              out.append(py::make_tuple(w.offset, w.stored_bytes, chunks));
-            }
-            return out;
+            return written_to_py(written);
           },
           py::arg("items"), py::arg("chunk_bytes"), py::arg("pool"), py::arg("blocks"),
           R"pbdoc(Encode items (name, data_ptr, nbytes, params) in chunks on pool and append them in order. SAFETY: each data_ptr must point to nbytes readable bytes that the caller keeps alive and unmodified until this returns.)pbdoc")

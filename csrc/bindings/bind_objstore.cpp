@@ -112,13 +112,7 @@ void bind_objstore(py::module_& m) {
             } catch (...) {
               self.rethrow(std::current_exception());
             }
-            py::list out;
-            for (const WrittenItem& w : written) {
-              py::list chunks;
-              for (const ChunkRecord& c : w.chunks) chunks.append(record_to_py(c));
-              out.append(py::make_tuple(w.offset, w.stored_bytes, chunks));
-            }
-            return out;
+            return written_to_py(written);
           },
           py::arg("items"), py::arg("chunk_bytes"), py::arg("pool"), py::arg("blocks"),
           R"pbdoc(As FileWriter.write_items. SAFETY: each data_ptr must point to nbytes readable bytes kept alive and unmodified until this returns.)pbdoc")

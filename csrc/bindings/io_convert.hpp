@@ -23,6 +23,8 @@ std::vector<WriteRequest> items_from_py(py::handle items);
 std::vector<ReadSegment> segments_from_py(py::handle segments);
 /** @brief Parses read requests (name, segments, lo, hi, dst_ptr). */
 std::vector<ReadRequest> requests_from_py(py::handle requests);
+/** @brief The result of write_items: [(offset, stored_bytes, [record, ...]), ...]. */
+py::list written_to_py(const std::vector<WrittenItem>& written);
 
 /**
  * @brief Byte ranges already in memory (downloaded from an object store, received from a peer
