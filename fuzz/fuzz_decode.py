@@ -27,8 +27,8 @@ def _encoded_then_damaged(fdp: atheris.FuzzedDataProvider) -> None:
     """A real encoded chunk whose stored bytes, record or params are then damaged: reaches the
     zstd and ungrouping paths with almost-valid input (the checksum is re-computed)."""
     elem = [1, 2, 4, 8][fdp.ConsumeIntInRange(0, 3)]
-    params = ("zstd", fdp.ConsumeIntInRange(1, 3), elem,
-              _TRANSFORMS[fdp.ConsumeIntInRange(0, 2)] if elem > 1 else "none")
+    params = _C.CodecParams("zstd", fdp.ConsumeIntInRange(1, 3), elem,
+                            _TRANSFORMS[fdp.ConsumeIntInRange(0, 2)] if elem > 1 else "none")
     raw = fdp.ConsumeBytes(fdp.ConsumeIntInRange(0, 8192))
     stored, rec = _C.encode_chunk(raw, params)
     stored = bytearray(stored)
@@ -77,8 +77,13 @@ def test_one_input(data: bytes) -> None:
     checksum = _C.xxh64(stored) if good_sum else fdp.ConsumeIntInRange(0, (1 << 64) - 1)
     out = bytearray(raw_len)
     try:
-        _C.decode_chunk(stored, (0, raw_len, checksum, tcode, tuple(planes)),
-                        (codec, 1, elem, transform), out)
+        # Params are validated where they are made (a ValueError naming the field): only valid
+        # ones reach the decoder, as in the library.
+        params = _C.CodecParams(codec, 1, elem, transform)
+    except ValueError:
+        return
+    try:
+        _C.decode_chunk(stored, (0, raw_len, checksum, tcode, tuple(planes)), params, out)
     except (PyckptError, OSError):
         pass
 
