@@ -44,12 +44,12 @@ Stored store(std::size_t nbytes, std::size_t chunk, const CodecParams& p, std::s
 /** A SourceOpener over named in-memory files, keeping every opened source for inspection. */
 struct Memory {
   std::map<std::string, std::vector<std::uint8_t>> files;
-  std::map<std::string, MemorySource*> opened;
+  std::map<std::string, VectorSource*> opened;
   SourceOpener opener() {
     return [this](const std::string& name) -> std::unique_ptr<ChunkSource> {
       auto it = files.find(name);
       PYCKPT_EXPECT(it != files.end(), std::invalid_argument, "no file ", name);
-      auto src = std::make_unique<MemorySource>(name, it->second);
+      auto src = std::make_unique<VectorSource>(name, it->second);
       opened[name] = src.get();
       return src;
     };
@@ -60,7 +60,7 @@ struct Memory {
 
 TEST(load_chunk_into_destination_scratch_and_lent_view) {
   const Stored s = store(20000, 8192, kBf16, 100);
-  MemorySource src("f", s.file);
+  VectorSource src("f", s.file);
   for (std::size_t i = 0; i < s.chunks.size(); ++i) {
     const ChunkRecord& r = s.chunks[i];
     std::vector<std::uint8_t> dst(r.raw_len);
@@ -72,7 +72,7 @@ TEST(load_chunk_into_destination_scratch_and_lent_view) {
   }
   // A plain chunk from a lending source is verified in place: no read, no copy.
   const Stored raw = store(9000, 4096, kRaw);
-  MemorySource lend("g", raw.file, true);
+  VectorSource lend("g", raw.file, true);
   const std::uint8_t* p = load_chunk(lend, raw.chunks[1], kRaw, nullptr);
   CHECK(p == lend.bytes().data() + raw.chunks[1].file_offset);
   CHECK(lend.reads == 0 && lend.views == 1);
@@ -81,7 +81,7 @@ TEST(load_chunk_into_destination_scratch_and_lent_view) {
 
 TEST(records_beyond_the_source_or_the_limit_are_rejected_before_reading) {
   const Stored s = store(8192, 8192, kBf16);
-  MemorySource src("f", s.file);
+  VectorSource src("f", s.file);
   ChunkRecord r = s.chunks[0];
   // Claims a 1 TiB stored length: must fail on the size check, never allocate or read it.
   ChunkRecord huge = r;
@@ -229,13 +229,13 @@ TEST(scratch_is_trimmed_after_a_large_chunk) {
   ChunkRecord r = encode_chunk(zeros.data(), zeros.size(),
                                CodecParams{Codec::Zstd, 1, 1, Transform::None}, buf.data());
   buf.resize(r.stored_len);
-  MemorySource src("z", buf);
+  VectorSource src("z", buf);
   const std::uint8_t* p =
       load_chunk(src, r, CodecParams{Codec::Zstd, 1, 1, Transform::None}, nullptr);
   CHECK(p[0] == 0 && p[zeros.size() - 1] == 0);
   trim_chunk_scratch();
   const Stored s = store(4096, 4096, kBf16);
-  MemorySource small("s", s.file);
+  VectorSource small("s", s.file);
   std::vector<std::uint8_t> out(4096);
   load_chunk(small, s.chunks[0], kBf16, out.data());
   CHECK(out == s.raw);

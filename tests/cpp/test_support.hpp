@@ -49,9 +49,9 @@ inline std::vector<std::uint8_t> random_bytes(std::size_t n, std::uint32_t seed)
  * @brief A ChunkSource over bytes in memory (the shape of a non-POSIX backend); counts reads and
  *        records the largest one, so tests can prove nothing oversized was read or allocated.
  */
-class MemorySource final : public ChunkSource {
+class VectorSource final : public ChunkSource {
  public:
-  MemorySource(std::string name, std::vector<std::uint8_t> bytes, bool lend = false)
+  VectorSource(std::string name, std::vector<std::uint8_t> bytes, bool lend = false)
       : _name(std::move(name)), _bytes(std::move(bytes)), _lend(lend) {}
   const std::string& name() const noexcept override { return _name; }
   std::uint64_t size() const noexcept override { return _bytes.size(); }
