@@ -16,6 +16,8 @@ Usage::
 from __future__ import annotations
 
 import atexit
+import contextlib
+import glob
 import json
 import os
 import random
@@ -205,9 +207,17 @@ class SeaweedServer:
         self.start()
 
     def close(self) -> None:
-        """Kills the server (its data goes with it) and removes its directory."""
+        """Kills the server (its data goes with it) and removes its directory and the local
+        sockets weed creates in /tmp (``seaweedfs-<service>-<port>.sock``, for each port and its
+        gRPC port + 10000), which it does not remove when killed."""
         self.kill()
         shutil.rmtree(self.dir, ignore_errors=True)
+        tmp = "/tmp"  # weed's default, whatever TMPDIR says
+        for port in self._ports:
+            for p in (port, port + 10000):
+                for sock in glob.glob(os.path.join(tmp, f"seaweedfs-*-{p}.sock")):
+                    with contextlib.suppress(OSError):
+                        os.unlink(sock)
 
     def __enter__(self) -> SeaweedServer:
         return self.start()
