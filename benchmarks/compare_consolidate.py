@@ -4,7 +4,8 @@ Usage:
     PYCKPT_BENCH_SCALE=1 python benchmarks/compare_consolidate.py [--repeats 3] [--dir DIR]
 
 Same tensors, same run, alternating, warm page cache, no fsync on either side (torch's
-consolidator never fsyncs). Inputs per shard dim: the DCP-HF sharded safetensors (2 shard files,
+consolidator never fsyncs; every run starts after an untimed sync() and an untimed read of its
+inputs, so none pays for the previous run's writeback or for inputs the VM already evicted). Inputs per shard dim: the DCP-HF sharded safetensors (2 shard files,
 as HuggingFaceStorageWriter(save_distributed=True) writes them), read by torch and by pyckpt, and
 pyckpt checkpoints of the same DTensor pieces saved by 2 gloo ranks with pyckpt.Writer (raw and
 zstd), read by pyckpt (chunks verified and decoded on the way). Then pyckpt with 2 and 4 local
@@ -35,6 +36,16 @@ from _consolidate_data import (
     write_pyckpt,
     write_shards,
 )
+
+
+def warm(src: str) -> None:
+    """Reads every file of `src` (untimed), so each run starts from a warm page cache: this VM
+    gives file pages back to the host within a minute or two, so inputs written or read a few
+    runs earlier are partly cold again, which otherwise lands in whichever run comes next."""
+    for name in os.listdir(src):
+        with open(os.path.join(src, name), "rb", buffering=0) as fh:
+            while fh.read(16 << 20):
+                pass
 
 
 def run_torch(src: str, dst: str, names: list[str]) -> float:
@@ -136,6 +147,11 @@ def main() -> None:
                 for who, (impl, inp) in cases.items():
                     dst = os.path.join(work, f"dst-{who}")
                     shutil.rmtree(dst, ignore_errors=True)
+                    # Untimed: write back the previous run's output first, so no run pays for
+                    # another's dirty pages (a 1 GiB output per run otherwise crosses the
+                    # kernel's background-writeback threshold in whichever run comes next).
+                    os.sync()
+                    warm(srcs[inp])
                     secs = (run_torch(srcs[inp], dst, names) if impl == "torch"
                             else run_pyckpt(srcs[inp], dst, args.threads))
                     if rep:

@@ -58,6 +58,16 @@ const std::uint8_t* load_chunk(ChunkSource& src, const ChunkRecord& rec, const C
   return out;
 }
 
+DecodedChunk load_chunk_parts(ChunkSource& src, const ChunkRecord& rec, const CodecParams& params) {
+  validate_chunk(rec, params, src.size());
+  const std::uint8_t* stored = stored_bytes(src, rec, nullptr);
+  if (is_plain_chunk(rec)) {
+    verify_chunk_checksum(stored, rec);
+    return DecodedChunk::flat(stored, rec.raw_len);
+  }
+  return decode_chunk_planes(stored, rec, params);
+}
+
 void read_stored_chunk(ChunkSource& src, const ChunkRecord& rec, const CodecParams& params,
                        std::uint8_t* dst) {
   validate_chunk(rec, params, src.size());

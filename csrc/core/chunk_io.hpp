@@ -56,6 +56,16 @@ const std::uint8_t* load_chunk(ChunkSource& src, const ChunkRecord& rec, const C
                                std::uint8_t* dst);
 
 /**
+ * @brief As load_chunk() into scratch, but a byte-grouped chunk is returned as its planes
+ *        (decode_chunk_planes()), to be interleaved straight into its destinations with
+ *        DecodedChunk::copy_out().
+ * @return a view valid on this thread until the next load_chunk()/load_chunk_parts()/
+ *         trim_chunk_scratch() there.
+ * @throws as load_chunk().
+ */
+DecodedChunk load_chunk_parts(ChunkSource& src, const ChunkRecord& rec, const CodecParams& params);
+
+/**
  * @brief Reads one chunk's stored bytes (rec.stored_len, as stored: compressed or raw) into `dst`
  *        and verifies their checksum, without decoding: what an owner sends to a peer rank.
  * @throws as validate_chunk(), ChunkSource::read_at() and verify_chunk_checksum().

@@ -689,43 +689,103 @@ void verify_chunk_checksum(const void* stored, const ChunkRecord& rec) {
                        "checksum mismatch over ", rec.stored_len, " stored bytes");
 }
 
-void decode_chunk(const void* stored, const ChunkRecord& rec, const CodecParams& params,
-                  void* dst) {
-  const auto* in = static_cast<const std::uint8_t*>(stored);
-  auto* out = static_cast<std::uint8_t*>(dst);
+void DecodedChunk::copy_out(std::uint64_t offset, std::uint64_t n, void* dst) const {
+  auto* d = static_cast<std::uint8_t*>(dst);
+  if (n == 0) return;
+  if (_flat) {
+    std::memcpy(d, _flat + offset, n);
+    return;
+  }
+  const std::uint32_t E = _elem;
+  std::uint64_t k = offset / E;  // element holding the first byte
+  std::uint8_t one[8];
+  const std::uint8_t* at[8];
+  const auto point = [&](std::uint64_t elem) {
+    for (std::uint32_t p = 0; p < E; ++p) at[p] = _planes[p] + elem;
+  };
+  if (const auto skip = static_cast<std::uint32_t>(offset % E)) {  // starts inside an element
+    point(k);
+    ungroup_bytes(at, 1, E, _rotl1, one);
+    const std::uint64_t take = std::min<std::uint64_t>(E - skip, n);
+    std::memcpy(d, one + skip, take);
+    d += take;
+    n -= take;
+    ++k;
+  }
+  if (const std::uint64_t whole = n / E) {
+    point(k);
+    ungroup_bytes(at, whole, E, _rotl1, d);
+    d += whole * E;
+    n -= whole * E;
+    k += whole;
+  }
+  if (n) {  // ends inside an element
+    point(k);
+    ungroup_bytes(at, 1, E, _rotl1, one);
+    std::memcpy(d, one, n);
+  }
+}
 
+namespace {
+
+// validate + checksum + zstd planes decoded; an untransformed zstd chunk decodes into `flat_out`
+// when given (else into scratch).
+DecodedChunk decode_parts(const std::uint8_t* in, const ChunkRecord& rec, const CodecParams& params,
+                          std::uint8_t* flat_out) {
   validate_record(rec, params);
   // Checksum before decoding: decoding corrupted zstd input would report a misleading zstd error.
   verify_chunk_checksum(in, rec);
 
   if (rec.transform == Transform::None) {
     const PlaneRecord& pl = rec.planes[0];
-    if (pl.mode == PlaneMode::Raw) {
-      if (rec.raw_len) std::memcpy(out, in, rec.raw_len);
-    } else {
-      decompress_plane(in, pl.stored_len, out, rec.raw_len, 0);
-    }
-    return;
+    if (pl.mode == PlaneMode::Raw) return DecodedChunk::flat(in, rec.raw_len);
+    std::uint8_t* out =
+        flat_out ? flat_out : worker().planes.get(static_cast<std::size_t>(rec.raw_len));
+    decompress_plane(in, pl.stored_len, out, rec.raw_len, 0);
+    return DecodedChunk::flat(out, rec.raw_len);
   }
+  return DecodedChunk{};  // grouped: filled by decode_chunk_planes()
+}
+
+}  // namespace
+
+DecodedChunk decode_chunk_planes(const void* stored, const ChunkRecord& rec,
+                                 const CodecParams& params) {
+  const auto* in = static_cast<const std::uint8_t*>(stored);
+  DecodedChunk d = decode_parts(in, rec, params, nullptr);
+  if (rec.transform == Transform::None) return d;
 
   const std::uint32_t E = params.elem_size;
   const std::size_t n = rec.raw_len / E;
-  // Raw planes are ungrouped straight from the stored bytes; only zstd planes need scratch.
+  // Raw planes stay in the stored bytes; only zstd planes need scratch.
   std::uint8_t* scratch = nullptr;
-  const std::uint8_t* plane_ptr[8];
   std::size_t off = 0;
   for (std::uint32_t p = 0; p < E; ++p) {
     const PlaneRecord& pl = rec.planes[p];
     if (pl.mode == PlaneMode::Raw) {
-      plane_ptr[p] = in + off;
+      d._planes[p] = in + off;
     } else {
       if (scratch == nullptr) scratch = worker().planes.get(rec.raw_len);
       decompress_plane(in + off, pl.stored_len, scratch + p * n, n, p);
-      plane_ptr[p] = scratch + p * n;
+      d._planes[p] = scratch + p * n;
     }
     off += pl.stored_len;
   }
-  ungroup_bytes(plane_ptr, n, E, rec.transform == Transform::ByteGroupRotl1, out);
+  d._elem = E;
+  d._rotl1 = rec.transform == Transform::ByteGroupRotl1;
+  d._size = rec.raw_len;
+  return d;
+}
+
+void decode_chunk(const void* stored, const ChunkRecord& rec, const CodecParams& params,
+                  void* dst) {
+  auto* out = static_cast<std::uint8_t*>(dst);
+  if (rec.transform == Transform::None) {
+    const DecodedChunk d = decode_parts(static_cast<const std::uint8_t*>(stored), rec, params, out);
+    if (d.flat_bytes() != out) d.copy_out(0, d.size(), out);
+    return;
+  }
+  decode_chunk_planes(stored, rec, params).copy_out(0, rec.raw_len, out);
 }
 
 void verify_chunk(const void* stored, const ChunkRecord& rec, const CodecParams& params) {

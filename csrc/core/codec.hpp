@@ -156,6 +156,53 @@ void verify_chunk_checksum(const void* stored, const ChunkRecord& rec);
 void decode_chunk(const void* stored, const ChunkRecord& rec, const CodecParams& params, void* dst);
 
 /**
+ * @brief A decoded chunk held as one flat byte range or as its byte planes, not yet
+ *        interleaved; copy_out() writes any byte range of the decoded chunk, ungrouping on the
+ *        way, so a chunk scattered into many runs of an output is interleaved straight into them
+ *        (one pass over the bytes instead of ungroup-then-copy).
+ *
+ * A view: it points into the stored bytes and this thread's codec scratch, and is valid on its
+ * thread until the next decode there (or trim_codec_scratch()).
+ */
+class DecodedChunk {
+ public:
+  /** @brief A chunk whose decoded bytes are the `size` bytes at `flat`. */
+  static DecodedChunk flat(const std::uint8_t* flat, std::uint64_t size) noexcept {
+    DecodedChunk d;
+    d._flat = flat;
+    d._size = size;
+    return d;
+  }
+  /** @return the decoded size in bytes (the record's raw_len). */
+  std::uint64_t size() const noexcept { return _size; }
+  /** @return the decoded bytes when they are one flat range, else nullptr (planes). */
+  const std::uint8_t* flat_bytes() const noexcept { return _flat; }
+  /**
+   * @brief Writes decoded bytes [offset, offset + n) to dst. The range may start or end inside
+   *        an element (byte geometry).
+   * @note requires offset + n <= size().
+   */
+  void copy_out(std::uint64_t offset, std::uint64_t n, void* dst) const;
+
+ private:
+  friend DecodedChunk decode_chunk_planes(const void*, const ChunkRecord&, const CodecParams&);
+  const std::uint8_t* _flat = nullptr;
+  const std::uint8_t* _planes[8] = {};
+  std::uint32_t _elem = 1;
+  bool _rotl1 = false;
+  std::uint64_t _size = 0;
+};
+
+/**
+ * @brief As decode_chunk(), but leaves a byte-grouped chunk's planes un-interleaved (zstd planes
+ *        decoded into this thread's codec scratch, raw planes read in place from `stored`).
+ * @return the chunk as a view (see DecodedChunk); `stored` must outlive it.
+ * @throws as decode_chunk().
+ */
+DecodedChunk decode_chunk_planes(const void* stored, const ChunkRecord& rec,
+                                 const CodecParams& params);
+
+/**
  * @brief Checks everything decode_chunk() checks without producing the decoded bytes: each zstd
  *        plane is decoded once through a fixed 128 KiB per-thread window, so memory does not
  *        grow with the chunk's raw size.

@@ -79,6 +79,43 @@ void pread_full(int fd, void* dst, std::uint64_t n, std::uint64_t off, const std
   }
 }
 
+// At most this many buffers per preadv call (the kernel's UIO_MAXIOV on Linux).
+constexpr int kMaxIovPerCall = 1024;
+
+void preadv_full(int fd, struct iovec* iov, int count, std::uint64_t off, const std::string& path) {
+  std::uint64_t want = 0;
+  for (int i = 0; i < count; ++i) want += iov[i].iov_len;
+  const std::uint64_t start = off;
+  while (count > 0) {
+    if (iov->iov_len == 0) {
+      ++iov;
+      --count;
+      continue;
+    }
+    const ssize_t r = ::preadv(fd, iov, std::min(count, kMaxIovPerCall), static_cast<off_t>(off));
+    if (r < 0) {
+      if (errno == EINTR) continue;
+      throw SysError(errno, "preadv", path);
+    }
+    if (r == 0) {
+      throw FormatError(FormatKind::Truncated,
+                        detail::concat("file '", path, "' is truncated: bytes [", start, ", ",
+                                       start + want, ") are needed but the file ends at ", off));
+    }
+    off += static_cast<std::uint64_t>(r);
+    auto left = static_cast<std::size_t>(r);
+    while (left > 0 && left >= iov->iov_len) {  // whole buffers filled
+      left -= iov->iov_len;
+      ++iov;
+      --count;
+    }
+    if (left > 0) {  // one buffer filled in part
+      iov->iov_base = static_cast<std::uint8_t*>(iov->iov_base) + left;
+      iov->iov_len -= left;
+    }
+  }
+}
+
 int pwrite_full(int fd, const void* p, std::uint64_t n, std::uint64_t off) noexcept {
   const auto* s = static_cast<const std::uint8_t*>(p);
   while (n > 0) {

@@ -12,6 +12,8 @@
  * Thread-safety: a FileWriter is used by one thread at a time (it runs its own I/O thread
  * internally). A PosixFile serves concurrent read_at()/view_at() calls; map() is not thread-safe.
  */
+#include <sys/uio.h>
+
 #include <cstddef>
 #include <cstdint>
 #include <memory>
@@ -48,6 +50,14 @@ int open_regular_file(const std::string& path, OpenFor mode, std::uint64_t& size
  *         range when the file ends first.
  */
 void pread_full(int fd, void* dst, std::uint64_t n, std::uint64_t off, const std::string& path);
+
+/**
+ * @brief Reads the file bytes [off, off + total of iov lengths) into the `count` buffers of
+ *        `iov` in order (the kernel scatters them: no user-space copy), looping on short reads
+ *        and EINTR. `iov` is consumed (advanced in place).
+ * @throws as pread_full().
+ */
+void preadv_full(int fd, struct iovec* iov, int count, std::uint64_t off, const std::string& path);
 
 /**
  * @brief Writes all of [p, p + n) at `off`, looping on short writes and EINTR.

@@ -3,6 +3,7 @@
 #include <fcntl.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
+#include <sys/uio.h>
 #include <unistd.h>
 
 #include <cstring>
@@ -132,6 +133,9 @@ struct ChunkTask {
   bool map_out;  // scattered short runs: memcpy into the output mapping instead of pwrite
 };
 
+// Buffers per preadv() batch when scattering runs from a source (the kernel's UIO_MAXIOV).
+constexpr std::size_t kIovBatch = 1024;
+
 // Runs shorter than this are copied into the output mapping rather than written one pwrite each.
 constexpr std::uint64_t kMinPwriteRun = 64u << 10;
 
@@ -156,7 +160,7 @@ void read_source(const Part& p, std::uint64_t src_off, std::uint64_t n, std::byt
   }
 }
 
-TaskResult run_task(const Task& t, InputMode mode, std::size_t buffer_bytes) {
+TaskResult run_task(const Task& t, InputMode mode) {
   const Group& g = *t.group;
   const std::uint64_t e = g.item_bytes;
   const std::uint64_t out_bytes = (t.y - t.x) * e;  // source bytes of the range
@@ -183,7 +187,6 @@ TaskResult run_task(const Task& t, InputMode mode, std::size_t buffer_bytes) {
   // General path: gather every block's part of [x, y) into a bounded output buffer, then one
   // pwrite. Each block contributes one contiguous source range (row-major order is preserved).
   thread_local std::vector<std::byte> obuf;
-  thread_local std::vector<std::byte> rbuf;
   if (obuf.size() < out_bytes) obuf.resize(static_cast<std::size_t>(out_bytes));
   std::uint64_t filled = 0;
   for (const Part& p : g.parts) {
@@ -196,14 +199,39 @@ TaskResult run_task(const Task& t, InputMode mode, std::size_t buffer_bytes) {
     if (p.layout.global_index(b - 1) - first == b - 1 - a) {
       read_source(p, src_off, n, obuf.data() + (first - t.x) * e, mode);
       ++res.runs;
-    } else {
-      if (rbuf.size() < n)
-        rbuf.resize(std::max<std::size_t>(static_cast<std::size_t>(n), buffer_bytes));
-      read_source(p, src_off, n, rbuf.data(), mode);
+    } else if (mode == InputMode::Mmap) {
+      // Scatter the runs straight from the input mapping.
+      const std::uint8_t* in = p.in->view_at(src_off, static_cast<std::size_t>(n));
       p.layout.for_each_run(a, b, [&](std::uint64_t k, std::uint64_t gi, std::uint64_t cnt) {
-        std::memcpy(obuf.data() + (gi - t.x) * e, rbuf.data() + (k - a) * e, cnt * e);
+        std::memcpy(obuf.data() + (gi - t.x) * e, in + (k - a) * e, cnt * e);
         ++res.runs;
       });
+    } else {
+      // One preadv per batch of runs: the kernel copies the contiguous source range straight
+      // into the runs' places in the output buffer (no bounce buffer, no second pass).
+      thread_local std::vector<struct iovec> iov;
+      iov.clear();
+      std::uint64_t batch_off = src_off;
+      std::uint64_t batch_bytes = 0;
+      const auto flush = [&] {
+        if (iov.empty()) return;
+        try {
+          preadv_full(p.in->fd(), iov.data(), static_cast<int>(iov.size()), batch_off,
+                      p.in->path());
+        } catch (...) {
+          rethrow_with_context(std::current_exception(), "tensor '" + p.item->name + "'");
+        }
+        batch_off += batch_bytes;
+        batch_bytes = 0;
+        iov.clear();
+      };
+      p.layout.for_each_run(a, b, [&](std::uint64_t, std::uint64_t gi, std::uint64_t cnt) {
+        iov.push_back({obuf.data() + (gi - t.x) * e, static_cast<std::size_t>(cnt * e)});
+        batch_bytes += cnt * e;
+        ++res.runs;
+        if (iov.size() == kIovBatch) flush();
+      });
+      flush();
     }
     filled += n;
   }
@@ -227,38 +255,60 @@ std::uint64_t run_chunk_task(const ChunkTask& t) {
   const Part& p = *t.part;
   const StitchSource& src = p.item->source;
   const std::uint64_t e = g.item_bytes;
+  const std::uint64_t oe = g.out_item_bytes;
+  const std::uint64_t first = p.layout.global_index(t.a);
+  const bool contiguous = p.layout.global_index(t.b - 1) - first == t.b - 1 - t.a;
+  const std::uint64_t block_lo = p.item->block_lo;
 
   // The whole chunk is read and verified even when only part of it is wanted: the checksum
   // covers all stored bytes, and a zstd frame decodes only whole. With InputMode::Mmap the
   // input lends its mapping (PosixFile::view_at), so the stored bytes are not copied.
-  const std::uint8_t* raw = load_chunk(*p.in, src.chunk, src.params, nullptr);
-
-  // Block element k of this chunk is at raw + (k - block_lo) * e.
-  const std::uint64_t block_lo = p.item->block_lo;
-  const auto* from = reinterpret_cast<const std::byte*>(raw + (t.a - block_lo) * e);
+  const std::byte* from = nullptr;  // element t.a, in output elements (after any cast)
+  DecodedChunk parts;
   if (g.cast.enabled()) {
     // Convert the wanted elements once into a per-thread buffer; runs below then walk it in
     // output elements.
+    const std::uint8_t* raw = load_chunk(*p.in, src.chunk, src.params, nullptr);
     thread_local std::vector<std::byte> cbuf;
-    const std::uint64_t n = (t.b - t.a) * g.out_item_bytes;
+    const std::uint64_t n = (t.b - t.a) * oe;
     if (cbuf.size() < n) cbuf.resize(static_cast<std::size_t>(n));
-    convert_floats(g.cast.from, g.cast.to, from, cbuf.data(), t.b - t.a);
+    convert_floats(g.cast.from, g.cast.to, raw + (t.a - block_lo) * e, cbuf.data(), t.b - t.a);
     from = cbuf.data();
+  } else if (contiguous) {
+    from = reinterpret_cast<const std::byte*>(load_chunk(*p.in, src.chunk, src.params, nullptr) +
+                                              (t.a - block_lo) * e);
+  } else {
+    // Scattered runs: a byte-grouped chunk stays as planes and is interleaved straight into
+    // each run's destination (no ungroup-then-copy pass).
+    parts = load_chunk_parts(*p.in, src.chunk, src.params);
+    if (const std::uint8_t* flat = parts.flat_bytes()) {
+      from = reinterpret_cast<const std::byte*>(flat + (t.a - block_lo) * e);
+    }
   }
-  const std::uint64_t oe = g.out_item_bytes;
-  const std::uint64_t first = p.layout.global_index(t.a);
-  std::uint64_t runs = 0;
-  if (p.layout.global_index(t.b - 1) - first == t.b - 1 - t.a) {
+  // Writes the wanted elements [k, k + cnt) (k in block elements) to `dst`.
+  const auto put = [&](std::uint64_t k, std::uint64_t cnt, void* dst) {
+    if (from) {
+      std::memcpy(dst, from + (k - t.a) * oe, cnt * oe);
+    } else {
+      parts.copy_out((k - block_lo) * e, cnt * e, dst);
+    }
+  };
+  if (contiguous) {
     pwrite_output(*g.out, from, (t.b - t.a) * oe, g.out_offset + first * oe, g.name);
     return 1;
   }
+  std::uint64_t runs = 0;
   p.layout.for_each_run(t.a, t.b, [&](std::uint64_t k, std::uint64_t gi, std::uint64_t cnt) {
-    const std::byte* run = from + (k - t.a) * oe;
     const std::uint64_t dst = g.out_offset + gi * oe;
     if (t.map_out) {
-      std::memcpy(g.out->data() + dst, run, cnt * oe);
+      put(k, cnt, g.out->data() + dst);
+    } else if (from) {
+      pwrite_output(*g.out, from + (k - t.a) * oe, cnt * oe, dst, g.name);
     } else {
-      pwrite_output(*g.out, run, cnt * oe, dst, g.name);
+      thread_local std::vector<std::byte> rbuf;
+      if (rbuf.size() < cnt * oe) rbuf.resize(static_cast<std::size_t>(cnt * oe));
+      put(k, cnt, rbuf.data());
+      pwrite_output(*g.out, rbuf.data(), cnt * oe, dst, g.name);
     }
     ++runs;
   });
@@ -531,7 +581,6 @@ StitchStats stitch(const std::vector<StitchItem>& items, const StitchOptions& op
     const std::size_t ntasks = tasks.size() + chunk_tasks.size();
     ThreadPool pool(std::min<std::size_t>(options.threads, std::max<std::size_t>(ntasks, 1)));
     const InputMode mode = options.input;
-    const std::size_t buffer_bytes = options.task_bytes;
     std::atomic<std::uint64_t>* progress = options.progress;
     // Every task is drained before the first failure is reported (run_all), so no worker
     // touches a file after it is closed.
@@ -539,7 +588,7 @@ StitchStats stitch(const std::vector<StitchItem>& items, const StitchOptions& op
       std::uint64_t done = 0;
       if (i < tasks.size()) {
         const Task& t = tasks[i];
-        runs.fetch_add(run_task(t, mode, buffer_bytes).runs, std::memory_order_relaxed);
+        runs.fetch_add(run_task(t, mode).runs, std::memory_order_relaxed);
         done = (t.y - t.x) * t.group->out_item_bytes;
       } else {
         const ChunkTask& t = chunk_tasks[i - tasks.size()];

@@ -161,8 +161,10 @@ struct StitchItem {
 
 /** @brief How stitch() reads RawFile sources. */
 enum class InputMode : std::uint8_t {
-  Pread = 0,  ///< pread into the output mapping (contiguous runs) or a bounded per-thread buffer
-  Mmap = 1,   ///< copy from a read-only mapping with madvise(SEQUENTIAL | WILLNEED)
+  /// copy_file_range for a contiguous range; else pread, or one preadv per 1024 scattered runs,
+  /// into a bounded per-thread output buffer
+  Pread = 0,
+  Mmap = 1,  ///< copy from a read-only mapping with madvise(SEQUENTIAL | WILLNEED)
 };
 
 /** @brief Options of stitch(). */
@@ -194,7 +196,8 @@ struct StitchStats {
  * about `task_bytes` of output; each EncodedChunk item that overlaps [lo, hi) is one task (the
  * chunk is read, verified and decoded once, even when it lands in scattered runs). Outputs are
  * written with pwrite; scattered runs shorter than 64 KiB of decoded chunks are copied into a
- * MAP_SHARED mapping of the output instead (one syscall per run would dominate). Memory use is
+ * MAP_SHARED mapping of the output instead (one syscall per run would dominate), a byte-grouped
+ * chunk's planes interleaved straight into each run (DecodedChunk::copy_out). Memory use is
  * bounded by threads x (2 x task_bytes + 2 x the largest chunk) plus the mappings. Items with an
  * enabled StitchItem::cast are converted in memory after reading or decoding (never through the
  * in-kernel copy), with one more per-thread buffer of the converted bytes.

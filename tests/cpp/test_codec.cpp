@@ -1,4 +1,5 @@
 // Unit tests of the chunk codec: round trips, plane layouts, and rejection of bad records.
+#include <algorithm>
 #include <string>
 #include <vector>
 
@@ -49,6 +50,43 @@ TEST(round_trip_every_codec_and_size) {
       verify_chunk(e.stored.data(), e.rec, p);  // the verify-only path accepts it too
     }
   }
+}
+
+TEST(decoded_planes_copy_out_any_byte_range_like_the_full_decode) {
+  // Every codec (flat and byte-grouped, rotated or not), ranges that start and end inside an
+  // element, and the empty range: copy_out(a, n) equals bytes [a, a + n) of decode_chunk().
+  const CodecParams all[] = {kRaw, kZstd, kBf16, kFp32, kFp64};
+  for (const CodecParams& p : all) {
+    const std::vector<std::uint8_t> data = bf16_like(4096, 11);  // 8192 bytes: divisible by 8
+    const Encoded e = encode(data, p);
+    const std::vector<std::uint8_t> full = decode(e, p);
+    CHECK(full == data);
+    const DecodedChunk d = decode_chunk_planes(e.stored.data(), e.rec, p);
+    CHECK(d.size() == data.size());
+    const std::size_t starts[] = {0, 1, 3, 5, 7, 8, 13, 4095, 8191};
+    const std::size_t lens[] = {0, 1, 2, 3, 7, 9, 17, 1000};
+    for (std::size_t a : starts) {
+      for (std::size_t n : lens) {
+        if (a + n > data.size()) continue;
+        std::vector<std::uint8_t> out(n + 1, 0xEE);
+        d.copy_out(a, n, out.data());
+        CHECK(out.back() == 0xEE);  // nothing written past n
+        out.pop_back();
+        CHECK(std::equal(out.begin(), out.end(), full.begin() + static_cast<long>(a)));
+      }
+    }
+    std::vector<std::uint8_t> all_bytes(data.size());
+    d.copy_out(0, data.size(), all_bytes.data());
+    CHECK(all_bytes == data);
+  }
+}
+
+TEST(decoded_planes_verify_the_checksum_first) {
+  const std::vector<std::uint8_t> data = bf16_like(4096, 12);
+  Encoded e = encode(data, kBf16);
+  e.stored[e.stored.size() / 2] ^= 0x40;
+  CHECK_THROWS(decode_chunk_planes(e.stored.data(), e.rec, kBf16), FormatError,
+               "checksum mismatch");
 }
 
 TEST(bf16_compresses_exponent_plane_and_keeps_mantissa_raw) {
