@@ -232,6 +232,9 @@ def main() -> int:
     ap.add_argument("--endpoint", default=None,
                     help="use this S3 endpoint (AWS_* credentials) instead of a local server")
     ap.add_argument("--json", default=None, help="also write the raw results here")
+    ap.add_argument("--server-args", default="-master.volumeSizeLimitMB=1024",
+                    help="extra 'weed server' options for the local server (default: 1 GiB "
+                         "volumes, so the runs do not wait on the master growing 64 MiB ones)")
     a = ap.parse_args()
 
     srv = None
@@ -242,7 +245,7 @@ def main() -> int:
     else:
         from _s3server import SeaweedServer
 
-        srv = SeaweedServer().start()
+        srv = SeaweedServer(extra_args=a.server_args.split()).start()
         env = srv.env()
     os.environ.update(env)
     try:
@@ -301,6 +304,8 @@ def main() -> int:
             bad = [x for x in ranks if "error" in x]
             if bad:
                 errors[m] = bad[0]["error"]
+                print(f"{m} (repeat {row0['repeat']}) failed:\n{bad[0].get('trace', '')}",
+                      file=sys.stderr)
                 continue
             d = rows.setdefault(m, {})
             d.setdefault("save", []).append(row0["save_s"])

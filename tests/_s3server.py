@@ -29,6 +29,7 @@ import sys
 import sysconfig
 import tempfile
 import time
+from collections.abc import Sequence
 from typing import Any
 
 __all__ = ["SeaweedServer", "ServerUnavailable", "find_weed"]
@@ -83,13 +84,15 @@ class SeaweedServer:
 
     Args:
         startup_timeout: seconds to wait for the S3 gateway to answer.
+        extra_args: more ``weed server`` options (benchmarks tune the server with these).
 
     Raises:
         ServerUnavailable: from :meth:`start` when the binary is missing or never becomes ready.
     """
 
-    def __init__(self, startup_timeout: float = 60.0) -> None:
+    def __init__(self, startup_timeout: float = 60.0, extra_args: Sequence[str] = ()) -> None:
         self.startup_timeout = startup_timeout
+        self.extra_args = list(extra_args)
         self.dir = tempfile.mkdtemp(prefix="pyckpt-seaweed-")
         self.proc: subprocess.Popen[bytes] | None = None
         self.s3_port = 0
@@ -126,6 +129,7 @@ class SeaweedServer:
             f"-master.port={master}", f"-volume.port={volume}", f"-filer.port={filer}",
             "-s3", f"-s3.port={s3}", f"-s3.config={config}", "-s3.port.iceberg=0", "-s3.port.lance=0",
             "-master.telemetry=false", "-master.volumeSizeLimitMB=64", "-volume.max=0",
+            *self.extra_args,
         ]
         log = open(self.log_path, "ab")  # handed to the child
         try:
