@@ -146,12 +146,15 @@ def main() -> None:
             for rep in range(args.repeats + 1):  # first round warms the cache, not recorded
                 for who, (impl, inp) in cases.items():
                     dst = os.path.join(work, f"dst-{who}")
-                    shutil.rmtree(dst, ignore_errors=True)
-                    # Untimed: write back the previous run's output first, so no run pays for
+                    # Untimed: write back the previous runs' outputs first, so no run pays for
                     # another's dirty pages (a 1 GiB output per run otherwise crosses the
-                    # kernel's background-writeback threshold in whichever run comes next).
+                    # kernel's background-writeback threshold in whichever run comes next);
+                    # then warm the inputs; then remove this method's previous output, last, so
+                    # its pages are free for this run's output (this VM hands memory that stays
+                    # free for ~2 s back to the host, and touching it again traps to the host).
                     os.sync()
                     warm(srcs[inp])
+                    shutil.rmtree(dst, ignore_errors=True)
                     secs = (run_torch(srcs[inp], dst, names) if impl == "torch"
                             else run_pyckpt(srcs[inp], dst, args.threads))
                     if rep:
