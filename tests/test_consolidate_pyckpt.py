@@ -162,11 +162,17 @@ def _chunk_items(seg_list, shape, offsets, sizes, out_path, lo, hi, shift=0):
 
 
 @pytest.mark.parametrize("input_mode", ["pread", "mmap"])
-@pytest.mark.parametrize("cols", [16384, 64], ids=["pwrite-runs", "mapped-runs"])
-def test_stitch_encoded_chunks_scatter(tmp_path, input_mode, cols):
+@pytest.mark.parametrize(
+    ("cols", "task_bytes", "tasks"),
+    [(16384, 1 << 20, 6), (64, 1 << 20, 1), (64, 256, 3)],
+    ids=["pwrite-runs", "window", "mapped-runs"],
+)
+def test_stitch_encoded_chunks_scatter(tmp_path, input_mode, cols, task_bytes, tasks):
     # Three (4, cols) f32 blocks stored by the writer in 128 KiB zstd chunks, stitched as the
-    # column bands of a (4, 3*cols) tensor: every chunk lands in scattered rows (64 KiB runs,
-    # written one pwrite each, or 256-byte runs, copied into the output mapping).
+    # column bands of a (4, 3*cols) tensor: every chunk lands in scattered rows. 64 KiB runs are
+    # written one pwrite each (a task per chunk); 256-byte runs of a range that fits 4 x
+    # task_bytes are assembled in one window (one task, one pwrite); of a larger range, copied
+    # into the output mapping (a task per chunk).
     g = torch.Generator().manual_seed(3)
     bands = [(torch.randn(4, cols, generator=g) * 0.02).float() for _ in range(3)]
     _save(tmp_path / "ck", {f"b{i}": b for i, b in enumerate(bands)}, "zstd",
@@ -183,13 +189,42 @@ def test_stitch_encoded_chunks_scatter(tmp_path, input_mode, cols):
     for i in range(3):
         (piece,) = tensors[f"b{i}"].pieces
         items += _chunk_items(piece.segments, shape, [0, i * row], [4, row], str(out), lo, hi)
-    stats = _C.stitch(items, 2, 1 << 20, input_mode, False)
+    stats = _C.stitch(items, 2, task_bytes, input_mode, False)
     expect = sentinel.copy()
     full = torch.cat(bands, dim=1).contiguous().view(torch.uint8).reshape(-1).numpy()
     expect[lo:hi] = full[lo:hi]
     assert np.array_equal(np.fromfile(out, dtype=np.uint8), expect)
     assert stats["bytes"] == hi - lo
+    assert stats["tasks"] == tasks
     assert stats["runs"] >= 3 * 4 - 2  # one run per row of each band reached
+
+
+@pytest.mark.parametrize("task_bytes", [1 << 20, 256], ids=["window", "mapped-runs"])
+def test_stitch_scattered_corrupt_chunk_names_file_tensor_and_offset(tmp_path, task_bytes):
+    g = torch.Generator().manual_seed(4)
+    bands = [(torch.randn(4, 64, generator=g) * 0.02).float() for _ in range(3)]
+    _save(tmp_path / "ck", {f"b{i}": b for i, b in enumerate(bands)}, "zstd")
+    tensors = read_index(tmp_path / "ck").tensors
+    row = 4 * 64
+    shape, n = [4, 3 * row], 4 * 3 * row
+    out = tmp_path / "out.bin"
+    np.zeros(n, dtype=np.uint8).tofile(out)
+    items = []
+    for i in range(3):
+        (piece,) = tensors[f"b{i}"].pieces
+        items += _chunk_items(piece.segments, shape, [0, i * row], [4, row], str(out), 0, n)
+    path, _, _, chunks = tensors["b1"].pieces[0].segments[0]
+    off = chunks[0][0]
+    with open(path, "r+b") as fh:
+        fh.seek(off + 3)
+        byte = fh.read(1)
+        fh.seek(off + 3)
+        fh.write(bytes([byte[0] ^ 0x5A]))
+    with pytest.raises(ChecksumError) as info:
+        _C.stitch(items, 2, task_bytes, "pread", False)
+    msg = str(info.value)
+    assert f"file '{path}', tensor 't', chunk at file offset {off}" in msg, msg
+    assert "checksum mismatch" in msg
 
 
 def test_gil_released_while_decoding(tmp_path):

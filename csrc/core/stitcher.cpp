@@ -133,11 +133,23 @@ struct ChunkTask {
   bool map_out;  // scattered short runs: memcpy into the output mapping instead of pwrite
 };
 
+/** All chunk tasks of one group whose output range fits a window: assembled in memory, then
+ *  one pwrite (no output mapping, no page faults on it). */
+struct WindowTask {
+  const Group* group;
+  std::size_t begin;  // its chunk tasks: window_chunks[begin, end)
+  std::size_t end;
+};
+
 // Buffers per preadv() batch when scattering runs from a source (the kernel's UIO_MAXIOV).
 constexpr std::size_t kIovBatch = 1024;
 
 // Runs shorter than this are copied into the output mapping rather than written one pwrite each.
 constexpr std::uint64_t kMinPwriteRun = 64u << 10;
+
+// A tensor (range) of encoded chunks with such runs is assembled in one in-memory window when it
+// is at most this many times StitchOptions::task_bytes.
+constexpr std::uint64_t kWindowTasks = 4;
 
 /** Output-driven task: the tensor elements [x, y) of one group. */
 struct Task {
@@ -250,7 +262,9 @@ TaskResult run_task(const Task& t, InputMode mode) {
   return res;
 }
 
-std::uint64_t run_chunk_task(const ChunkTask& t) {
+// `window`: when not null, the group's range [lo, hi) in memory, where the elements go instead
+// of the output file.
+std::uint64_t run_chunk_task(const ChunkTask& t, std::byte* window) {
   const Group& g = *t.group;
   const Part& p = *t.part;
   const StitchSource& src = p.item->source;
@@ -294,13 +308,19 @@ std::uint64_t run_chunk_task(const ChunkTask& t) {
     }
   };
   if (contiguous) {
-    pwrite_output(*g.out, from, (t.b - t.a) * oe, g.out_offset + first * oe, g.name);
+    if (window) {
+      put(t.a, t.b - t.a, window + (first - g.lo) * oe);
+    } else {
+      pwrite_output(*g.out, from, (t.b - t.a) * oe, g.out_offset + first * oe, g.name);
+    }
     return 1;
   }
   std::uint64_t runs = 0;
   p.layout.for_each_run(t.a, t.b, [&](std::uint64_t k, std::uint64_t gi, std::uint64_t cnt) {
     const std::uint64_t dst = g.out_offset + gi * oe;
-    if (t.map_out) {
+    if (window) {
+      put(k, cnt, window + (gi - g.lo) * oe);
+    } else if (t.map_out) {
       put(k, cnt, g.out->data() + dst);
     } else if (from) {
       pwrite_output(*g.out, from + (k - t.a) * oe, cnt * oe, dst, g.name);
@@ -312,6 +332,22 @@ std::uint64_t run_chunk_task(const ChunkTask& t) {
     }
     ++runs;
   });
+  return runs;
+}
+
+// run_chunk_task(); failures name the file, tensor and chunk (known here). The chunk scratch is
+// trimmed after each chunk either way.
+std::uint64_t run_chunk_task_named(const ChunkTask& t, std::byte* window) {
+  const StitchItem& it = *t.part->item;
+  std::uint64_t runs = 0;
+  try {
+    runs = run_chunk_task(t, window);
+  } catch (...) {
+    trim_chunk_scratch();
+    rethrow_with_context(std::current_exception(),
+                         chunk_context(it.source.path, it.name, it.source.chunk.file_offset));
+  }
+  trim_chunk_scratch();
   return runs;
 }
 
@@ -547,6 +583,8 @@ StitchStats stitch(const std::vector<StitchItem>& items, const StitchOptions& op
 
   std::vector<Task> tasks;
   std::vector<ChunkTask> chunk_tasks;
+  std::vector<WindowTask> window_tasks;
+  std::vector<ChunkTask> window_chunks;
   for (auto& [key, g] : groups) {
     if (!g.encoded) {
       const std::uint64_t step =
@@ -556,8 +594,13 @@ StitchStats stitch(const std::vector<StitchItem>& items, const StitchOptions& op
       }
       continue;
     }
-    // One task per chunk that overlaps [lo, hi): its block elements [a, b) land there.
+    // One task per chunk that overlaps [lo, hi): its block elements [a, b) land there. When
+    // some land in short scattered runs, the chunks of a range that fits a window are run as one
+    // WindowTask (assembled in memory, one pwrite; not for a partial call, whose other calls
+    // write the rest of the range); otherwise short runs go through the output mapping.
+    std::vector<ChunkTask> mine;
     std::uint64_t supplied = 0;
+    bool short_runs = false;
     for (const Part& p : g.parts) {
       const std::uint64_t a = std::max(p.layout.lower_bound(g.lo), p.item->block_lo);
       const std::uint64_t b = std::min(p.layout.lower_bound(g.hi), p.block_hi);
@@ -565,8 +608,18 @@ StitchStats stitch(const std::vector<StitchItem>& items, const StitchOptions& op
       supplied += b - a;
       const bool scattered = p.layout.global_index(b - 1) - p.layout.global_index(a) != b - 1 - a;
       const bool map_out = scattered && p.layout.run_elements() * g.out_item_bytes < kMinPwriteRun;
-      if (map_out) g.out->map(false);  // before any task runs: map() is not thread-safe
-      chunk_tasks.push_back(ChunkTask{&g, &p, a, b, map_out});
+      short_runs = short_runs || map_out;
+      mine.push_back(ChunkTask{&g, &p, a, b, map_out});
+    }
+    const bool windowed = short_runs && !options.partial &&
+                          (g.hi - g.lo) * g.out_item_bytes <= kWindowTasks * options.task_bytes;
+    if (windowed) {
+      window_tasks.push_back(
+          WindowTask{&g, window_chunks.size(), window_chunks.size() + mine.size()});
+      window_chunks.insert(window_chunks.end(), mine.begin(), mine.end());
+    } else {
+      if (short_runs) g.out->map(false);  // before any task runs: map() is not thread-safe
+      chunk_tasks.insert(chunk_tasks.end(), mine.begin(), mine.end());
     }
     // Pieces were checked to tile the tensor and chunks to tile each piece, so a count that
     // differs means the items themselves are inconsistent.
@@ -578,7 +631,7 @@ StitchStats stitch(const std::vector<StitchItem>& items, const StitchOptions& op
   StitchStats stats;
   std::atomic<std::uint64_t> runs{0};
   {
-    const std::size_t ntasks = tasks.size() + chunk_tasks.size();
+    const std::size_t ntasks = tasks.size() + chunk_tasks.size() + window_tasks.size();
     ThreadPool pool(std::min<std::size_t>(options.threads, std::max<std::size_t>(ntasks, 1)));
     const InputMode mode = options.input;
     std::atomic<std::uint64_t>* progress = options.progress;
@@ -590,26 +643,31 @@ StitchStats stitch(const std::vector<StitchItem>& items, const StitchOptions& op
         const Task& t = tasks[i];
         runs.fetch_add(run_task(t, mode).runs, std::memory_order_relaxed);
         done = (t.y - t.x) * t.group->out_item_bytes;
-      } else {
+      } else if (i < tasks.size() + chunk_tasks.size()) {
         const ChunkTask& t = chunk_tasks[i - tasks.size()];
-        const StitchItem& it = *t.part->item;
-        try {
-          runs.fetch_add(run_chunk_task(t), std::memory_order_relaxed);
-        } catch (...) {
-          trim_chunk_scratch();
-          // Name the file, tensor and chunk here, where they are known.
-          rethrow_with_context(std::current_exception(),
-                               chunk_context(it.source.path, it.name, it.source.chunk.file_offset));
-        }
-        trim_chunk_scratch();
+        runs.fetch_add(run_chunk_task_named(t, nullptr), std::memory_order_relaxed);
         done = (t.b - t.a) * t.group->out_item_bytes;
+      } else {
+        const WindowTask& w = window_tasks[i - tasks.size() - chunk_tasks.size()];
+        const Group& g = *w.group;
+        const std::uint64_t n = (g.hi - g.lo) * g.out_item_bytes;
+        thread_local std::vector<std::byte> window;
+        if (window.size() < n) window.resize(static_cast<std::size_t>(n));
+        std::uint64_t r = 0;
+        for (std::size_t c = w.begin; c < w.end; ++c) {
+          r += run_chunk_task_named(window_chunks[c], window.data());
+        }
+        pwrite_output(*g.out, window.data(), n, g.out_offset + g.lo * g.out_item_bytes, g.name);
+        runs.fetch_add(r, std::memory_order_relaxed);
+        done = n;
       }
       if (progress) progress->fetch_add(done, std::memory_order_relaxed);
     });
   }
   for (const Task& t : tasks) stats.bytes += (t.y - t.x) * t.group->out_item_bytes;
   for (const ChunkTask& t : chunk_tasks) stats.bytes += (t.b - t.a) * t.group->out_item_bytes;
-  stats.tasks = tasks.size() + chunk_tasks.size();
+  for (const ChunkTask& t : window_chunks) stats.bytes += (t.b - t.a) * t.group->out_item_bytes;
+  stats.tasks = tasks.size() + chunk_tasks.size() + window_tasks.size();
   stats.runs = runs.load();
   if (options.fsync) {
     for (auto& [path, out] : outputs) out->sync();

@@ -195,10 +195,13 @@ struct StitchStats {
  * several processes can fill disjoint parts of one file). RawFile groups are split into tasks of
  * about `task_bytes` of output; each EncodedChunk item that overlaps [lo, hi) is one task (the
  * chunk is read, verified and decoded once, even when it lands in scattered runs). Outputs are
- * written with pwrite; scattered runs shorter than 64 KiB of decoded chunks are copied into a
- * MAP_SHARED mapping of the output instead (one syscall per run would dominate), a byte-grouped
- * chunk's planes interleaved straight into each run (DecodedChunk::copy_out). Memory use is
- * bounded by threads x (2 x task_bytes + 2 x the largest chunk) plus the mappings. Items with an
+ * written with pwrite. When decoded chunks land in scattered runs shorter than 64 KiB (one
+ * syscall per run would dominate), all chunks of a tensor whose range [lo, hi) is at most
+ * 4 x task_bytes are one task that assembles the range in a per-thread window and writes it
+ * with one pwrite (not with `partial`); for a larger range such runs are copied into a
+ * MAP_SHARED mapping of the output. A byte-grouped chunk's planes are interleaved straight into
+ * each run (DecodedChunk::copy_out). Memory use is bounded by threads x (4 x task_bytes + 3 x
+ * the largest chunk) plus the mappings. Items with an
  * enabled StitchItem::cast are converted in memory after reading or decoding (never through the
  * in-kernel copy), with one more per-thread buffer of the converted bytes.
  * @param items the copies; items may share inputs and outputs; their destinations must not overlap.
