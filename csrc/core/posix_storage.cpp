@@ -60,25 +60,6 @@ int open_regular_file(const std::string& path, OpenFor mode, std::uint64_t& size
   return fd;
 }
 
-void pread_full(int fd, void* dst, std::uint64_t n, std::uint64_t off, const std::string& path) {
-  auto* d = static_cast<std::uint8_t*>(dst);
-  std::uint64_t got = 0;
-  while (got < n) {
-    const auto want = static_cast<std::size_t>(std::min(n - got, kMaxIoPerCall));
-    const ssize_t r = ::pread(fd, d + got, want, static_cast<off_t>(off + got));
-    if (r < 0) {
-      if (errno == EINTR) continue;
-      throw SysError(errno, "pread", path);
-    }
-    if (r == 0) {
-      throw FormatError(FormatKind::Truncated,
-                        detail::concat("file '", path, "' is truncated: bytes [", off, ", ",
-                                       off + n, ") are needed but the file ends at ", off + got));
-    }
-    got += static_cast<std::uint64_t>(r);
-  }
-}
-
 // At most this many buffers per preadv call (the kernel's UIO_MAXIOV on Linux).
 constexpr int kMaxIovPerCall = 1024;
 
@@ -95,7 +76,7 @@ void preadv_full(int fd, struct iovec* iov, int count, std::uint64_t off, const 
     const ssize_t r = ::preadv(fd, iov, std::min(count, kMaxIovPerCall), static_cast<off_t>(off));
     if (r < 0) {
       if (errno == EINTR) continue;
-      throw SysError(errno, "preadv", path);
+      throw SysError(errno, "pread", path);
     }
     if (r == 0) {
       throw FormatError(FormatKind::Truncated,
@@ -114,6 +95,11 @@ void preadv_full(int fd, struct iovec* iov, int count, std::uint64_t off, const 
       iov->iov_len -= left;
     }
   }
+}
+
+void pread_full(int fd, void* dst, std::uint64_t n, std::uint64_t off, const std::string& path) {
+  struct iovec one{dst, static_cast<std::size_t>(n)};
+  preadv_full(fd, &one, 1, off, path);
 }
 
 int pwrite_full(int fd, const void* p, std::uint64_t n, std::uint64_t off) noexcept {

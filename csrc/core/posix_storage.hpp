@@ -44,8 +44,8 @@ enum class OpenFor : std::uint8_t {
 int open_regular_file(const std::string& path, OpenFor mode, std::uint64_t& size);
 
 /**
- * @brief Reads exactly `n` bytes at `off`, looping on short reads and EINTR (at most 1 GiB per
- *        call, below Linux's per-call cap).
+ * @brief Reads exactly `n` bytes at `off`, looping on short reads (Linux returns at most about
+ *        2 GiB per call) and EINTR: preadv_full() with one buffer.
  * @throws SysError(op "pread") naming `path`; FormatError(Truncated) naming `path` and the byte
  *         range when the file ends first.
  */
