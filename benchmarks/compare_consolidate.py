@@ -4,14 +4,15 @@ Usage:
     PYCKPT_BENCH_SCALE=1 python benchmarks/compare_consolidate.py [--repeats 3] [--dir DIR]
 
 Same tensors, same run, alternating, warm page cache, no fsync on either side (torch's
-consolidator never fsyncs; every run starts after an untimed sync() and an untimed read of its
-inputs, so none pays for the previous run's writeback or for inputs the VM already evicted). Inputs per shard dim: the DCP-HF sharded safetensors (2 shard files,
-as HuggingFaceStorageWriter(save_distributed=True) writes them), read by torch and by pyckpt, and
-pyckpt checkpoints of the same DTensor pieces saved by 2 gloo ranks with pyckpt.Writer (raw and
-zstd), read by pyckpt (chunks verified and decoded on the way). Then pyckpt with 2 and 4 local
-gloo workers (one output file, and ~5 files): bytes
-per rank, max/mean, and peak RSS per worker (anonymous memory and file-backed pages separately:
-the output mapping's pages count as RssFile).
+consolidator never fsyncs). Before each timed run, untimed: sync(), a read of its inputs, then
+removal of the method's previous output, so no run pays for another's writeback, for inputs the
+VM evicted, or for memory the VM handed back to its host (see the loop). Inputs per shard dim:
+the DCP-HF sharded safetensors (2 shard files, as HuggingFaceStorageWriter(save_distributed=True)
+writes them), read by torch and by pyckpt, and pyckpt checkpoints of the same DTensor pieces
+saved by 2 gloo ranks with pyckpt.Writer (raw and zstd), read by pyckpt (chunks verified and
+decoded on the way). Then pyckpt with 2 and 4 local gloo workers (one output file, and ~5
+files): bytes per rank, max/mean, and peak RSS per worker (anonymous memory and file-backed
+pages separately: the output mapping's pages count as RssFile).
 """
 
 from __future__ import annotations
