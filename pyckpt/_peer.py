@@ -46,13 +46,17 @@ class PeerFiles:
         group: the process group.
         owners: data file basename -> group rank that serves it.
         local: basenames present in ``root``.
+        everywhere: every rank of the group holds every data file of the checkpoint (one
+            shared directory, or complete copies): nothing needs to travel between ranks.
     """
 
-    def __init__(self, root: str, group: Group, owners: dict[str, int], local: set[str]) -> None:
+    def __init__(self, root: str, group: Group, owners: dict[str, int], local: set[str],
+                 everywhere: bool = False) -> None:
         self.root = root
         self.group = group
         self.owners = owners
         self.local = local
+        self.everywhere = everywhere
 
     def owner(self, path: str) -> int:
         """Group rank holding the data file ``path`` (this rank when it is local)."""
@@ -141,7 +145,9 @@ def discover(root: str, group: Group) -> tuple[_format.CheckpointIndex, PeerFile
                 "is missing or incomplete)",
                 os.path.join(root, name),
             )
-    return index, PeerFiles(root, group, owners, set(index.local_files))
+    wanted = set(index.files)
+    everywhere = all(wanted <= set(names) for _, names, _ in gathered)
+    return index, PeerFiles(root, group, owners, set(index.local_files), everywhere)
 
 
 class Exchange:

@@ -154,7 +154,7 @@ def load(
     process_group: Any = None,
     trusted: bool = False,
     storage_options: dict[str, Any] | None = None,
-    shared_filesystem: bool = True,
+    shared_filesystem: bool | Literal["auto"] = True,
 ) -> None:
     """Loads the checkpoint at ``path`` into ``state_dict`` in place with DCP.
 
@@ -178,7 +178,8 @@ def load(
             environment (see docs/OBJECT_STORES.md).
         shared_filesystem: False for a node-local checkpoint (saved with
             ``shared_filesystem=False``): each rank reads its own ``path`` and fetches chunks
-            held by other ranks over ``process_group`` (see :class:`pyckpt.Reader`).
+            held by other ranks over ``process_group`` (see :class:`pyckpt.Reader`);
+            ``"auto"`` lets the ranks find out (one all-gather of the files each sees).
 
     Raises:
         FileNotFoundError: ``path`` holds no complete checkpoint or a data file is missing.

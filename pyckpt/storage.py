@@ -25,7 +25,7 @@ import threading
 import uuid
 import weakref
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any, Literal, cast
 
 import numpy as np
 import torch
@@ -821,6 +821,10 @@ class Reader(StorageReader):
             shared_filesystem=False)``): each rank reads its own ``path``; chunks of files
             another rank holds are fetched from it over ``process_group`` (stored bytes,
             verified by both sides, decoded here). Every rank of the group must load.
+            ``"auto"``: the ranks list the data files each sees under ``path`` and agree (one
+            all-gather over ``process_group`` when the load starts): when every rank sees
+            every file, the load reads as with True; otherwise as with False. A single process
+            reads as with True.
         process_group: the group of the load for ``shared_filesystem=False`` (default: the
             default group); it must carry CPU tensors (gloo).
 
@@ -853,7 +857,7 @@ class Reader(StorageReader):
         threads: int | None = None,
         pinned_pool_bytes: int | None = None,
         storage_options: dict[str, Any] | None = None,
-        shared_filesystem: bool = True,
+        shared_filesystem: bool | Literal["auto"] = True,
         process_group: Any = None,
     ) -> None:
         super().__init__()
@@ -863,7 +867,12 @@ class Reader(StorageReader):
         self.pinned_pool_bytes = pinned_pool_bytes
         self.storage_options = dict(storage_options or {})
         self._fetcher: _objstore.Fetcher | None = None
-        self.shared_filesystem = bool(shared_filesystem)
+        if isinstance(shared_filesystem, str) and shared_filesystem != "auto":
+            raise ValueError(f"shared_filesystem must be True, False or 'auto', "
+                             f"got {shared_filesystem!r}")
+        self.shared_filesystem: bool | Literal["auto"] = (
+            "auto" if shared_filesystem == "auto" else bool(shared_filesystem)
+        )
         if not self.shared_filesystem and _objstore.is_url(self.path):
             raise ValueError(f"{self.path}: shared_filesystem=False is for node-local directories, "
                              "not object-store URLs")
@@ -930,12 +939,15 @@ class Reader(StorageReader):
         try:
             if _objstore.is_url(self.path):
                 index = _objstore.read_index(self._object_fetcher().loc)
-            elif self.shared_filesystem:
+            elif self.shared_filesystem is True:
                 index = _format.read_index(self.path)
+            elif self.shared_filesystem == "auto" and not group_info(self.process_group).distributed:
+                index = _format.read_index(self.path)  # one process: it must see every file
             else:  # collective: every rank reads its copy, then they agree on who holds what
-                index, self._peer_files = _peer.discover(
-                    self.path, group_info(self.process_group)
-                )
+                index, peers = _peer.discover(self.path, group_info(self.process_group))
+                # "auto" on a directory every rank sees whole: no transfers between ranks.
+                auto_shared = self.shared_filesystem == "auto" and peers.everywhere
+                self._peer_files = None if auto_shared else peers
         except Exception as e:
             self._metadata_error = e
             raise

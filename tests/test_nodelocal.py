@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 from _nodelocal_workers import (
     agree_worker,
+    auto_load_worker,
     consolidate_error_worker,
     consolidate_worker,
     failing_save_worker,
@@ -25,9 +26,11 @@ from _nodelocal_workers import (
     load_worker,
     namespace_refusal,
     save_worker,
+    shared_save_worker,
 )
 from dist_utils import free_port, run_distributed
 
+import pyckpt
 from pyckpt._format import METADATA_FILE, is_data_file
 
 pytestmark = pytest.mark.distributed
@@ -86,6 +89,24 @@ def test_save_load_same_world_and_2_to_3(tmp_path: Path, compression: str | None
     _load(tmp_path, 2, 1)  # same world size, another sharding: both ranks fetch from the other
     _load(tmp_path, 3, 1)  # node 2 is new (no files, no metadata): it gets both from peers
     assert not os.path.exists(_node(tmp_path, 2) / METADATA_FILE)  # a load writes nothing
+
+
+def test_auto_reads_node_local_over_the_group_and_a_shared_directory_directly(
+    tmp_path: Path,
+) -> None:
+    _save(tmp_path, 2, 1, "zstd")
+    results = run_distributed(auto_load_worker, 2, str(tmp_path), 1, True)
+    for r in results:  # each rank sees only its node's files: chunks travel between ranks
+        assert r["bad"] == [] and r["foreign"] == [] and r["exchanges"] == 1, r
+    run_distributed(shared_save_worker, 2, str(tmp_path))
+    results = run_distributed(auto_load_worker, 2, str(tmp_path), 1, False)
+    for r in results:  # every rank sees every file: read directly, no transfer round
+        assert r["bad"] == [] and r["exchanges"] == 0, r
+
+
+def test_reader_refuses_an_unknown_shared_filesystem_mode(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="'auto'"):
+        pyckpt.Reader(tmp_path, shared_filesystem="yes")  # type: ignore[arg-type]
 
 
 def test_save_4_ranks_on_2_nodes_load_on_2(tmp_path: Path) -> None:
@@ -251,6 +272,9 @@ def test_single_process_node_local_save_load_consolidate(tmp_path: Path) -> None
     pyckpt.save(dict(full), tmp_path / "ckpt", shared_filesystem=False, compression="zstd")
     sd = {k: torch.zeros_like(v) for k, v in full.items()}
     pyckpt.load(sd, tmp_path / "ckpt", shared_filesystem=False)
+    assert all(_same_bits(sd[k], v) for k, v in full.items())
+    sd = {k: torch.zeros_like(v) for k, v in full.items()}
+    pyckpt.load(sd, tmp_path / "ckpt", shared_filesystem="auto")  # one process: reads directly
     assert all(_same_bits(sd[k], v) for k, v in full.items())
     res = pyckpt.consolidate(tmp_path / "ckpt", tmp_path / "out", shared_filesystem=False,
                              fsync=False)

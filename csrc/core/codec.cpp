@@ -698,8 +698,8 @@ void DecodedChunk::copy_out(std::uint64_t offset, std::uint64_t n, void* dst) co
   }
   const std::uint32_t E = _elem;
   std::uint64_t k = offset / E;  // element holding the first byte
-  std::uint8_t one[8];
-  const std::uint8_t* at[8];
+  std::uint8_t one[8] = {};
+  const std::uint8_t* at[8] = {};
   const auto point = [&](std::uint64_t elem) {
     for (std::uint32_t p = 0; p < E; ++p) at[p] = _planes[p] + elem;
   };
