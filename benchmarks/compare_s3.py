@@ -101,6 +101,15 @@ def _writer_reader(method: str, url: str, env: dict[str, str]) -> tuple[Any, Any
     return w, r
 
 
+def _server_cpu(pid: int | None) -> float:
+    """CPU seconds (user + system, all threads) the local server process has used so far."""
+    if pid is None:
+        return float("nan")
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def _rank(rank: int, world: int, port: int, args: dict[str, Any], env: dict[str, str],
           q: Any) -> None:
     os.environ.update(env)
@@ -122,10 +131,13 @@ def _rank(rank: int, world: int, port: int, args: dict[str, Any], env: dict[str,
                     url = f"s3://{BUCKET}/{method}/{rep}-{args['run']}"
                     w, r = _writer_reader(method, url, env)
                     dist.barrier()
+                    srv0, cpu0 = _server_cpu(args["server_pid"]), time.process_time()
                     t0 = time.perf_counter()
                     dcp.save(sd, storage_writer=w)
+                    row["save_cpu_s"] = time.process_time() - cpu0
                     dist.barrier()
                     row["save_s"] = time.perf_counter() - t0
+                    row["server_cpu_s"] = _server_cpu(args["server_pid"]) - srv0
                     out = _local_state(rank, world, args["size_mib"], mesh, zeros=True)
                     dist.barrier()
                     t0 = time.perf_counter()
@@ -259,7 +271,8 @@ def main() -> int:
             else:
                 methods.append(m)
         args = {"size_mib": a.size_mib, "repeats": a.repeats, "methods": methods,
-                "run": uuid.uuid4().hex[:6]}
+                "run": uuid.uuid4().hex[:6],
+                "server_pid": srv.proc.pid if srv is not None and srv.proc else None}
         ctx = mp.get_context("spawn")
         q = ctx.Queue()
         from dist_utils import free_port
@@ -311,6 +324,8 @@ def main() -> int:
             d.setdefault("save", []).append(row0["save_s"])
             d.setdefault("load", []).append(row0["load_s"])
             d.setdefault("exact", []).append(all(x["exact"] for x in ranks))
+            d.setdefault("client_cpu", []).append(sum(x["save_cpu_s"] for x in ranks))
+            d.setdefault("server_cpu", []).append(row0["server_cpu_s"])
             up = stored(row0["url"])
             d.setdefault("up", []).append(up)
             fetched = sum(x["fetched"] for x in ranks)
@@ -330,6 +345,12 @@ def main() -> int:
                   f"{statistics.median(d['down']) / 2**20:>9.1f} {str(all(d['exact'])):>6}")
         for m, why in {**skipped, **errors}.items():
             print(f"{m:<18} {why}")
+        print("\nCPU seconds used during the save (user + system), median [min-max]: all "
+              "client ranks, and the local server")
+        for m in args["methods"]:
+            if m in rows:
+                print(f"  {m:<18} client {_stat(rows[m]['client_cpu']):>20}   "
+                      f"server {_stat(rows[m]['server_cpu']):>20}")
 
         client = {}
         if a.client_mib > 0:

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Sets up everything pyckpt needs on a Debian/Ubuntu machine with Python >= 3.10, idempotently:
-#   - system packages: libzstd-dev, pkg-config, a C++ compiler, python3-venv (apt, only if missing)
+#   - system packages: libzstd-dev, pkg-config, a C++ compiler, python3-venv, openssl (apt, only
+#     if missing)
 #   - a virtual environment in .venv with torch==2.13.0 (CPU) and pyckpt built from this checkout
 #     (non-editable, with the test/bench/model/demo/fuzz/sanitize/lint/s3/s3-test/s3-bench extras)
 # Usage: scripts/setup.sh            (PYTHON=python3.11 scripts/setup.sh to pick an interpreter)
@@ -17,6 +18,7 @@ if ! { [ -f /usr/include/zstd.h ] || pkg-config --exists libzstd 2>/dev/null; };
 fi
 command -v pkg-config >/dev/null 2>&1 || missing+=(pkg-config)
 command -v g++ >/dev/null 2>&1 || missing+=(g++)
+command -v openssl >/dev/null 2>&1 || missing+=(openssl)  # the S3 tests' TLS certificate
 if ! "$PYTHON" -c 'import ensurepip, venv' >/dev/null 2>&1; then
   missing+=("python3-venv")
 fi

