@@ -178,9 +178,13 @@ class Block:
 class BlockWriter:
     """Encodes chunks into blocks of about ``block_bytes`` and calls ``on_block(block)`` with
     each, in order (the last one in commit()); an exception of ``on_block`` propagates as itself.
-    Used by one thread at a time."""
+    Up to ``spare_blocks`` buffers of blocks the uploader has let go of are reused for later
+    blocks. Used by one thread at a time."""
 
-    def __init__(self, name: str, block_bytes: int, on_block: Callable[[Block], object]) -> None: ...
+    def __init__(
+        self, name: str, block_bytes: int, on_block: Callable[[Block], object],
+        spare_blocks: int = 0,
+    ) -> None: ...
     def append(self, data: Buffer) -> int: ...
     def write_items(
         self, items: Sequence[WriteItem], chunk_bytes: int, pool: ThreadPool, blocks: BufferPool
@@ -191,6 +195,8 @@ class BlockWriter:
     def size(self) -> int: ...
     @property
     def committed(self) -> bool: ...
+    @property
+    def reused_blocks(self) -> int: ...
 
 #: Largest raw length of one chunk: the writer refuses larger chunk_bytes, readers larger records.
 MAX_CHUNK_BYTES: int

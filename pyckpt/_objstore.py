@@ -390,7 +390,10 @@ class DataUpload:
         self._writer = obstore.open_writer(
             loc.store(), loc.key(name), buffer_size=part_bytes, max_concurrency=max_concurrency
         )
-        self._native = _C.BlockWriter(self.url, part_bytes, self._on_block)
+        # A block's buffer is reused once the upload of its part lets go of it: up to as many
+        # as can be in flight, so memory stays within the same bound.
+        self._native = _C.BlockWriter(self.url, part_bytes, self._on_block,
+                                      spare_blocks=max_concurrency + 2)
         self.committed = False
 
     def _on_block(self, block: Any) -> None:
@@ -412,6 +415,11 @@ class DataUpload:
     @property
     def size(self) -> int:
         return int(self._native.size)
+
+    @property
+    def reused_blocks(self) -> int:
+        """Parts encoded into the buffer of an earlier part that had been uploaded."""
+        return int(self._native.reused_blocks)
 
     def commit(self) -> None:
         """Uploads the last part and completes the object."""

@@ -22,22 +22,37 @@ namespace pyckpt::bindings {
 
 namespace {
 
-/** Encoded bytes handed to Python; exports a read-only buffer that keeps them alive. */
+/** Encoded bytes handed to Python; exports a read-only buffer that keeps them alive. When
+ *  Python lets go of it (the uploader is done), its buffer goes back to the recycler. */
 struct Block {
   std::vector<std::uint8_t> bytes;
+  std::shared_ptr<BlockRecycler> recycler;
+
+  Block(std::vector<std::uint8_t>&& b, std::shared_ptr<BlockRecycler> r)
+      : bytes(std::move(b)), recycler(std::move(r)) {}
+  Block(const Block&) = delete;
+  Block& operator=(const Block&) = delete;
+  ~Block() {
+    if (recycler) recycler->give(std::move(bytes));
+  }
 };
 
 /** BlockSink whose blocks go to a Python callable; remembers the callable's exception. */
 class BlockWriter {
  public:
-  BlockWriter(std::string name, std::size_t block_bytes, py::object on_block)
+  BlockWriter(std::string name, std::size_t block_bytes, py::object on_block,
+              std::size_t spare_blocks)
       : _on_block(std::move(on_block)),
-        _sink(std::move(name), block_bytes,
-              [this](std::vector<std::uint8_t>&& bytes) { hand_over(std::move(bytes)); }) {}
+        _recycler(spare_blocks > 0 ? std::make_shared<BlockRecycler>(spare_blocks) : nullptr),
+        _sink(
+            std::move(name), block_bytes,
+            [this](std::vector<std::uint8_t>&& bytes) { hand_over(std::move(bytes)); }, _recycler) {
+  }
 
   ~BlockWriter() { _sink.abort(); }
 
   BlockSink& sink() { return _sink; }
+  std::size_t reused_blocks() const { return _recycler ? _recycler->reused() : 0; }
 
   /** Re-raises the uploader's own exception (with the GIL held) if it caused `current`. */
   [[noreturn]] void rethrow(std::exception_ptr current) {
@@ -52,8 +67,7 @@ class BlockWriter {
  private:
   void hand_over(std::vector<std::uint8_t>&& bytes) {
     py::gil_scoped_acquire gil;
-    auto block = std::make_shared<Block>();
-    block->bytes = std::move(bytes);
+    auto block = std::make_shared<Block>(std::move(bytes), _recycler);
     try {
       _on_block(py::cast(std::move(block)));
     } catch (py::error_already_set& e) {
@@ -64,6 +78,7 @@ class BlockWriter {
 
   py::object _on_block;
   py::object _error;
+  std::shared_ptr<BlockRecycler> _recycler;  // before _sink, which holds it too
   BlockSink _sink;
 };
 
@@ -81,9 +96,9 @@ void bind_objstore(py::module_& m) {
 
   py::class_<BlockWriter>(
       m, "BlockWriter",
-      R"pbdoc(Encodes chunks into blocks of about block_bytes and calls on_block(block) with each (a read-only buffer), in order, the last one in commit(). One thread at a time.)pbdoc")
-      .def(py::init<std::string, std::size_t, py::object>(), py::arg("name"),
-           py::arg("block_bytes"), py::arg("on_block"))
+      R"pbdoc(Encodes chunks into blocks of about block_bytes and calls on_block(block) with each (a read-only buffer), in order, the last one in commit(). Up to spare_blocks buffers of blocks the uploader has let go of are reused for later blocks. One thread at a time.)pbdoc")
+      .def(py::init<std::string, std::size_t, py::object, std::size_t>(), py::arg("name"),
+           py::arg("block_bytes"), py::arg("on_block"), py::arg("spare_blocks") = 0)
       .def(
           "append",
           [](BlockWriter& self, py::handle data) {
@@ -137,7 +152,10 @@ void bind_objstore(py::module_& m) {
           R"pbdoc(Bytes appended so far.)pbdoc")
       .def_property_readonly(
           "committed", [](BlockWriter& self) { return self.sink().committed(); },
-          R"pbdoc(True after commit().)pbdoc");
+          R"pbdoc(True after commit().)pbdoc")
+      .def_property_readonly(
+          "reused_blocks", [](BlockWriter& self) { return self.reused_blocks(); },
+          R"pbdoc(How many blocks were written into a recycled buffer.)pbdoc");
 }
 
 }  // namespace pyckpt::bindings

@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <cerrno>
 #include <cstring>
+#include <new>
 #include <stdexcept>
 #include <utility>
 
@@ -11,8 +12,48 @@
 
 namespace pyckpt {
 
-BlockSink::BlockSink(std::string name, std::size_t block_bytes, OnBlock on_block)
-    : _name(std::move(name)), _block_bytes(block_bytes), _on_block(std::move(on_block)) {
+std::vector<std::uint8_t> BlockRecycler::take(std::size_t capacity) {
+  {
+    std::lock_guard<std::mutex> lock(_mu);
+    while (!_spare.empty()) {
+      std::vector<std::uint8_t> v = std::move(_spare.back());
+      _spare.pop_back();
+      if (v.capacity() >= capacity) {
+        ++_reused;
+        v.clear();
+        return v;
+      }
+    }
+  }
+  std::vector<std::uint8_t> v;
+  v.reserve(capacity);
+  return v;
+}
+
+void BlockRecycler::give(std::vector<std::uint8_t>&& block) noexcept {
+  std::vector<std::uint8_t> drop;  // freed outside the lock
+  std::lock_guard<std::mutex> lock(_mu);
+  if (_spare.size() < _max_spare) {
+    try {
+      _spare.push_back(std::move(block));
+      return;
+    } catch (const std::bad_alloc&) {  // the spare list could not grow: free the block
+    }
+  }
+  drop.swap(block);
+}
+
+std::size_t BlockRecycler::reused() const {
+  std::lock_guard<std::mutex> lock(_mu);
+  return _reused;
+}
+
+BlockSink::BlockSink(std::string name, std::size_t block_bytes, OnBlock on_block,
+                     std::shared_ptr<BlockRecycler> recycler)
+    : _name(std::move(name)),
+      _block_bytes(block_bytes),
+      _on_block(std::move(on_block)),
+      _recycler(std::move(recycler)) {
   if (_block_bytes == 0) throw std::invalid_argument("BlockSink: block_bytes must be >= 1");
   if (!_on_block) throw std::invalid_argument("BlockSink: no block callback");
 }
@@ -24,7 +65,13 @@ std::uint64_t BlockSink::append(const void* data, std::size_t n) {
   const std::uint64_t at = _size;
   const auto* p = static_cast<const std::uint8_t*>(data);
   while (n > 0) {
-    if (_block.capacity() == 0) _block.reserve(_block_bytes);
+    if (_block.capacity() == 0) {
+      if (_recycler) {
+        _block = _recycler->take(_block_bytes);
+      } else {
+        _block.reserve(_block_bytes);
+      }
+    }
     const std::size_t take = std::min(n, _block_bytes - _block.size());
     _block.insert(_block.end(), p, p + take);
     p += take;

@@ -15,12 +15,41 @@
 #include <cstddef>
 #include <cstdint>
 #include <functional>
+#include <memory>
+#include <mutex>
 #include <string>
 #include <vector>
 
 #include "core/storage.hpp"
 
 namespace pyckpt {
+
+/**
+ * @brief Spare block buffers for BlockSinks. A block handed over comes back through give() once
+ *        its uploader is done with it, and take() lends its memory to the next block, so a
+ *        long upload writes into pages it already touched instead of faulting in fresh
+ *        zero-filled ones for every block. Never blocks: without a spare, take() allocates.
+ *
+ * Thread-safe.
+ */
+class BlockRecycler {
+ public:
+  /** @param max_spare spare blocks kept at most; more given back are freed. */
+  explicit BlockRecycler(std::size_t max_spare) : _max_spare(max_spare) {}
+
+  /** @return an empty buffer with capacity >= `capacity` (a spare if one is large enough). */
+  std::vector<std::uint8_t> take(std::size_t capacity);
+  /** @brief Keeps `block` as a spare while fewer than max_spare are held, else frees it. */
+  void give(std::vector<std::uint8_t>&& block) noexcept;
+  /** @return how many take() calls a spare served. */
+  std::size_t reused() const;
+
+ private:
+  std::size_t _max_spare;
+  mutable std::mutex _mu;
+  std::vector<std::vector<std::uint8_t>> _spare;
+  std::size_t _reused = 0;
+};
 
 /**
  * @brief A ChunkSink that copies appended bytes into blocks of about `block_bytes` and hands
@@ -38,9 +67,11 @@ class BlockSink final : public ChunkSink {
    * @param name the final object name (for messages).
    * @param block_bytes bytes per block handed over (>= 1).
    * @param on_block receives each block.
+   * @param recycler where each new block's buffer comes from (null: a fresh allocation).
    * @throws std::invalid_argument for block_bytes == 0 or an empty callback.
    */
-  BlockSink(std::string name, std::size_t block_bytes, OnBlock on_block);
+  BlockSink(std::string name, std::size_t block_bytes, OnBlock on_block,
+            std::shared_ptr<BlockRecycler> recycler = nullptr);
 
   const std::string& name() const noexcept override { return _name; }
   /** @throws std::logic_error after commit(), abort() or a failed callback. */
@@ -58,6 +89,7 @@ class BlockSink final : public ChunkSink {
   std::string _name;
   std::size_t _block_bytes;
   OnBlock _on_block;
+  std::shared_ptr<BlockRecycler> _recycler;
   std::vector<std::uint8_t> _block;
   std::uint64_t _size = 0;
   State _state = State::Open;

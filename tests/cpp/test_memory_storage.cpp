@@ -1,6 +1,7 @@
 // Unit tests of the in-memory storage backends (memory_storage.hpp): BlockSink hands encoded
 // chunks over in blocks, MemorySource serves them back from lent ranges, and the pipelines
 // round-trip through them exactly as through files.
+#include <algorithm>
 #include <cstring>
 #include <memory>
 #include <stdexcept>
@@ -84,6 +85,58 @@ TEST(block_sink_failed_callback_fails_the_sink) {
   CHECK_THROWS(sink.commit(), std::logic_error, "failure");
   CHECK_THROWS(BlockSink("x", 0, [](std::vector<std::uint8_t>&&) {}), std::invalid_argument,
                "block_bytes");
+}
+
+TEST(block_sink_reuses_buffers_given_back_and_keeps_the_bytes_exact) {
+  auto recycler = std::make_shared<pyckpt::BlockRecycler>(2);
+  std::vector<std::vector<std::uint8_t>> held;  // the "uploads" in flight
+  std::vector<std::uint8_t> all;
+  std::vector<const std::uint8_t*> buffers;
+  BlockSink sink(
+      "obj", 16,
+      [&](std::vector<std::uint8_t>&& b) {
+        all.insert(all.end(), b.begin(), b.end());
+        buffers.push_back(b.data());
+        held.push_back(std::move(b));
+        if (held.size() == 2) {  // the oldest upload completes: its buffer comes back
+          recycler->give(std::move(held.front()));
+          held.erase(held.begin());
+        }
+      },
+      recycler);
+  const auto data = pattern(16 * 6 + 5, 7);
+  for (std::size_t at = 0; at < data.size(); at += 7) {
+    sink.append(data.data() + at, std::min<std::size_t>(7, data.size() - at));
+  }
+  sink.commit();
+  CHECK(all == data);
+  CHECK(buffers.size() == 7);
+  // Blocks 0 and 1 are fresh; from then on each block reuses the buffer of the block two
+  // before it, which its upload has given back.
+  CHECK(recycler->reused() == 5);
+  CHECK(buffers[2] == buffers[0] && buffers[3] == buffers[1] && buffers[4] == buffers[0]);
+}
+
+TEST(block_recycler_keeps_at_most_max_spare_and_skips_small_buffers) {
+  pyckpt::BlockRecycler r(1);
+  std::vector<std::uint8_t> a;
+  a.reserve(64);
+  const std::uint8_t* pa = a.data();
+  std::vector<std::uint8_t> b;
+  b.reserve(64);
+  r.give(std::move(a));
+  r.give(std::move(b));  // over max_spare: freed
+  auto t = r.take(64);
+  CHECK(t.data() == pa && t.empty() && t.capacity() >= 64);
+  CHECK(r.reused() == 1);
+  auto u = r.take(64);  // no spare left: a fresh buffer
+  CHECK(u.capacity() >= 64 && u.data() != pa);
+  std::vector<std::uint8_t> small;
+  small.reserve(8);
+  r.give(std::move(small));
+  auto v = r.take(64);  // the spare is too small for this block
+  CHECK(v.capacity() >= 64);
+  CHECK(r.reused() == 1);
 }
 
 TEST(memory_source_lends_inside_one_range_only) {
