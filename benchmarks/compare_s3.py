@@ -34,6 +34,7 @@ import datetime
 import io
 import json
 import os
+import shutil
 import statistics
 import sys
 import time
@@ -80,7 +81,10 @@ def _writer_reader(method: str, url: str, env: dict[str, str]) -> tuple[Any, Any
         import pyckpt
 
         comp = "zstd" if method == "pyckpt-zstd" else None
-        return pyckpt.Writer(url, compression=comp), pyckpt.Reader(url)
+        # obstore takes no CA file: over TLS it skips verifying the test certificate.
+        opts = {"allow_invalid_certificates": True} if "SSL_CERT_FILE" in env else None
+        return (pyckpt.Writer(url, compression=comp, storage_options=opts),
+                pyckpt.Reader(url, storage_options=opts))
     if method == "dcp-fsspec":
         from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
 
@@ -99,6 +103,55 @@ def _writer_reader(method: str, url: str, env: dict[str, str]) -> tuple[Any, Any
     for x in (w, r):  # the endpoint is an S3Client argument only
         x.fs._client = S3Client(region, endpoint=env["AWS_ENDPOINT_URL"], s3client_config=cfg)
     return w, r
+
+
+def _shape_connections(port: int, mbps: float) -> None:
+    """Caps each TCP connection to 127.0.0.1:``port`` at ``mbps`` MB/s, as a store that serves
+    each connection at a fixed rate does (S3 serves one connection at about 85-90 MB/s and
+    scales with connections): an HTB class per bucket of a 256-way hash of the client's port
+    on the loopback interface. Needs root and ``tc``; :func:`_unshape` removes it."""
+    import subprocess
+    import tempfile
+
+    if os.geteuid() != 0 or shutil.which("tc") is None:
+        raise SystemExit("--per-connection-mbps needs root and tc (iproute2)")
+    shown = subprocess.run(["tc", "qdisc", "show", "dev", "lo"], check=True, capture_output=True,
+                           text=True).stdout
+    if "htb" in shown or "root" in shown and "noqueue" not in shown:
+        raise SystemExit(f"lo already has a queueing discipline, not touching it: {shown}")
+    mbit = mbps * 8
+    classes, filters = [], []
+    for i in range(256):
+        classes.append(f"class add dev lo parent 1: classid 1:{0x100 + i:x} htb rate {mbit}mbit "
+                       f"ceil {mbit}mbit burst 256k cburst 256k quantum 65536")
+        filters.append(f"filter add dev lo parent 1: prio 1 protocol ip u32 ht 2:{i:x}: "
+                       f"match ip dport {port} 0xffff flowid 1:{0x100 + i:x}")
+    with tempfile.TemporaryDirectory() as d:
+        for name, lines in (("classes", classes), ("filters", filters)):
+            with open(os.path.join(d, name), "w") as f:
+                f.write("\n".join(lines) + "\n")
+        steps = [
+            "tc qdisc add dev lo root handle 1: htb default 1",
+            "tc class add dev lo parent 1: classid 1:1 htb rate 100gbit burst 1m quantum 200000",
+            f"tc -b {d}/classes",
+            "tc filter add dev lo parent 1: prio 1 handle 2: protocol ip u32 divisor 256",
+            # TCP source port (low byte) -> bucket; at 20 = the TCP header after a 20-byte IP one
+            f"tc filter add dev lo parent 1: prio 1 protocol ip u32 ht 800:: match ip dport "
+            f"{port} 0xffff hashkey mask 0x00ff0000 at 20 link 2:",
+            f"tc -b {d}/filters",
+        ]
+        try:
+            for step in steps:
+                subprocess.run(step.split(), check=True, capture_output=True)
+        except BaseException:
+            _unshape()
+            raise
+
+
+def _unshape() -> None:
+    import subprocess
+
+    subprocess.run(["tc", "qdisc", "del", "dev", "lo", "root"], capture_output=True)
 
 
 def _server_cpu(pid: int | None) -> float:
@@ -195,7 +248,7 @@ def _client_bench(srv: Any, env: dict[str, str], mib: int, repeats: int) -> dict
     store = S3Store(BUCKET, endpoint=env["AWS_ENDPOINT_URL"], region=env["AWS_REGION"],
                     access_key_id=env["AWS_ACCESS_KEY_ID"],
                     secret_access_key=env["AWS_SECRET_ACCESS_KEY"],
-                    client_options={"allow_http": True})
+                    client_options={"allow_http": True, "allow_invalid_certificates": True})
     out: dict[str, Any] = {}
     try:
         import boto3
@@ -247,6 +300,12 @@ def main() -> int:
     ap.add_argument("--server-args", default="-master.volumeSizeLimitMB=1024",
                     help="extra 'weed server' options for the local server (default: 1 GiB "
                          "volumes, so the runs do not wait on the master growing 64 MiB ones)")
+    ap.add_argument("--per-connection-mbps", type=float, default=None,
+                    help="cap each connection to the local server at this many MB/s (root, tc; "
+                         "a model of a store that serves each connection at a fixed rate)")
+    ap.add_argument("--https", action="store_true",
+                    help="reach the local server over TLS (self-signed certificate), as object "
+                         "stores are reached in production")
     a = ap.parse_args()
 
     srv = None
@@ -257,12 +316,27 @@ def main() -> int:
     else:
         from _s3server import SeaweedServer
 
-        srv = SeaweedServer(extra_args=a.server_args.split()).start()
+        srv = SeaweedServer(extra_args=a.server_args.split(), https=a.https).start()
         env = srv.env()
+        if a.https:
+            if srv.https_endpoint is None or srv.certificate is None:
+                print("--https needs openssl to make the server's certificate", file=sys.stderr)
+                return 1
+            # The clients trust the server's self-signed certificate: the AWS CRT through
+            # SSL_CERT_FILE, botocore through AWS_CA_BUNDLE; obstore skips verifying it.
+            del env["AWS_ALLOW_HTTP"]
+            env.update(AWS_ENDPOINT_URL=srv.https_endpoint, SSL_CERT_FILE=srv.certificate,
+                       AWS_CA_BUNDLE=srv.certificate)
     os.environ.update(env)
+    shaped = False
     try:
         if srv is not None:
             srv.create_bucket(BUCKET)
+        if a.per_connection_mbps:
+            if srv is None:
+                raise SystemExit("--per-connection-mbps shapes the local server only")
+            _shape_connections(srv.https_port if a.https else srv.s3_port, a.per_connection_mbps)
+            shaped = True
         methods, skipped = [], {}
         for m in a.methods.split(","):
             why = _available(m)
@@ -331,8 +405,9 @@ def main() -> int:
             fetched = sum(x["fetched"] for x in ranks)
             d.setdefault("down", []).append(fetched if fetched >= 0 else up)
         raw = a.size_mib << 20
+        cap = f", {a.per_connection_mbps:g} MB/s per connection" if shaped else ""
         print(f"\n{a.size_mib} MiB bf16, {a.ranks} ranks, {a.repeats} repeat(s); "
-              f"median [min-max]; server {env['AWS_ENDPOINT_URL']}")
+              f"median [min-max]; server {env['AWS_ENDPOINT_URL']}{cap}")
         print(f"{'method':<18} {'save s':>20} {'load s':>20} {'save MB/s':>10} "
               f"{'up MiB':>9} {'down MiB':>9} {'exact':>6}")
         for m in args["methods"]:
@@ -363,6 +438,8 @@ def main() -> int:
                 json.dump({"args": vars(a), "rows": rows, "errors": errors, "skipped": skipped,
                            "client": client}, f, indent=1)
     finally:
+        if shaped:
+            _unshape()
         if srv is not None:
             srv.close()
     return 0

@@ -270,6 +270,11 @@ class SeaweedServer:
         return f"http://127.0.0.1:{self.s3_port}"
 
     @property
+    def certificate(self) -> str | None:
+        """The TLS endpoint's self-signed certificate (PEM), or None when the server has none."""
+        return os.path.join(self.dir, "cert.pem") if self.https_port else None
+
+    @property
     def https_endpoint(self) -> str | None:
         """The TLS endpoint (self-signed certificate), or None when the server has none."""
         return f"https://127.0.0.1:{self.https_port}" if self.https_port else None
