@@ -51,6 +51,11 @@ class BlockWriter {
 
   ~BlockWriter() { _sink.abort(); }
 
+  /** Frees the spare buffers once no more blocks will be made (after commit or abort). */
+  void close_recycler() noexcept {
+    if (_recycler) _recycler->close();
+  }
+
   BlockSink& sink() { return _sink; }
   std::size_t reused_blocks() const { return _recycler ? _recycler->reused() : 0; }
 
@@ -137,6 +142,7 @@ void bind_objstore(py::module_& m) {
             try {
               py::gil_scoped_release nogil;
               self.sink().commit();
+              self.close_recycler();
             } catch (const py::error_already_set&) {
               throw;
             } catch (...) {
@@ -145,7 +151,11 @@ void bind_objstore(py::module_& m) {
           },
           R"pbdoc(Hand over the last block.)pbdoc")
       .def(
-          "abort", [](BlockWriter& self) { self.sink().abort(); },
+          "abort",
+          [](BlockWriter& self) {
+            self.sink().abort();
+            self.close_recycler();
+          },
           R"pbdoc(Drop buffered bytes (idempotent; no-op after commit).)pbdoc")
       .def_property_readonly(
           "size", [](BlockWriter& self) { return self.sink().size(); },

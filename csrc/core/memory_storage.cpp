@@ -43,6 +43,13 @@ void BlockRecycler::give(std::vector<std::uint8_t>&& block) noexcept {
   drop.swap(block);
 }
 
+void BlockRecycler::close() noexcept {
+  std::vector<std::vector<std::uint8_t>> drop;  // freed outside the lock
+  std::lock_guard<std::mutex> lock(_mu);
+  _max_spare = 0;
+  drop.swap(_spare);
+}
+
 std::size_t BlockRecycler::reused() const {
   std::lock_guard<std::mutex> lock(_mu);
   return _reused;

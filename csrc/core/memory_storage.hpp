@@ -43,6 +43,8 @@ class BlockRecycler {
   void give(std::vector<std::uint8_t>&& block) noexcept;
   /** @return how many take() calls a spare served. */
   std::size_t reused() const;
+  /** @brief Frees the spares, and from now on every block given back (the upload is over). */
+  void close() noexcept;
 
  private:
   std::size_t _max_spare;

@@ -137,6 +137,13 @@ TEST(block_recycler_keeps_at_most_max_spare_and_skips_small_buffers) {
   auto v = r.take(64);  // the spare is too small for this block
   CHECK(v.capacity() >= 64);
   CHECK(r.reused() == 1);
+  // Closed (the upload is over): nothing given back is kept.
+  r.give(std::move(v));
+  r.close();
+  r.give(std::move(u));
+  auto w = r.take(64);
+  CHECK(w.capacity() >= 64);
+  CHECK(r.reused() == 1);
 }
 
 TEST(memory_source_lends_inside_one_range_only) {
