@@ -2,6 +2,7 @@
 
 Usage:
     python benchmarks/compare_s3.py [--size-mib 1024] [--ranks 2] [--repeats 3] [--json out.json]
+        [--https] [--per-connection-mbps R]
     python benchmarks/compare_s3.py --size-mib 16 --repeats 1      # smoke run
 
 Same run, same local SeaweedFS server (started here from tests/_s3server.py unless
@@ -19,6 +20,14 @@ sharding load into zeroed tensors (checked bit-exact). Methods, alternating with
 Bytes uploaded are the sizes of the objects each save left under its prefix; bytes downloaded
 are counted by pyckpt's reader (``Reader.bytes_fetched``) and, for the baselines, taken as the
 objects' total (a same-sharding load reads every stored byte; not counted per request).
+
+Also the CPU seconds each save used: all client ranks (``time.process_time``) and the local
+server process (``/proc/<pid>/stat``), which shows what bounds the saves on a small machine.
+
+``--https`` runs everything over the local server's TLS port (self-signed certificate).
+``--per-connection-mbps R`` caps every TCP connection to the server at R MB/s (HTB classes on
+the loopback interface, keyed by a hash of the client's port; needs root and ``tc``, removed at
+the end), as a store that serves each connection at a fixed rate does (S3: about 85-90 MB/s).
 
 Then ``--client-mib`` MiB single-object upload/download throughput, obstore vs boto3 (s3transfer,
 multipart 16 MiB parts, 8 in flight on both sides): the client choice of docs/OBJECT_STORES.md.
