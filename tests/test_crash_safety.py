@@ -114,13 +114,21 @@ def test_sigkill_at_random_points_never_loses_or_mixes(tmp_path: Path) -> None:
     ctx = _ctx()
     rng = np.random.default_rng(20261123)
     # Calibrate: how long a whole save takes here, per size and mode.
-    calib: dict[tuple[int, str], float] = {}
+    # Every save that completes adds its duration, and kill points scale with the median, so a
+    # machine that is slower (or faster) during the loop than at calibration still spreads the
+    # kills over the whole save.
+    calib: dict[tuple[int, str], list[float]] = {}
     for nbytes in (SMALL, LARGE):
         for mode in ("sync", "async"):
             done, elapsed = _run_child(ctx, tmp_path / f"calib-{nbytes}-{mode}", 1, nbytes, mode,
                                        "", None)
             assert done
-            calib[(nbytes, mode)] = elapsed
+            calib[(nbytes, mode)] = [elapsed]
+    # Kill points as fractions of a save's duration, stratified over [0, 1.5) so that about a
+    # third fall after the save's end whatever the draw: a pure uniform draw left the count of
+    # completed saves to chance.
+    fractions = (np.arange(POINTS) + rng.uniform(size=POINTS)) * (1.5 / POINTS)
+    rng.shuffle(fractions)
     # A checkpoint that no kill may touch.
     untouched = tmp_path / "untouched"
     _run_child(ctx, untouched, 7, SMALL, "sync", "", None)
@@ -135,8 +143,11 @@ def test_sigkill_at_random_points_never_loses_or_mixes(tmp_path: Path) -> None:
         seed = 100 + point
         path = tmp_path / (f"fresh-{point}" if fresh else f"same-{nbytes}")
         previous = None if fresh else same[nbytes]
-        kill_after = None if pause else float(rng.uniform(0.0, 1.15 * calib[(nbytes, mode)]))
-        done, _ = _run_child(ctx, path, seed, nbytes, mode, pause, kill_after)
+        kill_after = None if pause else float(fractions[point] *
+                                               np.median(calib[(nbytes, mode)]))
+        done, elapsed = _run_child(ctx, path, seed, nbytes, mode, pause, kill_after)
+        if done:
+            calib[(nbytes, mode)].append(elapsed)
         now = _check_dir(path, previous, (seed, nbytes), done)
         outcomes["paused"] += bool(pause)
         outcomes["completed"] += now == (seed, nbytes)
