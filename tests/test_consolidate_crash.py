@@ -13,6 +13,7 @@ import json
 import os
 import random
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -92,14 +93,20 @@ def test_sigkill_during_consolidate_never_leaves_a_mixed_export(tmp_path: Path) 
     pyckpt.save(new, tmp_path / "new")
     _, duration = _run(tmp_path / "new", tmp_path / "calibrate", None)
     assert _same(_export_of(tmp_path / "calibrate") or {}, new)
+    durations = [duration]  # and every unkilled export below: kills scale with the median
     rng = random.Random(20261123)
+    # Kill points as fractions of an export's duration, stratified over [0, 1.5): about a third
+    # land after its end whatever the draw, so both outcomes are covered by construction.
+    fractions = [(i + rng.random()) * 1.5 / POINTS for i in range(POINTS)]
+    rng.shuffle(fractions)
     outcomes = {"old": 0, "new": 0, "none": 0}
     for point in range(POINTS):
         dst = tmp_path / f"out{point}"
         reexport = point % 2 == 0
         if reexport:
-            _run(tmp_path / "old", dst, None)  # a complete earlier export in the same directory
-        done, _ = _run(tmp_path / "new", dst, rng.uniform(0.0, 1.2 * duration))
+            # A complete earlier export (same sizes) in the same directory.
+            durations.append(_run(tmp_path / "old", dst, None)[1])
+        done, _ = _run(tmp_path / "new", dst, fractions[point] * statistics.median(durations))
         got = _export_of(dst)
         if got is None:
             assert not done, f"point {point}: a finished export has no index"
