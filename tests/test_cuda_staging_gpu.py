@@ -144,7 +144,9 @@ def test_twenty_async_saves_do_not_grow_rss_or_pinned_memory(tmp_path) -> None:
         stats = w._staging().stats()
         assert stats["region_pool"]["allocated"] <= 2
         assert stats["regions_outstanding"] == 0
-        # After warm-up (two regions), RSS stays flat within 64 MiB of noise.
-        assert max(rss[3:]) - rss[2] < 64 << 20, rss
+        # After warm-up (two regions), RSS stays flat: 17 more saves of 64 MiB grow it by less
+        # than 4 saves' worth (allocator arenas move it by tens of MiB; a leak of the staged
+        # bytes would add 64 MiB a save).
+        assert max(rss[3:]) - rss[2] < 256 << 20, rss
     finally:
         w.close()

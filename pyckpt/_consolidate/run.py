@@ -195,8 +195,9 @@ def stitch(
     """Runs ``_C.stitch`` on each list of items ``batches`` yields, reporting progress over all
     of them (``progress(done, total)`` about every 0.1 s); returns the bytes stitched.
     ``partial``: a batch may supply only part of a tensor (the caller checks the total)."""
-    counter = _C.StitchProgress()
-    base = 0
+    # (bytes of the finished batches, the running batch's counter): replaced as one object, so
+    # the poller never adds a finished batch's counter to a base that already holds it.
+    state = (0, _C.StitchProgress())
     done = threading.Event()
     poller = None
     if progress is not None:
@@ -204,7 +205,8 @@ def stitch(
 
         def poll() -> None:
             while not done.wait(0.1):
-                progress(base + counter.bytes, total)
+                finished, running = state
+                progress(finished + running.bytes, total)
 
         poller = threading.Thread(target=poll, name="pyckpt-consolidate-progress", daemon=True)
         poller.start()
@@ -213,16 +215,17 @@ def stitch(
             if not items:
                 continue
             counter = _C.StitchProgress()
+            state = (state[0], counter)
             stats = _C.stitch(items, threads, _TASK_BYTES, input_mode, fsync, counter,
                               partial=partial)
-            base += int(stats["bytes"])
+            state = (state[0] + int(stats["bytes"]), _C.StitchProgress())
     finally:
         done.set()
         if poller is not None:
             poller.join()
     if progress is not None:
-        progress(base, total)
-    return base
+        progress(state[0], total)
+    return state[0]
 
 
 def tensor_digest(t: _Tensor, scratch_dir: str, threads: int, input_mode: str = "pread") -> bytes:
