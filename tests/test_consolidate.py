@@ -173,6 +173,8 @@ def test_progress_and_threads(tmp_path):
     seen = []
     res = pyckpt.consolidate(src, dst, threads=4, progress=lambda d, t: seen.append((d, t)))
     assert seen[0] == (0, res.total_bytes) and seen[-1] == (res.total_bytes, res.total_bytes)
+    done = [d for d, _ in seen]
+    assert done == sorted(done) and done[-1] == res.total_bytes, seen  # never past the total
     assert same_bits(load_outputs(res.index_path)["w"], full["w"])
 
 
