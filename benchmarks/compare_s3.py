@@ -2,7 +2,7 @@
 
 Usage:
     python benchmarks/compare_s3.py [--size-mib 1024] [--ranks 2] [--repeats 3] [--json out.json]
-        [--https] [--per-connection-mbps R]
+        [--https] [--per-connection-mbps R] [--reshard-ranks 3]
     python benchmarks/compare_s3.py --size-mib 16 --repeats 1      # smoke run
 
 Same run, same local SeaweedFS server (started here from tests/_s3server.py unless
@@ -20,6 +20,10 @@ sharding load into zeroed tensors (checked bit-exact). Methods, alternating with
 Bytes uploaded are the sizes of the objects each save left under its prefix; bytes downloaded
 are counted by pyckpt's reader (``Reader.bytes_fetched``) and, for the baselines, taken as the
 objects' total (a same-sharding load reads every stored byte; not counted per request).
+
+Then every saved checkpoint is loaded again by ``--reshard-ranks`` ranks (default 3: a
+resharded load, DTensor's own uneven ``Shard(0)`` split), checked bit-exact; for pyckpt it
+reports the bytes fetched against the bytes each rank needs (the issue's <= 1.1x).
 
 Also the CPU seconds each save used: all client ranks (``time.process_time``) and the local
 server process (``/proc/<pid>/stat``), which shows what bounds the saves on a small machine.
@@ -83,6 +87,42 @@ def _local_state(rank: int, world: int, size_mib: int, mesh: Any, zeros: bool) -
             local = (torch.randn(hi - lo, cols, generator=g) * 0.02).to(torch.bfloat16)
         out[f"layers.{i}.weight"] = DTensor.from_local(local, mesh, [Shard(0)], run_check=False)
     return out
+
+
+def _saved_tensor(i: int, save_world: int, size_mib: int) -> torch.Tensor:
+    """The whole tensor ``layers.{i}.weight`` as :func:`_local_state` saved it."""
+    elems = (min(size_mib, TENSOR_MIB) << 20) // 2
+    cols = 4096 if elems >= 4096 * save_world else 64
+    rows = elems // cols
+    parts = []
+    for r in range(save_world):
+        g = torch.Generator().manual_seed(1000 * i + r)
+        lo, hi = rows * r // save_world, rows * (r + 1) // save_world
+        parts.append((torch.randn(hi - lo, cols, generator=g) * 0.02).to(torch.bfloat16))
+    return torch.cat(parts)
+
+
+def _resharded_zeros(rank: int, world: int, save_world: int, size_mib: int,
+                     mesh: Any) -> tuple[dict[str, Any], dict[str, int]]:
+    """Zeroed ``Shard(0)`` DTensors over ``world`` ranks (DTensor's own split, uneven when
+    ``world`` does not divide the rows), and each one's first global row on this rank."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    elems = (min(size_mib, TENSOR_MIB) << 20) // 2
+    cols = 4096 if elems >= 4096 * save_world else 64
+    rows = elems // cols
+    sizes = [c.shape[0] for c in torch.empty(rows, 0).chunk(world)]
+    sizes += [0] * (world - len(sizes))
+    offset = sum(sizes[:rank])
+    out: dict[str, Any] = {}
+    starts: dict[str, int] = {}
+    for i in range(_tensor_count(size_mib)):
+        local = torch.zeros(sizes[rank], cols, dtype=torch.bfloat16)
+        key = f"layers.{i}.weight"
+        out[key] = DTensor.from_local(local, mesh, [Shard(0)], run_check=False,
+                                      shape=torch.Size((rows, cols)), stride=(cols, 1))
+        starts[key] = offset
+    return out, starts
 
 
 def _writer_reader(method: str, url: str, env: dict[str, str]) -> tuple[Any, Any]:
@@ -229,6 +269,81 @@ def _rank(rank: int, world: int, port: int, args: dict[str, Any], env: dict[str,
         dist.destroy_process_group()
 
 
+def _reshard_rank(rank: int, world: int, port: int, args: dict[str, Any], env: dict[str, str],
+                  q: Any) -> None:
+    """Loads each saved checkpoint (``args["jobs"]``: method, url) at another world size."""
+    os.environ.update(env)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.device_mesh import init_device_mesh
+
+    dist.init_process_group("gloo", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(minutes=30))
+    try:
+        mesh = init_device_mesh("cpu", (world,))
+        results: list[dict[str, Any]] = []
+        for method, url in args["jobs"]:
+            row: dict[str, Any] = {"method": method}
+            try:
+                _, r = _writer_reader(method, url, env)
+                out, starts = _resharded_zeros(rank, world, args["save_world"],
+                                               args["size_mib"], mesh)
+                dist.barrier()
+                t0 = time.perf_counter()
+                dcp.load(out, storage_reader=r)
+                dist.barrier()
+                row["load_s"] = time.perf_counter() - t0
+                row["needed"] = sum(v.to_local().nbytes for v in out.values())
+                row["fetched"] = int(getattr(r, "bytes_fetched", -1))
+                exact = True
+                for i in range(_tensor_count(args["size_mib"])):
+                    key = f"layers.{i}.weight"
+                    local = out[key].to_local()
+                    whole = _saved_tensor(i, args["save_world"], args["size_mib"])
+                    want = whole[starts[key]:starts[key] + local.shape[0]]
+                    exact &= torch.equal(local.view(torch.int16), want.view(torch.int16))
+                row["exact"] = exact
+                if hasattr(r, "close"):
+                    r.close()
+            except Exception as e:
+                row["error"] = f"{type(e).__name__}: {e}"
+                row["trace"] = traceback.format_exc()
+            results.append(row)
+            ok = torch.tensor([0 if "error" in row else 1])
+            dist.all_reduce(ok, op=dist.ReduceOp.MIN)
+            if not int(ok):
+                row.setdefault("error", "another rank failed")
+        q.put((rank, results))
+    except BaseException:
+        q.put((rank, traceback.format_exc()))
+        raise
+    finally:
+        dist.destroy_process_group()
+
+
+def _run_group(target: Any, world: int, args: dict[str, Any],
+               env: dict[str, str]) -> dict[int, Any]:
+    """Runs ``target(rank, world, port, args, env, q)`` on ``world`` spawned gloo ranks;
+    returns each rank's result (a traceback string for a rank that failed)."""
+    from dist_utils import free_port
+
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=target, args=(r, world, port, args, env, q))
+             for r in range(world)]
+    for p in procs:
+        p.start()
+    per_rank: dict[int, Any] = {}
+    while len(per_rank) < world:
+        r, res = q.get(timeout=3600)
+        per_rank[r] = res
+    for p in procs:
+        p.join()
+    return per_rank
+
+
 def _available(method: str) -> str | None:
     mods = {"dcp-fsspec": ["s3fs", "torch.distributed.checkpoint._fsspec_filesystem"],
             "s3torchconnector": ["s3torchconnector.dcp"]}.get(method, [])
@@ -303,6 +418,8 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--methods", default=",".join(METHODS))
     ap.add_argument("--client-mib", type=int, default=256)
+    ap.add_argument("--reshard-ranks", type=int, default=3,
+                    help="then load every saved checkpoint on this many ranks (0: skip)")
     ap.add_argument("--endpoint", default=None,
                     help="use this S3 endpoint (AWS_* credentials) instead of a local server")
     ap.add_argument("--json", default=None, help="also write the raw results here")
@@ -356,21 +473,7 @@ def main() -> int:
         args = {"size_mib": a.size_mib, "repeats": a.repeats, "methods": methods,
                 "run": uuid.uuid4().hex[:6],
                 "server_pid": srv.proc.pid if srv is not None and srv.proc else None}
-        ctx = mp.get_context("spawn")
-        q = ctx.Queue()
-        from dist_utils import free_port
-
-        port = free_port()
-        procs = [ctx.Process(target=_rank, args=(r, a.ranks, port, args, env, q))
-                 for r in range(a.ranks)]
-        for p in procs:
-            p.start()
-        per_rank: dict[int, Any] = {}
-        while len(per_rank) < a.ranks:
-            r, res = q.get(timeout=3600)
-            per_rank[r] = res
-        for p in procs:
-            p.join()
+        per_rank = _run_group(_rank, a.ranks, args, env)
         if any(isinstance(v, str) for v in per_rank.values()):
             print("\n".join(v for v in per_rank.values() if isinstance(v, str)))
             return 1
@@ -436,6 +539,50 @@ def main() -> int:
                 print(f"  {m:<18} client {_stat(rows[m]['client_cpu']):>20}   "
                       f"server {_stat(rows[m]['server_cpu']):>20}")
 
+        reshard: dict[str, dict[str, list[Any]]] = {}
+        jobs = [(x["method"], x["url"]) for x in per_rank[0] if "url" in x and "error" not in x]
+        if a.reshard_ranks > 0 and jobs:
+            rargs = {"size_mib": a.size_mib, "save_world": a.ranks, "jobs": jobs}
+            rper = _run_group(_reshard_rank, a.reshard_ranks, rargs, env)
+            if any(isinstance(v, str) for v in rper.values()):
+                print("\n".join(v for v in rper.values() if isinstance(v, str)))
+                return 1
+            for i, (m, _) in enumerate(jobs):
+                ranks = [rper[r][i] for r in range(a.reshard_ranks)]
+                bad = [x for x in ranks if "error" in x]
+                if bad:
+                    errors[m + " (resharded load)"] = bad[0]["error"]
+                    print(f"{m} resharded load failed:\n{bad[0].get('trace', '')}",
+                          file=sys.stderr)
+                    continue
+                d = reshard.setdefault(m, {})
+                d.setdefault("load", []).append(ranks[0]["load_s"])
+                d.setdefault("exact", []).append(all(x["exact"] for x in ranks))
+                d.setdefault("needed", []).append(sum(x["needed"] for x in ranks))
+                if all(x["fetched"] >= 0 for x in ranks):
+                    d.setdefault("fetched", []).append(sum(x["fetched"] for x in ranks))
+                    # The worst rank: fetched over what it needs (its rows' raw bytes, and for a
+                    # compressed checkpoint those rows' share of the stored bytes).
+                    share = statistics.median(rows[m]["up"]) / raw
+                    d.setdefault("worst", []).append(max(x["fetched"] / (x["needed"] * share)
+                                                         for x in ranks))
+            print(f"\nresharded load, saved by {a.ranks} ranks, loaded by {a.reshard_ranks} "
+                  f"(Shard(0), DTensor's split), median [min-max]; fetched counted by pyckpt's "
+                  f"reader; 'worst rank' = max over ranks of fetched / (its rows' raw bytes x "
+                  f"the stored/raw ratio)")
+            print(f"{'method':<18} {'load s':>20} {'fetched MiB':>12} {'needed MiB':>11} "
+                  f"{'worst rank':>11} {'exact':>6}")
+            for m in args["methods"]:
+                if m not in reshard:
+                    continue
+                d = reshard[m]
+                fetched = (f"{statistics.median(d['fetched']) / 2**20:.1f}" if "fetched" in d
+                           else "-")
+                worst = f"{max(d['worst']):.3f}x" if "worst" in d else "-"
+                print(f"{m:<18} {_stat(d['load']):>20} {fetched:>12} "
+                      f"{statistics.median(d['needed']) / 2**20:>11.1f} {worst:>11} "
+                      f"{str(all(d['exact'])):>6}")
+
         client = {}
         if a.client_mib > 0:
             client = _client_bench(srv, env, a.client_mib, a.repeats)
@@ -445,7 +592,7 @@ def main() -> int:
         if a.json:
             with open(a.json, "w") as f:
                 json.dump({"args": vars(a), "rows": rows, "errors": errors, "skipped": skipped,
-                           "client": client}, f, indent=1)
+                           "reshard": reshard, "client": client}, f, indent=1)
     finally:
         if shaped:
             _unshape()

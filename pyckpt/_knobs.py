@@ -85,9 +85,10 @@ def direct_io() -> str:
     return _choice("direct_io", "PYCKPT_DIRECT_IO", "auto", ("auto", "on", "off"))
 
 
-def chunk_bytes() -> int:
-    """``PYCKPT_CHUNK_BYTES``: raw bytes per independently decodable chunk (default 4 MiB)."""
-    value = _int("chunk_bytes", "PYCKPT_CHUNK_BYTES", 4 << 20, 4096)
+def chunk_bytes(default: int = 4 << 20) -> int:
+    """``PYCKPT_CHUNK_BYTES``: raw bytes per independently decodable chunk (default 4 MiB; the
+    caller's ``default`` where it differs, as for object stores)."""
+    value = _int("chunk_bytes", "PYCKPT_CHUNK_BYTES", default, 4096)
     if value % 4096:
         raise ValueError(f"PYCKPT_CHUNK_BYTES={value} must be a multiple of 4096")
     from pyckpt._C import MAX_CHUNK_BYTES  # the format's bound on a chunk (native core's limit)

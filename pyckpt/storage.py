@@ -277,7 +277,8 @@ class Writer(StorageWriter):
             that takes fewer than ``raw_threshold`` times its raw bytes, else raw (a raw plane
             loads as a plain copy). In (0, 1]; default 0.97. Lower values trade size for load
             speed; 1.0 keeps every saving.
-        chunk_bytes: raw bytes per independently decodable chunk (default 4 MiB).
+        chunk_bytes: raw bytes per independently decodable chunk (default 4 MiB, or 512 KiB
+            for an object-store ``path``, where a resharded load downloads whole chunks).
         threads: native worker threads (default ``PYCKPT_NUM_THREADS`` or min(8, cpus)).
         direct_io: ``"auto"``, ``"on"`` or ``"off"`` (default ``PYCKPT_DIRECT_IO`` or auto).
         fsync: fsync data and metadata (default ``PYCKPT_FSYNC`` or True).
@@ -618,7 +619,10 @@ class Writer(StorageWriter):
             fut.set_result([])
             return fut
 
-        chunk_bytes = self.chunk_bytes or _knobs.chunk_bytes()
+        chunk_bytes = self.chunk_bytes or (
+            _knobs.chunk_bytes(_objstore.DEFAULT_CHUNK_BYTES) if _objstore.is_url(save.path)
+            else _knobs.chunk_bytes()
+        )
         keepalive: list[Any] = []
         requests: list[tuple[str, int, int, CodecParams]] = []
         starts: list[int] = []

@@ -14,11 +14,11 @@ import torch
 ROWS, COLS = 96, 2048  # bf16 "w": 384 KiB; chunk_bytes 16 KiB in these saves
 
 
-def full_state() -> dict[str, torch.Tensor]:
+def full_state(rows: int = ROWS) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(1234)
     return {
-        "w": torch.randn(ROWS, COLS, generator=g).to(torch.bfloat16),
-        "v": torch.randn(ROWS * 8, generator=g),
+        "w": torch.randn(rows, COLS, generator=g).to(torch.bfloat16),
+        "v": torch.randn(rows * 8, generator=g),
         "r": torch.arange(1000, dtype=torch.int64),
     }
 
@@ -35,12 +35,12 @@ def _mesh(world: int) -> Any:
     return init_device_mesh("cpu", (world,))
 
 
-def _sharded(world: int, template: dict[str, torch.Tensor] | None = None) -> dict[str, Any]:
+def _sharded(world: int, template: dict[str, torch.Tensor]) -> dict[str, Any]:
     """``w`` and ``v`` sharded on dim 0 over all ranks, ``r`` replicated."""
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
     mesh = _mesh(world)
-    src = template if template is not None else full_state()
+    src = template
     return {
         "w": distribute_tensor(src["w"], mesh, [Shard(0)], src_data_rank=None),
         "v": distribute_tensor(src["v"], mesh, [Shard(0)], src_data_rank=None),
@@ -48,20 +48,22 @@ def _sharded(world: int, template: dict[str, torch.Tensor] | None = None) -> dic
     }
 
 
-def worker_save(rank: int, world: int, url: str, env: dict[str, str], compression: Any) -> int:
-    """Saves the sharded state to ``url``; returns this rank's bytes uploaded."""
+def worker_save(rank: int, world: int, url: str, env: dict[str, str], compression: Any,
+                chunk_bytes: int | None = 16 << 10, rows: int = ROWS) -> int:
+    """Saves the sharded state to ``url`` (``chunk_bytes`` None: the object-store default)."""
     os.environ.update(env)
     import torch.distributed.checkpoint as dcp
 
     import pyckpt
 
-    sd = _sharded(world)
-    writer = pyckpt.Writer(url, compression=compression, chunk_bytes=16 << 10)
+    sd = _sharded(world, full_state(rows))
+    writer = pyckpt.Writer(url, compression=compression, chunk_bytes=chunk_bytes)
     dcp.save(sd, storage_writer=writer, planner=pyckpt.SavePlanner())
     return 0
 
 
-def worker_load(rank: int, world: int, url: str, env: dict[str, str]) -> dict[str, Any]:
+def worker_load(rank: int, world: int, url: str, env: dict[str, str],
+                rows: int = ROWS) -> dict[str, Any]:
     """Loads ``url`` into a ``world``-way sharding; returns what matched and the bytes fetched
     against the stored bytes this rank's shards need."""
     os.environ.update(env)
@@ -70,11 +72,11 @@ def worker_load(rank: int, world: int, url: str, env: dict[str, str]) -> dict[st
     import pyckpt
     from pyckpt.api import load_planner
 
-    zeros = {k: torch.zeros_like(v) for k, v in full_state().items()}
+    zeros = {k: torch.zeros_like(v) for k, v in full_state(rows).items()}
     sd = _sharded(world, zeros)
     reader = pyckpt.Reader(url)
     dcp.load(sd, storage_reader=reader, planner=load_planner())
-    full = full_state()
+    full = full_state(rows)
     ok = {}
     needed = 0
     for k, d in sd.items():

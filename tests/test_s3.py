@@ -188,6 +188,18 @@ def test_two_ranks_save_then_resharded_loads(s3: SeaweedServer) -> None:
         assert same_bits(out[k], v), k
 
 
+def test_default_chunks_keep_a_resharded_load_within_1_1x(s3: SeaweedServer) -> None:
+    """With the object-store default chunk size, a 32 MiB weight saved by 2 ranks and loaded
+    by 3 (10.7 MiB a rank) fetches at most 1.1x a rank's need (4 MiB chunks: 1.5x, middle)."""
+    url = _url(_prefix())
+    rows = 8192  # "w": 8192 x 2048 bf16
+    run_distributed(worker_save, 2, url, s3.env(), None, None, rows)
+    results = run_distributed(worker_load, 3, url, s3.env(), rows)
+    for r in results:
+        assert all(r["ok"].values()), r
+        assert r["needed"] >= 10 << 20 and 0 < r["fetched"] <= 1.1 * r["needed"], r
+
+
 def test_partial_load_fetches_only_needed_chunks(s3: SeaweedServer) -> None:
     url = _url(_prefix())
     g = torch.Generator().manual_seed(3)
