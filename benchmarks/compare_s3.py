@@ -212,107 +212,97 @@ def _server_cpu(pid: int | None) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def _save_then_load(rank: int, world: int, mesh: Any, args: dict[str, Any], env: dict[str, str],
+                    job: tuple[str, int], row: dict[str, Any]) -> None:
+    """One method and repeat: a timed save, then a timed same-sharding load, checked."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    method, rep = job
+    row["repeat"] = rep
+    sd = args["_state"]
+    url = f"s3://{BUCKET}/{method}/{rep}-{args['run']}"
+    w, r = _writer_reader(method, url, env)
+    dist.barrier()
+    srv0, cpu0 = _server_cpu(args["server_pid"]), time.process_time()
+    t0 = time.perf_counter()
+    dcp.save(sd, storage_writer=w)
+    row["save_cpu_s"] = time.process_time() - cpu0
+    dist.barrier()
+    row["save_s"] = time.perf_counter() - t0
+    row["server_cpu_s"] = _server_cpu(args["server_pid"]) - srv0
+    out = _local_state(rank, world, args["size_mib"], mesh, zeros=True)
+    dist.barrier()
+    t0 = time.perf_counter()
+    dcp.load(out, storage_reader=r)
+    dist.barrier()
+    row["load_s"] = time.perf_counter() - t0
+    row["exact"] = all(torch.equal(out[k].to_local().view(torch.int16),
+                                   sd[k].to_local().view(torch.int16)) for k in sd)
+    row["fetched"] = int(getattr(r, "bytes_fetched", -1))
+    row["url"] = url
+    for x in (w, r):
+        if hasattr(x, "close"):
+            x.close()
+
+
+def _resharded_load(rank: int, world: int, mesh: Any, args: dict[str, Any],
+                    env: dict[str, str], job: tuple[str, str], row: dict[str, Any]) -> None:
+    """Loads one saved checkpoint (method, url) at this group's world size, checked."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    method, url = job
+    _, r = _writer_reader(method, url, env)
+    out, starts = _resharded_zeros(rank, world, args["save_world"], args["size_mib"], mesh)
+    dist.barrier()
+    t0 = time.perf_counter()
+    dcp.load(out, storage_reader=r)
+    dist.barrier()
+    row["load_s"] = time.perf_counter() - t0
+    row["needed"] = sum(v.to_local().nbytes for v in out.values())
+    row["fetched"] = int(getattr(r, "bytes_fetched", -1))
+    exact = True
+    for i in range(_tensor_count(args["size_mib"])):
+        key = f"layers.{i}.weight"
+        local = out[key].to_local()
+        whole = _saved_tensor(i, args["save_world"], args["size_mib"])
+        want = whole[starts[key]:starts[key] + local.shape[0]]
+        exact &= torch.equal(local.view(torch.int16), want.view(torch.int16))
+    row["exact"] = exact
+    if hasattr(r, "close"):
+        r.close()
+
+
 def _rank(rank: int, world: int, port: int, args: dict[str, Any], env: dict[str, str],
           q: Any) -> None:
+    """One gloo rank: runs ``args["body"]`` (a function name here) for each of ``args["jobs"]``
+    (the first element of a job is its method) and puts this rank's rows on ``q``."""
     os.environ.update(env)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     import torch.distributed as dist
-    import torch.distributed.checkpoint as dcp
     from torch.distributed.device_mesh import init_device_mesh
 
     dist.init_process_group("gloo", rank=rank, world_size=world,
                             timeout=datetime.timedelta(minutes=30))
     try:
         mesh = init_device_mesh("cpu", (world,))
-        sd = _local_state(rank, world, args["size_mib"], mesh, zeros=False)
+        if args["body"] == "_save_then_load":
+            args = {**args, "_state": _local_state(rank, world, args["size_mib"], mesh,
+                                                   zeros=False)}
+        body = globals()[args["body"]]
         results: list[dict[str, Any]] = []
-        for rep in range(args["repeats"]):
-            for method in args["methods"]:
-                row: dict[str, Any] = {"method": method, "repeat": rep}
-                try:
-                    url = f"s3://{BUCKET}/{method}/{rep}-{args['run']}"
-                    w, r = _writer_reader(method, url, env)
-                    dist.barrier()
-                    srv0, cpu0 = _server_cpu(args["server_pid"]), time.process_time()
-                    t0 = time.perf_counter()
-                    dcp.save(sd, storage_writer=w)
-                    row["save_cpu_s"] = time.process_time() - cpu0
-                    dist.barrier()
-                    row["save_s"] = time.perf_counter() - t0
-                    row["server_cpu_s"] = _server_cpu(args["server_pid"]) - srv0
-                    out = _local_state(rank, world, args["size_mib"], mesh, zeros=True)
-                    dist.barrier()
-                    t0 = time.perf_counter()
-                    dcp.load(out, storage_reader=r)
-                    dist.barrier()
-                    row["load_s"] = time.perf_counter() - t0
-                    row["exact"] = all(torch.equal(out[k].to_local().view(torch.int16),
-                                                   sd[k].to_local().view(torch.int16)) for k in sd)
-                    row["fetched"] = int(getattr(r, "bytes_fetched", -1))
-                    row["url"] = url
-                    for x in (w, r):
-                        if hasattr(x, "close"):
-                            x.close()
-                except Exception as e:
-                    row["error"] = f"{type(e).__name__}: {e}"
-                    row["trace"] = traceback.format_exc()
-                results.append(row)
-                ok = torch.tensor([0 if "error" in row else 1])
-                dist.all_reduce(ok, op=dist.ReduceOp.MIN)
-                if not int(ok):  # one rank failed: the others may be stuck mid-protocol
-                    row.setdefault("error", "another rank failed")
-        q.put((rank, results))
-    except BaseException:
-        q.put((rank, traceback.format_exc()))
-        raise
-    finally:
-        dist.destroy_process_group()
-
-
-def _reshard_rank(rank: int, world: int, port: int, args: dict[str, Any], env: dict[str, str],
-                  q: Any) -> None:
-    """Loads each saved checkpoint (``args["jobs"]``: method, url) at another world size."""
-    os.environ.update(env)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    import torch.distributed as dist
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.device_mesh import init_device_mesh
-
-    dist.init_process_group("gloo", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(minutes=30))
-    try:
-        mesh = init_device_mesh("cpu", (world,))
-        results: list[dict[str, Any]] = []
-        for method, url in args["jobs"]:
-            row: dict[str, Any] = {"method": method}
+        for job in args["jobs"]:
+            row: dict[str, Any] = {"method": job[0]}
             try:
-                _, r = _writer_reader(method, url, env)
-                out, starts = _resharded_zeros(rank, world, args["save_world"],
-                                               args["size_mib"], mesh)
-                dist.barrier()
-                t0 = time.perf_counter()
-                dcp.load(out, storage_reader=r)
-                dist.barrier()
-                row["load_s"] = time.perf_counter() - t0
-                row["needed"] = sum(v.to_local().nbytes for v in out.values())
-                row["fetched"] = int(getattr(r, "bytes_fetched", -1))
-                exact = True
-                for i in range(_tensor_count(args["size_mib"])):
-                    key = f"layers.{i}.weight"
-                    local = out[key].to_local()
-                    whole = _saved_tensor(i, args["save_world"], args["size_mib"])
-                    want = whole[starts[key]:starts[key] + local.shape[0]]
-                    exact &= torch.equal(local.view(torch.int16), want.view(torch.int16))
-                row["exact"] = exact
-                if hasattr(r, "close"):
-                    r.close()
+                body(rank, world, mesh, args, env, tuple(job), row)
             except Exception as e:
                 row["error"] = f"{type(e).__name__}: {e}"
                 row["trace"] = traceback.format_exc()
             results.append(row)
             ok = torch.tensor([0 if "error" in row else 1])
             dist.all_reduce(ok, op=dist.ReduceOp.MIN)
-            if not int(ok):
+            if not int(ok):  # one rank failed: the others may be stuck mid-protocol
                 row.setdefault("error", "another rank failed")
         q.put((rank, results))
     except BaseException:
@@ -470,7 +460,8 @@ def main() -> int:
                 skipped[m] = why
             else:
                 methods.append(m)
-        args = {"size_mib": a.size_mib, "repeats": a.repeats, "methods": methods,
+        args = {"size_mib": a.size_mib, "methods": methods, "body": "_save_then_load",
+                "jobs": [(m, rep) for rep in range(a.repeats) for m in methods],
                 "run": uuid.uuid4().hex[:6],
                 "server_pid": srv.proc.pid if srv is not None and srv.proc else None}
         per_rank = _run_group(_rank, a.ranks, args, env)
@@ -542,8 +533,9 @@ def main() -> int:
         reshard: dict[str, dict[str, list[Any]]] = {}
         jobs = [(x["method"], x["url"]) for x in per_rank[0] if "url" in x and "error" not in x]
         if a.reshard_ranks > 0 and jobs:
-            rargs = {"size_mib": a.size_mib, "save_world": a.ranks, "jobs": jobs}
-            rper = _run_group(_reshard_rank, a.reshard_ranks, rargs, env)
+            rargs = {"size_mib": a.size_mib, "save_world": a.ranks, "jobs": jobs,
+                     "body": "_resharded_load"}
+            rper = _run_group(_rank, a.reshard_ranks, rargs, env)
             if any(isinstance(v, str) for v in rper.values()):
                 print("\n".join(v for v in rper.values() if isinstance(v, str)))
                 return 1
