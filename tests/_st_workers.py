@@ -8,11 +8,41 @@ from __future__ import annotations
 
 import json
 import os
+import threading
+import time
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
 SHARDING_KEY = "DCP_SHARDING_INFO"
+
+
+def progress_seen_during_stitch(items: list[Any], task_bytes: int, total: int,
+                                enough: int = 1) -> set[int]:
+    """Runs ``_C.stitch(items)`` (one thread, pread) in a thread while this one polls its byte
+    counter; returns the counter values seen strictly between 0 and ``total``.
+
+    Up to 3 runs until ``enough`` values are seen (the stitch is idempotent): a poller that is
+    descheduled for most of one ~30 ms stitch on a loaded machine sees too little, while a
+    stitch that holds the GIL shows nothing in any run."""
+    from pyckpt import _C
+
+    seen: set[int] = set()
+    for _ in range(3):
+        prog = _C.StitchProgress()
+        t = threading.Thread(target=_C.stitch, args=(items, 1, task_bytes, "pread", False, prog))
+        t.start()
+        observed = set()
+        while t.is_alive():
+            observed.add(prog.bytes)
+            time.sleep(0.0005)
+        t.join()
+        assert prog.bytes == total
+        seen = {b for b in observed if 0 < b < total}
+        if len(seen) >= enough:
+            break
+    return seen
 
 
 def split_points(n: int, parts: int, uneven: bool) -> list[int]:
