@@ -53,6 +53,7 @@ import sys
 import time
 import traceback
 import uuid
+from collections.abc import Iterator
 from typing import Any
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -334,6 +335,21 @@ def _run_group(target: Any, world: int, args: dict[str, Any],
     return per_rank
 
 
+def _good_jobs(per_rank: dict[int, list[dict[str, Any]]], errors: dict[str, str],
+               what: str) -> Iterator[tuple[str, list[dict[str, Any]]]]:
+    """(method, every rank's row) of each job that no rank failed; the others go to ``errors``
+    (keyed by method + ``what``) and their traceback to stderr."""
+    for i, row0 in enumerate(per_rank[0]):
+        ranks = [per_rank[r][i] for r in sorted(per_rank)]
+        bad = [x for x in ranks if "error" in x]
+        if bad:
+            errors[row0["method"] + what] = bad[0]["error"]
+            print(f"{row0['method']}{what} (job {i}) failed:\n{bad[0].get('trace', '')}",
+                  file=sys.stderr)
+            continue
+        yield row0["method"], ranks
+
+
 def _available(method: str) -> str | None:
     mods = {"dcp-fsspec": ["s3fs", "torch.distributed.checkpoint._fsspec_filesystem"],
             "s3torchconnector": ["s3torchconnector.dcp"]}.get(method, [])
@@ -488,15 +504,8 @@ def main() -> int:
 
         rows: dict[str, dict[str, list[Any]]] = {}
         errors: dict[str, str] = {}
-        for i, row0 in enumerate(per_rank[0]):
-            m = row0["method"]
-            ranks = [per_rank[r][i] for r in range(a.ranks)]
-            bad = [x for x in ranks if "error" in x]
-            if bad:
-                errors[m] = bad[0]["error"]
-                print(f"{m} (repeat {row0['repeat']}) failed:\n{bad[0].get('trace', '')}",
-                      file=sys.stderr)
-                continue
+        for m, ranks in _good_jobs(per_rank, errors, ""):
+            row0 = ranks[0]
             d = rows.setdefault(m, {})
             d.setdefault("save", []).append(row0["save_s"])
             d.setdefault("load", []).append(row0["load_s"])
@@ -539,14 +548,7 @@ def main() -> int:
             if any(isinstance(v, str) for v in rper.values()):
                 print("\n".join(v for v in rper.values() if isinstance(v, str)))
                 return 1
-            for i, (m, _) in enumerate(jobs):
-                ranks = [rper[r][i] for r in range(a.reshard_ranks)]
-                bad = [x for x in ranks if "error" in x]
-                if bad:
-                    errors[m + " (resharded load)"] = bad[0]["error"]
-                    print(f"{m} resharded load failed:\n{bad[0].get('trace', '')}",
-                          file=sys.stderr)
-                    continue
+            for m, ranks in _good_jobs(rper, errors, " (resharded load)"):
                 d = reshard.setdefault(m, {})
                 d.setdefault("load", []).append(ranks[0]["load_s"])
                 d.setdefault("exact", []).append(all(x["exact"] for x in ranks))
