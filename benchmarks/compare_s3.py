@@ -53,7 +53,7 @@ import sys
 import time
 import traceback
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -71,13 +71,18 @@ def _tensor_count(size_mib: int) -> int:
     return max(1, size_mib // TENSOR_MIB)
 
 
+def _shape(size_mib: int, save_world: int) -> tuple[int, int]:
+    """(rows, cols) of each bf16 tensor of the model saved by ``save_world`` ranks."""
+    elems = (min(size_mib, TENSOR_MIB) << 20) // 2
+    cols = 4096 if elems >= 4096 * save_world else 64
+    return elems // cols, cols
+
+
 def _local_state(rank: int, world: int, size_mib: int, mesh: Any, zeros: bool) -> dict[str, Any]:
     """This rank's dim-0 shards of the model, as DTensors (built from local data only)."""
     from torch.distributed.tensor import DTensor, Shard
 
-    elems = (min(size_mib, TENSOR_MIB) << 20) // 2
-    cols = 4096 if elems >= 4096 * world else 64
-    rows = elems // cols
+    rows, cols = _shape(size_mib, world)
     out: dict[str, Any] = {}
     for i in range(_tensor_count(size_mib)):
         lo, hi = rows * rank // world, rows * (rank + 1) // world
@@ -92,9 +97,7 @@ def _local_state(rank: int, world: int, size_mib: int, mesh: Any, zeros: bool) -
 
 def _saved_tensor(i: int, save_world: int, size_mib: int) -> torch.Tensor:
     """The whole tensor ``layers.{i}.weight`` as :func:`_local_state` saved it."""
-    elems = (min(size_mib, TENSOR_MIB) << 20) // 2
-    cols = 4096 if elems >= 4096 * save_world else 64
-    rows = elems // cols
+    rows, cols = _shape(size_mib, save_world)
     parts = []
     for r in range(save_world):
         g = torch.Generator().manual_seed(1000 * i + r)
@@ -109,9 +112,7 @@ def _resharded_zeros(rank: int, world: int, save_world: int, size_mib: int,
     ``world`` does not divide the rows), and each one's first global row on this rank."""
     from torch.distributed.tensor import DTensor, Shard
 
-    elems = (min(size_mib, TENSOR_MIB) << 20) // 2
-    cols = 4096 if elems >= 4096 * save_world else 64
-    rows = elems // cols
+    rows, cols = _shape(size_mib, save_world)
     sizes = [c.shape[0] for c in torch.empty(rows, 0).chunk(world)]
     sizes += [0] * (world - len(sizes))
     offset = sum(sizes[:rank])
@@ -213,72 +214,82 @@ def _server_cpu(pid: int | None) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def _save_then_load(rank: int, world: int, mesh: Any, args: dict[str, Any], env: dict[str, str],
-                    job: tuple[str, int], row: dict[str, Any]) -> None:
-    """One method and repeat: a timed save, then a timed same-sharding load, checked."""
+def _save_then_load(rank: int, world: int, mesh: Any, args: dict[str, Any],
+                    env: dict[str, str]) -> Callable[[tuple[Any, ...], dict[str, Any]], None]:
+    """Per job (method, repeat): a timed save of this rank's state, then a timed same-sharding
+    load into zeros, checked."""
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
 
-    method, rep = job
-    row["repeat"] = rep
-    sd = args["_state"]
-    url = f"s3://{BUCKET}/{method}/{rep}-{args['run']}"
-    w, r = _writer_reader(method, url, env)
-    dist.barrier()
-    srv0, cpu0 = _server_cpu(args["server_pid"]), time.process_time()
-    t0 = time.perf_counter()
-    dcp.save(sd, storage_writer=w)
-    row["save_cpu_s"] = time.process_time() - cpu0
-    dist.barrier()
-    row["save_s"] = time.perf_counter() - t0
-    row["server_cpu_s"] = _server_cpu(args["server_pid"]) - srv0
-    out = _local_state(rank, world, args["size_mib"], mesh, zeros=True)
-    dist.barrier()
-    t0 = time.perf_counter()
-    dcp.load(out, storage_reader=r)
-    dist.barrier()
-    row["load_s"] = time.perf_counter() - t0
-    row["exact"] = all(torch.equal(out[k].to_local().view(torch.int16),
-                                   sd[k].to_local().view(torch.int16)) for k in sd)
-    row["fetched"] = int(getattr(r, "bytes_fetched", -1))
-    row["url"] = url
-    for x in (w, r):
-        if hasattr(x, "close"):
-            x.close()
+    sd = _local_state(rank, world, args["size_mib"], mesh, zeros=False)
+
+    def run(job: tuple[Any, ...], row: dict[str, Any]) -> None:
+        method, rep = job
+        row["repeat"] = rep
+        url = f"s3://{BUCKET}/{method}/{rep}-{args['run']}"
+        w, r = _writer_reader(method, url, env)
+        dist.barrier()
+        srv0, cpu0 = _server_cpu(args["server_pid"]), time.process_time()
+        t0 = time.perf_counter()
+        dcp.save(sd, storage_writer=w)
+        row["save_cpu_s"] = time.process_time() - cpu0
+        dist.barrier()
+        row["save_s"] = time.perf_counter() - t0
+        row["server_cpu_s"] = _server_cpu(args["server_pid"]) - srv0
+        out = _local_state(rank, world, args["size_mib"], mesh, zeros=True)
+        dist.barrier()
+        t0 = time.perf_counter()
+        dcp.load(out, storage_reader=r)
+        dist.barrier()
+        row["load_s"] = time.perf_counter() - t0
+        row["exact"] = all(torch.equal(out[k].to_local().view(torch.int16),
+                                       sd[k].to_local().view(torch.int16)) for k in sd)
+        row["fetched"] = int(getattr(r, "bytes_fetched", -1))
+        row["url"] = url
+        for x in (w, r):
+            if hasattr(x, "close"):
+                x.close()
+
+    return run
 
 
 def _resharded_load(rank: int, world: int, mesh: Any, args: dict[str, Any],
-                    env: dict[str, str], job: tuple[str, str], row: dict[str, Any]) -> None:
-    """Loads one saved checkpoint (method, url) at this group's world size, checked."""
+                    env: dict[str, str]) -> Callable[[tuple[Any, ...], dict[str, Any]], None]:
+    """Per job (method, url): a timed load of that checkpoint at this group's world size,
+    checked."""
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
 
-    method, url = job
-    _, r = _writer_reader(method, url, env)
-    out, starts = _resharded_zeros(rank, world, args["save_world"], args["size_mib"], mesh)
-    dist.barrier()
-    t0 = time.perf_counter()
-    dcp.load(out, storage_reader=r)
-    dist.barrier()
-    row["load_s"] = time.perf_counter() - t0
-    row["needed"] = sum(v.to_local().nbytes for v in out.values())
-    row["fetched"] = int(getattr(r, "bytes_fetched", -1))
-    exact = True
-    for i in range(_tensor_count(args["size_mib"])):
-        key = f"layers.{i}.weight"
-        local = out[key].to_local()
-        whole = _saved_tensor(i, args["save_world"], args["size_mib"])
-        want = whole[starts[key]:starts[key] + local.shape[0]]
-        exact &= torch.equal(local.view(torch.int16), want.view(torch.int16))
-    row["exact"] = exact
-    if hasattr(r, "close"):
-        r.close()
+    def run(job: tuple[Any, ...], row: dict[str, Any]) -> None:
+        method, url = job
+        _, r = _writer_reader(method, url, env)
+        out, starts = _resharded_zeros(rank, world, args["save_world"], args["size_mib"], mesh)
+        dist.barrier()
+        t0 = time.perf_counter()
+        dcp.load(out, storage_reader=r)
+        dist.barrier()
+        row["load_s"] = time.perf_counter() - t0
+        row["needed"] = sum(v.to_local().nbytes for v in out.values())
+        row["fetched"] = int(getattr(r, "bytes_fetched", -1))
+        exact = True
+        for i in range(_tensor_count(args["size_mib"])):
+            key = f"layers.{i}.weight"
+            local = out[key].to_local()
+            whole = _saved_tensor(i, args["save_world"], args["size_mib"])
+            want = whole[starts[key]:starts[key] + local.shape[0]]
+            exact &= torch.equal(local.view(torch.int16), want.view(torch.int16))
+        row["exact"] = exact
+        if hasattr(r, "close"):
+            r.close()
+
+    return run
 
 
 def _rank(rank: int, world: int, port: int, args: dict[str, Any], env: dict[str, str],
           q: Any) -> None:
-    """One gloo rank: runs ``args["body"]`` (a function name here) for each of ``args["jobs"]``
-    (the first element of a job is its method) and puts this rank's rows on ``q``."""
+    """One gloo rank: ``args["body"](rank, world, mesh, args, env)`` sets up this rank and
+    returns the function that runs each of ``args["jobs"]`` (the first element of a job is its
+    method) into a row; puts this rank's rows on ``q``."""
     os.environ.update(env)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     import torch.distributed as dist
@@ -288,15 +299,12 @@ def _rank(rank: int, world: int, port: int, args: dict[str, Any], env: dict[str,
                             timeout=datetime.timedelta(minutes=30))
     try:
         mesh = init_device_mesh("cpu", (world,))
-        if args["body"] == "_save_then_load":
-            args = {**args, "_state": _local_state(rank, world, args["size_mib"], mesh,
-                                                   zeros=False)}
-        body = globals()[args["body"]]
+        run = args["body"](rank, world, mesh, args, env)
         results: list[dict[str, Any]] = []
         for job in args["jobs"]:
             row: dict[str, Any] = {"method": job[0]}
             try:
-                body(rank, world, mesh, args, env, tuple(job), row)
+                run(tuple(job), row)
             except Exception as e:
                 row["error"] = f"{type(e).__name__}: {e}"
                 row["trace"] = traceback.format_exc()
@@ -476,7 +484,7 @@ def main() -> int:
                 skipped[m] = why
             else:
                 methods.append(m)
-        args = {"size_mib": a.size_mib, "methods": methods, "body": "_save_then_load",
+        args = {"size_mib": a.size_mib, "methods": methods, "body": _save_then_load,
                 "jobs": [(m, rep) for rep in range(a.repeats) for m in methods],
                 "run": uuid.uuid4().hex[:6],
                 "server_pid": srv.proc.pid if srv is not None and srv.proc else None}
@@ -543,7 +551,7 @@ def main() -> int:
         jobs = [(x["method"], x["url"]) for x in per_rank[0] if "url" in x and "error" not in x]
         if a.reshard_ranks > 0 and jobs:
             rargs = {"size_mib": a.size_mib, "save_world": a.ranks, "jobs": jobs,
-                     "body": "_resharded_load"}
+                     "body": _resharded_load}
             rper = _run_group(_rank, a.reshard_ranks, rargs, env)
             if any(isinstance(v, str) for v in rper.values()):
                 print("\n".join(v for v in rper.values() if isinstance(v, str)))
