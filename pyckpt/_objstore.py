@@ -28,6 +28,7 @@ import concurrent.futures
 import errno
 import logging
 import os
+import re
 import threading
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -52,6 +53,8 @@ __all__ = [
 ]
 
 SCHEMES = ("s3://",)
+# Any other "scheme://" (two letters or more, so no drive letter): refused, never a local path.
+_FOREIGN_URL = re.compile(r"([A-Za-z][A-Za-z0-9+.-]+)://")
 # Multipart part size (S3 requires >= 5 MiB for every part but the last) and parts in flight.
 DEFAULT_PART_BYTES = 16 << 20
 MIN_PART_BYTES = 5 << 20
@@ -96,8 +99,26 @@ def _obstore() -> Any:
 
 
 def is_url(path: Any) -> bool:
-    """True when ``path`` is an object-store URL this backend serves (``s3://...``)."""
-    return isinstance(path, str) and path.startswith(SCHEMES)
+    """True when ``path`` is an object-store URL this backend serves (``s3://...``), False for
+    a local path.
+
+    Raises:
+        ValueError: a URL of any other scheme (``gs://``, ``az://``, ``file://``, ``S3://``...),
+            naming it. Taken as a path, ``gs://bucket/ckpt`` would be the relative directory
+            ``gs:/bucket/ckpt``: a save would land on the local disk while its caller believed
+            it was in the bucket.
+    """
+    if not isinstance(path, str):
+        return False
+    if path.startswith(SCHEMES):
+        return True
+    m = _FOREIGN_URL.match(path)
+    if m is not None:
+        raise ValueError(
+            f"{path}: unsupported URL scheme {m.group(1)!r}; pyckpt reads and writes local "
+            "paths and s3:// URLs (Amazon S3 and S3-compatible stores)"
+        )
+    return False
 
 
 def _redact(text: str, secrets: Iterable[str]) -> str:

@@ -209,7 +209,10 @@ def _input_dir(path: str) -> None:
 
 
 def _cmd_consolidate(args: argparse.Namespace) -> int:
+    from pyckpt import _objstore
+
     _input_dir(args.src)
+    _objstore.is_url(args.dst)  # a URL of another scheme (gs://...) fails before any worker starts
     if args.workers < 1:
         raise SystemExit("pyckpt consolidate: --workers must be >= 1")
     _export_kwargs(args)  # bad export options fail here, before any worker starts

@@ -389,7 +389,7 @@ class Writer(StorageWriter):
         self.overwrite = overwrite
         self.pinned_pool_bytes = pinned_pool_bytes
         self.shared_filesystem = bool(shared_filesystem)
-        if not self.shared_filesystem and _objstore.is_url(self.path):
+        if _objstore.is_url(self.path) and not self.shared_filesystem:
             raise ValueError(f"{self.path}: shared_filesystem=False is for node-local directories, "
                              "not object-store URLs")
         self.storage_options = dict(storage_options or {})
@@ -517,7 +517,9 @@ class Writer(StorageWriter):
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         if checkpoint_id is not None:
-            self.path = os.fspath(checkpoint_id)
+            path = os.fspath(checkpoint_id)
+            _objstore.is_url(path)  # a foreign URL (gs://...) fails here, before anything is saved
+            self.path = path
         tls = self._thread_state()
         old: _Save | None = getattr(tls, "save", None)
         if old is not None:
@@ -877,7 +879,7 @@ class Reader(StorageReader):
         self.shared_filesystem: bool | Literal["auto"] = (
             "auto" if shared_filesystem == "auto" else bool(shared_filesystem)
         )
-        if not self.shared_filesystem and _objstore.is_url(self.path):
+        if _objstore.is_url(self.path) and not self.shared_filesystem:
             raise ValueError(f"{self.path}: shared_filesystem=False is for node-local directories, "
                              "not object-store URLs")
         self.process_group = process_group
@@ -910,7 +912,9 @@ class Reader(StorageReader):
         self._metadata_error = None
         self._peer_files = None
         if checkpoint_id is not None:
-            self.path = os.fspath(checkpoint_id)
+            path = os.fspath(checkpoint_id)
+            _objstore.is_url(path)  # a foreign URL (gs://...) fails here, naming it
+            self.path = path
         self._fetcher = None
 
     @property
@@ -1134,8 +1138,11 @@ class Reader(StorageReader):
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
-        if _objstore.is_url(checkpoint_id):
-            return True
+        try:
+            if _objstore.is_url(checkpoint_id):
+                return True
+        except ValueError:  # another scheme: not a checkpoint this reader can load
+            return False
         try:
             return os.path.isfile(os.path.join(os.fspath(checkpoint_id), METADATA_FILE))
         except TypeError:

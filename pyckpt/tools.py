@@ -256,7 +256,7 @@ def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], *,
     target = to or ("dcp" if src_fmt == "pyckpt" else "pyckpt")
     if target not in ("pyckpt", "dcp"):
         raise ValueError(f"unknown target format {target!r}; expected 'pyckpt' or 'dcp'")
-    if target == "dcp" and _objstore.is_url(os.fspath(dst)):
+    if _objstore.is_url(os.fspath(dst)) and target == "dcp":  # is_url refuses gs:// etc. now
         raise ValueError("converting to DCP's format writes a local directory, not an "
                          f"object-store URL ({os.fspath(dst)!r})")
     sd = _empty_state_dict(reader.read_metadata())

@@ -254,3 +254,19 @@ def test_convert_keeps_nesting(tmp_path: Path, fmt: str) -> None:
     assert torch.equal(back["model"]["a"], sd["model"]["a"])
     assert torch.equal(back["model"]["b"][0], sd["model"]["b"][0])
     assert back["model"]["b"][1] == 7 and back["step"] == 4
+
+
+@pytest.mark.parametrize("cmd", [["inspect", "gs://bucket/ckpt"], ["verify", "gs://bucket/ckpt"],
+                                 ["convert", "{ckpt}", "gs://bucket/ckpt"],
+                                 ["consolidate", "{ckpt}", "gs://bucket/out"]])
+def test_urls_of_other_schemes_exit_1_naming_them(
+    cmd: list[str], ckpt: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    before = sorted(os.listdir(tmp_path))
+    assert main([a.format(ckpt=ckpt) for a in cmd]) == 1
+    err = capsys.readouterr().err
+    assert f"pyckpt {cmd[0]}: error: " in err and "unsupported URL scheme 'gs'" in err
+    assert "gs://bucket/" in err
+    assert sorted(os.listdir(tmp_path)) == before

@@ -566,3 +566,64 @@ def test_bad_codec_options_fail_when_the_writer_is_made(tmp_path, options) -> No
     with pytest.raises(ValueError, match="raw_threshold|zstd level"):
         pyckpt.Writer(tmp_path, **options)
     assert not any(tmp_path.iterdir())
+
+
+FOREIGN_URLS = ["gs://bucket/ckpt", "az://container/ckpt", "file:///tmp/ckpt", "S3://bucket/ckpt",
+                "hf://org/model"]
+
+
+@pytest.mark.parametrize("url", FOREIGN_URLS)
+def test_urls_of_other_schemes_are_refused_not_written_as_local_paths(
+    url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Taken as a path, gs://bucket/ckpt is the relative directory gs:/bucket/ckpt: a save would
+    land on the local disk while the caller believes it is in a bucket. Every entry point refuses
+    it, naming the URL, and leaves nothing behind."""
+    from pyckpt import tools
+    from pyckpt._consolidate import consolidate
+
+    monkeypatch.chdir(tmp_path)
+    src = tmp_path / "src"
+    pyckpt.save({"w": torch.arange(8.0)}, src)
+    scheme = url.split("://")[0]
+    match = f"unsupported URL scheme '{scheme}'"
+    sd = {"w": torch.zeros(8)}
+    with pytest.raises(ValueError, match=match) as e:
+        pyckpt.save(sd, url)
+    assert url in str(e.value)
+    with pytest.raises(ValueError, match=match):
+        pyckpt.load(sd, url)
+    with pytest.raises(ValueError, match=match):
+        pyckpt.Writer(url)
+    with pytest.raises(ValueError, match=match):
+        pyckpt.Reader(url)
+    with pytest.raises(ValueError, match=match):  # DCP's checkpoint_id goes through reset()
+        dcp.save(sd, storage_writer=pyckpt.Writer(tmp_path / "w"), checkpoint_id=url,
+                 no_dist=True)
+    with pytest.raises(ValueError, match=match):
+        dcp.load(sd, storage_reader=pyckpt.Reader(src), checkpoint_id=url, no_dist=True)
+    assert not pyckpt.Reader.validate_checkpoint_id(url)
+    with pytest.raises(ValueError, match=match):
+        consolidate(src, url)
+    with pytest.raises(ValueError, match=match):
+        consolidate(url, tmp_path / "out")
+    with pytest.raises(ValueError, match=match):
+        tools.convert(src, url)
+    with pytest.raises(ValueError, match=match):
+        tools.verify(url)
+    assert sorted(os.listdir(tmp_path)) == ["src"]  # no gs:/ (or any other) directory appeared
+    assert sd["w"].eq(0).all()
+
+
+@pytest.mark.parametrize("path", ["a://b", "dir:with:colons/x", "my-ckpt_v2.0", "x:/y"])
+def test_local_paths_that_merely_look_odd_stay_paths(
+    path: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A one-letter 'scheme' or a colon without '//' is a local path, as it always was."""
+    monkeypatch.chdir(tmp_path)
+    sd = {"w": torch.arange(8.0)}
+    pyckpt.save(sd, path)
+    assert (tmp_path / path / _format.METADATA_FILE).is_file()
+    out = {"w": torch.zeros(8)}
+    pyckpt.load(out, path)
+    assert torch.equal(out["w"], sd["w"])

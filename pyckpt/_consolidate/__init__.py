@@ -242,7 +242,8 @@ def consolidate(
     src, dst = os.fspath(src), os.fspath(dst)
     from pyckpt import _objstore
 
-    if _objstore.is_url(src) or _objstore.is_url(dst):  # staged through local temp files
+    src_url, dst_url = _objstore.is_url(src), _objstore.is_url(dst)  # both refuse gs:// etc.
+    if src_url or dst_url:  # staged through local temp files
         return cast(ConsolidationResult, _objstore.consolidate_staged(
             consolidate, src, dst, process_group=process_group,
             shared_filesystem=shared_filesystem, batch_bytes=batch_bytes, fqn_to_file=fqn_to_file,
