@@ -17,7 +17,8 @@ and decoded natively in place (:func:`pyckpt._C.read_requests` with ``sources`` 
 through ``ChunkSource::view_at``).
 
 Credentials, region and endpoint come from the standard ``AWS_*`` environment variables (read by
-``obstore``) and from ``storage_options`` (which win). Errors name the URL, never a secret.
+``obstore``), the AWS shared credentials and config files (:func:`aws_shared_config`), and
+``storage_options`` (which win). Errors name the URL, never a secret.
 Payloads are signed over http and sent as ``UNSIGNED-PAYLOAD`` over https unless either says
 otherwise (``unsigned_payload``).
 """
@@ -25,6 +26,7 @@ otherwise (``unsigned_payload``).
 from __future__ import annotations
 
 import concurrent.futures
+import configparser
 import errno
 import logging
 import os
@@ -146,6 +148,7 @@ class Location:
     prefix: str = field(init=False)
     _store: Any = field(default=None, init=False, repr=False, compare=False)
     _lock: Any = field(default=None, init=False, repr=False, compare=False)
+    _file_secrets: list[str] = field(default_factory=list, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         rest = self.url.split("://", 1)[1]
@@ -196,7 +199,7 @@ class Location:
     def _secrets(self) -> list[str]:
         out = [str(self.storage_options.get(k) or "") for k in _SECRET_KEYS]
         out += [os.environ.get("AWS_SECRET_ACCESS_KEY", ""), os.environ.get("AWS_SESSION_TOKEN", "")]
-        return [s for s in out if len(s) >= 4]
+        return [s for s in out + self._file_secrets if len(s) >= 4]
 
     def store(self) -> Any:
         """The ``obstore.store.S3Store`` (made once; ``AWS_*`` variables, then options)."""
@@ -209,7 +212,16 @@ class Location:
         _obstore()
         from obstore.store import S3Store
 
-        config: dict[str, Any] = {}
+        # Lowest precedence: the shared files fill only what the AWS_* variables leave unset
+        # (obstore reads those itself); storage_options, applied below, override both.
+        try:
+            has_keys = any(_config_key(k) in ("access_key_id", "credential_provider", "skip_signature")
+                           for k in self.storage_options)
+            config: dict[str, Any] = aws_shared_config(need_keys=not has_keys)
+        except ValueError as e:
+            raise ValueError(f"{self.url}: {e}") from None
+        self._file_secrets = [str(config.get(k, "")) for k in ("secret_access_key", "session_token")]
+        provider = None
         client: dict[str, Any] = {"connect_timeout": "5s", "timeout": "120s"}
         retry: dict[str, Any] = {
             "max_retries": 10,
@@ -226,13 +238,15 @@ class Location:
                 retry[k] = int(v)
             elif k == "retry_timeout":
                 retry[k] = v if isinstance(v, timedelta) else timedelta(seconds=float(v))
+            elif k == "credential_provider":
+                provider = v
             else:
                 config[k] = v
         if _unsigned_payload_by_default(config):
             config["unsigned_payload"] = True
         try:
             return S3Store(self.bucket, config=cast(Any, config), client_options=cast(Any, client),
-                           retry_config=cast(Any, retry))
+                           retry_config=cast(Any, retry), credential_provider=provider)
         except Exception as e:
             raise ValueError(
                 f"{self.url}: cannot configure the object store client: "
@@ -354,8 +368,93 @@ class Location:
             raise self.error(e, "DELETE", self.url) from None
 
 
-_locations: dict[tuple[str, tuple[tuple[str, str], ...]], Location] = {}
-_locations_lock = threading.Lock()
+# Profile settings that obtain credentials by running or asking something, which pyckpt does not do.
+_INDIRECT_CREDENTIALS = ("credential_process", "role_arn", "sso_session", "sso_start_url",
+                         "web_identity_token_file", "credential_source", "source_profile")
+
+
+def _ini_section(path: str, section: str) -> dict[str, str] | None:
+    """Section ``section`` of the INI file ``path`` (keys lower-cased), None when the file or the
+    section does not exist.
+
+    Raises:
+        ValueError: the file cannot be read or parsed, naming it.
+    """
+    parser = configparser.RawConfigParser(default_section="\0none")
+    try:
+        with open(path, encoding="utf-8") as f:
+            parser.read_file(f, source=path)
+    except FileNotFoundError:
+        return None
+    except (OSError, UnicodeDecodeError, configparser.Error) as e:
+        raise ValueError(f"{path}: cannot read this AWS configuration file: {e}") from None
+    if not parser.has_section(section):
+        return None
+    return {k.lower(): v.strip() for k, v in parser.items(section)}
+
+
+def aws_shared_config(environ: Mapping[str, str] | None = None,
+                      need_keys: bool = True) -> dict[str, str]:
+    """``S3Config`` settings from the AWS shared files, for what the environment leaves unset.
+
+    The files are those of the AWS CLI and SDKs: ``AWS_SHARED_CREDENTIALS_FILE`` (default
+    ``~/.aws/credentials``, sections ``[name]``) and ``AWS_CONFIG_FILE`` (default
+    ``~/.aws/config``, sections ``[profile name]``, or ``[default]``); the profile is
+    ``AWS_PROFILE`` (or ``AWS_DEFAULT_PROFILE``), else ``default``. As in the SDKs, keys in the
+    environment win over the files and the credentials file over the config file:
+
+    - ``aws_access_key_id`` / ``aws_secret_access_key`` / ``aws_session_token``, unless
+      ``AWS_ACCESS_KEY_ID`` is set;
+    - ``region``, unless ``AWS_REGION`` or ``AWS_DEFAULT_REGION`` is set;
+    - ``endpoint_url``, unless ``AWS_ENDPOINT_URL`` or ``AWS_ENDPOINT`` is set.
+
+    ``need_keys=False`` (the caller has keys or a credential provider) skips the keys.
+
+    Raises:
+        ValueError: ``AWS_PROFILE`` names a profile in neither file; a file cannot be parsed; or
+            the profile gets its credentials by a process, a role or SSO (``credential_process``,
+            ``role_arn``, ``sso_session``...), which pyckpt does not run: pass
+            ``storage_options={"credential_provider": ...}`` (e.g. obstore's
+            ``Boto3CredentialProvider``) for those.
+    """
+    env = os.environ if environ is None else environ
+    explicit = env.get("AWS_PROFILE") or env.get("AWS_DEFAULT_PROFILE")
+    profile = explicit or "default"
+    aws_dir = os.path.join(os.path.expanduser("~"), ".aws")
+    creds_path = env.get("AWS_SHARED_CREDENTIALS_FILE") or os.path.join(aws_dir, "credentials")
+    config_path = env.get("AWS_CONFIG_FILE") or os.path.join(aws_dir, "config")
+    creds = _ini_section(creds_path, profile)
+    conf = _ini_section(config_path, f"profile {profile}")
+    if conf is None and profile == "default":
+        conf = _ini_section(config_path, "default")
+    if creds is None and conf is None:
+        if explicit:
+            raise ValueError(f"AWS profile {profile!r} (AWS_PROFILE) is in neither {creds_path} "
+                             f"nor {config_path}")
+        return {}
+    creds, conf = creds or {}, conf or {}
+    out: dict[str, str] = {}
+    if need_keys and not env.get("AWS_ACCESS_KEY_ID"):
+        keys = creds if creds.get("aws_access_key_id") else conf
+        if keys.get("aws_access_key_id") and keys.get("aws_secret_access_key"):
+            out["access_key_id"] = keys["aws_access_key_id"]
+            out["secret_access_key"] = keys["aws_secret_access_key"]
+            if keys.get("aws_session_token"):
+                out["session_token"] = keys["aws_session_token"]
+        else:
+            indirect = [k for k in _INDIRECT_CREDENTIALS if k in creds or k in conf]
+            if indirect:
+                raise ValueError(
+                    f"AWS profile {profile!r} gets its credentials through {indirect[0]}, which "
+                    "pyckpt does not evaluate: set AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, or "
+                    "pass storage_options={'credential_provider': ...} (e.g. obstore's "
+                    "Boto3CredentialProvider)"
+                )
+    if not (env.get("AWS_REGION") or env.get("AWS_DEFAULT_REGION")) and conf.get("region"):
+        out["region"] = conf["region"]
+    if not (env.get("AWS_ENDPOINT_URL") or env.get("AWS_ENDPOINT")) and conf.get("endpoint_url"):
+        out["endpoint"] = conf["endpoint_url"]
+    return out
 
 
 def _config_key(key: str) -> str:
@@ -386,11 +485,13 @@ def location(url: str, storage_options: Mapping[str, Any] | None = None) -> Loca
 
     Args:
         url: ``s3://bucket/prefix``.
-        storage_options: client settings that override the ``AWS_*`` environment: any
-            ``obstore`` ``S3Config`` key (``endpoint``, ``region``, ``access_key_id``,
-            ``secret_access_key``, ``session_token``, ``virtual_hosted_style_request``,
-            ``skip_signature``, ...), client keys (``allow_http``, ``timeout``,
-            ``connect_timeout``, ...), and ``max_retries`` / ``retry_timeout`` (seconds).
+        storage_options: client settings that override the ``AWS_*`` environment and the AWS
+            shared files (:func:`aws_shared_config`): any ``obstore`` ``S3Config`` key
+            (``endpoint``, ``region``, ``access_key_id``, ``secret_access_key``,
+            ``session_token``, ``virtual_hosted_style_request``, ``skip_signature``, ...),
+            client keys (``allow_http``, ``timeout``, ``connect_timeout``, ...),
+            ``max_retries`` / ``retry_timeout`` (seconds), and ``credential_provider`` (an
+            obstore credential provider, called for credentials as they expire).
     """
     return Location(url, dict(storage_options or {}))
 

@@ -15,6 +15,12 @@ from hypothesis import HealthCheck, settings
 # could shadow the installed pyckpt.
 sys.path.insert(0, str(Path(__file__).parent))
 
+# A client left without credentials asks the cloud's instance-metadata service (169.254.169.254)
+# for them. Tests send traffic to 127.0.0.1 only: point obstore's lookup at a closed loopback
+# port and turn botocore's off, for this process and every worker it starts.
+os.environ.setdefault("AWS_METADATA_ENDPOINT", "http://127.0.0.1:9")
+os.environ.setdefault("AWS_EC2_METADATA_DISABLED", "true")
+
 settings.register_profile(
     "default", max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow]
 )

@@ -20,6 +20,7 @@ from _s3server import (
     ACCESS_KEY,
     READONLY_KEY,
     READONLY_SECRET,
+    REGION,
     SECRET_KEY,
     SeaweedServer,
     ServerUnavailable,
@@ -633,3 +634,141 @@ def test_two_ranks_consolidate_local_source_or_local_destination(s3: SeaweedServ
     assert [r.get("error") for r in results] == ["NotImplementedError"] * 2, results
     assert str(st_dir) in results[0]["message"]
     assert s3.keys(BUCKET, out_prefix + "/") == {}
+
+
+# -- credentials from the AWS shared files ---------------------------------------------------
+
+_AWS_VARS = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_REGION",
+             "AWS_DEFAULT_REGION", "AWS_ENDPOINT_URL", "AWS_ENDPOINT", "AWS_PROFILE",
+             "AWS_DEFAULT_PROFILE", "AWS_SHARED_CREDENTIALS_FILE", "AWS_CONFIG_FILE")
+
+
+def _only_files(monkeypatch: pytest.MonkeyPatch, home: Any, credentials: str | None,
+                config: str | None) -> None:
+    """No AWS_* settings but AWS_ALLOW_HTTP; ``home``/.aws holds the given files."""
+    for k in _AWS_VARS:
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.setenv("AWS_ALLOW_HTTP", "true")
+    monkeypatch.setenv("AWS_METADATA_ENDPOINT", "http://127.0.0.1:9")  # never the cloud's
+    monkeypatch.setenv("HOME", str(home))
+    (home / ".aws").mkdir(exist_ok=True)
+    for name, text in (("credentials", credentials), ("config", config)):
+        if text is not None:
+            (home / ".aws" / name).write_text(text)
+
+
+def _round_trip(url: str, storage_options: dict[str, Any] | None = None) -> None:
+    sd = _state()
+    pyckpt.save(sd, url, compression="zstd", storage_options=storage_options)
+    out = _blank(sd)
+    pyckpt.load(out, url, storage_options=storage_options)
+    _assert_same(out, sd)
+
+
+def test_named_profile_from_shared_files(
+    s3server: SeaweedServer, tmp_path: Any, monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """AWS_PROFILE picks [ckpt] of the credentials file and [profile ckpt] of the config file,
+    whose region and endpoint_url are used: nothing else tells the client where the server is."""
+    from pyckpt import cli
+
+    _only_files(monkeypatch, tmp_path, None, None)
+    creds, conf = tmp_path / "creds.ini", tmp_path / "conf.ini"
+    creds.write_text(f"[default]\naws_access_key_id = WRONG\naws_secret_access_key = wrong-secret\n"
+                     f"[ckpt]\naws_access_key_id = {ACCESS_KEY}\n"
+                     f"aws_secret_access_key = {SECRET_KEY}\n")
+    conf.write_text(f"[profile ckpt]\nregion = {REGION}\nendpoint_url = {s3server.endpoint}\n")
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(creds))
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(conf))
+    monkeypatch.setenv("AWS_PROFILE", "ckpt")
+    url = _url(_prefix())
+    _round_trip(url)
+    assert cli.main(["inspect", url]) == 0
+    assert "4 tensors, 1 other values" in capsys.readouterr().out
+
+
+def test_default_profile_from_home_and_precedence(
+    s3server: SeaweedServer, tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """~/.aws/credentials [default] and ~/.aws/config [default]; AWS_* variables beat the files
+    and storage_options beat both; refused file credentials are a PermissionError naming the URL
+    without the secret."""
+    url = _url(_prefix())
+    good = f"[default]\naws_access_key_id = {ACCESS_KEY}\naws_secret_access_key = {SECRET_KEY}\n"
+    conf = f"[default]\nregion = {REGION}\nendpoint_url = {s3server.endpoint}\n"
+    _only_files(monkeypatch, tmp_path, good, conf)
+    _round_trip(url)
+
+    bad_secret = "file-secret-" + uuid.uuid4().hex
+    _only_files(monkeypatch, tmp_path,
+                f"[default]\naws_access_key_id = {ACCESS_KEY}\naws_secret_access_key = {bad_secret}\n",
+                conf)
+    with pytest.raises(PermissionError) as info:
+        pyckpt.save({"x": torch.ones(8)}, url, storage_options={"max_retries": 0})
+    assert info.value.filename == url and bad_secret not in str(info.value)
+    _round_trip(url, {"secret_access_key": SECRET_KEY})  # options win over the file
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", ACCESS_KEY)
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", SECRET_KEY)
+    _round_trip(url)  # so do the variables
+
+
+def test_profile_errors_name_the_profile_and_files(
+    s3server: SeaweedServer, tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    url = _url(_prefix())
+    conf = f"[profile sso]\nsso_session = corp\nregion = {REGION}\n"
+    _only_files(monkeypatch, tmp_path, "[default]\naws_access_key_id = A\n", conf)
+    monkeypatch.setenv("AWS_PROFILE", "typo")
+    with pytest.raises(ValueError, match="AWS profile 'typo'") as info:
+        pyckpt.save({"x": torch.ones(8)}, url)
+    assert url in str(info.value) and str(tmp_path / ".aws" / "credentials") in str(info.value)
+    monkeypatch.setenv("AWS_PROFILE", "sso")
+    with pytest.raises(ValueError, match="sso_session.*credential_provider"):
+        pyckpt.load({"x": torch.ones(8)}, url)
+    (tmp_path / ".aws" / "config").write_text("[profile sso\nregion = x\n")
+    with pytest.raises(ValueError, match="cannot read this AWS configuration file"):
+        pyckpt.Reader(url).read_metadata()
+
+
+def test_credential_provider_option(
+    s3server: SeaweedServer, tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """storage_options={"credential_provider": ...} (here obstore's boto3 provider) supplies the
+    keys, also for an SSO profile that pyckpt alone refuses; so do explicit keys."""
+    import boto3
+    from obstore.auth.boto3 import Boto3CredentialProvider
+
+    _only_files(monkeypatch, tmp_path, None, "[profile sso]\nsso_session = corp\n")
+    monkeypatch.setenv("AWS_PROFILE", "sso")
+    session = boto3.Session(aws_access_key_id=ACCESS_KEY, aws_secret_access_key=SECRET_KEY,
+                            region_name=REGION)
+    url = _url(_prefix())
+    _round_trip(url, {"endpoint": s3server.endpoint,
+                      "credential_provider": Boto3CredentialProvider(session)})
+    _round_trip(url, {"endpoint": s3server.endpoint, "access_key_id": ACCESS_KEY,
+                      "secret_access_key": SECRET_KEY})
+
+
+def test_shared_config_precedence(tmp_path: Any) -> None:
+    creds, conf = tmp_path / "credentials", tmp_path / "config"
+    creds.write_text("[p]\naws_access_key_id = CK\naws_secret_access_key = CS\n"
+                     "aws_session_token = CT\n")
+    conf.write_text("[profile p]\naws_access_key_id = FK\naws_secret_access_key = FS\n"
+                    "region = eu-west-3\nendpoint_url = http://127.0.0.1:1\n")
+    env = {"AWS_PROFILE": "p", "AWS_SHARED_CREDENTIALS_FILE": str(creds),
+           "AWS_CONFIG_FILE": str(conf)}
+    assert _objstore.aws_shared_config(env) == {
+        "access_key_id": "CK", "secret_access_key": "CS", "session_token": "CT",
+        "region": "eu-west-3", "endpoint": "http://127.0.0.1:1"}
+    assert _objstore.aws_shared_config(env, need_keys=False) == {
+        "region": "eu-west-3", "endpoint": "http://127.0.0.1:1"}
+    creds.write_text("[p]\nregion = ignored-here\n")  # keys only in the config file: used
+    assert _objstore.aws_shared_config(env)["access_key_id"] == "FK"
+    env.update(AWS_ACCESS_KEY_ID="EK", AWS_DEFAULT_REGION="r", AWS_ENDPOINT_URL="http://x")
+    assert _objstore.aws_shared_config(env) == {}  # the variables win, key by key
+    none = {"AWS_SHARED_CREDENTIALS_FILE": str(tmp_path / "no1"),
+            "AWS_CONFIG_FILE": str(tmp_path / "no2")}
+    assert _objstore.aws_shared_config(none) == {}
+    with pytest.raises(ValueError, match="AWS profile 'p'"):
+        _objstore.aws_shared_config({**none, "AWS_DEFAULT_PROFILE": "p"})
