@@ -175,7 +175,7 @@ def load(
         trusted: Unpickle non-tensor values with ``weights_only=False`` (DCP's default): only
             for checkpoints from a trusted source, whose values hold other Python types.
         storage_options: for an ``s3://`` path: client settings overriding the ``AWS_*``
-            environment (see docs/OBJECT_STORES.md).
+            environment and ``~/.aws`` files (see docs/OBJECT_STORES.md).
         shared_filesystem: False for a node-local checkpoint (saved with
             ``shared_filesystem=False``): each rank reads its own ``path`` and fetches chunks
             held by other ranks over ``process_group`` (see :class:`pyckpt.Reader`);

@@ -288,7 +288,7 @@ class Writer(StorageWriter):
             encoder in a synchronous save (default ``PYCKPT_PINNED_POOL_BYTES`` or 1 GiB, read
             when the writer first stages a tensor; at least 1 MiB).
         storage_options: for an object-store ``path`` (``s3://bucket/prefix``): client settings
-            overriding the ``AWS_*`` environment (see docs/OBJECT_STORES.md).
+            overriding the ``AWS_*`` environment and ``~/.aws`` files (see docs/OBJECT_STORES.md).
         part_bytes: for an object-store ``path``: multipart part size (default 16 MiB).
         shared_filesystem: False for a node-local checkpoint: ``path`` exists on every node
             but holds only that node's data files; every rank writes a copy of ``pyckpt.json``
@@ -818,7 +818,7 @@ class Reader(StorageReader):
         path: checkpoint directory or object-store URL (``s3://bucket/prefix``);
             ``dcp.load(checkpoint_id=...)`` overrides it.
         storage_options: for an object-store ``path``: client settings overriding the
-            ``AWS_*`` environment (see docs/OBJECT_STORES.md).
+            ``AWS_*`` environment and ``~/.aws`` files (see docs/OBJECT_STORES.md).
         threads: native worker threads (default ``PYCKPT_READ_THREADS`` or
             ``max(8, PYCKPT_NUM_THREADS)``: reads in flight matter more than cores).
         pinned_pool_bytes: bound on the page-locked memory that carries data to GPU
