@@ -39,7 +39,7 @@ from typing import Any, cast
 
 from pyckpt import _C, _format
 from pyckpt._format import METADATA_FILE
-from pyckpt.errors import CheckpointFormatError, ObjectStoreError
+from pyckpt.errors import CheckpointFormatError, ConcurrentSaveError, ObjectStoreError
 
 logger = logging.getLogger("pyckpt.consolidate")
 
@@ -84,6 +84,8 @@ _CLIENT_KEYS = frozenset((
     "pool_idle_timeout", "user_agent", "proxy_url",
 ))
 _RETRY_KEYS = frozenset(("max_retries", "retry_timeout"))
+# Location.put's "no condition".
+ANY = object()
 
 # Test hook: called as _after_part(object_url, part_number) after each part is handed over.
 _after_part: Callable[[str, int], None] | None = None
@@ -277,11 +279,16 @@ class Location:
 
     def head(self, name: str) -> int | None:
         """Size of object ``name``, or None when it does not exist."""
+        meta = self.head_meta(name)
+        return None if meta is None else int(meta["size"])
+
+    def head_meta(self, name: str) -> dict[str, Any] | None:
+        """obstore's ``ObjectMeta`` of ``name`` (``size``, ``e_tag``...), or None when absent."""
         obstore = _obstore()
         from obstore import exceptions as ox
 
         try:
-            return int(obstore.head(self.store(), self.key(name))["size"])
+            return dict(obstore.head(self.store(), self.key(name)))
         except (ox.NotFoundError, FileNotFoundError):
             return None
         except (CheckpointFormatError, ValueError):
@@ -317,14 +324,44 @@ class Location:
             out[name] = int(meta["size"])
         return out
 
-    def put(self, name: str, data: bytes) -> None:
-        """Writes object ``name`` with one PUT (atomic: visible whole or not at all)."""
-        obstore = _obstore()
+    def put(self, name: str, data: bytes, if_match: str | None | object = ANY) -> None:
+        """Writes object ``name`` with one PUT (atomic: visible whole or not at all).
 
+        Args:
+            if_match: :data:`ANY` (unconditional), None (only if the object does not exist:
+                ``If-None-Match: *``) or an ETag (only if the object still has it:
+                ``If-Match``). A store that cannot make conditional writes (obstore raises
+                NotSupported, e.g. with ``storage_options={"conditional_put": "disabled"}``)
+                gets an unconditional PUT and a warning.
+
+        Raises:
+            ConcurrentSaveError: the condition failed.
+        """
+        obstore = _obstore()
+        from obstore import exceptions as ox
+
+        url = self.url_of(name)
+        mode: Any = ("overwrite" if if_match is ANY else "create" if if_match is None
+                     else {"e_tag": if_match})
         try:
-            obstore.put(self.store(), self.key(name), data, use_multipart=False)
+            try:
+                obstore.put(self.store(), self.key(name), data, use_multipart=False, mode=mode)
+            except (ox.NotSupportedError, NotImplementedError) as e:
+                if mode == "overwrite":
+                    raise
+                logger.warning("pyckpt: %s: conditional PUT not supported (%s); writing "
+                               "unconditionally, concurrent saves are not detected", url,
+                               _redact(str(e), self._secrets()).splitlines()[0])
+                obstore.put(self.store(), self.key(name), data, use_multipart=False)
+        except (ox.AlreadyExistsError, ox.PreconditionError, FileExistsError):
+            raise ConcurrentSaveError(
+                errno.EBUSY,
+                "another save committed a checkpoint under this prefix while this save ran; "
+                "this save is abandoned and the other checkpoint left intact",
+                url,
+            ) from None
         except Exception as e:
-            raise self.error(e, "PUT", self.url_of(name)) from None
+            raise self.error(e, "PUT", url) from None
 
     def get(self, name: str, limit: int) -> bytes:
         """Object ``name`` (at most ``limit`` bytes, else CheckpointFormatError)."""
@@ -591,31 +628,51 @@ def check_part_bytes(part_bytes: int | None) -> int:
     return part_bytes
 
 
-def set_up_save(loc: Location, is_coordinator: bool, overwrite: bool) -> None:
+def set_up_save(loc: Location, is_coordinator: bool, overwrite: bool) -> str | None | object:
     """Checks the bucket is reachable (typed errors naming the URL) and, on the coordinator with
     ``overwrite=False``, that no checkpoint is there yet.
+
+    Returns:
+        On the coordinator, the ETag of the metadata object the save will replace (None when
+        there is none, :data:`ANY` when the store gave it no ETag), for :func:`commit_save`;
+        None on other ranks.
 
     Raises:
         FileExistsError: ``overwrite=False`` and ``pyckpt.json`` exists.
     """
     loc.check_bucket()
-    if is_coordinator and not overwrite and loc.head(METADATA_FILE) is not None:
+    if not is_coordinator:
+        return None
+    meta = loc.head_meta(METADATA_FILE)
+    if meta is None:
+        return None
+    if not overwrite:
         raise FileExistsError(
             errno.EEXIST,
             "Checkpoint already exists and overwrite=False; pass overwrite=True or choose "
             "another prefix",
             loc.url_of(METADATA_FILE),
         )
+    etag = meta.get("e_tag")
+    return str(etag) if etag else ANY
 
 
-def commit_save(loc: Location, files: Mapping[str, int], encoded: bytes) -> None:
-    """Writes the metadata object (one PUT), then deletes data objects of other saves.
+def commit_save(loc: Location, files: Mapping[str, int], encoded: bytes,
+                base_etag: str | None | object) -> None:
+    """Writes the metadata object (one conditional PUT), then deletes data objects of other
+    saves.
+
+    The PUT succeeds only if the metadata object is still the one :func:`set_up_save` saw
+    (``base_etag``; None: none existed). Otherwise another save committed under this prefix
+    in the meantime (and may already have deleted this save's objects as stale): this save
+    fails with :class:`ConcurrentSaveError` and the other checkpoint is left whole, instead of
+    being replaced by metadata naming deleted objects.
 
     If the PUT fails, this save's data objects are deleted (best effort) and the error
     propagates; the previous checkpoint (its metadata and objects) is untouched.
     """
     try:
-        loc.put(METADATA_FILE, encoded)
+        loc.put(METADATA_FILE, encoded, if_match=base_etag)
     except BaseException:
         try:
             loc.delete(files)

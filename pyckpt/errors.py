@@ -16,6 +16,7 @@ __all__ = [
     "UnsupportedDtypeError",
     "ReplicaMismatchError",
     "ObjectStoreError",
+    "ConcurrentSaveError",
     "ExportNameCollisionError",
 ]
 
@@ -68,6 +69,13 @@ class ObjectStoreError(PyckptError, OSError):
     """An object-store request failed for a reason other than a missing object or bucket
     (``FileNotFoundError``) or refused credentials (``PermissionError``): e.g. the store is
     unreachable after the retries. ``filename`` is the object's or checkpoint's URL."""
+
+
+class ConcurrentSaveError(ObjectStoreError):
+    """Another save committed a checkpoint under the same object-store prefix while this one
+    ran (its metadata changed after this save began). This save is abandoned: its own objects
+    are deleted and nothing else is touched, so the other save's checkpoint stays loadable.
+    ``filename`` is the metadata object's URL."""
 
 
 class ExportNameCollisionError(PyckptError, ValueError):

@@ -167,6 +167,8 @@ class _Save:
     started: bool = False
     is_coordinator: bool = False
     lock: _DirLock | None = None
+    # Object stores: the ETag of the metadata this save replaces (None: none), for the commit.
+    base_etag: str | None | object = None
 
     def end(self) -> None:
         if self.lock is not None:
@@ -544,8 +546,9 @@ class Writer(StorageWriter):
         save = self._pending()
         save.started = True
         save.is_coordinator = is_coordinator
-        if _objstore.is_url(save.path):  # no lock: see docs/OBJECT_STORES.md
-            _objstore.set_up_save(self._location(save.path), is_coordinator, self.overwrite)
+        if _objstore.is_url(save.path):  # no lock: a conditional commit (docs/OBJECT_STORES.md)
+            save.base_etag = _objstore.set_up_save(self._location(save.path), is_coordinator,
+                                                   self.overwrite)
             return
         os.makedirs(save.path, exist_ok=True)
         if is_coordinator:
@@ -735,7 +738,7 @@ class Writer(StorageWriter):
         try:
             files, encoded = self._document(metadata, results, save)
             if _objstore.is_url(save.path):
-                _objstore.commit_save(self._location(save.path), files, encoded)
+                _objstore.commit_save(self._location(save.path), files, encoded, save.base_etag)
                 return
             fsync = self.fsync if self.fsync is not None else _knobs.fsync()
             meta = os.path.join(save.path, METADATA_FILE)

@@ -772,3 +772,62 @@ def test_shared_config_precedence(tmp_path: Any) -> None:
     assert _objstore.aws_shared_config(none) == {}
     with pytest.raises(ValueError, match="AWS profile 'p'"):
         _objstore.aws_shared_config({**none, "AWS_DEFAULT_PROFILE": "p"})
+
+
+# -- two saves into one prefix ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("previous", [True, False], ids=["over-a-checkpoint", "empty-prefix"])
+def test_concurrent_save_into_one_prefix_fails_cleanly(
+    s3: SeaweedServer, monkeypatch: pytest.MonkeyPatch, previous: bool
+) -> None:
+    """Save B has uploaded its data when save A, into the same prefix, commits and deletes
+    every data object not its own, B's among them. B's commit must then fail with
+    ConcurrentSaveError and leave A's checkpoint whole; an unconditional commit would replace
+    A's metadata with B's, which names the deleted objects, and lose both."""
+    from pyckpt.errors import ConcurrentSaveError
+
+    prefix = _prefix()
+    url = _url(prefix)
+    if previous:
+        pyckpt.save({"w": torch.full((64, 64), -1.0)}, url)
+    a = {"w": torch.randn(256, 256)}
+    real_commit = _objstore.commit_save
+    raced: list[bool] = []
+
+    def commit_after_a(*args: Any, **kwargs: Any) -> None:
+        if not raced:
+            raced.append(True)
+            pyckpt.save(a, url)  # A: set up, upload, commit, delete others' objects
+        real_commit(*args, **kwargs)
+
+    monkeypatch.setattr(_objstore, "commit_save", commit_after_a)
+    with pytest.raises(ConcurrentSaveError) as info:
+        pyckpt.save({"w": torch.randn(512, 256)}, url)  # B
+    monkeypatch.setattr(_objstore, "commit_save", real_commit)
+    assert raced and info.value.filename == f"{url}/pyckpt.json"
+    assert "another save committed" in str(info.value)
+    out = {"w": torch.zeros(256, 256)}
+    pyckpt.load(out, url)
+    assert torch.equal(out["w"], a["w"])
+    meta = s3.boto3().get_object(Bucket=BUCKET, Key=f"{prefix}/pyckpt.json")["Body"].read()
+    names = {k.rsplit("/", 1)[1] for k in s3.keys(BUCKET, prefix + "/")}
+    assert names == {"pyckpt.json", *json.loads(meta)["files"]}  # A's objects, nothing else
+    assert [k for k in s3.incomplete_uploads(BUCKET) if k.startswith(prefix)] == []
+
+
+def test_store_without_conditional_put_still_saves(
+    s3: SeaweedServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    """conditional_put="disabled" (a store that refuses If-Match): the commit falls back to a
+    plain PUT, with a warning that concurrent saves go undetected."""
+    url = _url(_prefix())
+    opts = {"conditional_put": "disabled"}
+    pyckpt.save({"w": torch.ones(8)}, url, storage_options=opts)
+    sd = {"w": torch.arange(8.0)}
+    with caplog.at_level("WARNING"):
+        pyckpt.save(sd, url, storage_options=opts)
+    assert "conditional PUT not supported" in caplog.text and url in caplog.text
+    out = {"w": torch.zeros(8)}
+    pyckpt.load(out, url)
+    assert torch.equal(out["w"], sd["w"])
