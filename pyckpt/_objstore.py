@@ -407,7 +407,11 @@ class Location:
 
 # Profile settings that obtain credentials by running or asking something, which pyckpt does not do.
 _INDIRECT_CREDENTIALS = ("credential_process", "role_arn", "sso_session", "sso_start_url",
-                         "web_identity_token_file", "credential_source", "source_profile")
+                         "web_identity_token_file", "source_profile")
+# Variables through which obstore obtains credentials itself (web identity, e.g. EKS IRSA; ECS).
+_ENV_CREDENTIAL_SOURCES = ("AWS_ACCESS_KEY_ID", "AWS_WEB_IDENTITY_TOKEN_FILE",
+                           "AWS_CONTAINER_CREDENTIALS_RELATIVE_URI",
+                           "AWS_CONTAINER_CREDENTIALS_FULL_URI")
 
 
 def _ini_section(path: str, section: str) -> dict[str, str] | None:
@@ -441,9 +445,11 @@ def aws_shared_config(environ: Mapping[str, str] | None = None,
     environment win over the files and the credentials file over the config file:
 
     - ``aws_access_key_id`` / ``aws_secret_access_key`` / ``aws_session_token``, unless
-      ``AWS_ACCESS_KEY_ID`` is set;
+      ``AWS_ACCESS_KEY_ID``, ``AWS_WEB_IDENTITY_TOKEN_FILE`` or an ECS container-credentials
+      variable is set (obstore then obtains the credentials itself);
     - ``region``, unless ``AWS_REGION`` or ``AWS_DEFAULT_REGION`` is set;
-    - ``endpoint_url``, unless ``AWS_ENDPOINT_URL`` or ``AWS_ENDPOINT`` is set.
+    - ``endpoint_url``, unless ``AWS_ENDPOINT_URL`` or ``AWS_ENDPOINT`` is set;
+      ``AWS_ENDPOINT_URL_S3`` (which obstore does not read) beats all of them.
 
     ``need_keys=False`` (the caller has keys or a credential provider) skips the keys.
 
@@ -464,14 +470,12 @@ def aws_shared_config(environ: Mapping[str, str] | None = None,
     conf = _ini_section(config_path, f"profile {profile}")
     if conf is None and profile == "default":
         conf = _ini_section(config_path, "default")
-    if creds is None and conf is None:
-        if explicit:
-            raise ValueError(f"AWS profile {profile!r} (AWS_PROFILE) is in neither {creds_path} "
-                             f"nor {config_path}")
-        return {}
+    if creds is None and conf is None and explicit:
+        raise ValueError(f"AWS profile {profile!r} (AWS_PROFILE) is in neither {creds_path} "
+                         f"nor {config_path}")
     creds, conf = creds or {}, conf or {}
     out: dict[str, str] = {}
-    if need_keys and not env.get("AWS_ACCESS_KEY_ID"):
+    if need_keys and not any(env.get(k) for k in _ENV_CREDENTIAL_SOURCES):
         keys = creds if creds.get("aws_access_key_id") else conf
         if keys.get("aws_access_key_id") and keys.get("aws_secret_access_key"):
             out["access_key_id"] = keys["aws_access_key_id"]
@@ -491,6 +495,8 @@ def aws_shared_config(environ: Mapping[str, str] | None = None,
         out["region"] = conf["region"]
     if not (env.get("AWS_ENDPOINT_URL") or env.get("AWS_ENDPOINT")) and conf.get("endpoint_url"):
         out["endpoint"] = conf["endpoint_url"]
+    if env.get("AWS_ENDPOINT_URL_S3"):  # the SDKs' S3-only endpoint beats the general one
+        out["endpoint"] = env["AWS_ENDPOINT_URL_S3"]
     return out
 
 

@@ -767,9 +767,16 @@ def test_shared_config_precedence(tmp_path: Any) -> None:
     assert _objstore.aws_shared_config(env)["access_key_id"] == "FK"
     env.update(AWS_ACCESS_KEY_ID="EK", AWS_DEFAULT_REGION="r", AWS_ENDPOINT_URL="http://x")
     assert _objstore.aws_shared_config(env) == {}  # the variables win, key by key
+    env.pop("AWS_ACCESS_KEY_ID")
+    env["AWS_WEB_IDENTITY_TOKEN_FILE"] = "/var/run/token"  # obstore's own source: no file keys
+    assert "access_key_id" not in _objstore.aws_shared_config(env)
     none = {"AWS_SHARED_CREDENTIALS_FILE": str(tmp_path / "no1"),
             "AWS_CONFIG_FILE": str(tmp_path / "no2")}
     assert _objstore.aws_shared_config(none) == {}
+    assert _objstore.aws_shared_config({**env, "AWS_ENDPOINT_URL_S3": "http://s3only"}) == {
+        "endpoint": "http://s3only"}
+    assert _objstore.aws_shared_config({**none, "AWS_ENDPOINT_URL_S3": "http://s3only"}) == {
+        "endpoint": "http://s3only"}
     with pytest.raises(ValueError, match="AWS profile 'p'"):
         _objstore.aws_shared_config({**none, "AWS_DEFAULT_PROFILE": "p"})
 
