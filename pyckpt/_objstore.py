@@ -972,7 +972,7 @@ def consolidate_staged(run: Callable[..., Any], src: str, dst: str, *, process_g
                        shared_filesystem: bool = True, batch_bytes: int | None = None,
                        **kwargs: Any) -> Any:
     """:func:`pyckpt.consolidate` with an ``s3://`` source and/or destination. Client settings
-    come from the ``AWS_*`` environment.
+    come from the ``AWS_*`` environment and the AWS shared files (:func:`aws_shared_config`).
 
     One process: a source pyckpt checkpoint is downloaded into a temp directory, the outputs
     are written into one and then uploaded (safetensors files as multipart objects, the index
