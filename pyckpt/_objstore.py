@@ -674,19 +674,42 @@ def commit_save(loc: Location, files: Mapping[str, int], encoded: bytes,
     fails with :class:`ConcurrentSaveError` and the other checkpoint is left whole, instead of
     being replaced by metadata naming deleted objects.
 
-    If the PUT fails, this save's data objects are deleted (best effort) and the error
-    propagates; the previous checkpoint (its metadata and objects) is untouched.
+    A PUT whose answer was lost may still have landed (and its retry then fails its own
+    condition), so a failed PUT is followed by a look at the stored metadata: if it is this
+    save's, the save has succeeded. If it is another's or absent, this save's data objects are
+    deleted (best effort) and the error propagates; the previous checkpoint (its metadata and
+    objects) is untouched. If the look fails too, the data objects are left for the next save
+    to delete, rather than risk deleting the objects of a committed checkpoint.
     """
     try:
         loc.put(METADATA_FILE, encoded, if_match=base_etag)
-    except BaseException:
-        try:
-            loc.delete(files)
-        except OSError:
-            pass
-        raise
+    except Exception:
+        landed = _stored_metadata_is(loc, encoded)
+        if not landed:
+            if landed is False:
+                try:
+                    loc.delete(files)
+                except OSError:
+                    pass
+            raise
+        logger.warning("pyckpt: %s: the metadata PUT reported a failure but the stored "
+                       "metadata is this save's: committed", loc.url_of(METADATA_FILE))
     stale = [n for n in loc.list_names() if _format.is_data_file(n) and n not in files]
     loc.delete(stale)
+
+
+def _stored_metadata_is(loc: Location, encoded: bytes) -> bool | None:
+    """Whether the stored metadata object is ``encoded`` (it holds the save id, so only this
+    save wrote those bytes); None when the store cannot tell."""
+    try:
+        size = loc.head(METADATA_FILE)
+        if size != len(encoded):
+            return False
+        return bytes(loc.get(METADATA_FILE, size)) == encoded
+    except FileNotFoundError:
+        return False
+    except Exception:
+        return None
 
 
 # -- read path ------------------------------------------------------------------------------

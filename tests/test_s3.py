@@ -838,3 +838,60 @@ def test_store_without_conditional_put_still_saves(
     out = {"w": torch.zeros(8)}
     pyckpt.load(out, url)
     assert torch.equal(out["w"], sd["w"])
+
+
+@pytest.mark.parametrize("previous", [True, False], ids=["over-a-checkpoint", "empty-prefix"])
+def test_metadata_put_that_landed_but_was_retried_is_a_success(
+    s3: SeaweedServer, monkeypatch: pytest.MonkeyPatch, previous: bool
+) -> None:
+    """A PUT whose answer is lost is retried; a conditional retry then fails its condition
+    against the save's own metadata. The save must report success and keep its objects (the
+    retry is made for real here: the same conditional PUT, sent twice to the server)."""
+    prefix = _prefix()
+    url = _url(prefix)
+    if previous:
+        pyckpt.save({"w": torch.full((64, 64), -1.0)}, url)
+    real_put = _objstore.Location.put
+    sent: list[str] = []
+
+    def put_twice(self: _objstore.Location, name: str, data: bytes, *args: Any,
+                  **kwargs: Any) -> None:
+        real_put(self, name, data, *args, **kwargs)
+        sent.append(name)
+        real_put(self, name, data, *args, **kwargs)  # the retry: fails its own condition
+
+    monkeypatch.setattr(_objstore.Location, "put", put_twice)
+    new = {"w": torch.randn(256, 256)}
+    pyckpt.save(new, url)
+    monkeypatch.setattr(_objstore.Location, "put", real_put)
+    assert sent == ["pyckpt.json"]
+    out = {"w": torch.zeros(256, 256)}
+    pyckpt.load(out, url)
+    assert torch.equal(out["w"], new["w"])
+    meta = s3.boto3().get_object(Bucket=BUCKET, Key=f"{prefix}/pyckpt.json")["Body"].read()
+    names = {k.rsplit("/", 1)[1] for k in s3.keys(BUCKET, prefix + "/")}
+    assert names == {"pyckpt.json", *json.loads(meta)["files"]}  # old objects cleaned up
+
+
+def test_metadata_put_failure_that_did_not_land_deletes_only_this_saves_objects(
+    s3: SeaweedServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    prefix = _prefix()
+    url = _url(prefix)
+    old = {"w": torch.full((64, 64), -1.0)}
+    pyckpt.save(old, url)
+    before = s3.keys(BUCKET, prefix + "/")
+
+    def refused(self: _objstore.Location, name: str, *args: Any, **kwargs: Any) -> None:
+        raise ObjectStoreError(5, "injected: the store answered 503 to every try",
+                               self.url_of(name))
+
+    real_put = _objstore.Location.put
+    monkeypatch.setattr(_objstore.Location, "put", refused)
+    with pytest.raises(ObjectStoreError, match="injected"):
+        pyckpt.save({"w": torch.randn(256, 256)}, url)
+    monkeypatch.setattr(_objstore.Location, "put", real_put)
+    assert s3.keys(BUCKET, prefix + "/") == before
+    out = {"w": torch.zeros(64, 64)}
+    pyckpt.load(out, url)
+    assert torch.equal(out["w"], old["w"])
