@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, cast
 
-from pyckpt import _C, _format
+from pyckpt import _C, _format, _s3_errors
 from pyckpt._format import METADATA_FILE
 from pyckpt.errors import CheckpointFormatError, ConcurrentSaveError, ObjectStoreError
 
@@ -255,25 +255,10 @@ class Location:
                 f"{_redact(str(e), self._secrets())}"
             ) from None
 
-    def error(self, e: BaseException, what: str, url: str | None = None) -> OSError:
-        """The typed error for a client failure ``e`` while doing ``what`` on ``url``:
-        FileNotFoundError, PermissionError or ObjectStoreError, ``filename`` the URL."""
-        from obstore import exceptions as ox
-
-        url = url or self.url
-        detail = " ".join(_redact(str(e), self._secrets()).split())
-        if len(detail) > 600:
-            detail = detail[:600] + "..."
-        msg = f"{what} {url} failed: {detail}"
-        # obstore raises the builtin FileNotFoundError / PermissionError for those statuses.
-        if isinstance(e, (ox.NotFoundError, FileNotFoundError)) or "NoSuchBucket" in detail:
-            return FileNotFoundError(errno.ENOENT, msg, url)
-        if isinstance(e, (ox.PermissionDeniedError, ox.UnauthenticatedError, PermissionError)) or any(
-            s in detail for s in ("AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch",
-                                  "403 Forbidden")
-        ):
-            return PermissionError(errno.EACCES, msg, url)
-        return ObjectStoreError(errno.EIO, msg, url)
+    def error(self, e: BaseException, what: str, url: str | None = None) -> Exception:
+        """The typed error for a client failure ``e`` while doing ``what`` on ``url``
+        (:func:`pyckpt._s3_errors.translate`: readable message, client detail as its cause)."""
+        return _s3_errors.translate(e, what, url or self.url, self._secrets())
 
     # -- operations ------------------------------------------------------------------------
 
@@ -294,7 +279,7 @@ class Location:
         except (CheckpointFormatError, ValueError):
             raise
         except Exception as e:
-            raise self.error(e, "HEAD", self.url_of(name)) from None
+            raise self.error(e, "HEAD", self.url_of(name)) from e
 
     def check_bucket(self) -> None:
         """Lists at most one key of the prefix: a missing bucket or refused credentials fail
@@ -308,7 +293,7 @@ class Location:
         except ValueError:
             raise
         except Exception as e:
-            raise self.error(e, "LIST", self.url) from None
+            raise self.error(e, "LIST", self.url) from e
 
     def list_names(self) -> dict[str, int]:
         """Objects directly under the prefix: name -> size."""
@@ -318,7 +303,7 @@ class Location:
         try:
             res = obstore.list_with_delimiter(self.store(), self.prefix or None)
         except Exception as e:
-            raise self.error(e, "LIST", self.url) from None
+            raise self.error(e, "LIST", self.url) from e
         for meta in res["objects"]:
             name = str(meta["path"]).rsplit("/", 1)[-1]
             out[name] = int(meta["size"])
@@ -361,7 +346,7 @@ class Location:
                 url,
             ) from None
         except Exception as e:
-            raise self.error(e, "PUT", url) from None
+            raise self.error(e, "PUT", url) from e
 
     def get(self, name: str, limit: int) -> bytes:
         """Object ``name`` (at most ``limit`` bytes, else CheckpointFormatError)."""
@@ -381,7 +366,7 @@ class Location:
         try:
             return bytes(obstore.get(self.store(), self.key(name)).bytes())
         except Exception as e:
-            raise self.error(e, "GET", self.url_of(name)) from None
+            raise self.error(e, "GET", self.url_of(name)) from e
 
     def get_range(self, name: str, start: int, end: int) -> Any:
         """Bytes [start, end) of object ``name`` (an ``obstore.Bytes``; buffer protocol)."""
@@ -390,7 +375,7 @@ class Location:
         try:
             return obstore.get_range(self.store(), self.key(name), start=start, end=end)
         except Exception as e:
-            raise self.error(e, f"GET bytes {start}-{end - 1} of", self.url_of(name)) from None
+            raise self.error(e, f"GET bytes {start}-{end - 1} of", self.url_of(name)) from e
 
     def delete(self, names: Iterable[str]) -> None:
         """Deletes objects (missing ones are fine)."""
@@ -402,7 +387,7 @@ class Location:
         try:
             obstore.delete(self.store(), keys)
         except Exception as e:
-            raise self.error(e, "DELETE", self.url) from None
+            raise self.error(e, "DELETE", self.url) from e
 
 
 # Profile settings that obtain credentials by running or asking something, which pyckpt does not do.
@@ -574,7 +559,7 @@ class DataUpload:
         try:
             self._writer.write(block)
         except Exception as e:
-            raise self.loc.error(e, "upload of", self.url) from None
+            raise self.loc.error(e, "upload of", self.url) from e
         self.parts += 1
         self.bytes_uploaded += len(block)
         if _after_part is not None:
@@ -601,7 +586,7 @@ class DataUpload:
         try:
             self._writer.close()
         except Exception as e:
-            raise self.loc.error(e, "completing upload of", self.url) from None
+            raise self.loc.error(e, "completing upload of", self.url) from e
         self.committed = True
 
     def abort(self) -> None:
@@ -956,9 +941,9 @@ def stage_checkpoint(loc: Location, directory: str,
         except OSError as e:
             if e.filename == url or isinstance(e, ObjectStoreError):
                 raise
-            raise loc.error(e, "GET", url) from None
+            raise loc.error(e, "GET", url) from e
         except Exception as e:
-            raise loc.error(e, "GET", url) from None
+            raise loc.error(e, "GET", url) from e
 
     names = list(index.files)
     if share is not None:
@@ -987,7 +972,7 @@ def upload_file(loc: Location, path: str, part_bytes: int = DEFAULT_PART_BYTES,
             obstore.put(loc.store(), key, pathlib.Path(path), chunk_size=part_bytes,
                         max_concurrency=DEFAULT_MAX_CONCURRENCY)
     except Exception as e:
-        raise loc.error(e, "upload of", url) from None
+        raise loc.error(e, "upload of", url) from e
     return url
 
 

@@ -11,7 +11,9 @@ about running in a single process).
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import io
+import logging
 import os
 import pickle
 import warnings
@@ -75,7 +77,9 @@ def _typed_errors() -> Iterator[None]:
     """Re-raises the original exception of the lowest failing rank instead of DCP's
     ``CheckpointException`` wrapper (a ``BaseException`` that hides the type): callers can catch
     ``FileNotFoundError``, :class:`pyckpt.ChecksumError`, ``OSError`` (disk full) and so on.
-    The wrapper, with every rank's failure, stays attached as ``__cause__``."""
+    The wrapper, with every rank's failure, stays attached as ``__cause__``; when the error has
+    a cause of its own (e.g. the object-store client's report), that cause is kept and the
+    wrapper is its ``__context__``."""
     try:
         yield
     except CheckpointException as wrapped:
@@ -86,14 +90,53 @@ def _typed_errors() -> Iterator[None]:
         original = first[0] if isinstance(first, tuple) else first
         if not isinstance(original, Exception):
             raise
+        if original.__cause__ is not None:
+            raise original  # noqa: B904 - keeps its own cause; ``wrapped`` becomes the context
         raise original from wrapped
 
 
+# DCP's load logs (on the root logger, with a traceback) that it "falls back to rank local
+# metadata" whenever the reader's read_metadata raises, then raises the reader's error anyway:
+# for a missing checkpoint the user would see a page of DCP internals before pyckpt's
+# FileNotFoundError. Records of these messages are dropped while pyckpt.load runs in this
+# thread (or task); DCP's own loads elsewhere keep them.
+_DCP_METADATA_NOISE = (
+    "Global metadata is not found. Falling back to rank local metadata.",
+    "Rank local metadata is not found.",
+)
+_quiet_metadata: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "pyckpt_quiet_metadata", default=False
+)
+
+
+class _DropMetadataNoise(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (_quiet_metadata.get() and record.msg in _DCP_METADATA_NOISE)
+
+
+_noise_filter = _DropMetadataNoise()
+
+
 @contextlib.contextmanager
-def _single_process_quiet() -> Iterator[None]:
+def _quiet_missing_metadata() -> Iterator[None]:
+    """Drops DCP's "metadata is not found" warnings (see above): the reader's own error, raised
+    right after, names the path and says what is missing."""
+    root = logging.getLogger()
+    if _noise_filter not in root.filters:
+        root.addFilter(_noise_filter)
+    token = _quiet_metadata.set(True)
+    try:
+        yield
+    finally:
+        _quiet_metadata.reset(token)
+
+
+@contextlib.contextmanager
+def _single_process_quiet(no_dist: bool = False) -> Iterator[None]:
     """Silences DCP's warning that it runs in one process: for these helpers that is a mode,
-    not an accident (e.g. loading a multi-rank checkpoint offline)."""
-    if dist.is_available() and dist.is_initialized():
+    not an accident (e.g. loading a multi-rank checkpoint offline). ``no_dist``: the caller
+    passes ``no_dist=True`` to DCP, so it is single-process even in a distributed job."""
+    if not no_dist and dist.is_available() and dist.is_initialized():
         yield
         return
     with warnings.catch_warnings():
@@ -193,7 +236,8 @@ def load(
     """
     reader_options = {"shared_filesystem": shared_filesystem, "process_group": process_group,
                       "storage_options": storage_options}
-    with _typed_errors(), Reader(path, **reader_options) as reader, _single_process_quiet():
+    with (_typed_errors(), Reader(path, **reader_options) as reader, _single_process_quiet(),
+          _quiet_missing_metadata()):
         dcp.load(
             state_dict, storage_reader=reader, planner=load_planner(trusted),
             process_group=process_group,

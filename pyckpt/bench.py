@@ -531,7 +531,8 @@ def add_arguments(ap: Any) -> None:
     ap.add_argument("--size-gib", type=float, default=2.0, help="llm workload size (GiB)")
     ap.add_argument("--methods", default=",".join(METHODS),
                     help=f"comma-separated subset of {','.join(METHODS)}")
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=3,
+                    help="runs of each method; the table shows their median [min-max]")
     ap.add_argument("--workdir", default=None, help="directory on the filesystem to measure")
     ap.add_argument("--json", default=None, help="also write the report as JSON here")
     ap.add_argument("--plot", default=None, metavar="FILE.png",

@@ -300,13 +300,28 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     return bench.run_cli(args)
 
 
+class _HelpFormatter(argparse.HelpFormatter):
+    """argparse's help, plus ``(default: X)`` after every option whose default is a value
+    (not None or a false flag, which would only read "default: None")."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help
+        if (text and "%(default)" not in text and action.option_strings
+                and action.default not in (None, False, argparse.SUPPRESS)):
+            text += " (default: %(default)s)"
+        return text
+
+
 def _build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="pyckpt", description="pyckpt checkpoint tools",
-        epilog="inspect, verify and convert also take s3://bucket/prefix URLs; the endpoint, "
-        "region and credentials come from the standard AWS_* environment variables "
+        prog="pyckpt", description="pyckpt checkpoint tools: inspect, verify, convert and export "
+        "checkpoints saved with pyckpt (and DCP's formats), and compare pyckpt with DCP.",
+        formatter_class=_HelpFormatter,
+        epilog="inspect, verify, convert and consolidate also take s3://bucket/prefix URLs; the "
+        "endpoint, region and credentials come from the standard AWS_* environment variables "
         "(AWS_ENDPOINT_URL, AWS_REGION, AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, "
-        "AWS_ALLOW_HTTP=true for http endpoints).")
+        "AWS_ALLOW_HTTP=true for http endpoints) or ~/.aws/credentials and ~/.aws/config. "
+        "Run 'pyckpt COMMAND --help' for a command's options.")
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument(
         "--debug", action="store_true", help="show the full traceback of an error"
@@ -314,13 +329,17 @@ def _build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     p = sub.add_parser(
         "consolidate",
-        parents=[common],
+        parents=[common], formatter_class=_HelpFormatter,
         help="export a sharded checkpoint to Hugging Face safetensors",
-        description="Export a sharded checkpoint (DCP HuggingFaceStorageWriter output) to "
-        "model-0000i-of-0000N.safetensors files plus model.safetensors.index.json.",
+        description="Export a sharded checkpoint to Hugging Face safetensors: "
+        "model-0000i-of-0000N.safetensors files plus model.safetensors.index.json. The input is "
+        "a pyckpt checkpoint (a directory or s3:// URL written by pyckpt.save or dcp.save with "
+        "pyckpt.Writer, any world size, compressed or not) or the sharded safetensors of DCP's "
+        "HuggingFaceStorageWriter.",
     )
-    p.add_argument("src", help="input: a pyckpt checkpoint or DCP sharded safetensors directory")
-    p.add_argument("dst", help="output directory (created if needed)")
+    p.add_argument("src", help="input: a pyckpt checkpoint (directory or s3:// URL) or a DCP "
+                   "sharded safetensors directory")
+    p.add_argument("dst", help="output directory or s3:// URL (created if needed)")
     p.add_argument("--workers", type=int, default=1, help="local worker processes (gloo group)")
     p.add_argument("--threads", type=int, default=None, help="copy threads per worker")
     p.add_argument(
@@ -349,48 +368,69 @@ def _build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_consolidate)
 
     p = sub.add_parser(
-        "inspect", parents=[common], help="summarise a pyckpt checkpoint (metadata only)")
+        "inspect", parents=[common], formatter_class=_HelpFormatter,
+        help="summarise a pyckpt checkpoint (metadata only)",
+        description="Summarise a pyckpt checkpoint from its metadata alone (no tensor data is "
+        "read): format version, tensors, raw and stored sizes, bytes by dtype, codec and rank, "
+        "and the largest tensors.")
     p.add_argument("path", help="checkpoint directory or s3:// URL")
     p.add_argument("--top", type=int, default=10, help="list the N largest tensors")
     p.set_defaults(func=_cmd_inspect)
 
     p = sub.add_parser(
-        "verify", parents=[common], help="read every chunk and check its checksum and encoding")
+        "verify", parents=[common], formatter_class=_HelpFormatter,
+        help="read every chunk and check its checksum and encoding",
+        description="Read every stored chunk of a pyckpt checkpoint and check its size, "
+        "checksum and zstd frames; lists each damaged item. Exit status 0 when every item is "
+        "intact, 2 when one is damaged, 1 on any other error.")
     p.add_argument("path", help="checkpoint directory or s3:// URL")
-    p.add_argument("--threads", type=int, default=None, help="reader threads")
+    p.add_argument("--threads", type=int, default=None,
+                   help="reader threads (default: PYCKPT_READ_THREADS or max(8, cores))")
     p.set_defaults(func=_cmd_verify)
 
     p = sub.add_parser(
-        "convert", parents=[common],
+        "convert", parents=[common], formatter_class=_HelpFormatter,
         help="convert between DCP FileSystemWriter and pyckpt checkpoints",
         description="Convert a checkpoint between DCP's FileSystemWriter format and pyckpt's "
         "(format detected from the source; the state is loaded into host memory once).",
     )
-    p.add_argument("src", help="source checkpoint directory")
-    p.add_argument("dst", help="destination directory")
-    p.add_argument("--to", choices=("pyckpt", "dcp"), default=None,
+    p.add_argument("src", help="source checkpoint directory (or s3:// URL of a pyckpt one)")
+    p.add_argument("dst", help="destination directory (or s3:// URL for --to pyckpt)")
+    p.add_argument("--to", choices=("pyckpt", "dcp"), default=None, type=str.lower,
                    help="target format (default: the other one)")
     p.add_argument(
         "--trusted", action="store_true",
         help="unpickle non-tensor values with torch.load(weights_only=False), which runs any "
         "code a crafted pickle holds: only for checkpoints from a trusted source",
     )
-    p.add_argument("--compression", choices=("zstd", "none"), default="zstd",
+    p.add_argument("--compression", choices=("zstd", "none"), default="zstd", type=str.lower,
                    help="compression of a pyckpt target")
     p.set_defaults(func=_cmd_convert)
 
     from pyckpt import bench
 
     p = sub.add_parser(
-        "bench", parents=[common], help="compare pyckpt with DCP on one workload, same run")
+        "bench", parents=[common], formatter_class=_HelpFormatter,
+        help="compare pyckpt with DCP on one workload, same run",
+        description="Save and load one workload with pyckpt and with DCP's own writers and "
+        "readers in the same run, on the filesystem of --workdir, and print a table of times, "
+        "throughputs and sizes (medians over --repeats) with a bit-exactness check of every "
+        "load. Exit status 1 when a load is not bit-exact.")
     bench.add_arguments(p)
     p.set_defaults(func=_cmd_bench)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of the ``pyckpt`` script; returns the exit status."""
-    args = _build_parser().parse_args(argv)
+    """Entry point of the ``pyckpt`` script; returns the exit status.
+
+    With no arguments it prints the help (the list of commands) to stderr and returns 2,
+    argparse's status for a usage error (a command is required)."""
+    parser = _build_parser()
+    if not (sys.argv[1:] if argv is None else argv):
+        parser.print_help(sys.stderr)
+        return 2
+    args = parser.parse_args(argv)
     from pyckpt.errors import PyckptError
 
     try:

@@ -7,7 +7,11 @@ OS-level failures surface as the builtin :class:`OSError` subclasses (``FileNotF
 
 from __future__ import annotations
 
+import sys
+from typing import TypeVar, overload
+
 __all__ = [
+    "find_error",
     "PyckptError",
     "CheckpointFormatError",
     "ChecksumError",
@@ -16,6 +20,7 @@ __all__ = [
     "UnsupportedDtypeError",
     "ReplicaMismatchError",
     "ObjectStoreError",
+    "NoCredentialsError",
     "ConcurrentSaveError",
     "ExportNameCollisionError",
 ]
@@ -71,6 +76,13 @@ class ObjectStoreError(PyckptError, OSError):
     unreachable after the retries. ``filename`` is the object's or checkpoint's URL."""
 
 
+class NoCredentialsError(PyckptError, PermissionError):
+    """No credentials for an object store were found: none in the ``AWS_*`` environment
+    variables, the AWS shared files (``~/.aws/credentials``, ``~/.aws/config``) or
+    ``storage_options``, and the EC2 instance metadata service provided none. The message says
+    how to provide them. A ``PermissionError``; ``filename`` is the URL."""
+
+
 class ConcurrentSaveError(ObjectStoreError):
     """Another save committed a checkpoint under the same object-store prefix while this one
     ran (its metadata changed after this save began). This save is abandoned: its own objects
@@ -97,3 +109,75 @@ class ExportNameCollisionError(PyckptError, ValueError):
     def __reduce__(self) -> tuple[type[ExportNameCollisionError], tuple[str, tuple[str, ...]]]:
         # Pickled to reach every rank of a consolidation: keep the attributes.
         return type(self), (self.name, self.sources)
+
+
+_E = TypeVar("_E", bound=BaseException)
+
+
+def _dcp_failures(exc: BaseException) -> list[BaseException]:
+    """The per-rank exceptions inside DCP's ``CheckpointException``, lowest rank first; empty
+    for any other exception. (DCP is not imported here: if its module is not loaded, ``exc``
+    cannot be one of its exceptions.)"""
+    api = sys.modules.get("torch.distributed.checkpoint.api")
+    wrapper = getattr(api, "CheckpointException", None) if api is not None else None
+    if wrapper is None or not isinstance(exc, wrapper):
+        return []
+    failures = getattr(exc, "failures", None) or {}
+    out = []
+    for rank in sorted(failures):
+        failure = failures[rank]
+        original = failure[0] if isinstance(failure, tuple) else failure
+        if isinstance(original, BaseException):
+            out.append(original)
+    return out
+
+
+@overload
+def find_error(exc: BaseException) -> Exception | None: ...
+@overload
+def find_error(exc: BaseException, error_type: type[_E] | tuple[type[_E], ...]) -> _E | None: ...
+
+
+def find_error(
+    exc: BaseException, error_type: type[BaseException] | tuple[type[BaseException], ...] = Exception
+) -> BaseException | None:
+    """The first exception of ``error_type`` in ``exc``, or None.
+
+    ``dcp.save``, ``dcp.load`` and ``dcp.async_save`` (its future's ``result()``) deliver the
+    errors pyckpt raises on any rank inside DCP's ``CheckpointException``, a
+    ``BaseException`` that ``except Exception`` does not catch and whose type says nothing
+    about the failure. This looks, in order, at ``exc`` itself, then into DCP's wrapper (every
+    failed rank, lowest rank first) and along the ``__cause__`` / ``__context__`` chains of
+    each, so one call finds a pyckpt error whether it came through DCP, through
+    :func:`pyckpt.save` (which already re-raises the lowest rank's error) or through a
+    framework that re-raised it::
+
+        try:
+            dcp.save(sd, storage_writer=pyckpt.Writer(path, overwrite=False))
+        except BaseException as e:
+            if pyckpt.find_error(e, FileExistsError) is None:
+                raise  # anything else, KeyboardInterrupt included, goes on
+            print("step already saved")
+
+    Args:
+        exc: the caught exception.
+        error_type: a class or tuple of classes, as for ``isinstance`` (default ``Exception``:
+            the first ordinary exception, i.e. the original error inside DCP's wrapper).
+
+    Returns:
+        The exception found (the object raised on the failing rank, with its attributes, e.g.
+        ``filename``), or None.
+    """
+    seen: set[int] = set()
+    todo = [exc]
+    while todo:
+        e = todo.pop(0)
+        if id(e) in seen:
+            continue
+        seen.add(id(e))
+        inner = _dcp_failures(e)
+        if isinstance(e, error_type) and not inner:
+            return e
+        todo[:0] = inner  # a wrapper's contents come before what wrapped it
+        todo.extend(x for x in (e.__cause__, e.__context__) if x is not None)
+    return None

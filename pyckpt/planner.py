@@ -58,6 +58,7 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import SavePlan, WriteItem, WriteItemType
 
 from pyckpt import _C, _knobs
+from pyckpt._options import choice
 from pyckpt.errors import ReplicaMismatchError
 
 __all__ = [
@@ -779,6 +780,9 @@ class SavePlanner(DefaultSavePlanner):
                 f"split_alignment must be a positive multiple of 16, got {split_alignment}"
             )
         mode: Literal[False] | CheckMode
+        if isinstance(check_replicas, str):  # any case (pyckpt._options)
+            check_replicas = cast(CheckMode, choice("check_replicas", check_replicas,
+                                                    ("sample", "full")))
         if check_replicas is True or check_replicas == "sample":
             mode = "sample"
         elif check_replicas is False or check_replicas == "full":

@@ -50,7 +50,7 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
 from torch.futures import Future
 
-from pyckpt import _C, _format, _knobs, _objstore, _peer
+from pyckpt import _C, _format, _knobs, _objstore, _options, _peer
 from pyckpt._collective import group_info
 from pyckpt._format import DTYPE_SIZES, METADATA_FILE
 from pyckpt._staging import DeviceStaging, block_bytes_for, is_device_tensor
@@ -271,7 +271,7 @@ class Writer(StorageWriter):
     Args:
         path: checkpoint directory (created if missing) or object-store URL
             (``s3://bucket/prefix``). ``dcp.save(checkpoint_id=...)`` overrides it.
-        compression: ``None`` (store raw) or ``"zstd"``.
+        compression: ``None`` or ``"none"`` (store raw), or ``"zstd"`` (any case).
         level: zstd level (default ``PYCKPT_ZSTD_LEVEL`` or 1).
         byte_grouping: with zstd, split elements into byte planes (and rotate bf16/fp32 so the
             exponent fills one plane); near-random planes are stored raw.
@@ -368,10 +368,8 @@ class Writer(StorageWriter):
     ) -> None:
         super().__init__()
         _check_pinned_pool_bytes(pinned_pool_bytes)
-        if compression not in (None, "none", "zstd"):
-            raise ValueError(f"unknown compression {compression!r}; expected None or 'zstd'")
-        if direct_io not in (None, "auto", "on", "off"):
-            raise ValueError(f"direct_io must be 'auto', 'on' or 'off', got {direct_io!r}")
+        compression = _options.compression(compression)  # any case; lists every value
+        direct_io = _options.direct_io(direct_io)
         if chunk_bytes is not None and (
             chunk_bytes < 4096 or chunk_bytes % 4096 or chunk_bytes > _format.MAX_CHUNK_BYTES
         ):
@@ -380,7 +378,7 @@ class Writer(StorageWriter):
                 f"got {chunk_bytes}"
             )
         self.path = os.fspath(path)
-        self.compression = None if compression == "none" else compression
+        self.compression = compression
         self.level = level
         self.byte_grouping = byte_grouping
         self.raw_threshold = raw_threshold
@@ -876,9 +874,9 @@ class Reader(StorageReader):
         self.pinned_pool_bytes = pinned_pool_bytes
         self.storage_options = dict(storage_options or {})
         self._fetcher: _objstore.Fetcher | None = None
-        if isinstance(shared_filesystem, str) and shared_filesystem != "auto":
-            raise ValueError(f"shared_filesystem must be True, False or 'auto', "
-                             f"got {shared_filesystem!r}")
+        if isinstance(shared_filesystem, str):  # "auto", any case; other strings refused
+            shared_filesystem = cast(Literal["auto"], _options.choice(
+                "shared_filesystem", shared_filesystem, ("auto",)))
         self.shared_filesystem: bool | Literal["auto"] = (
             "auto" if shared_filesystem == "auto" else bool(shared_filesystem)
         )

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pyckpt import _C, _format, _knobs
+from pyckpt._options import choice
 from pyckpt.errors import PyckptError
 
 __all__ = [
@@ -253,21 +254,20 @@ def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], *,
         src_fmt, reader = "dcp", dcp.FileSystemReader(src_s)
     else:
         raise FileNotFoundError(2, "no pyckpt.json or DCP .metadata: not a checkpoint", src_s)
-    target = to or ("dcp" if src_fmt == "pyckpt" else "pyckpt")
-    if target not in ("pyckpt", "dcp"):
-        raise ValueError(f"unknown target format {target!r}; expected 'pyckpt' or 'dcp'")
+    target = str(choice("to", to, ("pyckpt", "dcp"))) if to else (
+        "dcp" if src_fmt == "pyckpt" else "pyckpt")
     if _objstore.is_url(os.fspath(dst)) and target == "dcp":  # is_url refuses gs:// etc. now
         raise ValueError("converting to DCP's format writes a local directory, not an "
                          f"object-store URL ({os.fspath(dst)!r})")
     sd = _empty_state_dict(reader.read_metadata())
     reader.reset()
-    from pyckpt.api import _typed_errors, load_planner
+    from pyckpt.api import _single_process_quiet, _typed_errors, load_planner
 
-    with _typed_errors():
+    with _typed_errors(), _single_process_quiet(no_dist=True):  # one process by design
         dcp.load(sd, storage_reader=reader, planner=load_planner(trusted), no_dist=True)
-    if target == "pyckpt":
-        with Writer(dst, compression=compression) as w:
-            dcp.save(sd, storage_writer=w, no_dist=True)
-    else:
-        dcp.save(sd, storage_writer=dcp.FileSystemWriter(dst), no_dist=True)
+        if target == "pyckpt":
+            with Writer(dst, compression=compression) as w:
+                dcp.save(sd, storage_writer=w, no_dist=True)
+        else:
+            dcp.save(sd, storage_writer=dcp.FileSystemWriter(dst), no_dist=True)
     return target

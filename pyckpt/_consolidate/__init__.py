@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, cast
 
-from pyckpt import _C, _export, _knobs
+from pyckpt import _C, _export, _knobs, _options
 from pyckpt._collective import Group, agree, group_info
 from pyckpt._consolidate.nodelocal import DEFAULT_BATCH_BYTES, run_share_nodelocal
 from pyckpt._consolidate.plan import INDEX_NAME, _Plan, make_plan
@@ -256,9 +256,8 @@ def consolidate(
     if nthreads < 1:
         raise ValueError(f"threads must be >= 1, got {threads}")
     do_fsync = _knobs.fsync() if fsync is None else bool(fsync)
-    mode = _knobs.consolidate_input() if input_mode is None else str(input_mode)
-    if mode not in _INPUT_MODES:
-        raise ValueError(f"input_mode must be one of {', '.join(_INPUT_MODES)}, got {input_mode!r}")
+    mode = _knobs.consolidate_input() if input_mode is None else str(
+        _options.choice("input_mode", input_mode, _INPUT_MODES))
 
     spec = _export.make_spec(select, strip_prefix, rename, dtype, dedup_tied)
 
