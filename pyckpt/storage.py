@@ -50,7 +50,7 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
 from torch.futures import Future
 
-from pyckpt import _C, _format, _knobs, _objstore, _options, _peer
+from pyckpt import _C, _format, _knobs, _objstore, _options, _paths, _peer
 from pyckpt._collective import group_info
 from pyckpt._format import DTYPE_SIZES, METADATA_FILE
 from pyckpt._staging import DeviceStaging, block_bytes_for, is_device_tensor
@@ -548,7 +548,7 @@ class Writer(StorageWriter):
             save.base_etag = _objstore.set_up_save(self._location(save.path), is_coordinator,
                                                    self.overwrite)
             return
-        os.makedirs(save.path, exist_ok=True)
+        _paths.make_dir(save.path)  # names a regular file in the way
         if is_coordinator:
             save.lock = _DirLock(save.path)
             meta = os.path.join(save.path, METADATA_FILE)

@@ -16,7 +16,7 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from pyckpt import _C
+from pyckpt import _C, _paths
 from pyckpt._consolidate.plan import INDEX_NAME, _byte_geometry, _OutFile, _Plan
 from pyckpt._consolidate.scan import _Tensor
 from pyckpt.errors import PyckptError, UnsupportedDtypeError
@@ -34,7 +34,7 @@ ProgressFn = Callable[[int, int], None]
 def create_outputs(plan: _Plan, dst: str, indices: Sequence[int] | None = None) -> None:
     """Creates the temp files (default: all) with their headers and final sizes, before any
     write (rank 0; with node-local outputs, each writing rank its own files)."""
-    os.makedirs(dst, exist_ok=True)
+    _paths.make_dir(dst, "the exported safetensors")
     created = []
     try:
         for f in _subset(plan, indices):
