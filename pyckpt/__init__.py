@@ -6,6 +6,7 @@ Public API (torch-dependent names are imported lazily, so ``import pyckpt`` stay
 * :class:`SavePlanner` -- DCP save planner that spreads replicated state over ranks by bytes.
 * :func:`save` / :func:`load` -- one-line conveniences using the above.
 * :func:`consolidate` -- rank-partitioned export to Hugging Face safetensors.
+* :func:`find_error` -- pyckpt's error inside DCP's ``CheckpointException`` wrapper.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from pyckpt.errors import (
     PyckptError,
     ReplicaMismatchError,
     UnsupportedDtypeError,
+    find_error,
 )
 
 __all__ = [
@@ -46,6 +48,7 @@ __all__ = [
     "ExportNameCollisionError",
     "ReplicaMismatchError",
     "UnsupportedDtypeError",
+    "find_error",
 ]
 
 _LAZY = {

@@ -82,11 +82,19 @@ def _quoted_reason(debug: str) -> str | None:
 
 
 def _attempts(text: str) -> str:
+    """`` (after 3 retries, 12.4 s)`` from the client's summary, or ``""``."""
     m = _RETRIES.search(text.split(_DEBUG, 1)[0])
     if m is None:
         return ""
+    num = re.match(r"[0-9.]+", m.group("elapsed"))
+    unit = m.group("elapsed")[num.end():] if num else ""
+    scale = {"s": 1.0, "ms": 1e-3, "µs": 1e-6, "us": 1e-6, "ns": 1e-9}.get(unit)
+    secs = float(num.group()) * scale if num and scale is not None else None
+    elapsed = m.group("elapsed") if secs is None else (
+        f"{secs:.1f} s" if secs >= 1 else f"{secs * 1e3:.0f} ms")
     n = m.group("n")
-    return f" ({'after ' + n + ' retries, ' if n else ''}{m.group('elapsed')})"
+    tries = "" if not n else f"after {n} retr{'y' if n == '1' else 'ies'}, "
+    return f" ({tries}{elapsed})"
 
 
 def _is_imds(url: str) -> bool:
