@@ -341,9 +341,12 @@ def _build_parser() -> argparse.ArgumentParser:
                    "sharded safetensors directory")
     p.add_argument("dst", help="output directory or s3:// URL (created if needed)")
     p.add_argument("--workers", type=int, default=1, help="local worker processes (gloo group)")
-    p.add_argument("--threads", type=int, default=None, help="copy threads per worker")
+    p.add_argument("--threads", type=int, default=None,
+                   help="copy threads per worker (default: PYCKPT_NUM_THREADS or min(8, cores); "
+                   "with --workers N: cores / N)")
     p.add_argument(
-        "--max-file-bytes", type=int, default=None, help="start a new output file past this size"
+        "--max-file-bytes", type=int, default=None,
+        help="start a new output file past this size (default: one output file)"
     )
     p.add_argument("--no-fsync", action="store_true", help="do not fsync the outputs")
     p.add_argument("--quiet", action="store_true", help="no progress bar or summary")

@@ -270,3 +270,54 @@ def test_urls_of_other_schemes_exit_1_naming_them(
     assert f"pyckpt {cmd[0]}: error: " in err and "unsupported URL scheme 'gs'" in err
     assert "gs://bucket/" in err
     assert sorted(os.listdir(tmp_path)) == before
+
+
+# ------------------------------------------------------------------------------ help
+
+
+def test_no_arguments_prints_the_commands() -> None:
+    out = _cli()
+    assert out.returncode == 2 and out.stdout == ""
+    assert out.stderr.startswith("usage: pyckpt")
+    for cmd in ("consolidate", "inspect", "verify", "convert", "bench"):
+        assert f"\n    {cmd}" in out.stderr, cmd
+    # The top help says which commands take URLs, consolidate included.
+    assert "inspect, verify, convert and consolidate also take s3://" in " ".join(
+        out.stderr.split())
+
+
+def _help(*argv: str, capsys: pytest.CaptureFixture[str]) -> str:
+    with pytest.raises(SystemExit) as info:
+        main([*argv, "--help"])
+    assert info.value.code == 0
+    return " ".join(capsys.readouterr().out.split())  # one line: argparse wraps to the terminal
+
+
+def test_command_help_describes_and_shows_defaults(capsys: pytest.CaptureFixture[str]) -> None:
+    text = _help("consolidate", capsys=capsys)
+    assert "The input is a pyckpt checkpoint" in text
+    assert "--workers WORKERS local worker processes (gloo group) (default: 1)" in text
+    assert "(default: None)" not in text and "(default: False)" not in text
+    for cmd, words in (("inspect", "from its metadata alone"),
+                       ("verify", "Read every stored chunk"),
+                       ("bench", "in the same run")):
+        text = _help(cmd, capsys=capsys)
+        assert words in text, cmd
+    text = _help("bench", capsys=capsys)
+    assert "--repeats REPEATS runs of each method" in text and "(default: 3)" in text
+    text = _help("convert", capsys=capsys)
+    assert "compression of a pyckpt target (default: zstd)" in text
+
+
+def test_convert_prints_no_dcp_warning(ckpt: Path, tmp_path: Path) -> None:
+    # In a fresh process with Python's default warning filters (not pytest's, nor _cli's).
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONWARNINGS"}
+    for argv in (["convert", str(ckpt), str(tmp_path / "dcp")],
+                 ["convert", str(tmp_path / "dcp"), str(tmp_path / "back"), "--compression",
+                  "ZSTD"]):
+        out = subprocess.run([sys.executable, "-m", "pyckpt", *argv], capture_output=True,
+                             text=True, timeout=300, env=env)
+        assert out.returncode == 0, out.stderr
+        assert out.stderr == ""  # DCP's "torch.distributed is disabled" warning: not once
+        assert out.stdout.startswith(f"converted {argv[1]} -> {argv[2]} (")
+    assert "zstd" in _cli("inspect", str(tmp_path / "back")).stdout
