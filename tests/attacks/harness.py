@@ -6,7 +6,10 @@ worker ROOT TASK...``) that import torch once and run many tasks in a row, each:
 * under an address-space limit (``RLIMIT_AS``, default 4 GiB: a reader that trusts a size from
   the file and allocates it fails here instead of swapping the machine),
 * with a per-task deadline enforced by the parent: a task that overruns it is a *hang*; the
-  worker is killed and a fresh one resumes with the next task,
+  worker is killed and a fresh one resumes with the next task. Deadlines measure a hang, not
+  how busy the machine is (see :class:`_Progress`): a task hangs when the worker used no CPU
+  time for ``timeout`` seconds (blocked: a FIFO, a sleep, a deadlock) or spent ``timeout``
+  seconds of CPU on it (spinning); a machine so loaded that the task only crawls is neither,
 * with inotify watches on the case directory and its ``outside/``: any open, read, write or
   creation there (other than in the case's own ``ckpt/`` and ``out/``) is recorded (each case
   has its own ``outside/``, so parallel workers never see each other's accesses),
@@ -42,7 +45,8 @@ import time
 from collections.abc import Iterable
 from typing import Any
 
-__all__ = ["run_tasks", "tasks_for", "default_timeout", "default_as_limit", "under_sanitizer"]
+__all__ = ["run_tasks", "tasks_for", "default_timeout", "default_startup_idle", "default_as_limit",
+           "under_sanitizer"]
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 if _HERE not in sys.path:  # the generator is imported as a sibling module by the workers too
@@ -51,8 +55,16 @@ if _HERE not in sys.path:  # the generator is imported as a sibling module by th
 
 def default_timeout() -> float:
     """Per-task deadline in seconds (``PYCKPT_ATTACK_TIMEOUT``, default 20: every task takes well
-    under a second on a quiet machine; the margin is for a machine shared with other jobs)."""
+    under a second of CPU on a quiet machine). It bounds the worker's idle time and its CPU time
+    on the task, not the wall-clock time (see :class:`_Progress`)."""
     return float(os.environ.get("PYCKPT_ATTACK_TIMEOUT", "20"))
+
+
+def default_startup_idle(timeout: float) -> float:
+    """How long a starting worker may use no CPU at all before it counts as stuck (seconds):
+    ``max(120, 4 * timeout)``. Importing torch reads hundreds of files; a cold disk shared
+    with other jobs can keep it waiting, but not for minutes without a single CPU tick."""
+    return max(120.0, 4 * timeout)
 
 
 def under_sanitizer() -> bool:
@@ -250,10 +262,23 @@ def _run_st_header(ckpt: str) -> tuple[str, str]:
     return "ok", ""
 
 
+def _crawl(seconds: float) -> None:
+    """Works slowly for ``seconds`` of wall-clock time, as on a machine shared with many
+    jobs: short bursts of CPU with pauses between them (the process always makes progress)."""
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        burst = time.process_time() + 0.02
+        while time.process_time() < burst:
+            pass
+        time.sleep(0.1)
+
+
 def _selftest(what: str, outside: str) -> tuple[str, str]:
     """Misbehaving operations that prove the harness detects each failure (test_attacks.py)."""
     if what == "hang":
         time.sleep(3600)
+    elif what == "slow":
+        _crawl(12.0)
     elif what == "crash":
         os.abort()
     elif what == "segv":
@@ -317,6 +342,12 @@ def _run_task(root: str, case: str, op: str) -> dict[str, Any]:
 
 
 def _worker(root: str, tasks: list[str]) -> int:
+    # Test hook (test_attacks.py): a start-up that crawls ("slow:SECONDS") or is stuck.
+    start_test = os.environ.get("PYCKPT_ATTACK_SELFTEST_START", "")
+    if start_test.startswith("slow:"):
+        _crawl(float(start_test[5:]))
+    elif start_test == "stuck":
+        time.sleep(3600)
     limit = default_as_limit()
     if limit:
         import resource
@@ -338,6 +369,55 @@ def _worker(root: str, tasks: list[str]) -> int:
 
 
 # ------------------------------------------------------------------------------------ parent
+
+_CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+
+def _cpu_seconds(pid: int) -> float | None:
+    """CPU time (user + system, all threads, plus waited-for children) of process ``pid``, or
+    None once it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read().decode("ascii", "replace")
+    except OSError:
+        return None
+    fields = stat[stat.rindex(")") + 2 :].split()  # after "pid (comm) "; comm may hold spaces
+    # fields[0] is the state (field 3 of proc(5)): utime..cstime are fields 14..17.
+    return sum(int(x) for x in fields[11:15]) / _CLK_TCK
+
+
+class _Progress:
+    """Whether a worker process is making progress on its current phase (start-up or a task).
+
+    On a loaded machine a working process runs less often, but it runs: its CPU time keeps
+    growing. A process that is *stuck* (blocked on a FIFO, sleeping, deadlocked) uses no CPU
+    at all; one that *spins* uses CPU without end. So a phase fails when the process used no
+    CPU for ``idle_s`` seconds, or more than ``cpu_s`` CPU seconds; wall-clock time alone, which
+    is what a busy machine stretches, only fails it past ``wall_s`` (a last resort for a
+    process that wakes up now and then forever).
+    """
+
+    def __init__(self, pid: int, idle_s: float, cpu_s: float, wall_s: float) -> None:
+        self.pid, self.idle_s, self.cpu_s, self.wall_s = pid, idle_s, cpu_s, wall_s
+        self.start = self.last_busy = time.monotonic()
+        self.cpu0 = self.cpu_last = _cpu_seconds(pid) or 0.0
+
+    def failure(self) -> str | None:
+        """Why the phase failed (a sentence), or None while it may go on."""
+        now = time.monotonic()
+        cpu = _cpu_seconds(self.pid)
+        if cpu is None:
+            return None  # exited: the caller sees EOF and classifies the exit
+        if cpu > self.cpu_last:
+            self.cpu_last, self.last_busy = cpu, now
+        if now - self.last_busy > self.idle_s:
+            return f"no progress: no CPU time used for {self.idle_s:g} s"
+        if cpu - self.cpu0 > self.cpu_s:
+            return f"no result after {self.cpu_s:g} s of CPU time"
+        if now - self.start > self.wall_s:
+            return f"no result within {self.wall_s:g} s"
+        return None
+
 
 
 def tasks_for(root: str) -> list[tuple[str, str]]:
@@ -386,21 +466,35 @@ def _kill(p: subprocess.Popen[bytes]) -> None:
 class _Chain:
     """One worker at a time over a list of tasks, restarted after a hang or crash."""
 
-    def __init__(self, root: str, tasks: list[tuple[str, str]], timeout: float) -> None:
+    def __init__(self, root: str, tasks: list[tuple[str, str]], timeout: float,
+                 startup_idle: float | None = None) -> None:
         self.root, self.todo, self.timeout = root, list(tasks), timeout
+        self.startup_idle = default_startup_idle(timeout) if startup_idle is None else startup_idle
         self.results: dict[tuple[str, str], dict[str, Any]] = {}
         self.proc: subprocess.Popen[bytes] | None = None
         self.current: tuple[str, str] | None = None
-        self.deadline = 0.0
+        self.progress: _Progress | None = None
+        self.ready = False
         self.buf = ""
         self.restarts = 0
 
     def start(self) -> None:
         self.proc = _spawn(self.root, self.todo)
         self.current = None
+        self.ready = False
         self.buf = ""
-        self.deadline = time.monotonic() + max(120.0, 4 * self.timeout)  # startup: torch import
+        # Start-up (importing torch and pyckpt) may crawl on a busy machine: only a worker that
+        # stops using CPU altogether fails it (no CPU or wall bound short enough to be met by
+        # a slow machine).
+        self.progress = _Progress(self.proc.pid, self.startup_idle,
+                                  cpu_s=max(600.0, 10 * self.timeout),
+                                  wall_s=max(3600.0, 60 * self.timeout))
         os.set_blocking(self.proc.stdout.fileno(), False)  # type: ignore[union-attr]
+
+    def _task_clock(self) -> None:
+        assert self.proc is not None
+        self.progress = _Progress(self.proc.pid, self.timeout, cpu_s=self.timeout,
+                                  wall_s=30 * self.timeout)
 
     @property
     def done(self) -> bool:
@@ -418,11 +512,12 @@ class _Chain:
 
     def _line(self, line: str) -> None:
         if line.startswith("READY"):
-            self.deadline = time.monotonic() + self.timeout
+            self.ready = True
+            self._task_clock()
         elif line.startswith("START "):
             c, o = line[6:].split(":", 1)
             self.current = (c, o)
-            self.deadline = time.monotonic() + self.timeout
+            self._task_clock()
         elif line.startswith("RESULT "):
             res = json.loads(line[7:])
             task = (res["case"], res["op"])
@@ -455,19 +550,31 @@ class _Chain:
                 if self.todo:
                     self.start()
             return
-        if time.monotonic() > self.deadline:
+        assert self.progress is not None
+        why = self.progress.failure()
+        if why is not None:
             _kill(self.proc)
             self.proc = None
-            if self.current is None:
-                raise RuntimeError("attack worker did not start in time")
-            self._fail_current("hang", f"no result within {self.timeout:g} s")
+            if not self.ready:
+                raise RuntimeError(f"attack worker did not start: {why}")
+            self._fail_current("hang", why)
             if self.todo:
                 self.start()
 
 
 def run_tasks(root: str, tasks: list[tuple[str, str]], *, timeout: float | None = None,
-              jobs: int | None = None) -> dict[tuple[str, str], dict[str, Any]]:
-    """Runs ``tasks`` in ``jobs`` parallel worker chains; returns results by task."""
+              jobs: int | None = None, startup_idle: float | None = None,
+              ) -> dict[tuple[str, str], dict[str, Any]]:
+    """Runs ``tasks`` in ``jobs`` parallel worker chains; returns results by task.
+
+    Args:
+        timeout: per-task bound on idle time and on CPU time (default :func:`default_timeout`).
+        startup_idle: how long a starting worker may use no CPU (default
+            :func:`default_startup_idle`).
+
+    Raises:
+        RuntimeError: a worker failed to start, or stopped making progress before it was ready.
+    """
     timeout = default_timeout() if timeout is None else timeout
     jobs = jobs or int(os.environ.get("PYCKPT_ATTACK_JOBS", "0")) or min(2, os.cpu_count() or 1)
     # Whole cases go to one chain (so a case's ops share one corpus directory sequentially).
@@ -477,7 +584,7 @@ def run_tasks(root: str, tasks: list[tuple[str, str]], *, timeout: float | None 
     shares: list[list[tuple[str, str]]] = [[] for _ in range(jobs)]
     for i, name in enumerate(sorted(by_case)):
         shares[i % jobs].extend(by_case[name])
-    chains = [_Chain(root, s, timeout) for s in shares if s]
+    chains = [_Chain(root, s, timeout, startup_idle) for s in shares if s]
     try:
         for ch in chains:
             ch.start()
