@@ -10,12 +10,23 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["choice", "compression", "direct_io"]
+__all__ = ["canonical", "choice", "compression", "direct_io"]
 
 
 def _listing(accepted: Sequence[str], none_ok: bool) -> str:
     values = (["None"] if none_ok else []) + [repr(a) for a in accepted]
     return values[0] if len(values) == 1 else ", ".join(values[:-1]) + " or " + values[-1]
+
+
+def canonical(value: Any, accepted: Sequence[str]) -> str | None:
+    """The canonical spelling in ``accepted`` (lower case) of the string ``value``, ignoring
+    case and surrounding blanks; None when ``value`` is not such a string. For options that
+    also take non-string values (``True``/``False``) and raise their own message."""
+    if isinstance(value, str):
+        key = value.strip().lower()
+        if key in accepted:
+            return key
+    return None
 
 
 def choice(name: str, value: Any, accepted: Sequence[str], *, none_ok: bool = False) -> str | None:
@@ -33,10 +44,9 @@ def choice(name: str, value: Any, accepted: Sequence[str], *, none_ok: bool = Fa
     """
     if value is None and none_ok:
         return None
-    if isinstance(value, str):
-        key = value.strip().lower()
-        if key in accepted:
-            return key
+    key = canonical(value, accepted)
+    if key is not None:
+        return key
     raise ValueError(
         f"{name}={value!r} is not supported; expected {_listing(accepted, none_ok)} "
         "(any case)"

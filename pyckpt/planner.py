@@ -58,7 +58,7 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import SavePlan, WriteItem, WriteItemType
 
 from pyckpt import _C, _knobs
-from pyckpt._options import choice
+from pyckpt._options import canonical
 from pyckpt.errors import ReplicaMismatchError
 
 __all__ = [
@@ -780,16 +780,17 @@ class SavePlanner(DefaultSavePlanner):
                 f"split_alignment must be a positive multiple of 16, got {split_alignment}"
             )
         mode: Literal[False] | CheckMode
-        if isinstance(check_replicas, str):  # any case (pyckpt._options)
-            check_replicas = cast(CheckMode, choice("check_replicas", check_replicas,
-                                                    ("sample", "full")))
+        if isinstance(check_replicas, str):  # any case
+            check_replicas = cast(
+                CheckMode, canonical(check_replicas, ("sample", "full")) or check_replicas)
         if check_replicas is True or check_replicas == "sample":
             mode = "sample"
         elif check_replicas is False or check_replicas == "full":
             mode = check_replicas
         else:
             raise ValueError(
-                f"check_replicas must be True, False, 'sample' or 'full', got {check_replicas!r}"
+                f"check_replicas must be True, False, 'sample' or 'full' (any case), got "
+                f"{check_replicas!r}"
             )
         super().__init__(
             flatten_state_dict=flatten_state_dict,

@@ -874,9 +874,12 @@ class Reader(StorageReader):
         self.pinned_pool_bytes = pinned_pool_bytes
         self.storage_options = dict(storage_options or {})
         self._fetcher: _objstore.Fetcher | None = None
-        if isinstance(shared_filesystem, str):  # "auto", any case; other strings refused
-            shared_filesystem = cast(Literal["auto"], _options.choice(
-                "shared_filesystem", shared_filesystem, ("auto",)))
+        if isinstance(shared_filesystem, str):  # "auto", any case
+            shared_filesystem = cast(Literal["auto"], _options.canonical(
+                shared_filesystem, ("auto",)) or shared_filesystem)
+        if isinstance(shared_filesystem, str) and shared_filesystem != "auto":
+            raise ValueError(f"shared_filesystem must be True, False or 'auto' (any case), "
+                             f"got {shared_filesystem!r}")
         self.shared_filesystem: bool | Literal["auto"] = (
             "auto" if shared_filesystem == "auto" else bool(shared_filesystem)
         )

@@ -717,7 +717,8 @@ def test_check_replicas_modes() -> None:
     assert SavePlanner(check_replicas="sample").check_replicas == "sample"
     assert SavePlanner(check_replicas="full").check_replicas == "full"
     assert SavePlanner(check_replicas=False).check_replicas is False
-    for bad in ("Full", "off", 1, 0, None):
+    assert SavePlanner(check_replicas=" Full").check_replicas == "full"  # any case
+    for bad in ("off", 1, 0, None):
         with pytest.raises(ValueError, match="check_replicas must be"):
             SavePlanner(check_replicas=bad)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="'full' or 'sample'"):
