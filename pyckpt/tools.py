@@ -226,7 +226,7 @@ def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], *,
         src: source checkpoint directory (format detected from its metadata file), or an
             ``s3://`` URL of a pyckpt checkpoint.
         dst: destination directory, or an ``s3://`` URL for ``to="pyckpt"``.
-        to: ``"pyckpt"`` or ``"dcp"``; default: the other format.
+        to: ``"pyckpt"`` or ``"dcp"`` (any case); default: the other format.
         compression: for ``to="pyckpt"``: ``None`` or ``"zstd"``.
         trusted: unpickle non-tensor values with ``weights_only=False`` (as DCP's
             ``DefaultLoadPlanner`` does); by default ``weights_only=True``, see
