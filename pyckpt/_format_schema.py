@@ -43,10 +43,13 @@ from pyckpt._format_spec import (
     MAX_PLANNER_DEPTH,
     MAX_SEGMENTS,
     MEMORY_FORMATS,
+    PLACE_BOUND_VERSION,
     CheckpointIndex,
     StoredBytes,
     StoredPiece,
     StoredTensor,
+    chunk_place_key,
+    chunk_place_seed,
     codec_params_json,
     is_data_file,
 )
@@ -95,6 +98,10 @@ class _Validator:
         self.pieces = 0
         self.segments = 0
         self.chunks = 0
+
+    def place_seed(self, fqn: str, offsets: tuple[int, ...] = ()) -> int | None:
+        """The place seed of a piece, or None for versions whose checksums are not bound."""
+        return chunk_place_seed(fqn, offsets) if self.version >= PLACE_BOUND_VERSION else None
 
     # -- helpers ---------------------------------------------------------------------------
 
@@ -183,7 +190,8 @@ class _Validator:
             elif kind == "bytes":
                 self.obj(item, ip, _BYTES_KEYS)
                 nbytes = self.int_(item["nbytes"], f"{ip}.nbytes", 0, MAX_ITEM_BYTES)
-                segs = self.segments_of(item["segments"], nbytes, ip, _BYTES_DTYPE)
+                segs = self.segments_of(item["segments"], nbytes, ip, _BYTES_DTYPE,
+                                        self.place_seed(fqn))
                 index.bytes_items[fqn] = StoredBytes(fqn, nbytes, segs)
             elif "type" not in item:
                 raise self.fail(f"{ip}.type", "missing")
@@ -299,7 +307,8 @@ class _Validator:
                     raise self.fail(pp, f"offsets {list(offsets)} + sizes {list(sizes)} leave "
                                         f"the tensor's shape {list(shape)} (dimension {d})")
             nbytes = math.prod(sizes) * esize
-            segs = self.segments_of(piece["segments"], nbytes, pp, dtype)
+            segs = self.segments_of(piece["segments"], nbytes, pp, dtype,
+                                    self.place_seed(fqn, offsets))
             pieces.append(StoredPiece(offsets, sizes, nbytes, segs))
         self.check_tiling(ip, shape, numel, pieces)
         return StoredTensor(fqn, dtype, shape, pieces, requires_grad, memory_format)
@@ -335,8 +344,10 @@ class _Validator:
         return result
 
     def segments_of(
-        self, value: Any, nbytes: int, where: str, dtype: str
+        self, value: Any, nbytes: int, where: str, dtype: str, seed: int | None = None
     ) -> list[tuple[str, int, CodecParams, list[tuple[Any, ...]]]]:
+        """Validates the segments of a piece or bytes item. ``seed``: the piece's place seed
+        (format version 3), used to unbind each chunk's checksum from its place."""
         raw_segments = self.lst(value, f"{where}.segments")
         self.count("segments", len(raw_segments), MAX_SEGMENTS, "segments")
         out = []
@@ -356,6 +367,8 @@ class _Validator:
             chunks = self.lst(seg["chunks"], f"{sp}.chunks")
             self.count("chunks", len(chunks), MAX_CHUNKS, "chunk records")
             expect += self.chunks_of(chunks, name, params, sp)
+            if seed is not None:
+                self.unbind(chunks, seed, raw_begin)
             out.append((self.paths[name], raw_begin, params, chunks))
         if expect != nbytes:
             raise self.fail(f"{where}.segments", f"hold {expect} raw bytes, expected {nbytes}")
@@ -418,6 +431,16 @@ class _Validator:
             ranges.append(off + stored)
             total += raw_len
         return total
+
+    @staticmethod
+    def unbind(chunks: list[Any], seed: int, raw_begin: int) -> None:
+        """Replaces each (validated) record's place-bound checksum with the XXH64 of its stored
+        bytes, which the native reader verifies: a record that was moved to another tensor,
+        piece or offset then fails that check."""
+        pos = raw_begin
+        for j, c in enumerate(chunks):
+            chunks[j] = (c[0], c[1], c[2] ^ chunk_place_key(seed, pos), c[3], c[4])
+            pos += c[1]
 
     # -- whole-checkpoint checks -------------------------------------------------------------
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import functools
 import re
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -22,8 +23,11 @@ RAW_THRESHOLD = 0.97
 
 
 FORMAT_NAME = "pyckpt"
-FORMAT_VERSION = 2  # written by this pyckpt
-READABLE_VERSIONS = (1, 2)  # version 1: the same schema without the metadata checksum
+FORMAT_VERSION = 3  # written by this pyckpt
+# Version 1: the schema without the metadata checksum; version 2: chunk checksums not bound to
+# their place (see chunk_place_seed).
+READABLE_VERSIONS = (1, 2, 3)
+PLACE_BOUND_VERSION = 3  # the first version whose chunk checksums are bound to their place
 METADATA_FILE = "pyckpt.json"
 
 # ----------------------------------------------------------------------------------------------
@@ -149,6 +153,22 @@ def data_file_rank(name: str) -> int:
     if m is None:
         raise ValueError(f"{name!r} is not a pyckpt data file name")
     return int(m.group(1))
+
+
+def chunk_place_seed(fqn: str, offsets: Sequence[int] = ()) -> int:
+    """The place seed of a piece (format version 3): XXH64 (seed 0) of the item's name in UTF-8,
+    a zero byte, and each of the piece's offsets as a 64-bit little-endian integer (none for a
+    bytes item)."""
+    head = fqn.encode("utf-8", "surrogatepass") + b"\0"
+    return _C.xxh64(head + b"".join(o.to_bytes(8, "little") for o in offsets))
+
+
+def chunk_place_key(seed: int, raw_offset: int) -> int:
+    """The key that binds a chunk to its place (format version 3): XXH64 of the chunk's raw
+    offset in its piece (64-bit little-endian) with the piece's :func:`chunk_place_seed` as seed.
+    A record's ``xxh64`` is the XXH64 (seed 0) of the chunk's stored bytes XOR this key, so a
+    record moved to another tensor, piece or offset no longer matches its bytes."""
+    return _C.xxh64(raw_offset.to_bytes(8, "little"), seed)
 
 
 @functools.lru_cache(maxsize=256)  # params are immutable: one object per distinct choice

@@ -20,6 +20,9 @@ from pyckpt._format_spec import (
     MAX_PLANNER_DEPTH,
     MEMORY_FORMATS,
     METADATA_FILE,
+    PLACE_BOUND_VERSION,
+    chunk_place_key,
+    chunk_place_seed,
     codec_params_json,
 )
 
@@ -85,17 +88,30 @@ def encode_metadata(doc: Mapping[str, Any]) -> bytes:
 
 def segments_to_json(
     segments: Iterable[tuple[str, int, CodecParams, Sequence[Sequence[Any]]]],
+    seed: int | None = None,
 ) -> list[dict[str, Any]]:
-    """Turns ``segment`` tuples with data-file *names* into their JSON form."""
-    return [
-        {
-            "file": name,
-            "raw_begin": raw_begin,
-            "codec": codec_params_json(params),
-            "chunks": [[c[0], c[1], c[2], c[3], list(c[4])] for c in chunks],
-        }
-        for name, raw_begin, params, chunks in segments
-    ]
+    """Turns ``segment`` tuples with data-file *names* into their JSON form.
+
+    With ``seed`` (the piece's :func:`chunk_place_seed`), each chunk's checksum is bound to its
+    raw offset in the piece, as format version 3 stores it; without, it is stored as given.
+    """
+    out = []
+    for name, raw_begin, params, chunks in segments:
+        records = []
+        pos = raw_begin
+        for c in chunks:
+            checksum = c[2] if seed is None else c[2] ^ chunk_place_key(seed, pos)
+            records.append([c[0], c[1], checksum, c[3], list(c[4])])
+            pos += c[1]
+        out.append(
+            {
+                "file": name,
+                "raw_begin": raw_begin,
+                "codec": codec_params_json(params),
+                "chunks": records,
+            }
+        )
+    return out
 
 
 def build_metadata(
@@ -128,7 +144,7 @@ def build_metadata(
             items[fqn] = {
                 "type": "bytes",
                 "nbytes": sum(c[1] for s in segs for c in s[3]),
-                "segments": segments_to_json(segs),
+                "segments": segments_to_json(segs, chunk_place_seed(fqn)),
             }
             continue
         props = md.properties
@@ -139,7 +155,7 @@ def build_metadata(
                 {
                     "offsets": list(chunk.offsets),
                     "sizes": list(chunk.sizes),
-                    "segments": segments_to_json(segs),
+                    "segments": segments_to_json(segs, chunk_place_seed(fqn, chunk.offsets)),
                 }
             )
         memory_format = str(props.memory_format).removeprefix("torch.")
@@ -173,21 +189,56 @@ def build_metadata(
     return encode_metadata(doc)
 
 
+def toggle_chunk_places(doc: dict[str, Any]) -> None:
+    """XORs every chunk checksum of the metadata document ``doc`` (in place) with the key of
+    its place (:func:`chunk_place_key`): binds the checksums of a document that holds plain
+    XXH64s of the stored bytes, and unbinds those of a version-3 document. For repairs and
+    tests; ``doc`` must have the documented structure (it is not validated)."""
+
+    def walk(segments: list[dict[str, Any]], seed: int) -> None:
+        for seg in segments:
+            pos = seg["raw_begin"]
+            for c in seg["chunks"]:
+                c[2] ^= chunk_place_key(seed, pos)
+                pos += c[1]
+
+    for fqn, item in doc["items"].items():
+        if item["type"] == "bytes":
+            walk(item["segments"], chunk_place_seed(fqn))
+        else:
+            for piece in item["pieces"]:
+                walk(piece["segments"], chunk_place_seed(fqn, piece["offsets"]))
+
+
 def rewrite_metadata(
-    path: str | os.PathLike[str], mutate: Callable[[dict[str, Any]], Any]
+    path: str | os.PathLike[str],
+    mutate: Callable[[dict[str, Any]], Any],
+    *,
+    rebind: bool = False,
 ) -> None:
     """Rewrites the metadata of checkpoint ``path`` through ``mutate``, re-computing its checksum.
 
     For repairs and tests: the document is parsed without validation (its checksum member
     dropped), passed to ``mutate`` (which edits it in place or returns a replacement dict) and
     written back with a fresh checksum (none for a version-1 document). Not atomic.
+
+    With ``rebind``, ``mutate`` sees every chunk checksum as the plain XXH64 of the chunk's
+    stored bytes, and the checksums are bound again to the places (and for the version) of the
+    document it leaves: an edit that moves chunks, or changes the version, stays loadable.
+    Without, chunk records are written exactly as ``mutate`` leaves them.
     """
     meta = os.path.join(os.fspath(path), METADATA_FILE)
     with open(meta, "rb") as f:
         doc = json.loads(f.read())
     doc.pop("checksum", None)
+    if rebind and doc.get("version", 0) >= PLACE_BOUND_VERSION:
+        toggle_chunk_places(doc)
     new = mutate(doc)
-    data = encode_metadata(new if isinstance(new, dict) else doc)
+    if isinstance(new, dict):
+        doc = new
+    if rebind and doc.get("version", 0) >= PLACE_BOUND_VERSION:
+        toggle_chunk_places(doc)
+    data = encode_metadata(doc)
     with open(meta, "wb") as f:
         f.write(data)
 
