@@ -17,7 +17,10 @@ Python representations used across the package:
   the write side, the metadata reader on the read side); stored in JSON as
   ``[codec, level, elem_size, transform]``, e.g. ``["zstd", 1, 2, "group_rotl1"]``.
 * ``chunk`` = ``(file_offset, raw_len, checksum, transform_code, planes)`` where ``planes`` is a
-  flat ``(mode0, len0, mode1, len1, ...)``; mode 0 = raw, 1 = zstd.
+  flat ``(mode0, len0, mode1, len1, ...)``; mode 0 = raw, 1 = zstd. In memory ``checksum`` is
+  always the XXH64 of the stored bytes (what the native core verifies); in a version-3
+  ``pyckpt.json`` it is stored bound to the chunk's place (:func:`chunk_place_key`), and
+  :func:`build_metadata` / :func:`read_index` bind and unbind it.
 * ``segment`` = ``(path, raw_begin, params, chunks)``: consecutive chunks of one piece stored in
   one file, covering the piece's raw bytes from ``raw_begin`` on.
 
