@@ -297,9 +297,9 @@ def _spread(samples: list[float]) -> str:
 def check_read_bytes(sd: dict[str, Any]) -> dict[str, int]:
     """Bytes each rank's check reads per mode (``sample``: tensors up to a sample whole, at
     most one sample of larger ones)."""
-    from pyckpt import planner
+    from pyckpt import _replicas
 
-    sample = planner._SAMPLE_BLOCK_BYTES * planner._SAMPLE_BLOCKS
+    sample = _replicas._SAMPLE_BLOCK_BYTES * _replicas._SAMPLE_BLOCKS
     sizes = [t.numel() * t.element_size() for t in _tensors(sd)]
     return {"off": 0, "sample": sum(min(n, sample) for n in sizes), "full": sum(sizes)}
 

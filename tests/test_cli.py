@@ -167,7 +167,8 @@ def test_verify_reports_compression_error_per_item(
         assert chunk[2] == old_sum
         chunk[2] = new_sum
 
-    _format.rewrite_metadata(ckpt, record_new_checksum)  # the metadata's own checksum too
+    # rebind: the record holds the plain XXH64 of its bytes while edited (format version 3)
+    _format.rewrite_metadata(ckpt, record_new_checksum, rebind=True)  # and the seal too
     assert main(["verify", str(ckpt)]) == 2
     out = capsys.readouterr().out
     assert "CORRUPT layer.weight: CompressionError" in out, out

@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib
 import json
 import os
+import re
 import struct
 import subprocess
 import sys
@@ -264,6 +265,35 @@ def test_inconsistent_dtype_and_rank(tmp_path):
             metadata={"DCP_SHARDING_INFO": json.dumps({"w": {"saved_offsets": offs}})},
         )
     _expect_format_error(str(tmp_path / "b"), str(tmp_path / "d2"), r"'w' has rank 2 .* rank 3")
+
+
+@pytest.mark.parametrize(
+    "sharding",
+    [
+        json.dumps({"a": {"saved_offsets": [2**64, 0]}}),
+        json.dumps({"a": {"saved_offsets": [2**64 - 1, 0]}}),
+        json.dumps({"a": {"saved_offsets": [0, -1]}}),
+        "[" * 100000 + "]" * 100000,
+    ],
+    ids=["offset-2**64", "offset-2**64-1", "negative", "deeply-nested"],
+)
+def test_hostile_sharding_info_is_a_format_error_naming_the_file(tmp_path, sharding):
+    from safetensors.torch import save_file
+
+    path = _mk(tmp_path / "src", 0)
+    save_file({"a": torch.zeros(2, 4)}, path, metadata={"DCP_SHARDING_INFO": sharding})
+    src, dst = str(tmp_path / "src"), str(tmp_path / "dst")
+    # Not TypeError from check_tiling() nor RecursionError: a typed error naming the shard.
+    _expect_format_error(src, dst, re.escape(path) + ".*DCP_SHARDING_INFO|" + re.escape(path)
+                         + ".*saved_offsets")
+    proc = subprocess.run(
+        [sys.executable, "-m", "pyckpt", "consolidate", src, dst, "--quiet"],
+        env=dict(os.environ), capture_output=True, timeout=120,
+    )
+    err = proc.stderr.decode()
+    assert proc.returncode == 1, err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
+    assert os.path.basename(path) in err, err
 
 
 def _mk(d, i):

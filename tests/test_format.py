@@ -19,7 +19,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import pyckpt
-from pyckpt import _C, _format, tools
+from pyckpt import _C, _format, _format_schema, tools
 from pyckpt.errors import CheckpointFormatError, PyckptError, UnsupportedDtypeError
 
 CHUNK = 4096
@@ -93,11 +93,11 @@ def _load_w(path: Path) -> torch.Tensor:
 def test_metadata_ends_with_checksum_of_the_bytes_before_it(ckpt: Path) -> None:
     raw = _meta(ckpt).read_bytes()
     doc = json.loads(raw)
-    assert doc["version"] == 2 and list(doc)[-1] == "checksum"
+    assert doc["version"] == _format.FORMAT_VERSION == 3 and list(doc)[-1] == "checksum"
     body = json.dumps({k: v for k, v in doc.items() if k != "checksum"}, separators=(",", ":"),
                       ensure_ascii=False).encode()
     assert raw == _seal(body)  # exactly the documented layout
-    assert _format.read_index(ckpt).version == 2
+    assert _format.read_index(ckpt).version == 3
 
 
 def test_damaged_metadata_is_refused_before_use(ckpt: Path) -> None:
@@ -120,6 +120,7 @@ def test_version2_without_checksum_is_refused(ckpt: Path) -> None:
 def test_version1_files_stay_readable_under_the_strict_schema(raw_ckpt: Path) -> None:
     expect = _load_w(raw_ckpt)
     doc = _doc(raw_ckpt)
+    _format.toggle_chunk_places(doc)  # version 1 checksums are not bound to their places
     doc["version"] = 1
     _write_doc(raw_ckpt, doc, seal=False)  # what pyckpt 0.1 wrote
     index = _format.read_index(raw_ckpt)
@@ -132,6 +133,127 @@ def test_version1_files_stay_readable_under_the_strict_schema(raw_ckpt: Path) ->
     doc["extra"] = 1
     _write_doc(raw_ckpt, doc, seal=False)
     _refused(raw_ckpt, "extra: unknown key")
+
+
+# ------------------------------------------------------------------------------- chunk places
+
+
+def _load_all(path: Path) -> dict[str, Any]:
+    out: dict[str, Any] = {
+        "w": torch.zeros(ROWS, COLS),
+        "i": torch.zeros(5000, dtype=torch.int8),
+    }
+    pyckpt.load(out, path)  # typed errors, not DCP's wrapper
+    return out
+
+
+def _swap(a: list[Any], b: list[Any]) -> None:
+    a[:], b[:] = list(b), list(a)
+
+
+def _w_chunks(d: dict[str, Any], piece: int = 0) -> list[list[Any]]:
+    chunks: list[list[Any]] = d["items"]["w"]["pieces"][piece]["segments"][0]["chunks"]
+    return chunks
+
+
+def test_chunk_checksums_are_bound_to_their_places_as_documented(raw_ckpt: Path) -> None:
+    # docs/FORMAT.md: xxh64 = XXH64(stored bytes) ^ XXH64(LE64(raw offset), seed=XXH64(fqn \0
+    # LE64(offsets)...)), recomputed here from the file without pyckpt's own helpers.
+    (name,) = _doc(raw_ckpt)["files"]
+    data = (raw_ckpt / name).read_bytes()
+    seed = _C.xxh64(b"w\0" + (0).to_bytes(8, "little") * 2)
+    for j, (off, raw_len, recorded, _, planes) in enumerate(_w_chunks(_doc(raw_ckpt))):
+        stored = data[off:off + sum(planes[1::2])]
+        key = _C.xxh64((j * raw_len).to_bytes(8, "little"), seed)
+        assert recorded == _C.xxh64(stored) ^ key, j
+    (extra,) = _doc(raw_ckpt)["items"]["extra"]["segments"]
+    off, raw_len, recorded, _, planes = extra["chunks"][0]
+    key = _C.xxh64((0).to_bytes(8, "little"), _C.xxh64(b"extra\0"))
+    assert recorded == _C.xxh64(data[off:off + planes[1]]) ^ key
+
+
+@pytest.mark.parametrize(
+    "edit",
+    [
+        # two chunk records of one tensor swapped
+        lambda d: _swap(_w_chunks(d)[3], _w_chunks(d)[17]),
+        # a chunk of 'w' and one of 'i' (same raw length) swapped across tensors
+        lambda d: _swap(_w_chunks(d)[0], d["items"]["i"]["pieces"][0]["segments"][0]["chunks"][0]),
+    ],
+    ids=["within-tensor", "across-tensors"],
+)
+def test_swapped_chunk_records_fail_their_checksum(raw_ckpt: Path, edit: Any) -> None:
+    # The metadata stays valid (its own checksum recomputed, the schema satisfied): only the
+    # binding of each chunk to its tensor and raw offset can tell, before a value is returned.
+    _format.rewrite_metadata(raw_ckpt, edit)
+    _format.read_index(raw_ckpt)
+    with pytest.raises(pyckpt.ChecksumError, match="tensor '(w|i)'") as info:
+        _load_all(raw_ckpt)
+    assert "checksum mismatch" in str(info.value)
+    report = tools.verify(raw_ckpt)
+    assert not report.ok and all(e.startswith("ChecksumError") for e in report.errors.values())
+    assert set(report.errors) <= {"w", "i"}
+
+
+def test_swapped_piece_offsets_fail_their_checksum(raw_ckpt: Path) -> None:
+    expect = _load_w(raw_ckpt)
+    _format.rewrite_metadata(raw_ckpt, lambda d: _split_rows(d, [(0, 8), (8, 16), (16, 64)]),
+                             rebind=True)
+    assert torch.equal(_load_w(raw_ckpt), expect)  # moved with rebinding: still exact
+
+    def swap_offsets(d: dict[str, Any]) -> None:
+        a, b = d["items"]["w"]["pieces"][:2]
+        a["offsets"], b["offsets"] = b["offsets"], a["offsets"]
+
+    _format.rewrite_metadata(raw_ckpt, swap_offsets)
+    with pytest.raises(pyckpt.ChecksumError, match="tensor 'w'"):
+        pyckpt.load({"w": torch.zeros(ROWS, COLS)}, raw_ckpt)
+
+
+def _v2_fixture_state() -> dict[str, Any]:
+    """The state dict of tests/data/format_v2 (see its README), rebuilt without randomness."""
+    n = torch.arange(64 * 256, dtype=torch.int64)
+    return {
+        "w": ((n * 2654435761) % 65521).to(torch.float32).reshape(64, 256) / 4096 - 8,
+        "h": (((n[:5000] * 40503) % 4093).to(torch.float32) / 512 - 4).to(torch.bfloat16),
+        "i": ((n[:5000] * 7919) % 251 - 125).to(torch.int8),
+        "e": torch.zeros(0, 3),
+        "extra": b"opaque bytes " * 40,
+    }
+
+
+def test_version2_checkpoint_still_loads_bit_exact(tmp_path: Path) -> None:
+    import shutil
+
+    src = Path(__file__).parent / "data" / "format_v2"
+    ck = tmp_path / "v2"
+    shutil.copytree(src, ck)  # a checked-in file written by the previous format version
+    index = _format.read_index(ck)
+    assert index.version == 2
+    assert json.loads(_meta(ck).read_bytes())["version"] == 2
+    expect = _v2_fixture_state()
+    out: dict[str, Any] = {k: torch.zeros_like(v) for k, v in expect.items() if k != "extra"}
+    out["extra"] = None
+    dcp.load(out, storage_reader=pyckpt.Reader(ck))
+    for k, v in expect.items():
+        if isinstance(v, torch.Tensor):
+            assert out[k].dtype == v.dtype and torch.equal(out[k], v), k
+        else:
+            assert out[k] == v
+    assert len(_format.read_index(ck).tensors["w"].pieces[0].segments[0][3]) == 16
+    tools.verify(ck)
+    # Re-saving writes the current version, with bound checksums.
+    dcp.save(out, storage_writer=pyckpt.Writer(tmp_path / "v3", chunk_bytes=CHUNK))
+    assert _format.read_index(tmp_path / "v3").version == _format.FORMAT_VERSION == 3
+
+
+def test_a_newer_format_version_is_refused_by_name(ckpt: Path) -> None:
+    _format.rewrite_metadata(ckpt, lambda d: d.__setitem__("version", 4))
+    msg = _refused(ckpt, str(_meta(ckpt)), "format version 4 is not supported",
+                   "reads versions 1, 2, 3", "upgrade pyckpt")
+    assert "checksum" not in msg
+    with pytest.raises(CheckpointFormatError, match="format version 4"):
+        pyckpt.load({"w": torch.zeros(ROWS, COLS)}, ckpt)
 
 
 # ------------------------------------------------------------------------------- strict schema
@@ -350,7 +472,8 @@ def _split_rows(d: dict[str, Any], bounds: list[tuple[int, int]]) -> None:
 
 def test_row_pieces_that_tile_load_bit_exact(raw_ckpt: Path) -> None:
     expect = _load_w(raw_ckpt)
-    _format.rewrite_metadata(raw_ckpt, lambda d: _split_rows(d, [(40, 64), (0, 7), (7, 40)]))
+    _format.rewrite_metadata(raw_ckpt, lambda d: _split_rows(d, [(40, 64), (0, 7), (7, 40)]),
+                             rebind=True)  # the chunks move to new pieces
     assert len(_format.read_index(raw_ckpt).tensors["w"].pieces) == 3
     assert torch.equal(_load_w(raw_ckpt), expect)
 
@@ -539,7 +662,7 @@ def test_metadata_size_limit(ckpt: Path) -> None:
 
 @pytest.mark.parametrize("limit", ["MAX_ITEMS", "MAX_CHUNKS", "MAX_PIECES", "MAX_FILES"])
 def test_count_limits(ckpt: Path, monkeypatch: pytest.MonkeyPatch, limit: str) -> None:
-    monkeypatch.setattr(_format, limit, 0)
+    monkeypatch.setattr(_format_schema, limit, 0)  # the validator's own binding
     _refused(ckpt, "more than 0")
 
 

@@ -25,8 +25,7 @@ from torch.distributed.checkpoint.planner import (
     WriteItemType,
 )
 
-from pyckpt import _C
-from pyckpt import planner as planner_mod
+from pyckpt import _C, _replicas
 from pyckpt.errors import ReplicaMismatchError
 from pyckpt.planner import (
     SPLIT_ALIGNMENT,
@@ -439,13 +438,13 @@ def checked_plan(items: list[WriteItem], digests: dict[str, tuple[str, int]]) ->
     keyed = {}
     for item in items:
         if item.index.fqn in digests:
-            keyed[planner_mod._key(item.index)] = digests[item.index.fqn]
-    return planner_mod._CheckedPlan(items=items, replica_digests=keyed)
+            keyed[_replicas._key(item.index)] = digests[item.index.fqn]
+    return _replicas._CheckedPlan(items=items, replica_digests=keyed)
 
 
 def test_replica_digest_sees_any_single_byte() -> None:
     # Three host blocks and a tail: flip one byte at the edges and at the block boundaries.
-    block = planner_mod._HASH_BLOCK_BYTES
+    block = _replicas._HASH_BLOCK_BYTES
     base = torch.arange(3 * block + 100, dtype=torch.uint8)
     (reference,) = replica_digests([base])
     assert reference[0] == "xxh64"
@@ -469,14 +468,14 @@ def test_replica_digest_sees_any_single_byte() -> None:
 
 def test_device_checksum_sees_one_or_two_changed_words() -> None:
     # The device path is plain torch: on CPU tensors it computes what it computes on a GPU.
-    row = 4 * planner_mod._DEVICE_ROW_WORDS
-    rows = planner_mod._DEVICE_CHUNK_ROWS + 3  # two chunks: column sums add up across them
+    row = 4 * _replicas._DEVICE_ROW_WORDS
+    rows = _replicas._DEVICE_CHUNK_ROWS + 3  # two chunks: column sums add up across them
     g = torch.Generator().manual_seed(5)
     base = torch.randint(0, 256, (rows * row + 1001,), dtype=torch.uint8, generator=g)
-    reference = planner_mod._rowcol_checksum(base)
+    reference = _replicas._rowcol_checksum(base)
     assert reference.dtype == torch.int64
-    assert reference.numel() == rows + planner_mod._DEVICE_ROW_WORDS + 1001
-    assert torch.equal(planner_mod._rowcol_checksum(base.clone()), reference)
+    assert reference.numel() == rows + _replicas._DEVICE_ROW_WORDS + 1001
+    assert torch.equal(_replicas._rowcol_checksum(base.clone()), reference)
     for positions in (
         [0],
         [row - 1],
@@ -489,23 +488,23 @@ def test_device_checksum_sees_one_or_two_changed_words() -> None:
         changed = base.clone()
         for pos in positions:
             changed[pos] ^= 0x41
-        assert not torch.equal(planner_mod._rowcol_checksum(changed), reference), positions
+        assert not torch.equal(_replicas._rowcol_checksum(changed), reference), positions
     # Exact at the extremes: all words -1 / INT32_MIN sum without wrapping.
     ones = torch.full((2 * row,), 0xFF, dtype=torch.uint8)
-    assert planner_mod._rowcol_checksum(ones)[:2].tolist() == [-planner_mod._DEVICE_ROW_WORDS] * 2
+    assert _replicas._rowcol_checksum(ones)[:2].tolist() == [-_replicas._DEVICE_ROW_WORDS] * 2
     # A view that starts off a 4-byte boundary (a bf16 parameter inside a flat buffer).
     buffer = torch.randint(0, 256, (3 * row + 2,), dtype=torch.uint8, generator=g)
     view = buffer[2:]
     assert view.storage_offset() % 4 == 2
     assert torch.equal(
-        planner_mod._rowcol_checksum(view), planner_mod._rowcol_checksum(view.clone())
+        _replicas._rowcol_checksum(view), _replicas._rowcol_checksum(view.clone())
     )
 
 
 def test_device_digests_batch_small_tensors_and_sum_large_ones() -> None:
     small = torch.arange(1000, dtype=torch.int16).view(torch.uint8)
-    large = torch.randint(0, 256, (planner_mod._DEVICE_SMALL_BYTES + 4096,), dtype=torch.uint8)
-    arrays, checksums = planner_mod._device_digests([small, large, small[:0]])
+    large = torch.randint(0, 256, (_replicas._DEVICE_SMALL_BYTES + 4096,), dtype=torch.uint8)
+    arrays, checksums = _replicas._device_digests([small, large, small[:0]])
     # Small ones come back as bytes, hashed like a host copy: the same digest kind and value.
     assert arrays[0].tobytes() == small.numpy().tobytes() and checksums[0] == 0
     assert arrays[2].nbytes == 0
@@ -513,8 +512,8 @@ def test_device_digests_batch_small_tensors_and_sum_large_ones() -> None:
     assert arrays[1].nbytes == 0 and checksums[1] != 0
     changed = large.clone()
     changed[-5000] += 1
-    assert planner_mod._device_digests([changed])[1][0] != checksums[1]
-    assert planner_mod._device_digests([large.clone()])[1][0] == checksums[1]
+    assert _replicas._device_digests([changed])[1][0] != checksums[1]
+    assert _replicas._device_digests([large.clone()])[1][0] == checksums[1]
 
 
 def test_mismatching_replicas_are_refused_by_rank_groups() -> None:
@@ -585,8 +584,8 @@ def test_local_plan_has_no_digests_in_one_process() -> None:
 
 # --- sampled replica check (the default) -----------------------------------------------------
 
-BLOCK = planner_mod._SAMPLE_BLOCK_BYTES
-COUNT = planner_mod._SAMPLE_BLOCKS
+BLOCK = _replicas._SAMPLE_BLOCK_BYTES
+COUNT = _replicas._SAMPLE_BLOCKS
 
 
 def sampled(t: torch.Tensor) -> tuple[str, int]:
@@ -694,11 +693,11 @@ def test_sampled_digests_match_between_host_and_device_paths(
     ]
     host = replica_digests(tensors, mode="sample")
     assert all(kind == "sampled" for kind, _ in host)
-    flats = [planner_mod._flat_bytes(t) for t in tensors]
+    flats = [_replicas._flat_bytes(t) for t in tensors]
     sizes = [f.numel() for f in flats]
-    for batch in (planner_mod._DEVICE_BATCH_BYTES, 100_000):  # one transfer; several
-        monkeypatch.setattr(planner_mod, "_DEVICE_BATCH_BYTES", batch)
-        samples = planner_mod._device_samples(flats)
+    for batch in (_replicas._DEVICE_BATCH_BYTES, 100_000):  # one transfer; several
+        monkeypatch.setattr(_replicas, "_DEVICE_BATCH_BYTES", batch)
+        samples = _replicas._device_samples(flats)
         for flat, got in zip(flats, samples):
             want = b"".join(
                 flat[b * BLOCK : (b + 1) * BLOCK].numpy().tobytes() for b in sample_of(flat)

@@ -74,11 +74,20 @@ class _Tensor:
 ScannedTensors = dict[str, _Tensor]
 
 
+# Largest offset accepted in DCP_SHARDING_INFO: a dimension of a stored tensor is at most 2**60
+# elements (docs/FORMAT.md, "Limits"), and offset + size must stay a 64-bit integer.
+_MAX_OFFSET = 1 << 60
+
+
 def _int_tuple(value: Any, what: str) -> tuple[int, ...]:
     if not isinstance(value, list) or not all(
-        isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value
+        isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= _MAX_OFFSET for v in value
     ):
-        raise CheckpointFormatError(f"{what} must be a list of non-negative integers, got {value!r}")
+        shown = repr(value)
+        shown = shown if len(shown) <= 80 else shown[:77] + "..."
+        raise CheckpointFormatError(
+            f"{what} must be a list of integers in [0, 2**60], got {shown}"
+        )
     return tuple(value)
 
 
@@ -114,6 +123,10 @@ def _scan_safetensors(src: str) -> dict[str, _Tensor]:
                 sharding = json.loads(raw)
             except ValueError as e:
                 raise CheckpointFormatError(f"{path}: {_SHARDING_KEY} is not valid JSON: {e}") from None
+            except RecursionError:
+                raise CheckpointFormatError(
+                    f"{path}: {_SHARDING_KEY} is nested too deeply to be DCP sharding information"
+                ) from None
             if not isinstance(sharding, dict):
                 raise CheckpointFormatError(f"{path}: {_SHARDING_KEY} is not a JSON object")
         for name, dtype, shape, begin, _end in cast("list[Any]", header["tensors"]):

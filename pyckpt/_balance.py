@@ -1,0 +1,354 @@
+"""Byte balancing of DCP save plans: which rank writes which bytes of each replicated item.
+
+The coordinator step of :class:`pyckpt.SavePlanner` (see :mod:`pyckpt.planner` for the whole
+story): items held by one rank stay with it; items held by several ranks are water-filled over
+their holders and cut at multiples of :data:`SPLIT_ALIGNMENT`; the outcome is a
+:class:`ByteRanges` per rank and DCP's global ``Metadata``. Imported through
+:mod:`pyckpt.planner`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+from typing import Any
+
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.planner import SavePlan, WriteItem, WriteItemType
+
+SPLIT_ALIGNMENT = 1 << 20
+"""Split points inside a tensor lie at multiples of this many bytes (1 MiB) from its start.
+
+Any multiple of 16 keeps every dtype's element boundary; 1 MiB also keeps the pieces large
+enough to be written efficiently.
+"""
+
+# Non-tensor values are pickled by DCP at write time, so their size is unknown when planning.
+# torch.save of even a small Python object produces about a kilobyte (zip container), so that
+# is the weight a BYTE_IO item adds to its writer's load.
+_BYTE_IO_WEIGHT = 1024
+
+
+@dataclasses.dataclass(frozen=True)
+class ByteRanges:
+    """Byte ranges a rank writes for the items it writes only partially.
+
+    Carried in ``SavePlan.storage_data`` of the per-rank plans returned by
+    :meth:`SavePlanner.create_global_plan`.
+
+    Attributes:
+        ranges: Maps an item's ``MetadataIndex`` to the half-open range ``(start, end)`` of the
+            item's row-major contiguous tensor bytes that this rank writes. An item present in
+            the rank's plan but absent from ``ranges`` is written whole. Over all ranks, the
+            ranges of one item tile ``[0, nbytes)``; interior split points are multiples of
+            :data:`SPLIT_ALIGNMENT` (or of the planner's ``split_alignment``).
+    """
+
+    ranges: dict[MetadataIndex, tuple[int, int]] = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass(eq=False)
+class _Entry:
+    """One distinct item (one ``MetadataIndex``) over all plans, and where it is written."""
+
+    item: WriteItem  # the lowest holder's copy
+    nbytes: int  # bytes of the item's data; the weight used for BYTE_IO items
+    splittable: bool
+    holders: list[int]  # ranks whose plan holds the item, ascending
+    parts: dict[int, tuple[int, int] | None] = dataclasses.field(default_factory=dict)
+    """Writing ranks -> byte range, or None when that rank writes the item whole."""
+    final: WriteItem | None = None  # the primary copy with its metadata index hint, once known
+
+
+# A rank's items, each with the entry shared by all copies of its index.
+_RankItems = list[tuple[WriteItem, _Entry]]
+
+
+def _item_nbytes(item: WriteItem) -> int:
+    """Return the number of bytes of the item's local data (the chunk, not the whole tensor)."""
+    if item.type == WriteItemType.BYTE_IO or item.tensor_data is None:
+        return _BYTE_IO_WEIGHT
+    return math.prod(item.tensor_data.chunk.sizes) * item.tensor_data.properties.dtype.itemsize
+
+
+def _sort_key(entry: _Entry) -> tuple[Any, ...]:
+    """Largest first; ties broken by name and offset so the result ignores arrival order."""
+    offset = entry.item.index.offset
+    return (-entry.nbytes, entry.item.index.fqn, tuple(offset) if offset is not None else ())
+
+
+def _check_same_item(first: WriteItem, other: WriteItem, rank: int) -> None:
+    """Raise ``ValueError`` if two copies of one index describe different data."""
+    if first.type == WriteItemType.BYTE_IO or other.type == WriteItemType.BYTE_IO:
+        same = first.type == other.type
+    else:
+        a, b = first.tensor_data, other.tensor_data
+        same = (
+            a is not None
+            and b is not None
+            and a.size == b.size
+            and a.chunk.sizes == b.chunk.sizes
+            and a.properties.dtype == b.properties.dtype
+        )
+    if not same:
+        raise ValueError(
+            f"item {first.index.fqn!r} (offset {first.index.offset}) is held by several ranks "
+            f"but rank {rank}'s copy differs in type, shape or dtype from a lower rank's"
+        )
+
+
+def _collect(all_plans: Sequence[SavePlan]) -> tuple[list[_Entry], list[_RankItems]]:
+    """Group the copies of each index over all plans (one hash lookup per copy)."""
+    # Keyed by (fqn, offset), which is what MetadataIndex equality compares, without calling
+    # the dataclass's Python-level __hash__/__eq__ for every copy.
+    entries: dict[tuple[str, Any], _Entry] = {}
+    per_rank: list[_RankItems] = []
+    for rank, plan in enumerate(all_plans):
+        mine: _RankItems = []
+        for item in plan.items:
+            key = (item.index.fqn, item.index.offset)
+            entry = entries.get(key)
+            if entry is None:
+                splittable = item.type != WriteItemType.BYTE_IO and item.tensor_data is not None
+                entry = entries[key] = _Entry(item, _item_nbytes(item), splittable, [rank])
+            elif entry.holders[-1] == rank:  # ranks are visited in ascending order
+                raise ValueError(
+                    f"rank {rank}'s plan holds item {item.index.fqn!r} "
+                    f"(offset {item.index.offset}) twice"
+                )
+            else:
+                _check_same_item(entry.item, item, rank)
+                entry.holders.append(rank)
+            mine.append((item, entry))
+        per_rank.append(mine)
+    return list(entries.values()), per_rank
+
+
+def _water_fill(loads: list[int], holders: Sequence[int], total: int) -> list[tuple[int, int]]:
+    """Share ``total`` bytes among ``holders`` so that their loads become as equal as possible.
+
+    Args:
+        loads: Current bytes per rank (read only).
+        holders: Ranks that may take a share.
+        total: Bytes to share.
+
+    Returns:
+        ``(rank, quota)`` pairs in ascending rank order, only for positive quotas; the quotas sum
+        to ``total``. Ranks whose load is above the resulting level get nothing.
+    """
+    by_load = sorted(holders, key=lambda r: (loads[r], r))
+    prefix = 0
+    count = 0
+    for count, rank in enumerate(by_load, start=1):
+        prefix += loads[rank]
+        # With `count` ranks filled to a common level L: count * L = total + prefix.
+        if count == len(by_load) or total + prefix <= loads[by_load[count]] * count:
+            break
+    filled = by_load[:count]
+    level, rest = divmod(total + prefix, count)
+    # floor(L) >= every filled load (loads are integers), so quotas are >= 0; the `rest` bytes
+    # left by flooring go one each to the lowest ranks.
+    quotas = {r: level - loads[r] for r in filled}
+    for r in sorted(filled)[:rest]:
+        quotas[r] += 1
+    return [(r, quotas[r]) for r in sorted(filled) if quotas[r] > 0]
+
+
+def _cut_points(
+    stream: Sequence[_Entry], starts: Sequence[int], targets: Sequence[int], alignment: int
+) -> list[int]:
+    """Pick, for each cumulative target, the nearest allowed cut position in the stream.
+
+    The stream is the concatenation of the items' bytes. Cuts are allowed at item boundaries
+    and, inside a splittable item, at multiples of ``alignment`` from the item's start, so a cut
+    lies within ``alignment / 2`` of its target (or half an unsplittable item's size).
+    """
+    cuts: list[int] = []
+    i = 0
+    previous = 0
+    for target in targets:
+        while i < len(stream) and starts[i] + stream[i].nbytes <= target:
+            i += 1
+        if i == len(stream):
+            cut = starts[-1] + stream[-1].nbytes if stream else 0
+        else:
+            begin, size = starts[i], stream[i].nbytes
+            if stream[i].splittable:
+                low = begin + (target - begin) // alignment * alignment
+                high = min(begin + size, low + alignment)
+            else:
+                low, high = begin, begin + size
+            cut = low if target - low <= high - target else high
+        previous = max(previous, cut)
+        cuts.append(previous)
+    return cuts
+
+
+def _assign_group(
+    group: list[_Entry], holders: tuple[int, ...], loads: list[int], alignment: int
+) -> None:
+    """Assign one holder group's items (fills their ``parts``) and update ``loads``."""
+    stream = [e for e in group if e.nbytes > 0]
+    empty = [e for e in group if e.nbytes == 0]
+    stream.sort(key=_sort_key)
+    total = sum(e.nbytes for e in stream)
+    if stream:
+        shares = _water_fill(loads, holders, total)
+        starts = []
+        offset = 0
+        for e in stream:
+            starts.append(offset)
+            offset += e.nbytes
+        targets = []
+        cumulative = 0
+        for _, quota in shares[:-1]:
+            cumulative += quota
+            targets.append(cumulative)
+        bounds = [0, *_cut_points(stream, starts, targets, alignment), total]
+        i = 0
+        for k, (rank, _) in enumerate(shares):
+            seg_begin, seg_end = bounds[k], bounds[k + 1]
+            if seg_begin == seg_end:
+                continue
+            # Skip items that end at or before this segment's start.
+            while starts[i] + stream[i].nbytes <= seg_begin:
+                i += 1
+            j = i
+            while j < len(stream) and starts[j] < seg_end:
+                e, begin = stream[j], starts[j]
+                lo = max(seg_begin, begin) - begin
+                hi = min(seg_end, begin + e.nbytes) - begin
+                e.parts[rank] = None if (lo, hi) == (0, e.nbytes) else (lo, hi)
+                loads[rank] += hi - lo
+                j += 1
+    for e in sorted(empty, key=_sort_key):
+        e.parts[min(holders, key=lambda r: (loads[r], r))] = None
+
+
+def balance_save_plans(
+    all_plans: Sequence[SavePlan], *, split_alignment: int = SPLIT_ALIGNMENT
+) -> list[SavePlan]:
+    """Decide which rank writes which bytes of every item, balancing bytes per rank.
+
+    Items held by one rank stay there. Items held by several ranks are grouped by their set of
+    holders; groups with fewer holders are placed first (they are the most constrained), each
+    group's bytes are shared among its holders by water-filling over the loads assigned so far,
+    and its items, largest first, are cut into one consecutive segment per holder. Cost:
+    ``O(n log n)`` in the number of items, plus ``O(h log h)`` per group of ``h`` holders.
+
+    Args:
+        all_plans: Local plans, one per rank, indexed by rank.
+        split_alignment: Interior split points lie at multiples of this many bytes from an
+            item's start; must be a positive multiple of 16.
+
+    Returns:
+        One plan per rank: the items the rank writes (whole or in part), in the rank's original
+        order, with ``storage_data`` set to a :class:`ByteRanges` for the partial ones. Index
+        hints are left untouched. Any ``storage_data`` of the input plans is replaced.
+
+    Raises:
+        ValueError: If ``split_alignment`` is invalid, a plan holds one index twice, or the
+            copies of one index differ in type, shape or dtype.
+    """
+    plans = []
+    for rank, (plan, mine) in enumerate(zip(all_plans, _balance(all_plans, split_alignment))):
+        items = []
+        ranges = {}
+        for item, entry in mine:
+            if rank in entry.parts:
+                items.append(item)
+                span = entry.parts[rank]
+                if span is not None:
+                    ranges[item.index] = span
+        plans.append(dataclasses.replace(plan, items=items, storage_data=ByteRanges(ranges)))
+    return plans
+
+
+def _balance(all_plans: Sequence[SavePlan], alignment: int) -> list[_RankItems]:
+    """Fill every entry's ``parts``; returns each rank's items paired with their entries."""
+    if alignment <= 0 or alignment % 16:
+        raise ValueError(f"split_alignment must be a positive multiple of 16, got {alignment}")
+    entries, per_rank = _collect(all_plans)
+    loads = [0] * len(all_plans)
+    groups: dict[tuple[int, ...], list[_Entry]] = {}
+    for entry in entries:
+        if len(entry.holders) == 1:
+            rank = entry.holders[0]
+            entry.parts[rank] = None
+            loads[rank] += entry.nbytes
+        else:
+            groups.setdefault(tuple(entry.holders), []).append(entry)
+    for holders in sorted(groups, key=lambda h: (len(h), h)):
+        _assign_group(groups[holders], holders, loads, alignment)
+    return per_rank
+
+
+def _build_metadata(per_rank: Sequence[_RankItems]) -> Metadata:
+    """Build the checkpoint metadata from balanced entries, naming every index once.
+
+    Mirrors DCP's ``create_default_global_save_plan`` (one chunk per item, index hint = the
+    chunk's position), but visits each index once: in the plan of the rank that writes the
+    item's first byte (DCP's function would append one chunk per copy of a split item). Sets
+    each entry's ``final`` item, which every writing rank's plan then shares: copies differ at
+    most in tensor properties that only the metadata uses (writers resolve an item's data
+    from their own state dict by index).
+    """
+    md: dict[str, Any] = {}
+    for rank, mine in enumerate(per_rank):
+        for item, entry in mine:
+            if rank not in entry.parts:
+                continue  # not written here
+            span = entry.parts[rank]
+            if span is not None and span[0] != 0:
+                continue  # not this item's first bytes
+            index = item.index
+            if item.type != WriteItemType.SHARD and index.fqn in md:
+                raise ValueError(f"{index.fqn!r} is saved both as a whole value and as shards")
+            if item.type == WriteItemType.BYTE_IO:
+                md[index.fqn] = BytesStorageMetadata()
+                entry.final = item
+                continue
+            data = item.tensor_data
+            if data is None:
+                raise ValueError(f"tensor item {index.fqn!r} has no tensor data")
+            tensor_md = md.setdefault(
+                index.fqn,
+                TensorStorageMetadata(properties=data.properties, size=data.size, chunks=[]),
+            )
+            if not isinstance(tensor_md, TensorStorageMetadata):
+                raise ValueError(f"{index.fqn!r} is saved both as a non-tensor and as shards")
+            hinted = MetadataIndex(index.fqn, index.offset, len(tensor_md.chunks))
+            entry.final = WriteItem(index=hinted, type=item.type, tensor_data=data)
+            tensor_md.chunks.append(data.chunk)
+    return Metadata(md)
+
+
+def _validate(metadata: Metadata, world_size: int) -> list[str]:
+    """Check chunk bounds and that each tensor's chunks cover its volume exactly once."""
+    errors = []
+    for fqn, md in metadata.state_dict_metadata.items():
+        if isinstance(md, BytesStorageMetadata) or not isinstance(md, TensorStorageMetadata):
+            continue
+        if len(md.size) == 0:
+            continue
+        if len(md.chunks) == 1 and md.chunks[0].sizes == md.size and not any(md.chunks[0].offsets):
+            continue  # the common case: one whole chunk
+        volume = 0
+        for chunk in md.chunks:
+            if any(
+                o < 0 or s < 0 or o + s > d for o, s, d in zip(chunk.offsets, chunk.sizes, md.size)
+            ):
+                errors.append(f"{fqn}: chunk {chunk} out of bounds of {tuple(md.size)}")
+            volume += math.prod(chunk.sizes)
+        if world_size > 1 and volume != math.prod(md.size):
+            errors.append(
+                f"{fqn}: chunks cover {volume} elements of {math.prod(md.size)} "
+                "(missing or overlapping shards)"
+            )
+    return errors

@@ -1,0 +1,554 @@
+"""On-disk format, the validation side: the strict schema every parsed ``pyckpt.json`` is
+walked through (``docs/FORMAT.md``, "Strict schema"), building the :class:`CheckpointIndex`.
+
+Imported through :mod:`pyckpt._format`; :func:`pyckpt._format.read_index` drives it.
+"""
+
+from __future__ import annotations
+
+import errno
+import math
+import os
+import stat
+from array import array
+from typing import TYPE_CHECKING, Any
+
+from pyckpt import _C
+from pyckpt._format_spec import (
+    _BYTES_DTYPE,
+    _BYTES_KEYS,
+    _GROUPING,
+    _MAX_FILE_BYTES,
+    _MAX_GRID_CELLS,
+    _MAX_IRREGULAR_PIECES,
+    _PIECE_KEYS,
+    _SAVE_ID_RE,
+    _SEGMENT_KEYS,
+    _STORAGE_META_KEYS,
+    _TENSOR_KEYS,
+    _TOP_KEYS_V1,
+    _TOP_KEYS_V2,
+    _TRANSFORM_CODES,
+    _ZSTD_LEVELS,
+    _ZSTD_MAX_RATIO,
+    DTYPE_SIZES,
+    MAX_CHUNK_BYTES,
+    MAX_CHUNKS,
+    MAX_FILES,
+    MAX_ITEM_BYTES,
+    MAX_ITEMS,
+    MAX_NDIM,
+    MAX_NUMEL,
+    MAX_PIECES,
+    MAX_PLANNER_DEPTH,
+    MAX_SEGMENTS,
+    MEMORY_FORMATS,
+    PLACE_BOUND_VERSION,
+    CheckpointIndex,
+    StoredBytes,
+    StoredPiece,
+    StoredTensor,
+    chunk_place_key,
+    chunk_place_seed,
+    codec_params_json,
+    is_data_file,
+)
+from pyckpt.errors import CheckpointFormatError, UnsupportedDtypeError
+
+if TYPE_CHECKING:
+    from pyckpt._C import CodecParams
+
+
+class _Duplicate:
+    """Stands for a JSON object that repeats a key (reported with its key path later)."""
+
+    __slots__ = ("key",)
+
+    def __init__(self, key: str) -> None:
+        self.key = key
+
+
+
+def _describe(value: Any) -> str:
+    if isinstance(value, _Duplicate):
+        return f"an object that repeats the key {value.key!r}"
+    if isinstance(value, (dict, list)):
+        return "an object" if isinstance(value, dict) else "a list"
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _member(path: str, key: str) -> str:
+    return f"{path}.{key}" if path else key
+
+
+class _Validator:
+    """Walks a parsed metadata document, checking it and building the index."""
+
+    def __init__(self, root: str, meta: str, version: int, all_files: bool = True) -> None:
+        self.root = root
+        self.all_files = all_files
+        self.local_files: set[str] = set()
+        self.meta = meta
+        self.version = version
+        self.files: dict[str, int] = {}
+        self.paths: dict[str, str] = {}  # data file name -> absolute path (one string per file)
+        self.ranges: dict[str, array[int]] = {}  # data file name -> [begin, end, begin, end...]
+        self.params: dict[tuple[Any, ...], CodecParams] = {}
+        self.pieces = 0
+        self.segments = 0
+        self.chunks = 0
+
+    def place_seed(self, fqn: str, offsets: tuple[int, ...] = ()) -> int | None:
+        """The place seed of a piece, or None for versions whose checksums are not bound."""
+        return chunk_place_seed(fqn, offsets) if self.version >= PLACE_BOUND_VERSION else None
+
+    # -- helpers ---------------------------------------------------------------------------
+
+    def fail(self, path: str, what: str) -> CheckpointFormatError:
+        return CheckpointFormatError(f"{self.meta}: {path}: {what}" if path else
+                                     f"{self.meta}: {what}")
+
+    def obj(self, value: Any, path: str, keys: frozenset[str] | None = None) -> dict[str, Any]:
+        if type(value) is not dict:
+            if isinstance(value, _Duplicate):
+                raise self.fail(path, f"repeats the key {value.key!r}")
+            raise self.fail(path, f"must be an object, got {_describe(value)}")
+        if keys is not None and value.keys() != keys:
+            missing = sorted(keys - value.keys())
+            if missing:
+                raise self.fail(_member(path, missing[0]), "missing")
+            unknown = sorted(value.keys() - keys)
+            raise self.fail(_member(path, unknown[0]), "unknown key")
+        return value
+
+    def lst(self, value: Any, path: str, limit: int | None = None) -> list[Any]:
+        if type(value) is not list:
+            raise self.fail(path, f"must be a list, got {_describe(value)}")
+        if limit is not None and len(value) > limit:
+            raise self.fail(path, f"has {len(value)} entries, more than {limit}")
+        return value
+
+    def int_(self, value: Any, path: str, lo: int, hi: int) -> int:
+        if type(value) is not int:
+            raise self.fail(path, f"must be an integer, got {_describe(value)}")
+        if not lo <= value <= hi:
+            raise self.fail(path, f"{value} is outside [{lo}, {hi}]")
+        return value
+
+    def str_(self, value: Any, path: str) -> str:
+        if type(value) is not str:
+            raise self.fail(path, f"must be a string, got {_describe(value)}")
+        return value
+
+    def count(self, attr: str, n: int, limit: int, what: str) -> None:
+        total = getattr(self, attr) + n
+        if total > limit:
+            raise self.fail("", f"more than {limit} {what}: this pyckpt refuses such metadata")
+        setattr(self, attr, total)
+
+    # -- document ----------------------------------------------------------------------------
+
+    def index(self, doc: dict[str, Any]) -> CheckpointIndex:
+        self.obj(doc, "", _TOP_KEYS_V2 if self.version >= 2 else _TOP_KEYS_V1)
+        created_by = self.str_(doc["created_by"], "created_by")
+        save_id = self.str_(doc["save_id"], "save_id")
+        if _SAVE_ID_RE.fullmatch(save_id) is None:
+            raise self.fail("save_id", f"{save_id!r} is not 12 lowercase hex digits")
+        dcp_version = doc["dcp_version"]
+        if dcp_version is not None:
+            self.str_(dcp_version, "dcp_version")
+        sm = self.obj(doc["storage_meta"], "storage_meta", _STORAGE_META_KEYS)
+        modules = [
+            self.str_(m, f"storage_meta.modules[{i}]")
+            for i, m in enumerate(self.lst(sm["modules"], "storage_meta.modules"))
+        ]
+        planner_data = self.untag(doc["planner_data"], "planner_data", 0)
+        self.read_files(doc["files"])
+
+        index = CheckpointIndex(
+            path=self.root,
+            files=self.files,
+            save_id=save_id,
+            dcp_version=dcp_version,
+            planner_data=planner_data,
+            storage_meta={"modules": modules},
+            created_by=created_by,
+            version=self.version,
+            local_files=self.local_files,
+        )
+        items = self.obj(doc["items"], "items")
+        if len(items) > MAX_ITEMS:
+            raise self.fail("items", f"has {len(items)} entries, more than {MAX_ITEMS}")
+        for fqn, raw in items.items():
+            ip = f"items[{fqn!r}]"
+            item = self.obj(raw, ip)
+            kind = item.get("type")
+            if kind == "tensor":
+                self.obj(item, ip, _TENSOR_KEYS)
+                index.tensors[fqn] = self.tensor(fqn, item, ip)
+            elif kind == "bytes":
+                self.obj(item, ip, _BYTES_KEYS)
+                nbytes = self.int_(item["nbytes"], f"{ip}.nbytes", 0, MAX_ITEM_BYTES)
+                segs = self.segments_of(item["segments"], nbytes, ip, _BYTES_DTYPE,
+                                        self.place_seed(fqn))
+                index.bytes_items[fqn] = StoredBytes(fqn, nbytes, segs)
+            elif "type" not in item:
+                raise self.fail(f"{ip}.type", "missing")
+            else:
+                raise self.fail(f"{ip}.type", f"unknown item type {_describe(kind)}")
+        self.check_packing(index)
+        return index
+
+    def read_files(self, raw: Any) -> None:
+        files = self.obj(raw, "files")
+        if len(files) > MAX_FILES:
+            raise self.fail("files", f"has {len(files)} entries, more than {MAX_FILES}")
+        for name, size in files.items():
+            fp = f"files[{name!r}]"
+            # Checked before anything is opened: a plain name inside the checkpoint directory.
+            if not is_data_file(name):
+                raise self.fail(fp, "illegal data file name (expected <rank>-<k>.<save_id>.pyckpt)")
+            self.int_(size, fp, 0, _MAX_FILE_BYTES)
+            full = self.check_file(name, size)
+            self.files[name] = size
+            self.paths[name] = os.path.join(self.root, name) if full is None else full
+            self.ranges[name] = array("Q")
+            if full is not None:  # None: node-local, held by another node
+                self.local_files.add(name)
+
+    def check_file(self, name: str, size: int) -> str | None:
+        """Checks that data file ``name`` (a validated plain name) exists as a regular file of
+        at least ``size`` bytes; returns its full path, or None when it is missing and the
+        checkpoint is node-local (``all_files`` False: another node holds it). Other backends
+        override this."""
+        full = os.path.join(self.root, name)
+        try:
+            st = os.lstat(full)
+        except FileNotFoundError:
+            if not self.all_files:
+                return None
+            raise FileNotFoundError(
+                errno.ENOENT, f"data file of checkpoint {self.root!r} is missing", full
+            ) from None
+        if stat.S_ISLNK(st.st_mode):
+            raise CheckpointFormatError(f"{full}: data file is a symbolic link; pyckpt "
+                                        "does not follow links out of a checkpoint")
+        if not stat.S_ISREG(st.st_mode):
+            raise CheckpointFormatError(f"{full}: data file is not a regular file")
+        if st.st_size < size:
+            raise CheckpointFormatError(
+                f"{full}: data file is truncated: {st.st_size} bytes, expected {size}"
+            )
+        return full
+
+    def untag(self, value: Any, path: str, depth: int) -> Any:
+        if depth > MAX_PLANNER_DEPTH:
+            raise self.fail(path, f"nested deeper than {MAX_PLANNER_DEPTH} levels")
+        t = type(value)
+        if t is dict:
+            if "__tuple__" in value:
+                self.obj(value, path, frozenset(("__tuple__",)))
+                inner = self.lst(value["__tuple__"], f"{path}.__tuple__")
+                return tuple(
+                    self.untag(v, f"{path}.__tuple__[{i}]", depth + 1) for i, v in enumerate(inner)
+                )
+            return {k: self.untag(v, f"{path}[{k!r}]", depth + 1) for k, v in value.items()}
+        if t is list:
+            return [self.untag(v, f"{path}[{i}]", depth + 1) for i, v in enumerate(value)]
+        if t is tuple:  # a chunk-like list the parser compacted (see _object_hook)
+            return [self.untag(v, f"{path}[{i}]", depth + 1)
+                    for i, v in enumerate(value[:4])] + [self.untag(list(value[4]),
+                                                                    f"{path}[4]", depth + 1)]
+        if value is None or t in (str, int, float, bool):
+            return value
+        raise self.fail(path, f"unexpected {_describe(value)}")
+
+    # -- items -------------------------------------------------------------------------------
+
+    def dims(self, value: Any, path: str, n: int | None) -> tuple[int, ...]:
+        dims = self.lst(value, path, MAX_NDIM)
+        if n is not None and len(dims) != n:
+            raise self.fail(path, f"has {len(dims)} entries, the tensor has {n} dimensions")
+        for i, d in enumerate(dims):
+            if type(d) is not int or not 0 <= d <= MAX_NUMEL:
+                raise self.fail(f"{path}[{i}]", f"must be an integer in [0, {MAX_NUMEL}], got "
+                                                f"{_describe(d)}")
+        return tuple(dims)
+
+    def tensor(self, fqn: str, item: dict[str, Any], ip: str) -> StoredTensor:
+        dtype = self.str_(item["dtype"], f"{ip}.dtype")
+        if dtype not in DTYPE_SIZES:
+            raise UnsupportedDtypeError(f"{self.meta}: {ip}.dtype: unsupported dtype {dtype!r}")
+        esize = DTYPE_SIZES[dtype]
+        shape = self.dims(item["shape"], f"{ip}.shape", None)
+        numel = math.prod(shape)
+        if numel > MAX_NUMEL or numel * esize > MAX_ITEM_BYTES:
+            raise self.fail(f"{ip}.shape", f"{list(shape)} holds more than {MAX_NUMEL} elements "
+                                           f"or {MAX_ITEM_BYTES} bytes")
+        requires_grad = item["requires_grad"]
+        if type(requires_grad) is not bool:
+            raise self.fail(f"{ip}.requires_grad", f"must be true or false, got "
+                                                   f"{_describe(requires_grad)}")
+        memory_format = item["memory_format"]
+        if memory_format not in MEMORY_FORMATS or type(memory_format) is not str:
+            raise self.fail(f"{ip}.memory_format", f"must be one of {list(MEMORY_FORMATS)}, got "
+                                                   f"{_describe(memory_format)}")
+        raw_pieces = self.lst(item["pieces"], f"{ip}.pieces")
+        self.count("pieces", len(raw_pieces), MAX_PIECES, "pieces")
+        pieces = []
+        for n, raw in enumerate(raw_pieces):
+            pp = f"{ip}.pieces[{n}]"
+            piece = self.obj(raw, pp, _PIECE_KEYS)
+            offsets = self.dims(piece["offsets"], f"{pp}.offsets", len(shape))
+            sizes = self.dims(piece["sizes"], f"{pp}.sizes", len(shape))
+            for d, (o, s, full) in enumerate(zip(offsets, sizes, shape)):
+                if o > full or s > full - o:
+                    raise self.fail(pp, f"offsets {list(offsets)} + sizes {list(sizes)} leave "
+                                        f"the tensor's shape {list(shape)} (dimension {d})")
+            nbytes = math.prod(sizes) * esize
+            segs = self.segments_of(piece["segments"], nbytes, pp, dtype,
+                                    self.place_seed(fqn, offsets))
+            pieces.append(StoredPiece(offsets, sizes, nbytes, segs))
+        self.check_tiling(ip, shape, numel, pieces)
+        return StoredTensor(fqn, dtype, shape, pieces, requires_grad, memory_format)
+
+    def codec(self, value: Any, path: str, dtype: str) -> CodecParams:
+        if type(value) is list and len(value) == 4:
+            cached = self.params.get((dtype, *value)) if all(
+                type(v) in (str, int) for v in value) else None
+            if cached is not None:
+                return cached
+        params = self.lst(value, path)
+        if len(params) != 4:
+            raise self.fail(path, "must be [codec, level, elem_size, transform]")
+        codec, level, elem_size, transform = params
+        if codec == "none" and type(codec) is str:
+            if params != ["none", 0, 1, "none"] or type(level) is not int or type(
+                    elem_size) is not int:
+                raise self.fail(path, f"codec 'none' is stored as [\"none\", 0, 1, \"none\"], "
+                                      f"got {params}")
+        elif codec == "zstd" and type(codec) is str:
+            self.int_(level, f"{path}[1]", *_ZSTD_LEVELS)
+            if type(transform) is not str or transform not in _TRANSFORM_CODES:
+                raise self.fail(f"{path}[3]", f"unknown transform {_describe(transform)}")
+            expect = (1, "none") if transform == "none" else _GROUPING.get(dtype)
+            if type(elem_size) is not int or (elem_size, transform) != expect:
+                raise self.fail(path, f"elem_size {_describe(elem_size)} and transform "
+                                      f"{transform!r} do not fit dtype {dtype}")
+        else:
+            raise self.fail(f"{path}[0]", f"unknown codec {_describe(codec)}")
+        result = _C.CodecParams(codec, level, elem_size, transform)
+        key = (dtype, *params)
+        self.params[key] = result
+        return result
+
+    def segments_of(
+        self, value: Any, nbytes: int, where: str, dtype: str, seed: int | None = None
+    ) -> list[tuple[str, int, CodecParams, list[tuple[Any, ...]]]]:
+        """Validates the segments of a piece or bytes item. ``seed``: the piece's place seed
+        (format version 3), used to unbind each chunk's checksum from its place."""
+        raw_segments = self.lst(value, f"{where}.segments")
+        self.count("segments", len(raw_segments), MAX_SEGMENTS, "segments")
+        out = []
+        expect = 0
+        for s, raw in enumerate(raw_segments):
+            sp = f"{where}.segments[{s}]"
+            seg = self.obj(raw, sp, _SEGMENT_KEYS)
+            name = seg["file"]
+            if type(name) is not str or name not in self.files:
+                raise self.fail(f"{sp}.file", f"{_describe(name)} is not a data file listed in "
+                                              "'files'")
+            raw_begin = self.int_(seg["raw_begin"], f"{sp}.raw_begin", 0, MAX_ITEM_BYTES)
+            if raw_begin != expect:
+                raise self.fail(f"{sp}.raw_begin", f"segments leave a gap or overlap: {raw_begin}"
+                                                   f", expected {expect}")
+            params = self.codec(seg["codec"], f"{sp}.codec", dtype)
+            chunks = self.lst(seg["chunks"], f"{sp}.chunks")
+            self.count("chunks", len(chunks), MAX_CHUNKS, "chunk records")
+            expect += self.chunks_of(chunks, name, params, sp)
+            if seed is not None:
+                self.unbind(chunks, seed, raw_begin)
+            out.append((self.paths[name], raw_begin, params, chunks))
+        if expect != nbytes:
+            raise self.fail(f"{where}.segments", f"hold {expect} raw bytes, expected {nbytes}")
+        return out
+
+    def chunks_of(self, chunks: list[Any], name: str, params: CodecParams, sp: str) -> int:
+        """Validates the (parser-compacted) chunk records of a segment; returns raw bytes."""
+        size = self.files[name]
+        ranges = self.ranges[name]
+        codec, E, transform = params.codec, params.elem_size, params.transform
+        group_code = _TRANSFORM_CODES[transform] if codec == "zstd" and E > 1 else 0
+        total = 0
+        for j, c in enumerate(chunks):
+            if type(c) is not tuple:  # the parser compacts every well-formed record
+                raise self.fail(f"{sp}.chunks[{j}]", "must be [file_offset, raw_len, xxh64, "
+                                                     "transform, [plane modes and lengths]]")
+            off, raw_len, checksum, tcode, planes = c
+            if type(off) is not int or not 0 <= off <= _MAX_FILE_BYTES:
+                raise self.fail(f"{sp}.chunks[{j}][0]", f"bad file offset {_describe(off)}")
+            if type(raw_len) is not int or not 1 <= raw_len <= MAX_CHUNK_BYTES:
+                raise self.fail(f"{sp}.chunks[{j}][1]", f"raw_len must be an integer in "
+                                                        f"[1, {MAX_CHUNK_BYTES}], got "
+                                                        f"{_describe(raw_len)}")
+            if type(checksum) is not int or not 0 <= checksum < 1 << 64:
+                raise self.fail(f"{sp}.chunks[{j}][2]", f"xxh64 must be an integer in "
+                                                        f"[0, 2**64), got {_describe(checksum)}")
+            grouped = group_code and raw_len % E == 0
+            want = group_code if grouped else 0
+            if type(tcode) is not int or tcode != want:
+                raise self.fail(f"{sp}.chunks[{j}][3]", f"transform code {_describe(tcode)} "
+                                                        f"disagrees with the codec params "
+                                                        f"{codec_params_json(params)} "
+                                                        f"(expected {want})")
+            nplanes = E if grouped else 1
+            if len(planes) != 2 * nplanes:
+                raise self.fail(f"{sp}.chunks[{j}][4]", f"must list {nplanes} (mode, length) "
+                                                        "plane pairs")
+            n = raw_len // nplanes
+            stored = 0
+            for p in range(nplanes):
+                mode, length = planes[2 * p], planes[2 * p + 1]
+                if type(mode) is not int or type(length) is not int:
+                    raise self.fail(f"{sp}.chunks[{j}][4]", "plane modes and lengths must be "
+                                                            "integers")
+                if mode == 0:
+                    ok = length == n
+                elif mode == 1:
+                    ok = codec == "zstd" and 0 < length < n and n <= length * _ZSTD_MAX_RATIO
+                else:
+                    ok = False
+                if not ok:
+                    raise self.fail(f"{sp}.chunks[{j}][4]", f"plane {p} (mode {mode}, "
+                                                            f"{length} bytes) cannot hold {n} "
+                                                            "raw bytes")
+                stored += length
+            if off + stored > size:
+                raise self.fail(f"{sp}.chunks[{j}]", f"stored bytes [{off}, {off + stored}) lie "
+                                                     f"past the end of {name} ({size} bytes)")
+            ranges.append(off)
+            ranges.append(off + stored)
+            total += raw_len
+        return total
+
+    @staticmethod
+    def unbind(chunks: list[Any], seed: int, raw_begin: int) -> None:
+        """Replaces each (validated) record's place-bound checksum with the XXH64 of its stored
+        bytes, which the native reader verifies: a record that was moved to another tensor,
+        piece or offset then fails that check."""
+        pos = raw_begin
+        for j, c in enumerate(chunks):
+            chunks[j] = (c[0], c[1], c[2] ^ chunk_place_key(seed, pos), c[3], c[4])
+            pos += c[1]
+
+    # -- whole-checkpoint checks -------------------------------------------------------------
+
+    def check_tiling(self, ip: str, shape: tuple[int, ...], numel: int,
+                     pieces: list[StoredPiece]) -> None:
+        """The pieces must tile the tensor: no gap, no overlap (empty pieces are allowed)."""
+        if numel == 0:
+            return  # every piece is inside the shape, hence empty
+        boxes = [(n, p) for n, p in enumerate(pieces) if p.nbytes]
+        covered = sum(math.prod(p.sizes) for _, p in boxes)
+        if covered != numel:
+            raise self.fail(f"{ip}.pieces", f"cover {covered} element(s) of the tensor's {numel} "
+                                            f"(shape {list(shape)}): "
+                                            + ("a piece is missing" if covered < numel else
+                                               "pieces overlap"))
+        if len(boxes) == 1:
+            return
+        varying = [d for d in range(len(shape))
+                   if any(p.offsets[d] or p.sizes[d] != shape[d] for _, p in boxes)]
+        if len(varying) == 1:  # slices along one dimension: sort and compare neighbours
+            d = varying[0]
+            order = sorted(boxes, key=lambda b: b[1].offsets[d])
+            for (n0, a), (n1, b) in zip(order, order[1:]):
+                if b.offsets[d] < a.offsets[d] + a.sizes[d]:
+                    raise self.fail(f"{ip}.pieces[{n1}]", f"overlaps {ip}.pieces[{n0}]")
+            return
+        # Cut every varying dimension at every piece boundary; each piece covers a box of grid
+        # cells, and the pieces tile the tensor iff every cell is covered exactly once. The
+        # counters are uint8: with the element total already equal, a count that wraps past
+        # 255 still leaves some other cell at 0.
+        cuts = [sorted({0, shape[d]} | {p.offsets[d] for _, p in boxes}
+                       | {p.offsets[d] + p.sizes[d] for _, p in boxes}) for d in varying]
+        cells = math.prod(len(c) - 1 for c in cuts)
+        if cells > min(_MAX_GRID_CELLS, 16 * len(boxes) + 4096):
+            self.check_irregular_tiling(ip, shape, boxes)
+            return
+        import numpy as np
+
+        where = [{v: i for i, v in enumerate(c)} for c in cuts]
+        grid = np.zeros([len(c) - 1 for c in cuts], dtype=np.uint8)
+        for _, p in boxes:
+            grid[tuple(slice(w[p.offsets[d]], w[p.offsets[d] + p.sizes[d]])
+                       for w, d in zip(where, varying))] += 1
+        bad = np.argwhere(grid != 1)
+        if len(bad):
+            cell = [int(v) for v in bad[0]]
+            element = [0] * len(shape)
+            for k, d in enumerate(varying):
+                element[d] = cuts[k][cell[k]]
+            count = int(grid[tuple(cell)])
+            raise self.fail(f"{ip}.pieces", f"element {element} is covered "
+                                            + ("by no piece" if count == 0 else "more than once"))
+
+    def check_irregular_tiling(self, ip: str, shape: tuple[int, ...],
+                               boxes: list[tuple[int, StoredPiece]]) -> None:
+        if len(boxes) > _MAX_IRREGULAR_PIECES:
+            raise self.fail(f"{ip}.pieces", f"{len(boxes)} pieces that are not a product of "
+                                            f"per-dimension cuts (at most "
+                                            f"{_MAX_IRREGULAR_PIECES} supported)")
+        try:
+            _C.check_tiling(ip, list(shape), [(list(p.offsets), list(p.sizes), f"pieces[{n}]")
+                                              for n, p in boxes])
+        except CheckpointFormatError as e:
+            raise self.fail(f"{ip}.pieces", str(e)) from None
+
+    def check_packing(self, index: CheckpointIndex) -> None:
+        """Every data file is its chunks back to back: no overlap, no gap, nothing after."""
+        import numpy as np
+
+        for name, ranges in self.ranges.items():
+            size = self.files[name]
+            r = np.frombuffer(ranges, dtype=np.uint64).reshape(-1, 2)
+            r = r[np.argsort(r[:, 0], kind="stable")]
+            if len(r) == 0:
+                if size:
+                    raise self.fail(f"files[{name!r}]", f"{size} bytes but no chunk is stored "
+                                                        "in it")
+                continue
+            ends = np.concatenate(([0], r[:-1, 1]))
+            bad = np.nonzero(r[:, 0] != ends)[0]
+            if len(bad):
+                i = int(bad[0])
+                off, prev = int(r[i, 0]), int(ends[i])
+                where = self.chunk_path(index, name, off)
+                if off < prev:
+                    raise self.fail(where, f"stored bytes at offset {off} of {name} overlap "
+                                           f"another chunk's (which end at {prev})")
+                raise self.fail(where, f"bytes [{prev}, {off}) of {name} belong to no chunk")
+            if int(r[-1, 1]) != size:
+                raise self.fail(f"files[{name!r}]", f"records {size} bytes, its chunks end at "
+                                                    f"{int(r[-1, 1])}")
+
+    def chunk_path(self, index: CheckpointIndex, name: str, off: int) -> str:
+        """The key path of the chunk stored at ``off`` of data file ``name`` (for messages)."""
+        full = self.paths[name]
+        found = f"files[{name!r}]"
+        walk: list[tuple[str, list[Any]]] = [
+            (f"items[{b.fqn!r}]", b.segments) for b in index.bytes_items.values()
+        ] + [
+            (f"items[{t.fqn!r}].pieces[{n}]", p.segments)
+            for t in index.tensors.values() for n, p in enumerate(t.pieces)
+        ]
+        for where, segments in walk:
+            for s, (path, _, _, chunks) in enumerate(segments):
+                if path != full:
+                    continue
+                for j, c in enumerate(chunks):
+                    if c[0] == off:
+                        found = f"{where}.segments[{s}].chunks[{j}]"
+        return found
+
