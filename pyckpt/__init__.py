@@ -6,6 +6,7 @@ Public API (torch-dependent names are imported lazily, so ``import pyckpt`` stay
 * :class:`SavePlanner` -- DCP save planner that spreads replicated state over ranks by bytes.
 * :func:`save` / :func:`load` -- one-line conveniences using the above.
 * :func:`consolidate` -- rank-partitioned export to Hugging Face safetensors.
+* :class:`CheckpointManager` -- node-local fast tier with peer replicas, durable tier, retention.
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ from pyckpt.errors import (
     ExportNameCollisionError,
     PyckptError,
     ReplicaMismatchError,
+    TierBudgetError,
+    TierWarning,
     UnsupportedDtypeError,
 )
 
@@ -37,6 +40,7 @@ __all__ = [
     "save",
     "load",
     "consolidate",
+    "CheckpointManager",
     "errors",
     "PyckptError",
     "CheckpointFormatError",
@@ -45,6 +49,8 @@ __all__ = [
     "CudaError",
     "ExportNameCollisionError",
     "ReplicaMismatchError",
+    "TierBudgetError",
+    "TierWarning",
     "UnsupportedDtypeError",
 ]
 
@@ -54,6 +60,7 @@ _LAZY = {
     "SavePlanner": "pyckpt.planner",
     "save": "pyckpt.api",
     "load": "pyckpt.api",
+    "CheckpointManager": "pyckpt.manager",
 }
 
 
