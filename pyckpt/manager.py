@@ -583,7 +583,7 @@ class CheckpointManager:
         g = self._group
         reader = _CountingReader(self.tier.step_dir(step), shared_filesystem=False,
                                  process_group=g.pg)
-        with reader, _typed_errors():
+        with reader, _single_process_quiet(), _typed_errors():
             dcp.load(state, storage_reader=reader, planner=load_planner(),
                      process_group=g.pg)
         info.bytes_peer = reader.bytes_from_peers
@@ -617,7 +617,7 @@ class CheckpointManager:
         if not partial:
             with Reader(self.store.step_location(step),
                         storage_options=self.store.storage_options or None) as reader, \
-                    _typed_errors():
+                    _single_process_quiet(), _typed_errors():
                 dcp.load(state, storage_reader=reader, planner=load_planner(),
                          process_group=g.pg)
             nbytes = reader.bytes_fetched or reader.bytes_read
