@@ -302,15 +302,18 @@ class LocalTier:
 class DurableStore:
     """The durable tier: one pyckpt checkpoint per step under a base location.
 
-    Counters (this process): ``data_bytes_read`` / ``data_files_read`` (data files fetched
-    back), ``metadata_reads``, ``bytes_written``.
+    Counters (this process): ``data_bytes_read`` (every data byte read back, by fetches and by
+    direct loads), ``data_files_fetched`` (files fetched whole by :meth:`fetch_file`),
+    ``direct_loads`` (steps read straight from this tier), ``metadata_reads``,
+    ``bytes_written``.
     """
 
     url: str
 
     def __init__(self) -> None:
         self.data_bytes_read = 0
-        self.data_files_read = 0
+        self.data_files_fetched = 0
+        self.direct_loads = 0
         self.metadata_reads = 0
         self.bytes_written = 0
         self._lock = threading.Lock()
@@ -318,7 +321,13 @@ class DurableStore:
     def _count_read(self, nbytes: int) -> None:
         with self._lock:
             self.data_bytes_read += nbytes
-            self.data_files_read += 1
+            self.data_files_fetched += 1
+
+    def count_direct_load(self, nbytes: int) -> None:
+        """Records a load that read ``nbytes`` of a step straight from this tier."""
+        with self._lock:
+            self.data_bytes_read += nbytes
+            self.direct_loads += 1
 
     def _count_write(self, nbytes: int) -> None:
         with self._lock:

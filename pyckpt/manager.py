@@ -622,7 +622,7 @@ class CheckpointManager:
                          process_group=g.pg)
             nbytes = reader.bytes_fetched or reader.bytes_read
             info.bytes_durable = nbytes
-            self.store._count_read(nbytes)
+            self.store.count_direct_load(nbytes)
             return info
         # Fetch only the data files no node holds, into the fast tier, then load from there.
         assert self.tier is not None and document is not None

@@ -237,7 +237,8 @@ def main(spec_path: str) -> None:
         out["info"] = vars(mgr.last_restore) if mgr.last_restore else None
         out["warnings"] = [(type(w.message).__name__, str(w.message)) for w in caught]
         out["durable_data_bytes_read"] = mgr.store.data_bytes_read
-        out["durable_data_files_read"] = mgr.store.data_files_read
+        out["durable_data_files_fetched"] = mgr.store.data_files_fetched
+        out["durable_direct_loads"] = mgr.store.direct_loads
         out["durable_metadata_reads"] = mgr.store.metadata_reads
     mgr.close()
     with open(os.path.join(root, "results", f"{spec['tag']}-{rank}.json"), "w") as fh:
