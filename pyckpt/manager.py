@@ -132,15 +132,29 @@ def _state_bytes(state: Any) -> int:
     return total
 
 
-def _own_group(process_group: Any) -> Group:
+# (ranks, purpose) -> (the default group it was made under, the gloo group). Groups are kept
+# for the life of the default group and reused by later managers: destroying a subgroup makes
+# torch give the next one over the same ranks the same store prefix as an earlier one, whose
+# stale keys then break its rendezvous.
+_GROUPS: dict[tuple[tuple[int, ...], str], tuple[Any, Any]] = {}
+_GROUPS_LOCK = threading.Lock()
+
+
+def _own_group(process_group: Any, purpose: str) -> Group:
     """A gloo group over the ranks of ``process_group`` (or one process), for the manager's
     background collectives, so they never interleave with the training's on its group."""
     if not (dist.is_available() and dist.is_initialized()):
         if process_group is not None:
             raise ValueError("process_group given but torch.distributed is not initialised")
         return Group(None, 0, 1, False)
-    ranks = dist.get_process_group_ranks(process_group or dist.group.WORLD)
-    pg = dist.new_group(ranks, backend="gloo", use_local_synchronization=True)
+    ranks = tuple(dist.get_process_group_ranks(process_group or dist.group.WORLD))
+    world = dist.group.WORLD
+    with _GROUPS_LOCK:
+        made = _GROUPS.get((ranks, purpose))
+        if made is None or made[0] is not world:
+            pg = dist.new_group(list(ranks), backend="gloo", use_local_synchronization=True)
+            made = _GROUPS[(ranks, purpose)] = (world, pg)
+    pg = made[1]
     return Group(pg, dist.get_rank(pg), dist.get_world_size(pg), True)
 
 
@@ -225,8 +239,9 @@ class CheckpointManager:
         self.store: DurableStore = open_durable(durable, storage_options, self._fsync)
         self.tier = None if local is None else LocalTier(local, self._fsync)
         self.node = node_identity(node)
-        self._group = _own_group(process_group)
-        self._persist_group = _own_group(process_group) if self.tier is not None else self._group
+        self._group = _own_group(process_group, "fast")
+        self._persist_group = (_own_group(process_group, "persist") if self.tier is not None
+                               else self._group)
         self.nodes: list[str] = all_gather(self.node, self._group)
         self.replicas = replicas if self.tier is not None else 0
         if self.tier is not None:
@@ -348,8 +363,9 @@ class CheckpointManager:
         self._raise_failure()
 
     def close(self) -> None:
-        """Waits for the work in flight (raising its failure), then releases the threads,
-        buffers and process groups. Idempotent."""
+        """Waits for the work in flight (raising its failure), then releases the threads and
+        buffers. Idempotent. (The manager's gloo groups stay for later managers over the same
+        ranks; they end with the default process group.)"""
         if self._closed:
             return
         try:
@@ -361,10 +377,6 @@ class CheckpointManager:
             for w in (self._fast_writer, self._durable_writer):
                 if w is not None:
                     w.close()
-            for grp in {id(self._group): self._group,
-                        id(self._persist_group): self._persist_group}.values():
-                if grp.distributed:
-                    dist.destroy_process_group(grp.pg)
 
     def __enter__(self) -> CheckpointManager:
         return self

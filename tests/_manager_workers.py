@@ -227,6 +227,11 @@ def main(spec_path: str) -> None:
         out["saved"] = [s for s in futures if s is not None]
         out["footprint"] = mgr.footprint()
         out["last_save"] = vars(mgr.last_save) if mgr.last_save else None
+        mgr.close()
+        # A later manager in the same process (a restart of the loop) reuses the groups.
+        mgr = pyckpt.CheckpointManager(durable, local=local if spec.get("fast", True) else None,
+                                       storage_options=spec.get("storage_options"), **options)
+        out["steps_seen"] = mgr.steps()
     elif spec["action"] == "restore":
         state = make_state(0, world, zeros=True)
         with warnings.catch_warnings(record=True) as caught:
