@@ -413,3 +413,23 @@ def test_crash_during_persistence_never_commits_the_durable_step(tmp_path: Path)
         assert res["step"] == 2 and res["bad"] == [] and res["info"]["tier"] == "durable", res
         assert [w[0] for w in res["warnings"]] == ["TierWarning"]
         assert "step 2" in res["warnings"][0][1]
+
+
+@pytest.mark.gpu
+def test_gpu_state_saved_and_restored_into_cuda_tensors(tmp_path: Path) -> None:
+    dev = torch.device("cuda")
+    state = {k: (v.to(dev) if isinstance(v, torch.Tensor) else v) for k, v in _state(4).items()}
+    with _mgr(tmp_path) as mgr:
+        fut = mgr.save(4, state)
+        assert fut is not None
+        for v in state.values():  # training goes on: the save holds its own copy
+            if isinstance(v, torch.Tensor):
+                v.zero_()
+        assert fut.result(timeout=120) == 4
+        mgr.wait()
+        sd = {k: (torch.zeros_like(v, device=dev) if isinstance(v, torch.Tensor) else v)
+              for k, v in _state(0, zeros=True).items()}
+        assert mgr.restore(sd) == 4
+        assert all(v.is_cuda for v in sd.values() if isinstance(v, torch.Tensor))
+        assert _same({k: (v.cpu() if isinstance(v, torch.Tensor) else v) for k, v in sd.items()},
+                     _state(4))
