@@ -5,9 +5,10 @@ variables. Each node's fast tier is its own directory (``<work>/nodes/n<k>``, tm
 under /dev/shm); the durable tier is ``<work>/durable`` or ``--durable s3://...``. Steps, in one
 run on one machine:
 
-1. every rank saves ``--size-mib`` MiB of bf16 state (its shard) with a CheckpointManager
-   (replicas=1, persisted to durable); the save's blocking time and the replication time and
-   bytes are reported;
+1. every rank saves ``--size-mib`` MiB of bf16 state (its shard) with ``dcp.async_save`` and
+   pyckpt's Writer (the baseline blocking time), then with a CheckpointManager (replicas=1,
+   persisted to durable); the save's blocking time and the replication time and bytes are
+   reported;
 2. node 1 is lost (its fast-tier directory is deleted; its ranks restart with nothing);
 3. every rank restores from the fast tier (node 0's files + replicas) -- timed;
 4. every rank restores the same step from the durable tier alone -- timed.
@@ -55,6 +56,22 @@ def _rank_main(args: argparse.Namespace) -> None:
         return {"w": distribute_tensor(src, mesh, [Shard(0)], src_data_rank=None)}
 
     out: dict[str, Any] = {"rank": rank, "node": node}
+    # Baseline for the save's blocking time: pyckpt's own dcp.async_save of the same state,
+    # node-local, into the same fast-tier directory's parent.
+    import torch.distributed.checkpoint as dcp
+
+    with pyckpt.Writer(os.path.join(local, "baseline"), args.compression,
+                       shared_filesystem=False) as writer:
+        sd0 = state(False)
+        dist.barrier()
+        t0 = time.perf_counter()
+        pending = dcp.async_save(sd0, storage_writer=writer)
+        out["async_save_blocking_s"] = time.perf_counter() - t0
+        pending.result()
+    dist.barrier()
+    if rank % args.per_node == 0:
+        shutil.rmtree(os.path.join(local, "baseline"))
+    dist.barrier()
     mgr = pyckpt.CheckpointManager(durable, local=local, replicas=1, save_every=1,
                                    persist_every=1, compression=args.compression)
     sd = state(False)
@@ -121,6 +138,7 @@ def _summary(ranks: list[dict[str, Any]], args: argparse.Namespace) -> dict[str,
     return {
         "ranks": len(ranks), "nodes": args.nodes, "size_mib_per_rank": args.size_mib,
         "compression": args.compression, "durable": args.durable or "local directory",
+        "async_save_blocking_s_max": mx("async_save_blocking_s"),
         "save_blocking_s_max": mx("save_blocking_s"),
         "save_write_s_max": mx("save_write_s"),
         "replication_s_max": mx("replication_s"),
