@@ -101,7 +101,7 @@ class ExportNameCollisionError(PyckptError, ValueError):
         return type(self), (self.name, self.sources)
 
 
-class TierBudgetError(PyckptError, MemoryError):
+class TierBudgetError(PyckptError):
     """A :class:`pyckpt.CheckpointManager` save would take a node's fast tier over its
     ``local_budget_bytes``; raised on every rank before anything of the save is written.
 

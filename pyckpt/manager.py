@@ -296,11 +296,11 @@ class CheckpointManager:
         if self.tier is not None:
             assert self._fast_writer is not None
             self._check_budget(state)
-            staged = self._fast_writer.stage(state)
+            staged = self._stage(self._fast_writer, state)
             fut = self._save_ex.submit(self._fast_save, step, staged, info)
         else:
             assert self._durable_writer is not None
-            staged = self._durable_writer.stage(state)
+            staged = self._stage(self._durable_writer, state)
             fut = self._save_ex.submit(self._durable_save, step, staged, info)
         info.blocking_s = time.perf_counter() - t0
         self._fast_future = fut
@@ -710,6 +710,18 @@ class CheckpointManager:
         exc, self._failure = self._failure, None
         if exc is not None:
             logger.warning("pyckpt: a checkpoint save failed before this restore: %r", exc)
+
+    def _stage(self, writer: Writer, state: Any) -> Any:
+        """``writer.stage(state)`` on every rank; a failure on any rank (a CUDA error) is raised
+        on every rank before any background work starts, so no rank waits for it."""
+        staged, error = None, None
+        try:
+            staged = writer.stage(state)
+        except Exception as e:
+            error = e
+        statuses = all_gather(None if error is None else portable(error), self._group)
+        _raise_any(statuses, self._group.rank, error, "staging the state")
+        return staged
 
     def _check_budget(self, state: Any) -> None:
         if self.local_budget_bytes is None:
