@@ -7,6 +7,7 @@ Public API (torch-dependent names are imported lazily, so ``import pyckpt`` stay
 * :func:`save` / :func:`load` -- one-line conveniences using the above.
 * :func:`consolidate` -- rank-partitioned export to Hugging Face safetensors.
 * :func:`find_error` -- pyckpt's error inside DCP's ``CheckpointException`` wrapper.
+* :class:`CheckpointManager` -- node-local fast tier with peer replicas, durable tier, retention.
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ from pyckpt.errors import (
     ExportNameCollisionError,
     PyckptError,
     ReplicaMismatchError,
+    TierBudgetError,
+    TierWarning,
     UnsupportedDtypeError,
     find_error,
 )
@@ -39,6 +42,7 @@ __all__ = [
     "save",
     "load",
     "consolidate",
+    "CheckpointManager",
     "errors",
     "PyckptError",
     "CheckpointFormatError",
@@ -47,6 +51,8 @@ __all__ = [
     "CudaError",
     "ExportNameCollisionError",
     "ReplicaMismatchError",
+    "TierBudgetError",
+    "TierWarning",
     "UnsupportedDtypeError",
     "find_error",
 ]
@@ -57,6 +63,7 @@ _LAZY = {
     "SavePlanner": "pyckpt.planner",
     "save": "pyckpt.api",
     "load": "pyckpt.api",
+    "CheckpointManager": "pyckpt.manager",
 }
 
 

@@ -23,6 +23,8 @@ __all__ = [
     "NoCredentialsError",
     "ConcurrentSaveError",
     "ExportNameCollisionError",
+    "TierBudgetError",
+    "TierWarning",
 ]
 
 
@@ -181,3 +183,24 @@ def find_error(
         todo[:0] = inner  # a wrapper's contents come before what wrapped it
         todo.extend(x for x in (e.__cause__, e.__context__) if x is not None)
     return None
+class TierBudgetError(PyckptError):
+    """A :class:`pyckpt.CheckpointManager` save would take a node's fast tier over its
+    ``local_budget_bytes``; raised on every rank before anything of the save is written.
+
+    Attributes:
+        node: the node id. projected: the bytes the node's fast tier would hold. budget: the limit.
+    """
+
+    def __init__(self, message: str, node: str = "", projected: int = 0, budget: int = 0) -> None:
+        super().__init__(message)
+        self.node = node
+        self.projected = projected
+        self.budget = budget
+
+    def __reduce__(self) -> tuple[type[TierBudgetError], tuple[str, str, int, int]]:
+        return type(self), (str(self), self.node, self.projected, self.budget)
+
+
+class TierWarning(UserWarning):
+    """A :class:`pyckpt.CheckpointManager` restore came from the durable tier although a fast
+    tier is configured (the message names the step and what the fast tier lacked)."""

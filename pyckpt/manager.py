@@ -1,0 +1,758 @@
+"""``pyckpt.CheckpointManager``: a node-local fast tier with peer replicas, a durable tier
+written in the background, retention, and restore from the newest complete step.
+
+See docs/TIERS.md for the tiers, the commit rule of each, and the failures each configuration
+survives. The file operations live in :mod:`pyckpt._tier_io`, the replica transfers in
+:mod:`pyckpt._replicate`; this module decides what happens when.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import time
+import warnings
+from collections.abc import Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner
+from torch.futures import Future as TorchFuture
+
+from pyckpt import _format, _peer
+from pyckpt._collective import Group, add_note, agree, all_gather, portable
+from pyckpt._replicate import DEFAULT_WINDOW, node_order, replicate, ring_targets
+from pyckpt._tensors import local_view
+from pyckpt._tier_io import DurableStore, LocalTier, StepView, open_durable
+from pyckpt.api import _single_process_quiet, _typed_errors, load_planner
+from pyckpt.errors import PyckptError, TierBudgetError, TierWarning
+from pyckpt.planner import SavePlanner
+from pyckpt.storage import Reader, Writer
+
+__all__ = ["CheckpointManager", "SaveInfo", "RestoreInfo", "node_identity"]
+
+logger = logging.getLogger(__name__)
+
+
+def node_identity(node: str | int | None = None) -> str:
+    """This process's node id: ``node`` when given; torchrun's ``GROUP_RANK`` when torchrun's
+    variables are set (``GROUP_RANK`` and ``LOCAL_WORLD_SIZE``); else the host name."""
+    if node is not None:
+        return str(node)
+    if os.environ.get("GROUP_RANK") and os.environ.get("LOCAL_WORLD_SIZE"):
+        return os.environ["GROUP_RANK"]
+    return socket.gethostname()
+
+
+@dataclass
+class SaveInfo:
+    """What one fast-tier (or durable-only) save did, on this rank.
+
+    Attributes:
+        step: the step saved.
+        blocking_s: time :meth:`CheckpointManager.save` held the caller (staging included).
+        write_s: the node-local (or durable) save in the background.
+        replication_s: sending and receiving the replicas, checking and committing them.
+        bytes_sent / bytes_received: replica bytes this rank sent / received over the group.
+        footprint_bytes: the fast tier's bytes on this node after the save and retention.
+    """
+
+    step: int
+    blocking_s: float = 0.0
+    write_s: float = 0.0
+    replication_s: float = 0.0
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    footprint_bytes: int = 0
+
+
+@dataclass
+class RestoreInfo:
+    """Where a restore's bytes came from, on this rank.
+
+    Attributes:
+        step: the step restored (None: nothing to restore).
+        tier: ``"fast"`` (this node's files and peers' replicas) or ``"durable"``.
+        bytes_local: stored bytes read from this node's fast tier.
+        bytes_peer: stored bytes received from other ranks over the group.
+        bytes_durable: bytes read from the durable tier (data files).
+        fast_tier_lacked: why the fast tier could not serve a newer step (None when it served).
+    """
+
+    step: int | None
+    tier: str | None = None
+    bytes_local: int = 0
+    bytes_peer: int = 0
+    bytes_durable: int = 0
+    fast_tier_lacked: str | None = None
+
+
+@dataclass
+class _FastStep:
+    save_id: str
+    files: dict[str, int]
+    holders: dict[str, list[str]] = field(default_factory=dict)
+
+
+class _CountingReader(Reader):
+    """A node-local :class:`Reader` that also counts the stored bytes received from peers."""
+
+    bytes_from_peers = 0
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> TorchFuture[None]:
+        if self._peer_files is None:
+            return super().read_data(plan, planner)
+        exchange = _peer.Exchange(self._peer_files, self._native.pool())
+        try:
+            fut = self._read_data(plan, planner, exchange)
+        except Exception as e:
+            exchange.finish(e)
+            raise
+        exchange.finish()
+        self.bytes_from_peers += exchange.bytes_received
+        return fut
+
+
+def _state_bytes(state: Any) -> int:
+    """Bytes of the tensors ``state`` holds in this process (an upper bound on what this rank
+    writes: stored chunks are never larger than raw, and replicated tensors are split)."""
+    from torch.utils._pytree import tree_flatten
+
+    total = 0
+    for leaf in tree_flatten(state)[0]:
+        if isinstance(leaf, torch.Tensor):
+            t = local_view(leaf)
+            total += t.numel() * t.element_size()
+    return total
+
+
+# (ranks, purpose) -> (the default group it was made under, the gloo group). Groups are kept
+# for the life of the default group and reused by later managers: destroying a subgroup makes
+# torch give the next one over the same ranks the same store prefix as an earlier one, whose
+# stale keys then break its rendezvous.
+_GROUPS: dict[tuple[tuple[int, ...], str], tuple[Any, Any]] = {}
+_GROUPS_LOCK = threading.Lock()
+
+
+def _own_group(process_group: Any, purpose: str) -> Group:
+    """A gloo group over the ranks of ``process_group`` (or one process), for the manager's
+    background collectives, so they never interleave with the training's on its group."""
+    if not (dist.is_available() and dist.is_initialized()):
+        if process_group is not None:
+            raise ValueError("process_group given but torch.distributed is not initialised")
+        return Group(None, 0, 1, False)
+    ranks = tuple(dist.get_process_group_ranks(process_group or dist.group.WORLD))
+    world = dist.group.WORLD
+    with _GROUPS_LOCK:
+        made = _GROUPS.get((ranks, purpose))
+        if made is None or made[0] is not world:
+            pg = dist.new_group(list(ranks), backend="gloo", use_local_synchronization=True)
+            made = _GROUPS[(ranks, purpose)] = (world, pg)
+    pg = made[1]
+    return Group(pg, dist.get_rank(pg), dist.get_world_size(pg), True)
+
+
+class CheckpointManager:
+    """Saves a training's state every ``save_every`` steps into a node-local fast tier with
+    peer replicas, persists every ``persist_every`` steps to a durable tier in the background,
+    keeps the newest complete steps, and restores the newest step complete in any tier.
+
+    Args:
+        durable: the durable tier: a directory (shared or not) or ``s3://bucket/prefix``.
+            Step ``N`` is the pyckpt checkpoint ``<durable>/step-<N>`` (``pyckpt.load`` reads it).
+        local: the fast tier's directory on each node (e.g. ``/dev/shm/pyckpt``; the same path
+            on every node, never shared between nodes). None: every save goes to ``durable``.
+        replicas: copies of each node's fast-tier files kept on other nodes (0 .. nodes-1).
+        save_every: :meth:`save` writes steps that are multiples of this (others are no-ops).
+        persist_every: saved steps that are multiples of this are also copied to ``durable``.
+        keep_local / keep_durable: complete steps kept per tier (>= 1); older ones are deleted
+            only once a newer step is complete there.
+        compression: ``"zstd"`` or None (see :class:`pyckpt.Writer`).
+        process_group: the group of the training's ranks (default: the default group). The
+            manager makes its own gloo groups over the same ranks for its background work.
+        node: this rank's node id (default: :func:`node_identity`).
+        local_budget_bytes: the most bytes the fast tier may hold on a node; a save that could
+            exceed it raises :class:`pyckpt.TierBudgetError` before writing. The estimate per
+            node is the present footprint + the raw bytes of the node's ranks' state + those of
+            the nodes it keeps replicas of (retention runs only after a save completes, so the
+            budget must hold ``keep_local + 1`` steps).
+        storage_options: client settings for an ``s3://`` durable tier.
+        fsync: fsync data and metadata (default ``PYCKPT_FSYNC`` or True).
+        replication_window_bytes: replica bytes each rank sends per round (memory bound).
+        check_replicas: see :func:`pyckpt.save`.
+        writer_options: more :class:`pyckpt.Writer` options (``threads``, ``chunk_bytes``, ...).
+
+    Raises:
+        ValueError: invalid arguments, or ``replicas`` not below the number of nodes.
+
+    Collective: the constructor, :meth:`save` (for due steps), :meth:`restore`, :meth:`wait`
+    and :meth:`close` must be called by every rank of the group at the same points.
+
+    Thread-safety: one thread drives a manager; its background work runs on two threads of its
+    own (fast tier; durable tier), each with its own process group.
+    """
+
+    def __init__(
+        self,
+        durable: str | os.PathLike[str],
+        local: str | os.PathLike[str] | None = None,
+        replicas: int = 1,
+        save_every: int = 1,
+        persist_every: int = 10,
+        keep_local: int = 2,
+        keep_durable: int = 3,
+        compression: str | None = "zstd",
+        process_group: Any = None,
+        node: str | int | None = None,
+        *,
+        local_budget_bytes: int | None = None,
+        storage_options: Mapping[str, Any] | None = None,
+        fsync: bool | None = None,
+        replication_window_bytes: int = DEFAULT_WINDOW,
+        check_replicas: bool | str = True,
+        writer_options: Mapping[str, Any] | None = None,
+    ) -> None:
+        for name, value, low in (("replicas", replicas, 0), ("save_every", save_every, 1),
+                                 ("persist_every", persist_every, 1),
+                                 ("keep_local", keep_local, 1), ("keep_durable", keep_durable, 1),
+                                 ("replication_window_bytes", replication_window_bytes, 1)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < low:
+                raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
+        if local_budget_bytes is not None and local_budget_bytes < 0:
+            raise ValueError(f"local_budget_bytes must be >= 0, got {local_budget_bytes}")
+        from pyckpt import _knobs
+
+        self.save_every = save_every
+        self.persist_every = persist_every
+        self.keep_local = keep_local
+        self.keep_durable = keep_durable
+        self.local_budget_bytes = local_budget_bytes
+        self.replication_window_bytes = replication_window_bytes
+        self.check_replicas = check_replicas
+        self._fsync = _knobs.fsync() if fsync is None else bool(fsync)
+        self.store: DurableStore = open_durable(durable, storage_options, self._fsync)
+        self.tier = None if local is None else LocalTier(local, self._fsync)
+        self.node = node_identity(node)
+        self._group = _own_group(process_group, "fast")
+        self._persist_group = (_own_group(process_group, "persist") if self.tier is not None
+                               else self._group)
+        self.nodes: list[str] = all_gather(self.node, self._group)
+        self.replicas = replicas if self.tier is not None else 0
+        if self.tier is not None:
+            ring_targets(self.nodes, self.replicas)  # same ValueError on every rank
+        me = self._group.rank
+        self._leader = me == min(r for r, n in enumerate(self.nodes) if n == self.node)
+        options = dict(writer_options or {})
+        options.setdefault("fsync", self._fsync)
+        self._fast_writer = (None if self.tier is None else
+                             Writer(self.tier.root, compression, shared_filesystem=False,
+                                    **options))
+        self._durable_writer = (None if self.tier is not None else
+                                Writer(self.store.url, compression,
+                                       storage_options=self.store.storage_options or None,
+                                       **options))
+        self._save_ex = ThreadPoolExecutor(1, thread_name_prefix="pyckpt-manager-save")
+        self._persist_ex = ThreadPoolExecutor(1, thread_name_prefix="pyckpt-manager-persist")
+        self._fast_future: Future[int] | None = None
+        self._persist_future: Future[int] | None = None
+        self._failure: BaseException | None = None
+        self._pinned: set[int] = set()  # fast-tier steps being persisted (not to be deleted)
+        self._pinned_lock = threading.Lock()
+        self._closed = False
+        self.last_save: SaveInfo | None = None
+        self.last_restore: RestoreInfo | None = None
+        self.last_persisted: int | None = None
+
+    # -- public API --------------------------------------------------------------------------
+
+    def save(self, step: int, state: Any, *, force: bool = False) -> Future[int] | None:
+        """Saves ``state`` as ``step`` when it is due (``step % save_every == 0``, or
+        ``force``); returns once the state is staged (copied; training may go on), with a future
+        that completes (with ``step``) when the step is complete in the fast tier (or, without
+        one, in the durable tier). Returns None for a step that is not due.
+
+        A save first waits for the previous one's fast-tier work. A failure of earlier
+        background work is raised here (once) or by :meth:`wait`.
+
+        Raises:
+            TierBudgetError: the save would take a node's fast tier over ``local_budget_bytes``
+                (on every rank, before anything is written).
+        """
+        self._check_open()
+        if not isinstance(step, int) or step < 0:
+            raise ValueError(f"step must be a non-negative integer, got {step!r}")
+        if not force and step % self.save_every:
+            return None
+        t0 = time.perf_counter()
+        self._settle(self._fast_future)
+        self._raise_failure()
+        info = SaveInfo(step)
+        if self.tier is not None:
+            assert self._fast_writer is not None
+            self._check_budget(state)
+            staged = self._stage(self._fast_writer, state)
+            fut = self._save_ex.submit(self._fast_save, step, staged, info)
+        else:
+            assert self._durable_writer is not None
+            staged = self._stage(self._durable_writer, state)
+            fut = self._save_ex.submit(self._durable_save, step, staged, info)
+        info.blocking_s = time.perf_counter() - t0
+        self._fast_future = fut
+        return fut
+
+    def restore(self, state: Any) -> int | None:
+        """Loads the newest step complete in any tier into ``state`` (in place); returns the
+        step, or None when no tier holds a complete step.
+
+        The ranks agree on what each sees (one all-gather): a fast-tier step counts when its
+        completion marker survives on some node and every data file is held by a surviving
+        node; it is read from this node's files first, then from peers over the group. A
+        durable step newer than every such step is read from the durable tier; then, with a
+        fast tier configured, a :class:`pyckpt.TierWarning` names the step and what the fast
+        tier lacked, and data files of that step still held by some node are read from there
+        (only the others are fetched from the durable tier). ``last_restore`` says where this
+        rank's bytes came from.
+        """
+        self._check_open()
+        self._drain()
+        g = self._group
+        views: dict[int, StepView] = {}
+        durable: dict[int, bool] | None = None
+        error: BaseException | None = None
+        try:
+            if self.tier is not None:
+                views = self.tier.scan()
+            if g.rank == 0:
+                durable = self.store.list_steps()
+        except Exception as e:
+            error = e
+        gathered = all_gather((views, durable, None if error is None else portable(error)), g)
+        _raise_any([e for _, _, e in gathered], g.rank, error, "listing the checkpoint tiers")
+        all_views = [v for v, _, _ in gathered]
+        durable_steps = sorted(s for s, done in (gathered[0][1] or {}).items() if done)
+        fast, lacked = self._fast_steps(all_views)
+        best_fast = max(fast) if fast else None
+        best_durable = durable_steps[-1] if durable_steps else None
+        if best_fast is None and best_durable is None:
+            self.last_restore = RestoreInfo(None, fast_tier_lacked=lacked)
+            return None
+        if best_fast is not None and (best_durable is None or best_fast >= best_durable):
+            info = self._load_fast(state, best_fast, fast[best_fast].save_id)
+        else:
+            assert best_durable is not None
+            if self.tier is not None:
+                warnings.warn(TierWarning(
+                    f"pyckpt: restoring step {best_durable} from the durable tier "
+                    f"{self.store.step_location(best_durable)}: {lacked}"), stacklevel=2)
+            info = self._load_durable(state, best_durable, all_views)
+            info.fast_tier_lacked = lacked if self.tier is not None else None
+        self._drop_newer(info.step)
+        self.last_restore = info
+        return info.step
+
+    def wait(self) -> None:
+        """Waits for every save and persistence in flight; raises the first failure of any."""
+        self._settle(self._fast_future)
+        self._settle(self._persist_future)
+        self._raise_failure()
+
+    def close(self) -> None:
+        """Waits for the work in flight (raising its failure), then releases the threads and
+        buffers. Idempotent. (The manager's gloo groups stay for later managers over the same
+        ranks; they end with the default process group.)"""
+        if self._closed:
+            return
+        try:
+            self.wait()
+        finally:
+            self._closed = True
+            self._save_ex.shutdown(wait=True)
+            self._persist_ex.shutdown(wait=True)
+            for w in (self._fast_writer, self._durable_writer):
+                if w is not None:
+                    w.close()
+
+    def __enter__(self) -> CheckpointManager:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def footprint(self) -> int:
+        """Bytes the fast tier holds on this node now (0 without a fast tier)."""
+        return 0 if self.tier is None else self.tier.footprint()
+
+    def steps(self) -> dict[str, list[int]]:
+        """Complete steps this rank sees: ``{"local": [...], "durable": [...]}`` (not
+        collective: the fast tier as marked on this node)."""
+        local = [] if self.tier is None else [
+            s for s in self.tier.steps() if self.tier.read_marker(s) is not None]
+        durable = sorted(s for s, done in self.store.list_steps().items() if done)
+        return {"local": local, "durable": durable}
+
+    # -- background work ---------------------------------------------------------------------
+
+    def _fast_save(self, step: int, staged: Any, info: SaveInfo) -> int:
+        tier, g = self.tier, self._group
+        assert tier is not None and self._fast_writer is not None
+        t0 = time.perf_counter()
+        agree(lambda: tier.prepare(step) if self._leader else None, g,
+              what=f"preparing fast-tier step {step}")
+        path = tier.step_dir(step)
+        agree(lambda: tier.ensure(step), g, what=f"preparing fast-tier step {step}")
+        with _single_process_quiet(), _typed_errors():
+            dcp.save(staged, storage_writer=self._fast_writer, checkpoint_id=path,
+                     planner=SavePlanner(check_replicas=self.check_replicas),  # type: ignore[arg-type]
+                     process_group=g.pg)
+        info.write_s = time.perf_counter() - t0
+        t1 = time.perf_counter()
+        index = _format.read_index(path, all_files=False)
+        own = [(n, os.path.join(path, n)) for n in sorted(index.local_files)
+               if _format.data_file_rank(n) == g.rank]
+        stats = replicate(g, tier, step, own, self.nodes, self.replicas,
+                          self.replication_window_bytes)
+        info.bytes_sent, info.bytes_received = stats.bytes_sent, stats.bytes_received
+        holders = self._confirm_copies(step, index)
+        record = {"save_id": index.save_id, "replicas": self.replicas,
+                  "nodes": node_order(self.nodes), "holders": holders}
+        agree(lambda: tier.write_marker(step, record) if self._leader else None, g,
+              what=f"committing fast-tier step {step}")
+        info.replication_s = time.perf_counter() - t1
+        if step % self.persist_every == 0:
+            self._settle(self._persist_future)
+            with self._pinned_lock:
+                self._pinned.add(step)
+            try:
+                self._persist_future = self._persist_ex.submit(
+                    self._persist, step, dict(index.files), holders)
+            except BaseException:
+                with self._pinned_lock:
+                    self._pinned.discard(step)
+                raise
+        agree(lambda: self._retain_local(step) if self._leader else None, g,
+              what="deleting old fast-tier steps")
+        info.footprint_bytes = tier.footprint()
+        self.last_save = info
+        return step
+
+    def _confirm_copies(self, step: int, index: _format.CheckpointIndex) -> dict[str, list[str]]:
+        """Every data file of ``step`` held by ``1 + replicas`` nodes (one all-gather), else a
+        PyckptError on every rank; returns file -> nodes holding it."""
+        assert self.tier is not None
+        view = self.tier.view(step)
+        gathered = all_gather((view.save_id, view.present), self._group)
+        holders: dict[str, set[str]] = {n: set() for n in index.files}
+        for r, (_, present) in enumerate(gathered):
+            for n in present:
+                if n in holders:
+                    holders[n].add(self.nodes[r])
+        short = sorted(n for n, h in holders.items() if len(h) < 1 + self.replicas)
+        others = sorted({sid for sid, _ in gathered if sid != index.save_id}, key=str)
+        if short or others:
+            raise PyckptError(
+                f"fast-tier step {step} ({self.tier.step_dir(step)}) is not complete: "
+                + (f"data files with fewer than {1 + self.replicas} copies: {short}; "
+                   if short else "")
+                + (f"nodes holding metadata of other saves: {others}" if others else ""))
+        return {n: sorted(h) for n, h in holders.items()}
+
+    def _persist(self, step: int, files: dict[str, int], holders: dict[str, list[str]]) -> int:
+        """Copies fast-tier step ``step`` to the durable tier: each rank uploads the files
+        assigned to it (balanced by bytes among the ranks whose node holds the file), then
+        rank 0 commits ``pyckpt.json`` there and applies durable retention."""
+        tier, g, store = self.tier, self._persist_group, self.store
+        assert tier is not None
+        try:
+            loads = [0] * g.world
+            mine = []
+            for name in sorted(files, key=lambda n: (-files[n], n)):
+                ranks = [r for r, n in enumerate(self.nodes) if n in holders[name]]
+                r = min(ranks, key=lambda i: (loads[i], i))
+                loads[r] += files[name]
+                if r == g.rank:
+                    mine.append(name)
+
+            def upload() -> None:
+                for name in mine:
+                    store.put_file(step, tier.file_path(step, name))
+
+            agree(upload, g, what=f"persisting step {step} to {store.url}")
+
+            def commit() -> None:
+                with open(tier.file_path(step, _format.METADATA_FILE), "rb") as fh:
+                    document = fh.read()
+                store.commit(step, document, files)
+                self._retain_durable()
+
+            agree(commit, g, ranks="root", what=f"committing step {step} to {store.url}")
+            self.last_persisted = step
+            return step
+        finally:
+            with self._pinned_lock:
+                self._pinned.discard(step)
+
+    def _durable_save(self, step: int, staged: Any, info: SaveInfo) -> int:
+        g = self._group
+        t0 = time.perf_counter()
+        with _single_process_quiet(), _typed_errors():
+            dcp.save(staged, storage_writer=self._durable_writer,
+                     checkpoint_id=self.store.step_location(step),
+                     planner=SavePlanner(check_replicas=self.check_replicas),  # type: ignore[arg-type]
+                     process_group=g.pg)
+        info.write_s = time.perf_counter() - t0
+        agree(self._retain_durable, g, ranks="root", what="deleting old durable steps")
+        self.last_persisted = step
+        self.last_save = info
+        return step
+
+    # -- retention ---------------------------------------------------------------------------
+
+    def _retain_local(self, newest: int) -> None:
+        """On this node: keeps the newest ``keep_local`` marked steps (``newest`` among them),
+        the steps being persisted and any step newer than ``newest``; deletes the rest."""
+        tier = self.tier
+        assert tier is not None
+        steps = tier.steps()
+        marked = [s for s in steps if tier.read_marker(s) is not None]
+        keep = set(marked[-self.keep_local:]) | {newest}
+        with self._pinned_lock:
+            keep |= self._pinned
+        for s in steps:
+            if s not in keep and s < newest:
+                tier.remove(s)
+
+    def _retain_durable(self) -> None:
+        """Keeps the newest ``keep_durable`` committed durable steps; deletes older steps
+        (committed or not). Steps newer than the newest committed one are left alone."""
+        listed = self.store.list_steps()
+        done = sorted(s for s, c in listed.items() if c)
+        if not done:
+            return
+        keep = set(done[-self.keep_durable:])
+        for s in sorted(listed):
+            if s not in keep and s < done[-1]:
+                self.store.remove(s)
+
+    # -- restore -----------------------------------------------------------------------------
+
+    def _fast_steps(self, views: Sequence[dict[int, StepView]]) -> tuple[dict[int, _FastStep], str]:
+        """Fast-tier steps complete considering the surviving nodes, and why the newest step
+        the fast tier has any trace of is not (a sentence for the warning)."""
+        out: dict[int, _FastStep] = {}
+        reasons: dict[int, str] = {}
+        for s in sorted({s for v in views for s in v}):
+            here = [v[s] for v in views if s in v]
+            marks = {v.marker["save_id"] for v in here if v.marker is not None}
+            if len(marks) != 1:
+                reasons[s] = (f"step {s} has no completion marker on any surviving node (its "
+                              "replication or commit did not finish)" if not marks else
+                              f"step {s} has markers of different saves")
+                continue
+            sid = marks.pop()
+            files = next((v.files for v in here if v.save_id == sid and v.files), None)
+            if files is None:
+                reasons[s] = f"step {s}: no surviving node has its metadata"
+                continue
+            held = {n for v in here for n in v.present}
+            missing = sorted(set(files) - held)
+            if missing:
+                reasons[s] = (f"step {s}: data files {missing} are held by no surviving node "
+                              "(every copy was lost)")
+                continue
+            out[s] = _FastStep(sid, files)
+        newest = max(reasons, default=None)
+        if newest is not None and (not out or newest > max(out)):
+            lacked = reasons[newest]
+        elif not any(views):
+            lacked = "the fast tier is empty on every node"
+        else:
+            lacked = "its newest complete step is older"
+        return out, lacked
+
+    def _prepare_dirs(self, step: int, save_id: str) -> None:
+        """Before a node-local load of ``step``: a node whose copy belongs to another save
+        drops it; every rank has the step's directory (empty on a new node)."""
+        tier, g = self.tier, self._group
+        assert tier is not None
+
+        def drop_stale() -> None:
+            if self._leader:
+                sid = tier.view(step).save_id
+                if sid is not None and sid != save_id:
+                    tier.remove(step)
+
+        agree(drop_stale, g, what=f"preparing to restore step {step}")
+        agree(lambda: tier.ensure(step), g, what=f"preparing to restore step {step}")
+
+    def _node_local_load(self, state: Any, step: int, info: RestoreInfo) -> None:
+        assert self.tier is not None
+        g = self._group
+        reader = _CountingReader(self.tier.step_dir(step), shared_filesystem=False,
+                                 process_group=g.pg)
+        with reader, _single_process_quiet(), _typed_errors():
+            dcp.load(state, storage_reader=reader, planner=load_planner(),
+                     process_group=g.pg)
+        info.bytes_peer = reader.bytes_from_peers
+        info.bytes_local = max(0, reader.bytes_read - reader.bytes_from_peers)
+
+    def _load_fast(self, state: Any, step: int, save_id: str) -> RestoreInfo:
+        info = RestoreInfo(step, "fast")
+        self._prepare_dirs(step, save_id)
+        self._node_local_load(state, step, info)
+        return info
+
+    def _load_durable(self, state: Any, step: int,
+                      views: Sequence[dict[int, StepView]]) -> RestoreInfo:
+        info = RestoreInfo(step, "durable")
+        g = self._group
+        partial = self.tier is not None and any(v[step].present for v in views if step in v)
+        document = None
+        if partial:  # are the pieces the nodes still hold of this very save?
+            def read_doc() -> tuple[bytes, str, dict[str, int]]:
+                assert self.tier is not None
+                doc = self.store.read_metadata(step)
+                idx = _format.read_index(self.tier.step_dir(step), all_files=False,
+                                         document=doc)
+                return doc, idx.save_id, dict(idx.files)
+
+            got, _ = agree(read_doc, g, ranks="root", what=f"reading step {step}'s metadata")
+            assert got is not None
+            document, save_id, files = got
+            held = {n for v in views if step in v for n in v[step].present if n in files}
+            partial = bool(held)
+        if not partial:
+            with Reader(self.store.step_location(step),
+                        storage_options=self.store.storage_options or None) as reader, \
+                    _single_process_quiet(), _typed_errors():
+                dcp.load(state, storage_reader=reader, planner=load_planner(),
+                         process_group=g.pg)
+            nbytes = reader.bytes_fetched or reader.bytes_read
+            info.bytes_durable = nbytes
+            self.store.count_direct_load(nbytes)
+            return info
+        # Fetch only the data files no node holds, into the fast tier, then load from there.
+        assert self.tier is not None and document is not None
+        tier = self.tier
+        self._prepare_dirs(step, save_id)
+        missing = {n: s for n, s in files.items() if n not in held}
+        loads = [0] * g.world
+        mine = []
+        for name in sorted(missing, key=lambda n: (-missing[n], n)):
+            r = min(range(g.world), key=lambda i: (loads[i], i))
+            loads[r] += missing[name]
+            if r == g.rank:
+                mine.append(name)
+
+        def fetch() -> int:
+            total = 0
+            meta = tier.file_path(step, _format.METADATA_FILE)
+            if self._leader and not os.path.exists(meta):
+                from pyckpt._tier_io import _write_atomic
+
+                _write_atomic(meta, document, self._fsync)
+            for name in mine:
+                total += self.store.fetch_file(step, name, tier.file_path(step, name))
+            return total
+
+        fetched, _ = agree(fetch, g, what=f"fetching step {step}'s lost files from "
+                                          f"{self.store.url}")
+        info.bytes_durable = fetched or 0
+        self._node_local_load(state, step, info)
+        return info
+
+    def _drop_newer(self, step: int | None) -> None:
+        """After a restore of ``step``: deletes this node's fast-tier steps newer than it (they
+        are incomplete; the training will save those steps again)."""
+        tier = self.tier
+        if tier is None or step is None:
+            return
+
+        def drop() -> None:
+            if self._leader:
+                for s in tier.steps():
+                    if s > step:
+                        tier.remove(s)
+
+        agree(drop, self._group, what="deleting incomplete fast-tier steps")
+
+    # -- helpers -----------------------------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("this CheckpointManager is closed")
+
+    def _settle(self, fut: Future[int] | None) -> None:
+        """Waits for ``fut``; keeps its failure for :meth:`_raise_failure`."""
+        if fut is None:
+            return
+        exc = fut.exception()
+        if exc is not None and self._failure is None and not getattr(fut, "_pyckpt_seen", False):
+            self._failure = exc
+        fut._pyckpt_seen = True  # type: ignore[attr-defined]
+
+    def _raise_failure(self) -> None:
+        exc, self._failure = self._failure, None
+        if exc is not None:
+            add_note(exc, "pyckpt: raised by CheckpointManager from earlier background work")
+            raise exc
+
+    def _drain(self) -> None:
+        """Waits for the work in flight; a failure of it is logged, not raised (a restore is
+        what follows a failure)."""
+        self._settle(self._fast_future)
+        self._settle(self._persist_future)
+        exc, self._failure = self._failure, None
+        if exc is not None:
+            logger.warning("pyckpt: a checkpoint save failed before this restore: %r", exc)
+
+    def _stage(self, writer: Writer, state: Any) -> Any:
+        """``writer.stage(state)`` on every rank; a failure on any rank (a CUDA error) is raised
+        on every rank before any background work starts, so no rank waits for it."""
+        staged, error = None, None
+        try:
+            staged = writer.stage(state)
+        except Exception as e:
+            error = e
+        statuses = all_gather(None if error is None else portable(error), self._group)
+        _raise_any(statuses, self._group.rank, error, "staging the state")
+        return staged
+
+    def _check_budget(self, state: Any) -> None:
+        if self.local_budget_bytes is None:
+            return
+        assert self.tier is not None
+        g = self._group
+        mine = _state_bytes(state)
+        footprint = self.tier.footprint() if self._leader else 0
+        gathered = all_gather((mine, footprint), g)
+        targets = ring_targets(self.nodes, self.replicas)
+        projected: dict[str, int] = {n: 0 for n in targets}
+        for r, (nbytes, fp) in enumerate(gathered):
+            node = self.nodes[r]
+            projected[node] += nbytes + fp
+            for t in targets[node]:
+                projected[t] += nbytes
+        for node in node_order(self.nodes):
+            if projected[node] > self.local_budget_bytes:
+                raise TierBudgetError(
+                    f"saving would take the fast tier of node {node!r} ({self.tier.root}) to "
+                    f"{projected[node]} bytes, over local_budget_bytes={self.local_budget_bytes}"
+                    f" (its present files, its ranks' state and the replicas it keeps); nothing "
+                    "was written", node, projected[node], self.local_budget_bytes)
+
+
+def _raise_any(errors: Sequence[BaseException | None], me: int, mine: BaseException | None,
+               what: str) -> None:
+    if mine is not None:
+        raise mine
+    for r, err in enumerate(errors):
+        if err is not None and r != me:
+            add_note(err, f"pyckpt: {what} failed on rank {r}")
+            raise err
+

@@ -1,0 +1,435 @@
+"""pyckpt.CheckpointManager: fast tier, peer replicas, durable tier, retention, restore.
+
+Single-process tests cover the rules (due steps, retention, budget, warnings, partial durable
+fetches, failed saves); multi-rank tests run 2 "nodes" x 2 ranks, each rank in its own mount
+namespace so a node's fast tier is invisible to the others (tests/_manager_workers.py), lose
+nodes, pieces and processes, and check every restore bit for bit.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import pyckpt
+from pyckpt import _tier_io
+from pyckpt._format import METADATA_FILE, data_file_rank, is_data_file
+from pyckpt._tier_io import MARKER_FILE
+
+# ----------------------------------------------------------------------------- one process
+
+
+def _state(step: int, zeros: bool = False) -> dict[str, Any]:
+    g = torch.Generator().manual_seed(step)
+    sd = {
+        "w": torch.randn(300, 17, generator=g),
+        "b": torch.randn(999, generator=g).to(torch.bfloat16),
+        "i": torch.randint(0, 1 << 20, (77,), generator=g),
+        "meta": {"step": step},
+    }
+    if zeros:
+        sd = {k: (torch.zeros_like(v) if isinstance(v, torch.Tensor) else {"step": -1})
+              for k, v in sd.items()}
+    return sd
+
+
+def _same(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    for k, v in a.items():
+        if isinstance(v, torch.Tensor):
+            if v.dtype != b[k].dtype or not torch.equal(v.view(torch.uint8), b[k].view(torch.uint8)):
+                return False
+        elif v != b[k]:
+            return False
+    return True
+
+
+def _mgr(tmp: Path, **kw: Any) -> pyckpt.CheckpointManager:
+    args: dict[str, Any] = dict(local=tmp / "local", replicas=0, save_every=2, persist_every=4,
+                                keep_local=2, keep_durable=2, fsync=False)
+    args.update(kw)
+    return pyckpt.CheckpointManager(tmp / "durable", **args)
+
+
+def _marked(tmp: Path) -> list[int]:
+    d = tmp / "local"
+    return sorted(int(p.name[5:]) for p in d.iterdir() if (p / MARKER_FILE).is_file())
+
+
+def _committed(tmp: Path) -> list[int]:
+    d = tmp / "durable"
+    return sorted(int(p.name[5:]) for p in d.iterdir() if (p / METADATA_FILE).is_file())
+
+
+def _train(mgr: pyckpt.CheckpointManager, steps: range) -> list[int]:
+    saved = []
+    for s in steps:
+        fut = mgr.save(s, _state(s))
+        if fut is not None:
+            saved.append(fut.result(timeout=120))
+    mgr.wait()
+    return saved
+
+
+def test_due_steps_retention_and_restore_from_the_fast_tier(tmp_path: Path) -> None:
+    with _mgr(tmp_path) as mgr:
+        assert _train(mgr, range(10)) == [0, 2, 4, 6, 8]
+        assert _marked(tmp_path) == [6, 8]  # keep_local=2
+        assert _committed(tmp_path) == [4, 8]  # persisted 0, 4, 8; keep_durable=2
+        assert mgr.steps() == {"local": [6, 8], "durable": [4, 8]}
+        assert mgr.footprint() == sum(
+            f.stat().st_size for f in (tmp_path / "local").rglob("*") if f.is_file())
+        assert mgr.last_save is not None and mgr.last_save.step == 8
+        sd = _state(0, zeros=True)
+        assert mgr.restore(sd) == 8
+        assert _same(sd, _state(8))
+        info = mgr.last_restore
+        assert info is not None and info.tier == "fast" and info.bytes_durable == 0
+        assert info.bytes_local > 0 and info.bytes_peer == 0
+        assert mgr.store.data_bytes_read == 0
+    # A durable step is a plain pyckpt checkpoint.
+    sd = _state(0, zeros=True)
+    pyckpt.load(sd, tmp_path / "durable" / "step-8")
+    assert _same(sd, _state(8))
+
+
+def test_empty_fast_tier_restores_from_durable_with_a_warning(tmp_path: Path) -> None:
+    with _mgr(tmp_path) as mgr:
+        _train(mgr, range(10))
+    shutil.rmtree(tmp_path / "local")  # a full restart on new machines
+    with _mgr(tmp_path) as mgr:
+        sd = _state(0, zeros=True)
+        with pytest.warns(pyckpt.TierWarning, match=r"step 8 .*fast tier is empty"):
+            assert mgr.restore(sd) == 8
+        assert _same(sd, _state(8))
+        assert mgr.last_restore is not None and mgr.last_restore.tier == "durable"
+        assert mgr.last_restore.bytes_durable == mgr.store.data_bytes_read > 0
+
+
+def test_newest_step_without_marker_falls_back_with_the_reason(tmp_path: Path) -> None:
+    with _mgr(tmp_path, persist_every=2) as mgr:
+        _train(mgr, range(10))
+    (tmp_path / "local" / "step-8" / MARKER_FILE).unlink()
+    with _mgr(tmp_path, persist_every=2) as mgr:
+        sd = _state(0, zeros=True)
+        with pytest.warns(pyckpt.TierWarning, match=r"step 8 .*no completion marker"):
+            assert mgr.restore(sd) == 8  # durable 8 is newer than fast-tier 6
+        assert _same(sd, _state(8))
+
+
+def test_a_lost_data_file_is_read_from_durable(tmp_path: Path) -> None:
+    # One process writes one data file: losing it leaves nothing of step 8 in the fast tier,
+    # so the step is read from the durable tier directly (the multi-node test below covers
+    # fetching only the lost files while the rest comes from the nodes).
+    with _mgr(tmp_path, persist_every=2) as mgr:
+        _train(mgr, range(10))
+    step_dir = tmp_path / "local" / "step-8"
+    names = sorted(n for n in os.listdir(step_dir) if is_data_file(n))
+    assert names
+    lost = names[0]
+    size = (step_dir / lost).stat().st_size
+    (step_dir / lost).unlink()
+    with _mgr(tmp_path, persist_every=2) as mgr:
+        sd = _state(0, zeros=True)
+        with pytest.warns(pyckpt.TierWarning, match=rf"step 8 .*{lost}.*held by no surviving"):
+            assert mgr.restore(sd) == 8
+        assert _same(sd, _state(8))
+        assert mgr.store.direct_loads == 1 and mgr.store.data_files_fetched == 0
+        assert mgr.store.data_bytes_read == size
+        assert mgr.last_restore is not None and mgr.last_restore.bytes_durable == size
+
+
+def test_budget_refuses_a_save_before_writing(tmp_path: Path) -> None:
+    with _mgr(tmp_path, local_budget_bytes=10_000) as mgr:
+        with pytest.raises(pyckpt.TierBudgetError, match="over local_budget_bytes=10000") as ei:
+            mgr.save(0, _state(0))
+        assert ei.value.projected > ei.value.budget == 10_000
+        assert not (tmp_path / "local" / "step-0").exists()
+        assert mgr.footprint() == 0
+    with _mgr(tmp_path, local_budget_bytes=1 << 20) as mgr:
+        _train(mgr, range(3))
+        assert 0 < mgr.footprint() <= 1 << 20
+
+
+def test_failed_save_never_looks_complete_and_keeps_the_last_complete_step(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import pyckpt.manager as manager
+
+    real = manager.replicate
+
+    def failing(group: Any, tier: Any, step: int, *a: Any, **kw: Any) -> Any:
+        if step == 10:
+            raise OSError(28, "No space left on device (injected)")
+        return real(group, tier, step, *a, **kw)
+
+    monkeypatch.setattr(manager, "replicate", failing)
+    with _mgr(tmp_path, keep_local=1) as mgr:
+        _train(mgr, range(10))
+        assert _marked(tmp_path) == [8]
+        fut = mgr.save(10, _state(10))
+        assert fut is not None
+        with pytest.raises(OSError, match="injected"):
+            fut.result(timeout=120)
+        with pytest.raises(OSError, match="injected"):
+            mgr.wait()
+        assert _marked(tmp_path) == [8]  # the only complete step survives the failed one
+        assert (tmp_path / "local" / "step-10" / METADATA_FILE).is_file()  # written, not marked
+        sd = _state(0, zeros=True)
+        assert mgr.restore(sd) == 8
+        assert _same(sd, _state(8))
+        assert not (tmp_path / "local" / "step-10").exists()  # dropped after the restore
+        _train(mgr, range(12, 13))
+        assert _marked(tmp_path) == [12]
+
+
+def test_failed_persistence_commits_nothing(tmp_path: Path,
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = []
+    real = _tier_io.DirStore.put_file
+
+    def put_file(self: Any, step: int, src: str) -> int:
+        calls.append(step)
+        if step == 8:
+            raise OSError(5, "I/O error (injected)")
+        return real(self, step, src)
+
+    monkeypatch.setattr(_tier_io.DirStore, "put_file", put_file)
+    with _mgr(tmp_path) as mgr:
+        for s in range(10):
+            mgr.save(s, _state(s))
+        with pytest.raises(OSError, match="injected"):
+            mgr.wait()
+        assert 8 in calls
+        assert _committed(tmp_path) == [0, 4]
+        assert not (tmp_path / "durable" / "step-8" / METADATA_FILE).exists()
+        assert _marked(tmp_path) == [6, 8]  # the fast tier is unaffected
+
+
+def test_durable_only_manager(tmp_path: Path) -> None:
+    with pyckpt.CheckpointManager(tmp_path / "durable", save_every=3, keep_durable=2,
+                                  fsync=False) as mgr:
+        assert mgr.save(1, _state(1)) is None
+        _train(mgr, range(10))
+        assert _committed(tmp_path) == [6, 9]
+        sd = _state(0, zeros=True)
+        assert mgr.restore(sd) == 9  # no fast tier: no warning (warnings are errors here)
+        assert _same(sd, _state(9))
+
+
+def test_nothing_to_restore(tmp_path: Path) -> None:
+    with _mgr(tmp_path) as mgr:
+        sd = _state(0, zeros=True)
+        assert mgr.restore(sd) is None
+        assert sd["meta"] == {"step": -1}
+
+
+@pytest.mark.parametrize("kw", [{"replicas": 1}, {"keep_local": 0}, {"save_every": 0},
+                                {"replicas": -1}, {"local_budget_bytes": -1}])
+def test_invalid_arguments(tmp_path: Path, kw: dict[str, Any]) -> None:
+    with pytest.raises(ValueError):
+        _mgr(tmp_path, **kw)
+
+
+def test_node_identity(monkeypatch: pytest.MonkeyPatch) -> None:
+    from pyckpt.manager import node_identity
+
+    monkeypatch.setenv("GROUP_RANK", "3")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    assert node_identity() == "3"
+    assert node_identity("rack1-host7") == "rack1-host7"
+    monkeypatch.delenv("LOCAL_WORLD_SIZE")
+    import socket
+
+    assert node_identity() == socket.gethostname()
+
+
+def test_ring_never_places_a_replica_on_its_own_node() -> None:
+    from pyckpt._replicate import partners, ring_targets
+
+    nodes = ["0", "0", "1", "1", "2", "2", "10", "10"]
+    t = ring_targets(nodes, 2)
+    assert t == {"0": ["1", "2"], "1": ["2", "10"], "2": ["10", "0"], "10": ["0", "1"]}
+    for r in range(len(nodes)):
+        assert all(nodes[p] != nodes[r] for p in partners(nodes, r, 3))
+    assert partners(["a", "b", "b"], 0, 1) == [1]
+    assert partners(["a", "a", "b"], 1, 1) == [2]
+    with pytest.raises(ValueError, match="at least 3 nodes"):
+        ring_targets(["a", "b"], 2)
+
+
+# ----------------------------------------------------------------------------- several nodes
+
+from _manager_workers import launch, log_of, namespace_refusal, result  # noqa: E402
+
+_REFUSAL = namespace_refusal()
+NNODES, PER_NODE = 2, 2
+WORLD = NNODES * PER_NODE
+
+
+def _run(root: Path, tag: str, action: str, *, ok: bool = True, **spec: Any) -> list[int]:
+    spec = dict(spec, tag=tag, action=action, namespace=_REFUSAL is None)
+    codes = launch(str(root), NNODES, PER_NODE, spec)
+    if ok:
+        assert codes == [0] * WORLD, "\n".join(
+            f"rank {r} (exit {c}):\n{log_of(str(root), tag, r)}" for r, c in enumerate(codes))
+    return codes
+
+
+def _node_dir(root: Path, k: int, step: int) -> Path:
+    return root / "nodes" / f"n{k}" / f"step-{step}"
+
+
+def _files(d: Path) -> set[str]:
+    return {n for n in os.listdir(d) if is_data_file(n)} if d.is_dir() else set()
+
+
+_FAST = {"replicas": 1, "save_every": 1, "persist_every": 2, "keep_local": 2,
+         "keep_durable": 2, "fsync": False}
+
+multinode = pytest.mark.distributed
+
+
+@multinode
+def test_lose_one_node_restores_bit_exact_from_replicas_with_zero_durable_reads(
+    tmp_path: Path,
+) -> None:
+    _run(tmp_path, "train", "train", steps=[1, 2, 3], manager=_FAST)
+    r0 = result(str(tmp_path), "train", 0)
+    if _REFUSAL is None:
+        assert r0["visible_nodes"] == []  # other nodes' fast tiers are unreachable
+    for k in range(NNODES):
+        assert sorted(int(p.name[5:]) for p in (tmp_path / "nodes" / f"n{k}").iterdir()) == [2, 3]
+        d = _node_dir(tmp_path, k, 3)
+        assert (d / MARKER_FILE).is_file()
+        writers = {data_file_rank(n) // PER_NODE for n in _files(d)}
+        assert writers == {0, 1}  # its own ranks' files and the other node's replicas
+    assert sorted(p.name for p in (tmp_path / "durable").iterdir()) == ["step-2"]
+    for r in range(WORLD):
+        info = result(str(tmp_path), "train", r)["last_save"]
+        assert info["bytes_sent"] > 0 and info["bytes_received"] > 0
+    # Lose node 1 (its processes ended; its fast tier is gone). Remove the durable data too:
+    # a read from the durable tier would then fail.
+    shutil.rmtree(tmp_path / "nodes" / "n1")
+    for f in (tmp_path / "durable").rglob("*.pyckpt"):
+        f.unlink()
+    _run(tmp_path, "restore", "restore", manager=_FAST)
+    for r in range(WORLD):
+        res = result(str(tmp_path), "restore", r)
+        assert res["step"] == 3 and res["bad"] == [], res
+        assert res["warnings"] == []
+        assert res["durable_data_bytes_read"] == 0 and res["durable_data_files_fetched"] == 0
+        assert res["durable_direct_loads"] == 0
+        assert res["durable_metadata_reads"] == 0
+        info = res["info"]
+        assert info["tier"] == "fast" and info["bytes_durable"] == 0
+        if r // PER_NODE == 1:  # the new node 1 had nothing: every byte came from node 0
+            assert info["bytes_local"] == 0 and info["bytes_peer"] > 0, res
+        else:
+            assert info["bytes_peer"] == 0 and info["bytes_local"] > 0, res
+
+
+def _s3_durable(request: pytest.FixtureRequest, kind: str) -> tuple[str | None, Any]:
+    if kind == "dir":
+        return None, None
+    pytest.importorskip("obstore")
+    from _s3server import SeaweedServer, ServerUnavailable
+
+    srv = SeaweedServer()
+    try:
+        srv.start()
+    except ServerUnavailable as e:
+        srv.close()
+        pytest.skip(f"no S3-compatible test server: {e}")
+    request.addfinalizer(srv.close)
+    srv.create_bucket("tiers")
+    return "s3://tiers/run-1", srv.storage_options()
+
+
+@multinode
+@pytest.mark.parametrize("kind", ["dir", "s3"])
+def test_every_copy_of_a_piece_lost_falls_back_to_durable_for_that_piece(
+    tmp_path: Path, request: pytest.FixtureRequest, kind: str
+) -> None:
+    durable, options = _s3_durable(request, kind)
+    spec = {"manager": _FAST, "durable": durable, "storage_options": options}
+    _run(tmp_path, "train", "train", steps=[1, 2], **spec)
+    if durable is None:
+        assert (tmp_path / "durable" / "step-2" / METADATA_FILE).is_file()
+    # The file rank 2 wrote is lost on both nodes (its own and the replica).
+    lost = sorted(n for n in _files(_node_dir(tmp_path, 1, 2)) if data_file_rank(n) == 2)
+    assert len(lost) == 1
+    size = (_node_dir(tmp_path, 1, 2) / lost[0]).stat().st_size
+    for k in range(NNODES):
+        (_node_dir(tmp_path, k, 2) / lost[0]).unlink()
+    _run(tmp_path, "restore", "restore", **spec)
+    total = 0
+    for r in range(WORLD):
+        res = result(str(tmp_path), "restore", r)
+        assert res["step"] == 2 and res["bad"] == [], res
+        assert [w[0] for w in res["warnings"]] == ["TierWarning"]
+        assert "step 2" in res["warnings"][0][1] and lost[0] in res["warnings"][0][1]
+        assert res["info"]["tier"] == "durable"
+        total += res["durable_data_bytes_read"]
+    assert total == size  # only the lost piece came from the durable tier
+
+
+@multinode
+def test_crash_during_replication_never_leaves_a_complete_step(tmp_path: Path) -> None:
+    spec = {"manager": dict(_FAST, persist_every=1)}
+    codes = _run(tmp_path, "train", "train", ok=False, steps=[1, 2],
+                 crash={"at": "replicate", "step": 2, "rank": 1}, **spec)
+    assert codes[1] == 17 and codes != [0] * WORLD
+    for k in range(NNODES):
+        assert (_node_dir(tmp_path, k, 1) / MARKER_FILE).is_file()
+        assert not (_node_dir(tmp_path, k, 2) / MARKER_FILE).exists()
+    assert not (tmp_path / "durable" / "step-2" / METADATA_FILE).exists()
+    _run(tmp_path, "restore", "restore", **spec)
+    for r in range(WORLD):
+        res = result(str(tmp_path), "restore", r)
+        assert res["step"] == 1 and res["bad"] == [] and res["info"]["tier"] == "fast", res
+        assert res["warnings"] == []
+    for k in range(NNODES):  # the incomplete step was dropped on restore
+        assert not _node_dir(tmp_path, k, 2).exists()
+
+
+@multinode
+def test_crash_during_persistence_never_commits_the_durable_step(tmp_path: Path) -> None:
+    spec = {"manager": _FAST}
+    codes = _run(tmp_path, "train", "train", ok=False, steps=[1, 2, 3, 4],
+                 crash={"at": "persist", "step": 4, "rank": 3}, **spec)
+    assert codes[3] == 18
+    assert (tmp_path / "durable" / "step-2" / METADATA_FILE).is_file()
+    assert not (tmp_path / "durable" / "step-4" / METADATA_FILE).exists()
+    # Every node lost: a full restart finds only the durable step 2, and says so.
+    shutil.rmtree(tmp_path / "nodes")
+    _run(tmp_path, "restore", "restore", **spec)
+    for r in range(WORLD):
+        res = result(str(tmp_path), "restore", r)
+        assert res["step"] == 2 and res["bad"] == [] and res["info"]["tier"] == "durable", res
+        assert [w[0] for w in res["warnings"]] == ["TierWarning"]
+        assert "step 2" in res["warnings"][0][1]
+
+
+@pytest.mark.gpu
+def test_gpu_state_saved_and_restored_into_cuda_tensors(tmp_path: Path) -> None:
+    dev = torch.device("cuda")
+    state = {k: (v.to(dev) if isinstance(v, torch.Tensor) else v) for k, v in _state(4).items()}
+    with _mgr(tmp_path) as mgr:
+        fut = mgr.save(4, state)
+        assert fut is not None
+        for v in state.values():  # training goes on: the save holds its own copy
+            if isinstance(v, torch.Tensor):
+                v.zero_()
+        assert fut.result(timeout=120) == 4
+        mgr.wait()
+        sd = {k: (torch.zeros_like(v, device=dev) if isinstance(v, torch.Tensor) else v)
+              for k, v in _state(0, zeros=True).items()}
+        assert mgr.restore(sd) == 4
+        assert all(v.is_cuda for v in sd.values() if isinstance(v, torch.Tensor))
+        assert _same({k: (v.cpu() if isinstance(v, torch.Tensor) else v) for k, v in sd.items()},
+                     _state(4))
