@@ -31,7 +31,7 @@ from pyckpt import _format, _knobs
 from pyckpt._format import DTYPE_SIZES, METADATA_FILE
 from pyckpt._native import _check_pinned_pool_bytes, _Native
 from pyckpt._staging import DeviceStaging, is_device_tensor
-from pyckpt.backends import Backend, open_backend
+from pyckpt.backends import Backend, node_local_choice, open_backend
 
 __all__ = ["Reader"]
 
@@ -103,12 +103,7 @@ class Reader(StorageReader):
         self.threads = threads
         self.pinned_pool_bytes = pinned_pool_bytes
         self.storage_options = dict(storage_options or {})
-        if isinstance(shared_filesystem, str) and shared_filesystem != "auto":
-            raise ValueError(f"shared_filesystem must be True, False or 'auto', "
-                             f"got {shared_filesystem!r}")
-        self.shared_filesystem: bool | Literal["auto"] = (
-            "auto" if shared_filesystem == "auto" else bool(shared_filesystem)
-        )
+        self.shared_filesystem: bool | Literal["auto"] = node_local_choice(shared_filesystem)
         self.process_group = process_group
         self._backend = self._open(self.path)  # a foreign URL (gs://...) fails here
         self.load_id = uuid.uuid4().hex[:12]

@@ -23,8 +23,8 @@ from typing import Any, Literal
 
 from pyckpt.backends.base import Backend, SaveState, clean_up, commit_save
 
-__all__ = ["Backend", "SaveState", "clean_up", "commit_save", "is_remote", "open_backend",
-           "scheme_of"]
+__all__ = ["Backend", "SaveState", "clean_up", "commit_save", "is_remote", "node_local_choice",
+           "open_backend", "scheme_of"]
 
 # Schemes served, and any other "scheme://" (two letters or more, so no drive letter): refused,
 # never taken for a local path.
@@ -57,6 +57,18 @@ def scheme_of(location: Any) -> str | None:
 def is_remote(location: Any) -> bool:
     """Whether ``location`` is a URL (not a local path); refuses foreign schemes."""
     return scheme_of(location) is not None
+
+
+def node_local_choice(value: Any) -> bool | Literal["auto"]:
+    """``shared_filesystem`` as given to a Reader or Writer, normalised: True, False or
+    ``"auto"``.
+
+    Raises:
+        ValueError: another string.
+    """
+    if isinstance(value, str) and value != "auto":
+        raise ValueError(f"shared_filesystem must be True, False or 'auto', got {value!r}")
+    return "auto" if value == "auto" else bool(value)
 
 
 def open_backend(

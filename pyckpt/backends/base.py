@@ -32,6 +32,7 @@ __all__ = [
     "Backend",
     "DataSink",
     "SaveState",
+    "check_name",
     "clean_up",
     "commit_save",
     "direct_reads",
@@ -197,6 +198,21 @@ def direct_reads(backend: Backend, pool: Any) -> Iterator[Callable[[list[Any]], 
     """The read session of a backend that needs none: each batch is one
     :meth:`Backend.read_requests` call."""
     yield lambda requests: backend.read_requests(requests, pool)
+
+
+def check_name(location: str, name: str, *, temp: bool = False) -> str:
+    """``name`` if it is a plain name of the checkpoint: ``pyckpt.json``, a data file name, or
+    (``temp``) a temp file of either; else :class:`~pyckpt.errors.CheckpointFormatError`
+    naming ``location``. Nothing outside the checkpoint's place is ever reached."""
+    from pyckpt.errors import CheckpointFormatError
+
+    ok = name == METADATA_FILE or _format.is_data_file(name)
+    if not ok and temp and TEMP_MARKER in name and "/" not in name and "\\" not in name:
+        base = name.split(TEMP_MARKER)[0]
+        ok = base == METADATA_FILE or _format.is_data_file(base)
+    if not ok:
+        raise CheckpointFormatError(f"{location}: illegal file name {name!r}")
+    return name
 
 
 def is_stale(name: str, keep: Iterable[str] | set[str]) -> bool:

@@ -18,7 +18,7 @@ from typing import Any
 
 from pyckpt import _C, _format
 from pyckpt._format import METADATA_FILE
-from pyckpt.backends.base import SaveState, direct_reads, stage_shares
+from pyckpt.backends.base import SaveState, check_name, direct_reads, stage_shares
 from pyckpt.errors import CheckpointFormatError, ConcurrentSaveError
 
 __all__ = ["MemoryBackend", "drop"]
@@ -87,9 +87,7 @@ class MemoryBackend:
         return f"MemoryBackend({self.location!r})"
 
     def _check(self, name: str) -> str:
-        if name != METADATA_FILE and not _format.is_data_file(name):
-            raise CheckpointFormatError(f"{self.location}: illegal name {name!r}")
-        return name
+        return check_name(self.location, name)
 
     def _digest(self) -> str | None:
         meta = self.files.get(METADATA_FILE)

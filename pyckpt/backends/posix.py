@@ -21,13 +21,14 @@ import hashlib
 import logging
 import os
 import shutil
+import time
 import weakref
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any, cast
 
 from pyckpt import _C, _format, _knobs
 from pyckpt._format import METADATA_FILE
-from pyckpt.backends.base import ANY, SaveState, direct_reads
+from pyckpt.backends.base import ANY, SaveState, check_name, direct_reads
 from pyckpt.errors import ConcurrentSaveError
 
 __all__ = ["LOCK_FILE", "PosixBackend"]
@@ -73,11 +74,56 @@ class _DirLock:
             logger.warning("pyckpt: cannot lock %s (%s); a concurrent save is detected only "
                            "when it commits", self.path, e)
             self._release = lambda: None
+            self.held = False
             return
         self._release = weakref.finalize(self, os.close, fd)
+        self.held = True
 
     def release(self) -> None:
         self._release()
+
+
+# Where flock is unavailable: a file created exclusively (O_EXCL, atomic on local filesystems
+# and NFS) around the check and the rename of a commit; one older than this is a crash's.
+COMMIT_MUTEX = ".pyckpt.commit"
+_STALE_MUTEX_S = 60.0
+
+
+@contextlib.contextmanager
+def _commit_mutex(directory: str, meta: str) -> Iterator[None]:
+    """Holds ``<directory>/.pyckpt.commit`` for the duration (a commit's check and rename).
+
+    Raises:
+        ConcurrentSaveError: another save is committing into the directory right now.
+    """
+    path = os.path.join(directory, COMMIT_MUTEX)
+    for attempt in range(2):
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+            break
+        except FileExistsError:
+            try:
+                age = time.time() - os.stat(path).st_mtime
+            except FileNotFoundError:
+                continue
+            if attempt == 0 and age > _STALE_MUTEX_S:  # left by a crash mid-commit
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(path)
+                continue
+            raise ConcurrentSaveError(
+                errno.EBUSY, "another save is committing a checkpoint into this directory; "
+                "this save is abandoned and the other checkpoint left intact", meta,
+            ) from None
+    else:
+        raise ConcurrentSaveError(errno.EBUSY, "another save is committing a checkpoint into "
+                                  "this directory", meta)
+    try:
+        os.write(fd, f"{os.getpid()}\n".encode())
+        os.close(fd)
+        yield
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
 
 
 def _digest(path: str) -> str | None:
@@ -154,6 +200,7 @@ class PosixBackend:
 
     def data_sink(self, name: str, options: Mapping[str, Any]) -> Any:
         """A native ``FileWriter`` of ``name`` (temp file, renamed by ``commit``)."""
+        check_name(self.path, name)
         direct = cast(Any, self.direct_io or _knobs.direct_io())
         if self._direct_blocks is None:
             # Allocated once per backend: on this class of VM freshly faulted-in memory runs at
@@ -173,13 +220,24 @@ class PosixBackend:
             ConcurrentSaveError: another save committed into the directory meanwhile.
         """
         meta = os.path.join(self.path, METADATA_FILE)
-        if state.is_coordinator and state.base is not ANY and _digest(meta) != state.base:
-            raise ConcurrentSaveError(
-                errno.EBUSY,
-                "another save committed a checkpoint into this directory while this save ran; "
-                "this save is abandoned and the other checkpoint left intact",
-                meta,
-            )
+        if not state.is_coordinator:
+            self._write_metadata(meta, encoded)
+            return
+        # Under the directory lock nothing can change between the check and the rename; where
+        # flock is unavailable, a short exclusive-create mutex covers just those two steps.
+        with contextlib.ExitStack() as stack:
+            if state.lock is None or not state.lock.held:
+                stack.enter_context(_commit_mutex(self.path, meta))
+            if state.base is not ANY and _digest(meta) != state.base:
+                raise ConcurrentSaveError(
+                    errno.EBUSY,
+                    "another save committed a checkpoint into this directory while this save "
+                    "ran; this save is abandoned and the other checkpoint left intact",
+                    meta,
+                )
+            self._write_metadata(meta, encoded)
+
+    def _write_metadata(self, meta: str, encoded: bytes) -> None:
         with _C.FileWriter(meta, "off", self._fsync()) as fw:
             fw.append(encoded)
             fw.commit()
@@ -208,9 +266,7 @@ class PosixBackend:
         return out
 
     def delete(self, names: Iterable[str]) -> None:
-        for name in names:
-            if not name or os.sep in name or name in (".", ".."):
-                raise ValueError(f"{self.path}: illegal file name {name!r}")
+        for name in [check_name(self.path, n, temp=True) for n in names]:
             try:
                 os.unlink(os.path.join(self.path, name))
             except FileNotFoundError:
