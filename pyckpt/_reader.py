@@ -32,6 +32,7 @@ from pyckpt._format import DTYPE_SIZES, METADATA_FILE
 from pyckpt._native import _check_pinned_pool_bytes, _Native
 from pyckpt._staging import DeviceStaging, is_device_tensor
 from pyckpt.backends import Backend, node_local_choice, open_backend
+from pyckpt.backends.base import ReadRequest
 
 __all__ = ["Reader"]
 
@@ -276,7 +277,8 @@ class Reader(StorageReader):
 
         if stored.nbytes == 0:
             return None, finish, 0
-        request = (req.storage_index.fqn, stored.segments, 0, stored.nbytes, buf.data_ptr())
+        request = ReadRequest(req.storage_index.fqn, stored.segments, 0, stored.nbytes,
+                              buf.data_ptr())
         return request, finish, stored.nbytes
 
     def _tensor_request(
@@ -321,7 +323,7 @@ class Reader(StorageReader):
             and not target.is_conj()
             and not target.is_neg()
         ):
-            request = (fqn, piece.segments, 0, piece.nbytes, target.data_ptr())
+            request = ReadRequest(fqn, piece.segments, 0, piece.nbytes, target.data_ptr())
             return request, commit, 0
 
         temp = torch.empty(hi - lo, dtype=torch.uint8)
@@ -336,7 +338,7 @@ class Reader(StorageReader):
                 target.copy_(src)
             commit()
 
-        request = (fqn, piece.segments, lo, hi, temp.data_ptr())
+        request = ReadRequest(fqn, piece.segments, lo, hi, temp.data_ptr())
         return request, finish, hi - lo
 
     @classmethod

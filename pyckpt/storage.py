@@ -175,12 +175,16 @@ class Writer(StorageWriter):
     * It never leaves a loadable mixture: ``pyckpt.json`` is written last, atomically, and names
       only data files of its own save (named ``<rank>-<k>.<save_id>.pyckpt``, the save id chosen
       by the coordinator), so a directory loads as the previous or the new checkpoint.
-    * Two saves into one directory never interleave: the coordinator holds an exclusive lock on
-      ``.pyckpt.lock`` from set-up to finish; a second save into the same directory (another
-      process, or another save of this process) fails at set-up with ``BlockingIOError``.
+    * Two saves into one directory never both succeed: the coordinator holds an exclusive lock
+      on ``.pyckpt.lock`` from set-up to finish; a second save into the same directory (another
+      process, or another save of this process) fails at set-up with ``BlockingIOError``. The
+      commit is also conditional on the ``pyckpt.json`` set-up saw (where flock is not
+      available): a save whose place was committed by another meanwhile raises
+      ``ConcurrentSaveError`` (an object store works the same way, with a conditional PUT).
     * Files of other saves are removed only by a committed save holding that lock (so the
       saves they belong to are not in progress); a save that fails in ``finish`` removes its
-      own data files; failed writes leave no temp files.
+      own data files; failed writes leave no temp files. Once ``pyckpt.json`` is committed the
+      save has succeeded: a failure to remove earlier files is a logged warning.
     * ``dcp.save(..., use_collectives=False)`` on several ranks raises ``NotImplementedError``:
       without collectives no rank learns the others' items, save id or completion, so no rank
       could commit one checkpoint naming them all, and each rank would take the others' files

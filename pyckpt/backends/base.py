@@ -22,7 +22,7 @@ import logging
 import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 from pyckpt import _format
 from pyckpt._format import METADATA_FILE
@@ -31,6 +31,7 @@ from pyckpt._partition import largest_first
 __all__ = [
     "Backend",
     "DataSink",
+    "ReadRequest",
     "SaveState",
     "check_name",
     "clean_up",
@@ -42,6 +43,18 @@ __all__ = [
 ]
 
 logger = logging.getLogger("pyckpt.backends")
+
+class ReadRequest(NamedTuple):
+    """One read into a caller's buffer: raw bytes ``[lo, hi)`` of a stored piece (or bytes
+    item) decoded to address ``dst``. A named tuple: the binding (``_C.read_requests``)
+    receives the plain tuple."""
+
+    name: str  # the item, named by errors
+    segments: Sequence[Any]  # the piece's segments (file, raw_begin, params, chunk records)
+    lo: int
+    hi: int
+    dst: int  # address of hi - lo writable bytes
+
 
 # Marker of a temp file of an interrupted atomic write (``<name>.tmp-<pid>-<n>``).
 TEMP_MARKER = ".tmp-"

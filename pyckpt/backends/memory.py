@@ -155,7 +155,7 @@ class MemoryBackend:
         return out
 
     def read_requests(self, requests: list[Any], pool: Any) -> tuple[int, int]:
-        return _C.read_requests(requests, pool, self._sources(s for r in requests for s in r[1]))
+        return _C.read_requests(requests, pool, self._sources(s for r in requests for s in r.segments))
 
     def reads(self, pool: Any) -> Any:
         return direct_reads(self, pool)

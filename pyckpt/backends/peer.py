@@ -32,7 +32,13 @@ from typing import Any
 
 from pyckpt import _C, _format
 from pyckpt._collective import Group, add_note, all_gather, broadcast, group_info, portable
-from pyckpt.backends.base import SaveState, clean_up, overlapping_chunks, stored_len
+from pyckpt.backends.base import (
+    ReadRequest,
+    SaveState,
+    clean_up,
+    overlapping_chunks,
+    stored_len,
+)
 from pyckpt.backends.posix import PosixBackend
 
 __all__ = ["Exchange", "PeerBackend", "PeerFiles", "discover", "read_requests"]
@@ -323,7 +329,7 @@ def read_requests(
             for a, rec in picked:
                 off = offsets[where[(os.path.basename(path), rec[0])]]
                 segs.append((peer_source(owner), a, params, [(off, *tuple(rec)[1:])]))
-        out.append((name, segs, lo, hi, dst))
+        out.append(ReadRequest(name, segs, lo, hi, dst))
     sources = {name: (buf.nbytes, [(0, buf)]) for name, buf in memory.items()}
     return _C.read_requests(out, pool, sources)
 

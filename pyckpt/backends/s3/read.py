@@ -18,7 +18,7 @@ from typing import Any
 
 from pyckpt import _C, _format
 from pyckpt._format import METADATA_FILE
-from pyckpt.backends.base import overlapping_chunks, stage_shares, stored_len
+from pyckpt.backends.base import ReadRequest, overlapping_chunks, stage_shares, stored_len
 from pyckpt.backends.s3.client import Location, _obstore
 from pyckpt.errors import CheckpointFormatError, ObjectStoreError
 
@@ -90,10 +90,12 @@ def _split(request: Any, budget: int) -> list[tuple[Any, int, list[tuple[str, in
         cur_ranges.append((url, s0, s1))
         cur_bytes += s1 - s0
         if cur_bytes >= budget and b < hi:
-            pieces.append(((name, segments, cur_lo, b, dst + (cur_lo - lo)), cur_bytes, cur_ranges))
+            pieces.append((ReadRequest(name, segments, cur_lo, b, dst + (cur_lo - lo)), cur_bytes,
+                           cur_ranges))
             cur_lo, cur_bytes, cur_ranges = b, 0, []
     if cur_lo < hi:
-        pieces.append(((name, segments, cur_lo, hi, dst + (cur_lo - lo)), cur_bytes, cur_ranges))
+        pieces.append((ReadRequest(name, segments, cur_lo, hi, dst + (cur_lo - lo)), cur_bytes,
+                       cur_ranges))
     return pieces
 
 
