@@ -228,14 +228,14 @@ def check_name(location: str, name: str, *, temp: bool = False) -> str:
     return name
 
 
-def is_stale(name: str, keep: Iterable[str] | set[str]) -> bool:
+def is_stale(name: str, keep: Iterable[str] | set[str], metadata_temps: bool = True) -> bool:
     """Whether a committed save removes ``name``: a data file of another save, or a temp file
-    of an interrupted write of a data file or of the metadata."""
+    of an interrupted write of a data file or (``metadata_temps``) of the metadata."""
     if _format.is_data_file(name):
         return name not in keep
     if TEMP_MARKER in name:
         base = name.split(TEMP_MARKER)[0]
-        return base == METADATA_FILE or base.endswith(".pyckpt")
+        return (metadata_temps and base == METADATA_FILE) or base.endswith(".pyckpt")
     return False
 
 
@@ -258,13 +258,18 @@ def _warn_once(backend: Backend, e: BaseException) -> None:
         logger.debug("pyckpt: %s: clean-up failed again: %s", backend.location, e)
 
 
-def clean_up(backend: Backend, keep: Iterable[str]) -> list[str]:
+def clean_up(backend: Backend, keep: Iterable[str], *, metadata_temps: bool = True) -> list[str]:
     """Removes what a committed save made stale (:func:`is_stale`). Never raises: the save is
     committed; a failure is logged once per location and error type, and what is left is
-    removed by the next save. Returns the names removed."""
+    removed by the next save. Returns the names removed.
+
+    ``metadata_temps=False`` leaves temp files of the metadata alone: a caller that does not
+    hold the place's lock (a node-local rank writing its copy while another rank of its node
+    writes the same copy) must not remove another writer's temp file mid-write.
+    """
     keep = set(keep)
     try:
-        stale = [n for n in backend.list_names() if is_stale(n, keep)]
+        stale = [n for n in backend.list_names() if is_stale(n, keep, metadata_temps)]
         if stale:
             backend.delete(stale)
         return stale

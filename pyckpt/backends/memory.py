@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import errno
 import hashlib
+import os
 import threading
 from collections.abc import Iterable, Mapping
 from typing import Any
@@ -62,7 +63,7 @@ class _Sink:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        if not self._native.committed:
+        if not self._native.committed:  # nothing is stored
             self._native.abort()
 
 
@@ -86,8 +87,8 @@ class MemoryBackend:
     def __repr__(self) -> str:
         return f"MemoryBackend({self.location!r})"
 
-    def _check(self, name: str) -> str:
-        return check_name(self.location, name)
+    def __reduce__(self) -> tuple[Any, ...]:  # a copy names the same store, never a snapshot
+        return MemoryBackend, (self.location,)
 
     def _digest(self) -> str | None:
         meta = self.files.get(METADATA_FILE)
@@ -114,7 +115,7 @@ class MemoryBackend:
             _busy.discard(self.location)
 
     def data_sink(self, name: str, options: Mapping[str, Any]) -> _Sink:
-        return _Sink(self.files, self._check(name), self.url_of(name))
+        return _Sink(self.files, check_name(self.location, name), self.url_of(name))
 
     def put_metadata(self, encoded: bytes, state: SaveState) -> None:
         with _lock:
@@ -136,26 +137,22 @@ class MemoryBackend:
     def delete(self, names: Iterable[str]) -> None:
         with _lock:
             for name in names:
-                self.files.pop(self._check(name), None)
+                self.files.pop(check_name(self.location, name), None)
 
     def read_index(self) -> _format.CheckpointIndex:
-        meta = self.url_of(METADATA_FILE)
-        raw = self.files.get(METADATA_FILE)
+        meta, raw = self.url_of(METADATA_FILE), self.files.get(METADATA_FILE)
         if raw is None:
             raise FileNotFoundError(errno.ENOENT, "not a complete pyckpt checkpoint: "
                                     f"{METADATA_FILE} is missing", meta)
-        doc, version = _format._parse([raw], meta)
+        doc, version = _format._parse([raw], meta)  # the one validator, files looked up here
         return _Validator(self, meta, version).index(doc)
 
-    def _sources(self, segments: Iterable[Any]) -> dict[str, Any]:
-        out = {}
-        for seg in segments:
-            data = self.files.get(seg[0].rsplit("/", 1)[-1], b"")
-            out[seg[0]] = (len(data), [(0, data)])
-        return out
+    def _sources(self, segments: Iterable[Any]) -> dict[str, Any]:  # the bytes, lent as is
+        data = {seg[0]: self.files.get(seg[0].rsplit("/", 1)[-1], b"") for seg in segments}
+        return {url: (len(b), [(0, b)]) for url, b in data.items()}
 
     def read_requests(self, requests: list[Any], pool: Any) -> tuple[int, int]:
-        return _C.read_requests(requests, pool, self._sources(s for r in requests for s in r.segments))
+        return _C.read_requests(requests, pool, self._sources(s for r in requests for s in r[1]))
 
     def reads(self, pool: Any) -> Any:
         return direct_reads(self, pool)
@@ -164,8 +161,6 @@ class MemoryBackend:
         return _C.verify_segments(name, segments, pool, self._sources(segments))
 
     def stage(self, directory: str, share: tuple[int, int] | None = None) -> list[str]:
-        import os
-
         index = self.read_index()
         names = stage_shares(index.files, share[1])[share[0]] if share else sorted(index.files)
         os.makedirs(directory, exist_ok=True)
@@ -174,14 +169,10 @@ class MemoryBackend:
                 f.write(self.files[name])
         return names
 
-
     def check(self) -> None:
         """A store is always there."""
 
     def put_file(self, path: str, *, last: bool = False) -> str:
-        """Stores local file ``path`` (an export output) under its base name."""
-        import os
-
         with open(path, "rb") as f, _lock:
             self.files[os.path.basename(path)] = f.read()
         return self.url_of(os.path.basename(path))

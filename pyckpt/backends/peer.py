@@ -394,7 +394,9 @@ def write_metadata_copy(root: str, document: bytes, files: set[str], fsync: bool
         # A copy that cannot be written leaves this node's data files alone: they belong to a
         # save committed on the coordinator.
         local.put_metadata(document, SaveState(is_coordinator=False))
-    clean_up(local, files)
+    # Ranks sharing this directory write the same copy at the same time, without a lock: their
+    # temp files of pyckpt.json are not stale.
+    clean_up(local, files, metadata_temps=False)
 
 
 class PeerBackend:

@@ -259,10 +259,13 @@ class PosixBackend:
         out = {}
         with os.scandir(self.path) as it:
             for e in it:
-                if (_format.is_data_file(e.name) or ".tmp-" in e.name) and e.is_file(
-                    follow_symlinks=False
-                ):
-                    out[e.name] = e.stat(follow_symlinks=False).st_size
+                if not (_format.is_data_file(e.name) or ".tmp-" in e.name):
+                    continue
+                try:  # another rank of the node may remove it meanwhile
+                    if e.is_file(follow_symlinks=False):
+                        out[e.name] = e.stat(follow_symlinks=False).st_size
+                except FileNotFoundError:
+                    pass
         return out
 
     def delete(self, names: Iterable[str]) -> None:
