@@ -326,7 +326,7 @@ StitchItem = (
 )
 
 def stitch(
-    items: list[StitchItem],
+    items: Sequence[StitchItem],
     threads: int,
     task_bytes: int,
     input_mode: str,

@@ -40,6 +40,19 @@ def _snap(pos: int, tensors: Sequence[tuple[int, int]]) -> int:
     return start
 
 
+def largest_first(sizes: Sequence[int], bins: int) -> list[int]:
+    """Greedy bin packing: each item, in the order given (callers pass largest first), goes to
+    the least loaded bin, ties to the lower bin. Returns the bin of each item. The one
+    implementation of this balancing (consolidation outputs, objects staged by rank)."""
+    heap = [(0, r) for r in range(bins)]
+    out = []
+    for size in sizes:
+        load, r = heapq.heappop(heap)
+        out.append(r)
+        heapq.heappush(heap, (load + size, r))
+    return out
+
+
 def partition(
     files: Sequence[Sequence[tuple[int, int]]], nranks: int, *, whole_files: bool = False
 ) -> list[list[Range]]:
@@ -77,14 +90,10 @@ def partition(
     if total == 0:
         return out
 
-    heap = [(0, r) for r in range(nranks)]
     loads = [0] * nranks
-    owner: dict[int, int] = {}
-    for i in order:
-        load, r = heapq.heappop(heap)
-        owner[i] = r
-        loads[r] = load + sizes[i]
-        heapq.heappush(heap, (loads[r], r))
+    owner = dict(zip(order, largest_first([sizes[i] for i in order], nranks)))
+    for i, r in owner.items():
+        loads[r] += sizes[i]
     if whole_files or max(loads) <= WHOLE_FILE_SLACK * total / nranks:
         for i in order:
             out[owner[i]].append((i, 0, sizes[i]))

@@ -32,8 +32,11 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from pyckpt import _format, _objstore
+from pyckpt import _format
 from pyckpt._format import METADATA_FILE
+from pyckpt.backends import is_remote
+from pyckpt.backends.s3 import client as s3_client
+from pyckpt.backends.s3.upload import upload_file
 
 __all__ = [
     "MARKER_FILE",
@@ -440,19 +443,19 @@ class ObjectStore(DurableStore):
     def __init__(self, url: str, storage_options: Mapping[str, Any] | None = None) -> None:
         super().__init__()
         self._options = dict(storage_options or {})
-        self.base = _objstore.location(url, self._options)
+        self.base = s3_client.location(url, self._options)
         self.url = self.base.url
-        self._locations: dict[int, _objstore.Location] = {}
+        self._locations: dict[int, s3_client.Location] = {}
 
     @property
     def storage_options(self) -> dict[str, Any]:
         return dict(self._options)
 
-    def _loc(self, step: int) -> _objstore.Location:
+    def _loc(self, step: int) -> s3_client.Location:
         with self._lock:
             loc = self._locations.get(step)
             if loc is None:
-                loc = _objstore.location(self.step_location(step), self._options)
+                loc = s3_client.location(self.step_location(step), self._options)
                 self._locations[step] = loc
             return loc
 
@@ -481,7 +484,7 @@ class ObjectStore(DurableStore):
 
     def put_file(self, step: int, src: str) -> int:
         size = os.path.getsize(src)
-        _objstore.upload_file(self._loc(step), src)
+        upload_file(self._loc(step), src)
         self._count_write(size)
         return size
 
@@ -534,7 +537,7 @@ def open_durable(location: str | os.PathLike[str], storage_options: Mapping[str,
                  fsync: bool = True) -> DurableStore:
     """The durable store at ``location``: a directory, or an ``s3://`` URL."""
     path = os.fspath(location)
-    if _objstore.is_url(path):
+    if is_remote(path):
         return ObjectStore(path, storage_options)
     if storage_options:
         raise ValueError(f"{path}: storage_options are for object-store URLs")

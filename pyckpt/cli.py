@@ -129,7 +129,7 @@ def _worker(
     """Body of one ``--workers`` process: join the gloo group, consolidate, report."""
     import torch.distributed as dist
 
-    from pyckpt._consolidate import consolidate
+    from pyckpt import consolidate
 
     try:
         dist.init_process_group(
@@ -198,9 +198,9 @@ def _input_dir(path: str) -> None:
     """Raises FileNotFoundError / NotADirectoryError naming ``path`` unless it is a directory."""
     import errno
 
-    from pyckpt import _objstore
+    from pyckpt.backends import is_remote
 
-    if _objstore.is_url(path):  # checked (typed errors naming the URL) when it is read
+    if is_remote(path):  # checked (typed errors naming the URL) when it is read
         return
     if not os.path.exists(path):
         raise FileNotFoundError(errno.ENOENT, "the checkpoint directory does not exist", path)
@@ -209,10 +209,10 @@ def _input_dir(path: str) -> None:
 
 
 def _cmd_consolidate(args: argparse.Namespace) -> int:
-    from pyckpt import _objstore
+    from pyckpt.backends import is_remote
 
     _input_dir(args.src)
-    _objstore.is_url(args.dst)  # a URL of another scheme (gs://...) fails before any worker starts
+    is_remote(args.dst)  # a URL of another scheme (gs://...) fails before any worker starts
     if args.workers < 1:
         raise SystemExit("pyckpt consolidate: --workers must be >= 1")
     _export_kwargs(args)  # bad export options fail here, before any worker starts
@@ -220,7 +220,7 @@ def _cmd_consolidate(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     try:
         if args.workers == 1:
-            from pyckpt._consolidate import consolidate
+            from pyckpt import consolidate
 
             res = consolidate(
                 args.src, args.dst, progress=bar.update, **_consolidate_kwargs(args, args.threads)

@@ -86,10 +86,10 @@ class NoCredentialsError(PyckptError, PermissionError):
 
 
 class ConcurrentSaveError(ObjectStoreError):
-    """Another save committed a checkpoint under the same object-store prefix while this one
-    ran (its metadata changed after this save began). This save is abandoned: its own objects
-    are deleted and nothing else is touched, so the other save's checkpoint stays loadable.
-    ``filename`` is the metadata object's URL."""
+    """Another save committed a checkpoint into the same place (object-store prefix or
+    directory) while this one ran (its metadata changed after this save began). This save is
+    abandoned: its own objects are deleted and nothing else is touched, so the other save's
+    checkpoint stays loadable. ``filename`` is the metadata object's URL or file."""
 
 
 class ExportNameCollisionError(PyckptError, ValueError):

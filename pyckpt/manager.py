@@ -22,10 +22,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner
-from torch.futures import Future as TorchFuture
 
-from pyckpt import _format, _peer
+from pyckpt import _format
 from pyckpt._collective import Group, add_note, agree, all_gather, portable
 from pyckpt._replicate import DEFAULT_WINDOW, node_order, replicate, ring_targets
 from pyckpt._tensors import local_view
@@ -98,25 +96,6 @@ class _FastStep:
     save_id: str
     files: dict[str, int]
     holders: dict[str, list[str]] = field(default_factory=dict)
-
-
-class _CountingReader(Reader):
-    """A node-local :class:`Reader` that also counts the stored bytes received from peers."""
-
-    bytes_from_peers = 0
-
-    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> TorchFuture[None]:
-        if self._peer_files is None:
-            return super().read_data(plan, planner)
-        exchange = _peer.Exchange(self._peer_files, self._native.pool())
-        try:
-            fut = self._read_data(plan, planner, exchange)
-        except Exception as e:
-            exchange.finish(e)
-            raise
-        exchange.finish()
-        self.bytes_from_peers += exchange.bytes_received
-        return fut
 
 
 def _state_bytes(state: Any) -> int:
@@ -593,7 +572,7 @@ class CheckpointManager:
     def _node_local_load(self, state: Any, step: int, info: RestoreInfo) -> None:
         assert self.tier is not None
         g = self._group
-        reader = _CountingReader(self.tier.step_dir(step), shared_filesystem=False,
+        reader = Reader(self.tier.step_dir(step), shared_filesystem=False,
                                  process_group=g.pg)
         with reader, _single_process_quiet(), _typed_errors():
             dcp.load(state, storage_reader=reader, planner=load_planner(),

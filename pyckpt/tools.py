@@ -12,6 +12,7 @@ from typing import Any
 
 from pyckpt import _C, _format, _knobs
 from pyckpt._options import choice
+from pyckpt.backends import Backend, open_backend
 from pyckpt.errors import PyckptError
 
 __all__ = [
@@ -47,35 +48,26 @@ def bytes_per_rank(path: str | os.PathLike[str]) -> dict[int, int]:
 
     Sizes are read from the files themselves (``stat``), for the files the metadata lists.
     """
-    return _rank_bytes(_read_index(path))
+    backend = open_backend(path)
+    return _rank_bytes(backend.read_index(), backend)
 
 
-def _read_index(path: str | os.PathLike[str]) -> _format.CheckpointIndex:
-    """:func:`_format.read_index`, or its object-store twin for an ``s3://`` URL (client
-    settings from the ``AWS_*`` environment)."""
-    from pyckpt import _objstore
-
-    if _objstore.is_url(path):
-        return _objstore.read_index(_objstore.location(str(path)))
-    return _format.read_index(path)
-
-
-def _rank_bytes(index: _format.CheckpointIndex) -> dict[int, int]:
-    from pyckpt import _objstore
-
+def _rank_bytes(index: _format.CheckpointIndex, backend: Backend) -> dict[int, int]:
     out: dict[int, int] = {}
     for name, recorded in index.files.items():
         rank = _format.data_file_rank(name)
-        # Objects were checked against a listing when the index was read: no second request.
-        size = recorded if _objstore.is_url(index.path) else os.stat(
-            os.path.join(index.path, name)).st_size
+        # Files are measured (stat); objects were checked against a listing when the index
+        # was read: no second request.
+        size = recorded if backend.local_dir is None else os.stat(
+            os.path.join(backend.local_dir, name)).st_size
         out[rank] = out.get(rank, 0) + size
     return dict(sorted(out.items()))
 
 
 def summarize(path: str | os.PathLike[str], top: int = 10) -> CheckpointSummary:
     """Reads a checkpoint's metadata (no tensor data) and summarises it."""
-    index = _read_index(path)
+    backend = open_backend(path)
+    index = backend.read_index()
     dtypes: Counter[str] = Counter()
     codecs: Counter[str] = Counter()
     sizes = []
@@ -103,7 +95,7 @@ def summarize(path: str | os.PathLike[str], top: int = 10) -> CheckpointSummary:
         dtypes=dict(dtypes),
         codecs=dict(codecs),
         largest=sizes[:top],
-        rank_bytes=_rank_bytes(index),
+        rank_bytes=_rank_bytes(index, backend),
     )
 
 
@@ -122,12 +114,10 @@ class VerifyReport:
 
 
 def _verify_piece(name: str, segments: list[Any], nbytes: int, pool: Any,
-                  report: VerifyReport, fetcher: Any = None) -> None:
-    # Each chunk is decoded once, through a bounded window, and its output discarded.
-    if fetcher is not None:  # an object store: one segment's chunks downloaded at a time
-        nread, nchunks = fetcher.verify_segments(name, segments, pool)
-    else:
-        nread, nchunks = _C.verify_segments(name, segments, pool)
+                  report: VerifyReport, backend: Backend) -> None:
+    # Each chunk is decoded once, through a bounded window, and its output discarded (an
+    # object store downloads one segment's chunks at a time).
+    nread, nchunks = backend.verify_segments(name, segments, pool)
     report.bytes_read += nread
     report.chunks_checked += nchunks
 
@@ -141,10 +131,8 @@ def verify(path: str | os.PathLike[str], threads: int | None = None) -> VerifyRe
             UnsupportedDtypeError, MemoryError, OSError) are collected in the report instead,
             keyed by item name, as ``"<ErrorClass>: <message>"``.
     """
-    from pyckpt import _objstore
-
-    index = _read_index(path)
-    fetcher = _objstore.Fetcher(_objstore.location(str(path))) if _objstore.is_url(path) else None
+    backend = open_backend(path)
+    index = backend.read_index()
     pool = _C.ThreadPool(threads or _knobs.read_threads())
     report = VerifyReport()
     try:
@@ -158,7 +146,7 @@ def verify(path: str | os.PathLike[str], threads: int | None = None) -> VerifyRe
         for name, segments, nbytes in work:
             report.items_checked += 1
             try:
-                _verify_piece(name, segments, nbytes, pool, report, fetcher)
+                _verify_piece(name, segments, nbytes, pool, report, backend)
             except (PyckptError, OSError, ValueError, RuntimeError, MemoryError) as e:
                 # Every typed error of one item (CompressionError and UnsupportedDtypeError are
                 # not ValueErrors; a damaged size can ask for more memory than there is) marks
@@ -241,12 +229,11 @@ def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], *,
     """
     import torch.distributed.checkpoint as dcp
 
-    from pyckpt import _objstore
     from pyckpt.storage import Reader, Writer
 
     src_s = os.fspath(src)
     reader: Any
-    if _objstore.is_url(src_s):  # object stores hold pyckpt checkpoints only
+    if open_backend(src_s).local_dir is None:  # stores hold pyckpt checkpoints only
         src_fmt, reader = "pyckpt", Reader(src_s)
     elif os.path.isfile(os.path.join(src_s, _format.METADATA_FILE)):
         src_fmt, reader = "pyckpt", Reader(src_s)
@@ -256,7 +243,7 @@ def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], *,
         raise FileNotFoundError(2, "no pyckpt.json or DCP .metadata: not a checkpoint", src_s)
     target = str(choice("to", to, ("pyckpt", "dcp"))) if to else (
         "dcp" if src_fmt == "pyckpt" else "pyckpt")
-    if _objstore.is_url(os.fspath(dst)) and target == "dcp":  # is_url refuses gs:// etc. now
+    if open_backend(dst).local_dir is None and target == "dcp":  # refuses gs:// etc. too
         raise ValueError("converting to DCP's format writes a local directory, not an "
                          f"object-store URL ({os.fspath(dst)!r})")
     sd = _empty_state_dict(reader.read_metadata())

@@ -66,7 +66,8 @@ def save(path: str, seed: int, nbytes: int, mode: str, pause: str, q: Any) -> No
     import torch.distributed.checkpoint as dcp
 
     import pyckpt
-    from pyckpt import _C, storage
+    from pyckpt import _C
+    from pyckpt.backends import posix
 
     warnings.simplefilter("ignore")
     sd = make_state_dict(seed, nbytes)
@@ -84,7 +85,7 @@ def save(path: str, seed: int, nbytes: int, mode: str, pause: str, q: Any) -> No
         proxy = types.ModuleType("_C_with_pause")
         proxy.__dict__.update({k: v for k, v in vars(_C).items() if k != "__name__"})
         proxy.FileWriter = lambda *a, **k: _PausingFileWriter(_C.FileWriter, q, *a, **k)
-        storage._C = proxy  # type: ignore[assignment]
+        posix._C = proxy  # type: ignore[assignment]  # the directory backend writes pyckpt.json
     q.put("start")
     try:
         if mode == "sync":

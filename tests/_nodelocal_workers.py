@@ -194,7 +194,7 @@ def auto_load_worker(rank: int, world: int, root: str, per_node: int, isolated: 
     """``pyckpt.load(..., shared_filesystem="auto")`` of the node-local checkpoint (isolated
     ranks) or of :func:`shared_save_worker`'s; counts the rounds of transfers between ranks."""
     import pyckpt
-    from pyckpt import _peer
+    from pyckpt.backends import peer as _peer
 
     node = rank // per_node
     if isolated:

@@ -116,7 +116,7 @@ def test_two_processes_saving_into_one_directory(tmp_path: Path) -> None:
 
 
 def test_second_save_into_a_locked_directory_is_refused(tmp_path: Path) -> None:
-    from pyckpt.storage import _DirLock
+    from pyckpt.backends.posix import _DirLock
 
     dcp.save(_sd(1, 1), storage_writer=pyckpt.Writer(tmp_path), no_dist=True)
     before = sorted(os.listdir(tmp_path))

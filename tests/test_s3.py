@@ -28,8 +28,11 @@ from _s3server import (
 from dist_utils import run_distributed
 
 import pyckpt
-from pyckpt import _format, _objstore
+from pyckpt import _format, storage
 from pyckpt.api import load_planner
+from pyckpt.backends import base as _backends_base
+from pyckpt.backends.s3 import client as _objstore
+from pyckpt.backends.s3 import upload as _upload
 from pyckpt.errors import CheckpointFormatError, ObjectStoreError
 
 BUCKET = "pyckpt-tests"
@@ -263,7 +266,7 @@ def test_upload_reuses_part_buffers_and_keeps_every_part_exact(s3: SeaweedServer
     loc = _objstore.location(_url(_prefix()))
     name = _format.data_file_name(0, 0, "0123456789ab")
     data = os.urandom((5 << 20) * 24)
-    up = _objstore.DataUpload(loc, name, 5 << 20, 2)
+    up = _upload.DataUpload(loc, name, 5 << 20, 2)
     with up:
         for at in range(0, len(data), 3 << 20):  # appends that straddle the part boundaries
             up.append(data[at:at + (3 << 20)])
@@ -293,10 +296,10 @@ def test_failure_mid_save_aborts_upload_and_keeps_previous(
     def boom() -> None:
         raise RuntimeError("injected failure after part 2")
 
-    monkeypatch.setattr(_objstore, "_after_part", _fail_after_parts(2, boom))
+    monkeypatch.setattr(_upload, "_after_part", _fail_after_parts(2, boom))
     with pytest.raises(RuntimeError, match="injected failure"):
         pyckpt.save({"w": torch.randn(4096, 1024)}, url, part_bytes=5 << 20)  # 16 MiB: 4 parts
-    monkeypatch.setattr(_objstore, "_after_part", None)
+    monkeypatch.setattr(_upload, "_after_part", None)
 
     assert s3.keys(BUCKET, prefix + "/") == before  # nothing new visible, old metadata intact
     assert [k for k in s3.incomplete_uploads(BUCKET) if k.startswith(prefix)] == []
@@ -313,14 +316,14 @@ def test_server_killed_mid_save(s3: SeaweedServer, monkeypatch: pytest.MonkeyPat
     before = s3.keys(BUCKET, prefix + "/")
     old_meta = s3.boto3().get_object(Bucket=BUCKET, Key=f"{prefix}/pyckpt.json")["Body"].read()
 
-    monkeypatch.setattr(_objstore, "_after_part", _fail_after_parts(1, s3.kill))
+    monkeypatch.setattr(_upload, "_after_part", _fail_after_parts(1, s3.kill))
     opts = {"max_retries": 1, "retry_timeout": 2, "connect_timeout": "1s"}
     try:
         with pytest.raises(OSError) as info:
             pyckpt.save({"w": torch.randn(4096, 1024)}, url, part_bytes=5 << 20,
                         storage_options=opts)
     finally:
-        monkeypatch.setattr(_objstore, "_after_part", None)
+        monkeypatch.setattr(_upload, "_after_part", None)
         s3.start()
     assert isinstance(info.value, ObjectStoreError), info.value
     assert url in str(info.value)
@@ -514,7 +517,7 @@ def test_two_ranks_consolidate_object_store_to_object_store(s3: SeaweedServer,
     for r in results:
         assert "error" not in r, r
     # Each rank downloaded exactly its share of the data objects, each object by one rank.
-    shares = _objstore.stage_shares(sizes, 2)
+    shares = _backends_base.stage_shares(sizes, 2)
     assert [sorted(r["staged"]) for r in results] == [sorted(s) for s in shares]
     assert all(shares) and sorted(results[0]["staged"] + results[1]["staged"]) == sorted(sizes)
     assert results[0]["rank_bytes"] > 0 and results[1]["rank_bytes"] > 0
@@ -799,7 +802,7 @@ def test_concurrent_save_into_one_prefix_fails_cleanly(
     if previous:
         pyckpt.save({"w": torch.full((64, 64), -1.0)}, url)
     a = {"w": torch.randn(256, 256)}
-    real_commit = _objstore.commit_save
+    real_commit = storage.commit_save
     raced: list[bool] = []
 
     def commit_after_a(*args: Any, **kwargs: Any) -> None:
@@ -808,10 +811,10 @@ def test_concurrent_save_into_one_prefix_fails_cleanly(
             pyckpt.save(a, url)  # A: set up, upload, commit, delete others' objects
         real_commit(*args, **kwargs)
 
-    monkeypatch.setattr(_objstore, "commit_save", commit_after_a)
+    monkeypatch.setattr(storage, "commit_save", commit_after_a)
     with pytest.raises(ConcurrentSaveError) as info:
         pyckpt.save({"w": torch.randn(512, 256)}, url)  # B
-    monkeypatch.setattr(_objstore, "commit_save", real_commit)
+    monkeypatch.setattr(storage, "commit_save", real_commit)
     assert raced and info.value.filename == f"{url}/pyckpt.json"
     assert "another save committed" in str(info.value)
     out = {"w": torch.zeros(256, 256)}

@@ -33,8 +33,10 @@ from pyckpt._consolidate.run import (
     write_index,
 )
 from pyckpt._consolidate.scan import ScannedTensors, _Tensor, is_pyckpt, scan
+from pyckpt._consolidate.staged import consolidate_staged
 from pyckpt._export import AUTO
-from pyckpt._peer import discover
+from pyckpt.backends import open_backend
+from pyckpt.backends.peer import discover
 
 __all__ = ["consolidate", "ConsolidationResult", "INDEX_NAME", "select_tensors"]
 
@@ -240,13 +242,14 @@ def consolidate(
     """
     start = time.perf_counter()
     src, dst = os.fspath(src), os.fspath(dst)
-    from pyckpt import _objstore
-
-    src_url, dst_url = _objstore.is_url(src), _objstore.is_url(dst)  # both refuse gs:// etc.
-    if src_url or dst_url:  # staged through local temp files
-        return cast(ConsolidationResult, _objstore.consolidate_staged(
-            consolidate, src, dst, process_group=process_group,
-            shared_filesystem=shared_filesystem, batch_bytes=batch_bytes, fqn_to_file=fqn_to_file,
+    # Both refuse foreign URL schemes (gs://...) here; node-local applies to a directory only.
+    src_backend = open_backend(src, shared_filesystem=shared_filesystem,
+                               process_group=process_group)
+    dst_backend = open_backend(dst)
+    if src_backend.local_dir is None or dst_backend.local_dir is None:  # staged via temp files
+        return cast(ConsolidationResult, consolidate_staged(
+            consolidate, src_backend, dst_backend, process_group=process_group,
+            node_local=src_backend.node_local, batch_bytes=batch_bytes, fqn_to_file=fqn_to_file,
             max_file_bytes=max_file_bytes, threads=threads, fsync=fsync, progress=progress,
             input_mode=input_mode, select=select, strip_prefix=strip_prefix, rename=rename,
             dtype=dtype, dedup_tied=dedup_tied))
@@ -261,7 +264,7 @@ def consolidate(
 
     spec = _export.make_spec(select, strip_prefix, rename, dtype, dedup_tied)
 
-    if not shared_filesystem:
+    if src_backend.node_local:
         return _consolidate_nodelocal(
             src, dst, group, fqn_to_file, max_file_bytes, nthreads, do_fsync, progress, mode,
             DEFAULT_BATCH_BYTES if batch_bytes is None else int(batch_bytes), start, spec,

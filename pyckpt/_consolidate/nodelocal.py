@@ -3,7 +3,7 @@
 Output files are whole-file assigned to ranks by bytes (``make_plan(whole_files=True)``); each
 rank creates, writes and commits its files in its own ``dst``. The stitch items of a rank that
 read chunks of data files held by another rank are served over the process group
-(:class:`pyckpt._peer.Exchange`) in batches of at most ``batch_bytes`` stored bytes: the owner
+(:class:`pyckpt.backends.peer.Exchange`) in batches of at most ``batch_bytes`` stored bytes: the owner
 reads and verifies the stored (compressed) bytes, they travel with one ``all_to_all_single``
 per round, the receiver stages the batch in a hidden file next to its outputs (the stitcher
 reads its sources through files) and stitches from it natively: checksum verified again,
@@ -18,8 +18,9 @@ from collections.abc import Iterator
 from typing import Any
 
 from pyckpt._consolidate.plan import _Plan
-from pyckpt._consolidate.run import ProgressFn, stitch, stitch_items
-from pyckpt._peer import Exchange, Need, PeerFiles, peer_source, stored_len
+from pyckpt._consolidate.run import ProgressFn, StitchItem, stitch, stitch_items
+from pyckpt.backends.base import stored_len
+from pyckpt.backends.peer import Exchange, Need, PeerFiles, peer_source
 from pyckpt.errors import PyckptError
 
 __all__ = ["run_share_nodelocal", "DEFAULT_BATCH_BYTES"]
@@ -29,20 +30,19 @@ DEFAULT_BATCH_BYTES = 64 << 20
 
 
 def _batches(
-    items: list[tuple[Any, ...]],
+    items: list[StitchItem],
     files: PeerFiles,
     exchange: Exchange,
     src: str,
     dst: str,
     batch_bytes: int,
-) -> Iterator[list[tuple[Any, ...]]]:
+) -> Iterator[list[StitchItem]]:
     """Yields the local items first, then the remote ones batch by batch, fetching each batch
     (one exchange round) and staging its bytes in a hidden file in ``dst``."""
     local, remote = [], []
     for item in items:
-        name = os.path.basename(item[5])
-        if files.owner(item[5]) == files.group.rank:
-            local.append(item[:5] + (os.path.join(src, name),) + item[6:])
+        if files.owner(item.source) == files.group.rank:
+            local.append(item._replace(source=os.path.join(src, os.path.basename(item.source))))
         else:
             remote.append(item)
     yield local
@@ -51,17 +51,17 @@ def _batches(
         start = 0
         while start < len(remote):
             end, size = start, 0
-            while end < len(remote) and (end == start or size + stored_len(remote[end][6][0])
+            while end < len(remote) and (end == start or size + stored_len(remote[end].at[0])
                                          <= batch_bytes):
-                size += stored_len(remote[end][6][0])
+                size += stored_len(remote[end].at[0])
                 end += 1
             batch = remote[start:end]
             start = end
             needs: list[Need] = []
             where: dict[tuple[str, int], int] = {}
             for item in batch:
-                rec, params = item[6]
-                key = (os.path.basename(item[5]), rec[0])
+                rec, params = item.at
+                key = (os.path.basename(item.source), rec[0])
                 if key not in where:
                     where[key] = len(needs)
                     needs.append((key[0], tuple(rec), params))
@@ -74,11 +74,11 @@ def _batches(
                     fh.write(memoryview(buf))
             out = []
             for item in batch:
-                rec, params = item[6]
-                owner = files.owner(item[5])
-                off = base[peer_source(owner)] + offsets[where[(os.path.basename(item[5]),
+                rec, params = item.at
+                owner = files.owner(item.source)
+                off = base[peer_source(owner)] + offsets[where[(os.path.basename(item.source),
                                                                 rec[0])]]
-                out.append(item[:5] + (stage, ((off, *tuple(rec)[1:]), params)) + item[7:])
+                out.append(item._replace(source=stage, at=((off, *tuple(rec)[1:]), params)))
             del memory
             yield out
     finally:
@@ -110,7 +110,7 @@ def run_share_nodelocal(
     exchange = Exchange(files, pool)
     try:
         items = stitch_items(plan, dst, share)
-        if any(not isinstance(item[6], tuple) for item in items):
+        if not all(item.is_chunk for item in items):
             raise ValueError("shared_filesystem=False needs a pyckpt checkpoint as input")
         done = stitch(_batches(items, files, exchange, src, dst, batch_bytes), threads, fsync,
                       progress, input_mode, total, partial=True)

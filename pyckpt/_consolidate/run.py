@@ -14,7 +14,7 @@ import os
 import tempfile
 import threading
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 from pyckpt import _C, _paths
 from pyckpt._consolidate.plan import INDEX_NAME, _byte_geometry, _OutFile, _Plan
@@ -76,7 +76,35 @@ def remove_temps(plan: _Plan, dst: str, indices: Sequence[int] | None = None) ->
     _unlink_quiet(os.path.join(dst, plan.index_tmp))
 
 
-def stitch_items(plan: _Plan, dst: str, share: list[tuple[int, int, int]]) -> list[tuple]:
+class StitchItem(NamedTuple):
+    """One copy job of the native stitcher (``_C.stitch``): the elements ``[lo, hi)`` of a
+    tensor's output that a source block (a safetensors shard, or one pyckpt chunk) holds.
+
+    A named tuple: the binding receives the plain tuple, Python code reads fields by name.
+    """
+
+    name: str
+    shape: list[int]  # the full tensor's shape
+    offsets: list[int]  # the block's offsets in it
+    sizes: list[int]  # the block's sizes
+    item: int  # bytes per element of the geometry
+    source: str  # the input file
+    at: Any  # safetensors: the block's byte offset; pyckpt: (chunk record, codec params)
+    out_path: str
+    out_offset: int  # the tensor's first byte in the output file
+    lo: int  # output elements of the tensor this item may write: [lo, hi)
+    hi: int
+    p: int  # block elements this item holds: [p, q) (a chunk), or [0, 2**64 - 1) (a shard)
+    q: int
+    cast: tuple[str, str] | None  # (from dtype, to dtype), or None
+
+    @property
+    def is_chunk(self) -> bool:
+        """A pyckpt chunk (``at`` is (record, params)), not a safetensors block."""
+        return isinstance(self.at, tuple)
+
+
+def stitch_items(plan: _Plan, dst: str, share: list[tuple[int, int, int]]) -> list[StitchItem]:
     """Turns this rank's byte ranges into stitcher items (one per overlapping shard)."""
     items = []
     for file_index, lo, hi in share:
@@ -101,7 +129,7 @@ def stitch_items(plan: _Plan, dst: str, share: list[tuple[int, int, int]]) -> li
                     )
                     continue
                 items.append(
-                    (
+                    StitchItem(
                         name, shape, offsets, sizes, item, blk.path, blk.offset, out_path,
                         f.data_start + begin, (a - begin) // out_item, (b - begin) // out_item,
                         0, 2**64 - 1, cast,
@@ -122,7 +150,7 @@ def _chunk_items(
     hi: int,
     item: int = 1,
     cast: tuple[str, str] | None = None,
-) -> list[tuple]:
+) -> list[StitchItem]:
     """Stitcher items (one per chunk) for the chunks of a pyckpt piece that reach [lo, hi).
 
     Byte geometry (item size 1): chunk ``[p, q)`` of the piece's raw bytes is block elements
@@ -159,8 +187,8 @@ def _chunk_items(
             if p == q or global_index(q - 1) < lo or global_index(p) >= hi:
                 continue
             items.append(
-                (name, shape, offsets, sizes, item, path, (rec, params), out_path, out_offset,
-                 lo, hi, p, q, cast)
+                StitchItem(name, shape, offsets, sizes, item, path, (rec, params), out_path,
+                           out_offset, lo, hi, p, q, cast)
             )
     return items
 

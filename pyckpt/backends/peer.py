@@ -23,16 +23,25 @@ The group must support CPU tensors (gloo; for an NCCL training group pass a gloo
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 from pyckpt import _C, _format
-from pyckpt._collective import Group, add_note, all_gather, broadcast, portable
+from pyckpt._collective import Group, add_note, all_gather, broadcast, group_info, portable
+from pyckpt.backends.base import (
+    ReadRequest,
+    SaveState,
+    clean_up,
+    overlapping_chunks,
+    stored_len,
+)
+from pyckpt.backends.posix import PosixBackend
 
-__all__ = ["PeerFiles", "discover", "Exchange", "read_requests"]
+__all__ = ["Exchange", "PeerBackend", "PeerFiles", "discover", "read_requests"]
 
 # One chunk wanted from its owner: (file basename, chunk record tuple, codec params tuple).
 Need = tuple[str, tuple[Any, ...], Any]
@@ -278,11 +287,6 @@ def _raise_first(
             raise err
 
 
-def stored_len(rec: Sequence[Any]) -> int:
-    """Stored bytes of a chunk record ``(file_offset, raw_len, xxh64, transform, planes)``."""
-    return sum(rec[4][1::2])
-
-
 def read_requests(
     exchange: Exchange, requests: Sequence[tuple[Any, ...]], pool: Any
 ) -> tuple[int, int]:
@@ -297,26 +301,23 @@ def read_requests(
     where: dict[tuple[str, int], int] = {}  # (file, file_offset) -> index in needs
     plans = []
     for name, segments, lo, hi, dst in requests:
-        remote_segs: list[tuple[int, list[tuple[int, Any]]]] = []
+        remote: dict[int, list[tuple[int, Any]]] = {}
         local = []
         for si, seg in enumerate(segments):
-            path, raw_begin, params, chunks = seg
-            if files.owner(path) == files.group.rank:
+            if files.owner(seg[0]) == files.group.rank:
                 local.append(seg)
+            else:
+                remote[si] = []
+        for a, _b, si, rec in overlapping_chunks(segments, lo, hi):
+            picked = remote.get(si)
+            if picked is None:
                 continue
-            picked = []
-            pos = raw_begin
-            for rec in chunks:
-                a, b = pos, pos + rec[1]
-                pos = b
-                if rec[1] == 0 or b <= lo or a >= hi:
-                    continue
-                key = (os.path.basename(path), rec[0])
-                if key not in where:
-                    where[key] = len(needs)
-                    needs.append((key[0], tuple(rec), params))
-                picked.append((a, rec))
-            remote_segs.append((si, picked))
+            key = (os.path.basename(segments[si][0]), rec[0])
+            if key not in where:
+                where[key] = len(needs)
+                needs.append((key[0], tuple(rec), segments[si][2]))
+            picked.append((a, rec))
+        remote_segs = list(remote.items())
         plans.append((name, segments, lo, hi, dst, local, remote_segs))
     memory, offsets = exchange.fetch(needs)
     out = []
@@ -328,7 +329,7 @@ def read_requests(
             for a, rec in picked:
                 off = offsets[where[(os.path.basename(path), rec[0])]]
                 segs.append((peer_source(owner), a, params, [(off, *tuple(rec)[1:])]))
-        out.append((name, segs, lo, hi, dst))
+        out.append(ReadRequest(name, segs, lo, hi, dst))
     sources = {name: (buf.nbytes, [(0, buf)]) for name, buf in memory.items()}
     return _C.read_requests(out, pool, sources)
 
@@ -386,22 +387,130 @@ def _publish(save_id: str, document: bytes, files: list[str]) -> PublishedMetada
 
 def write_metadata_copy(root: str, document: bytes, files: set[str], fsync: bool) -> None:
     """Writes ``pyckpt.json`` (atomically, fsynced) into ``root`` unless it already holds exactly
-    ``document``, then removes data files of earlier saves there (not in ``files``)."""
-    meta = os.path.join(root, _format.METADATA_FILE)
-    try:
-        with open(meta, "rb") as fh:
-            same = fh.read() == document
-    except FileNotFoundError:
-        same = False
-    if not same:
-        with _C.FileWriter(meta, "off", fsync) as fw:
-            fw.append(document)
-            fw.commit()
-    for name in os.listdir(root):
-        stale = _format.is_data_file(name) and name not in files
-        crashed = ".tmp-" in name and name.split(".tmp-")[0].endswith(".pyckpt")
-        if stale or crashed:
-            try:
-                os.unlink(os.path.join(root, name))
-            except FileNotFoundError:
-                pass
+    ``document``, then removes data files of earlier saves there (not in ``files``); a failure
+    of that clean-up is a warning (the save is committed), as on every backend."""
+    local = PosixBackend(root, fsync=fsync, node_local=True)
+    if not local.metadata_is(document):
+        # A copy that cannot be written leaves this node's data files alone: they belong to a
+        # save committed on the coordinator.
+        local.put_metadata(document, SaveState(is_coordinator=False))
+    # Ranks sharing this directory write the same copy at the same time, without a lock: their
+    # temp files of pyckpt.json are not stale.
+    clean_up(local, files, metadata_temps=False)
+
+
+class PeerBackend:
+    """A node-local checkpoint (:class:`~pyckpt.backends.base.Backend`): this rank's directory
+    (a :class:`~pyckpt.backends.posix.PosixBackend`) holds its node's data files and a copy of
+    the metadata; chunks of files other ranks hold come from them over ``process_group``.
+
+    Saving writes into the local directory as the POSIX backend does; the coordinator's commit
+    is published to every rank (:class:`PublishedMetadata`), each of which commits its copy
+    with the same rule. :meth:`read_index` is collective (:func:`discover`); reads run in
+    exchange rounds (:meth:`reads`).
+
+    Args:
+        local: this rank's directory.
+        process_group: the group (None: the default group); it must carry CPU tensors.
+        auto: ``shared_filesystem="auto"``: when every rank sees every file (or in a single
+            process) reads are plain local reads, with no rounds.
+    """
+
+    node_local = True
+
+    def __init__(self, local: PosixBackend, process_group: Any = None, *,
+                 auto: bool = False) -> None:
+        self.local = local
+        self.location = local.location
+        self.local_dir = local.path
+        self.default_chunk_bytes = local.default_chunk_bytes
+        self.process_group = process_group
+        self.auto = auto
+        self.files: PeerFiles | None = None
+        self.bytes_from_peers = 0  # stored bytes received from other ranks, all loads
+
+    def __repr__(self) -> str:
+        return f"PeerBackend({self.location!r})"
+
+    # -- save: the local directory, and the metadata published to every rank --------------
+
+    def begin_save(self, is_coordinator: bool, overwrite: bool) -> SaveState:
+        return self.local.begin_save(is_coordinator, overwrite)
+
+    def data_sink(self, name: str, options: Any) -> Any:
+        return self.local.data_sink(name, options)
+
+    def put_metadata(self, encoded: bytes, state: SaveState) -> None:
+        self.local.put_metadata(encoded, state)
+
+    def metadata_is(self, encoded: bytes) -> bool | None:
+        return self.local.metadata_is(encoded)
+
+    def expect_metadata(self, save_id: str) -> None:
+        """A non-coordinator rank: writes its copy when the coordinator's commit arrives."""
+        expect_metadata(save_id, self.local.path, self.local._fsync())
+
+    def publish(self, save_id: str, document: bytes, files: Iterable[str]) -> PublishedMetadata:
+        """What the coordinator puts into DCP's ``Metadata.storage_data`` after its commit."""
+        return PublishedMetadata(save_id, document, sorted(files))
+
+    # -- names -----------------------------------------------------------------------------
+
+    def url_of(self, name: str) -> str:
+        return self.local.url_of(name)
+
+    def list_names(self) -> dict[str, int]:
+        return self.local.list_names()
+
+    def delete(self, names: Iterable[str]) -> None:
+        self.local.delete(names)
+
+    # -- load ------------------------------------------------------------------------------
+
+    def read_index(self) -> _format.CheckpointIndex:
+        """Collective on a group: every rank validates its copy, the holders of every file are
+        agreed on (:func:`discover`). One process with ``auto``: a plain local read."""
+        group = group_info(self.process_group)
+        self.files = None
+        if self.auto and not group.distributed:
+            return self.local.read_index()
+        index, peers = discover(self.local.path, group)
+        self.files = None if (self.auto and peers.everywhere) else peers
+        return index
+
+    @contextlib.contextmanager
+    def reads(self, pool: Any) -> Iterator[Callable[[list[Any]], tuple[int, int]]]:
+        """Yields the read function of one load's ``read_data``: each call is one exchange
+        round (collective); an error raised inside is told to every rank."""
+        files = self.files
+        if files is None:
+            yield lambda requests: self.local.read_requests(requests, pool)
+            return
+        exchange = Exchange(files, pool)
+        try:
+            yield lambda requests: read_requests(exchange, requests, pool)
+        except Exception as e:
+            exchange.finish(e)  # tells the other ranks, then raises e
+            raise
+        finally:
+            self.bytes_from_peers += exchange.bytes_received
+        exchange.finish()
+
+    def read_requests(self, requests: list[Any], pool: Any) -> tuple[int, int]:
+        with self.reads(pool) as read:
+            return read(requests)
+
+    def verify_segments(self, name: str, segments: list[Any], pool: Any) -> tuple[int, int]:
+        return self.local.verify_segments(name, segments, pool)
+
+    def stage(self, directory: str, share: tuple[int, int] | None = None) -> list[str]:
+        return self.local.stage(directory, share)
+
+    def check(self) -> None:
+        self.local.check()
+
+    def put_file(self, path: str, *, last: bool = False) -> str:
+        return self.local.put_file(path, last=last)
+
+    def remove_files(self, urls: Iterable[str]) -> None:
+        self.local.remove_files(urls)

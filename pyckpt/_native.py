@@ -1,0 +1,74 @@
+"""The native collaborators a Writer or Reader owns: the worker thread pool and the GPU staging.
+
+Thread ownership (one model for I/O work, docs/ARCHITECTURE.md): each Writer and each Reader
+owns one native ``ThreadPool`` (made on first use, stopped by ``close()``), and every encode,
+write, read, verify and decode of that object runs on it with the GIL released. A backend only
+moves bytes; where its client has its own concurrency (obstore's uploads and GETs) that stays
+inside the backend.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pyckpt import _C, _knobs
+from pyckpt._staging import DeviceStaging
+
+__all__ = ["_Native", "_check_pinned_pool_bytes"]
+
+
+def _check_pinned_pool_bytes(value: int | None) -> None:
+    if value is not None and (type(value) is not int or value < _knobs.MIN_PINNED_POOL_BYTES):
+        raise ValueError(
+            f"pinned_pool_bytes must be an int >= {_knobs.MIN_PINNED_POOL_BYTES}, got {value!r}"
+        )
+
+
+class _Native:
+    """The native collaborators of a Writer or Reader, each made on first use: the worker
+    thread pool and the GPU staging (:class:`~pyckpt._staging.DeviceStaging`: pinned pools and
+    per-device stagers). :meth:`close` drops both (the owner stays usable: they are made again
+    when needed); pickling keeps only the configuration."""
+
+    def __init__(
+        self,
+        threads: int | None,
+        default: Any = _knobs.num_threads,
+        *,
+        pinned_pool_bytes: int | None = None,
+    ) -> None:
+        self._threads = threads
+        self._default = default
+        self._pinned_pool_bytes = pinned_pool_bytes
+        self._pool: Any = None
+        self._staging: DeviceStaging | None = None
+
+    def pool(self) -> Any:
+        if self._pool is None:
+            self._pool = _C.ThreadPool(self._threads or self._default())
+        return self._pool
+
+    def staging(self, block_bytes: int | None = None) -> DeviceStaging:
+        """The GPU staging (made on first use with ``block_bytes`` blocks, default 16 MiB)."""
+        if self._staging is None:
+            self._staging = DeviceStaging(
+                block_bytes=block_bytes, pool_bytes=self._pinned_pool_bytes
+            )
+        return self._staging
+
+    def made_staging(self) -> DeviceStaging | None:
+        """The GPU staging if it was made (and not closed since), else None."""
+        return self._staging
+
+    def close(self) -> None:
+        staging, self._staging = self._staging, None
+        if staging is not None:
+            staging.close()
+        if self._pool is not None:
+            self._pool.shutdown()
+            self._pool = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state["_pool"] = state["_staging"] = None
+        return state

@@ -1,0 +1,358 @@
+"""PyTorch Distributed Checkpoint storage reader: :class:`Reader` (``pyckpt.Reader``).
+
+Each ``ReadItem`` maps to the byte span of its stored piece; the backend reads, verifies and
+decodes only the chunks that overlap it (natively, GIL released). The Reader holds one backend
+(:func:`pyckpt.backends.open_backend`) and never looks at the kind of place it reads from.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import uuid
+from collections.abc import Callable
+from typing import Any, Literal
+
+import torch
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    StorageMeta,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
+from torch.distributed.checkpoint.storage import StorageReader
+from torch.futures import Future
+
+from pyckpt import _format, _knobs
+from pyckpt._format import DTYPE_SIZES, METADATA_FILE
+from pyckpt._native import _check_pinned_pool_bytes, _Native
+from pyckpt._staging import DeviceStaging, is_device_tensor
+from pyckpt.backends import Backend, node_local_choice, open_backend
+from pyckpt.backends.base import ReadRequest
+
+__all__ = ["Reader"]
+
+# Decoded bytes buffered at once by a resharding load (pieces read whole need no buffer).
+_READ_BATCH_BYTES = 256 << 20
+
+
+class Reader(StorageReader):
+    """DCP ``StorageReader`` for pyckpt checkpoints, including resharded loads.
+
+    Each ``ReadItem`` is served by reading, verifying and decoding only the chunks that overlap
+    the byte span of the requested slice; whole pieces decode straight into the destination.
+
+    Args:
+        path: checkpoint directory or object-store URL (``s3://bucket/prefix``);
+            ``dcp.load(checkpoint_id=...)`` overrides it.
+        storage_options: for an object-store ``path``: client settings overriding the
+            ``AWS_*`` environment and ``~/.aws`` files (see docs/OBJECT_STORES.md).
+        threads: native worker threads (default ``PYCKPT_READ_THREADS`` or
+            ``max(8, PYCKPT_NUM_THREADS)``: reads in flight matter more than cores).
+        pinned_pool_bytes: bound on the page-locked memory that carries data to GPU
+            destinations (default ``PYCKPT_PINNED_POOL_BYTES`` or 1 GiB; at least 1 MiB).
+        shared_filesystem: False for a node-local checkpoint (``Writer(...,
+            shared_filesystem=False)``): each rank reads its own ``path``; chunks of files
+            another rank holds are fetched from it over ``process_group`` (stored bytes,
+            verified by both sides, decoded here). Every rank of the group must load.
+            ``"auto"``: the ranks list the data files each sees under ``path`` and agree (one
+            all-gather over ``process_group`` when the load starts): when every rank sees
+            every file, the load reads as with True; otherwise as with False. A single process
+            reads as with True.
+        process_group: the group of the load for ``shared_filesystem=False`` (default: the
+            default group); it must carry CPU tensors (gloo).
+
+    Raises (from :meth:`read_metadata`, i.e. when a load starts; making a Reader reads nothing):
+        FileNotFoundError: ``path`` has no ``pyckpt.json`` (not a complete checkpoint) or a data
+            file it lists is missing; ``filename`` names the file.
+        CheckpointFormatError: the metadata is malformed, of an unknown version, or a data file
+            is shorter than recorded.
+
+    Corruption inside data files (``ChecksumError``) is found while loading; DCP then raises a
+    ``CheckpointException`` whose ``failures`` hold the typed error (``pyckpt.load`` re-raises
+    it directly).
+
+    GPU destinations are filled through pinned blocks by the C++ stager (side stream, ordered
+    after and before the destination device's current stream by events).
+
+    Collaborators (owned by composition, made on first use, released by :meth:`close` or
+    ``with Reader(...) as r:``, dropped by pickling): the native worker thread pool and the GPU
+    staging (``_native``).
+
+    Attributes:
+        bytes_read: stored bytes read from data files by this reader so far.
+        chunks_decoded: chunks read, verified and decoded so far.
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        threads: int | None = None,
+        pinned_pool_bytes: int | None = None,
+        storage_options: dict[str, Any] | None = None,
+        shared_filesystem: bool | Literal["auto"] = True,
+        process_group: Any = None,
+    ) -> None:
+        super().__init__()
+        _check_pinned_pool_bytes(pinned_pool_bytes)
+        self.path = os.fspath(path)
+        self.threads = threads
+        self.pinned_pool_bytes = pinned_pool_bytes
+        self.storage_options = dict(storage_options or {})
+        self.shared_filesystem: bool | Literal["auto"] = node_local_choice(shared_filesystem)
+        self.process_group = process_group
+        self._backend = self._open(self.path)  # a foreign URL (gs://...) fails here
+        self.load_id = uuid.uuid4().hex[:12]
+        self.bytes_read = 0
+        self.chunks_decoded = 0
+        self._native = _Native(threads, _knobs.read_threads, pinned_pool_bytes=pinned_pool_bytes)
+        self._storage: dict[MetadataIndex, Any] = {}
+        self._metadata_error: Exception | None = None
+
+    def close(self) -> None:
+        """Stops the native worker threads and frees the staging buffers."""
+        self._native.close()
+
+    def __enter__(self) -> Reader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _staging(self) -> DeviceStaging:
+        return self._native.staging()
+
+    # -- StorageReader ---------------------------------------------------------------------
+
+    def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
+        self.load_id = uuid.uuid4().hex[:12]
+        self._storage = {}
+        self._metadata_error = None
+        path = self.path if checkpoint_id is None else os.fspath(checkpoint_id)
+        self._backend = self._open(path)  # a foreign URL (gs://...) fails here, naming it
+        self.path = path
+
+    def _open(self, path: str) -> Backend:
+        return open_backend(path, self.storage_options, shared_filesystem=self.shared_filesystem,
+                            process_group=self.process_group)
+
+    @property
+    def backend(self) -> Backend:
+        """Where the checkpoint is read from (made from ``path`` by
+        :func:`pyckpt.backends.open_backend`)."""
+        return self._backend
+
+    @property
+    def bytes_from_peers(self) -> int:
+        """Stored bytes of a node-local checkpoint received from other ranks by this reader so
+        far (0 for a shared directory or an object store)."""
+        return int(getattr(self._backend, "bytes_from_peers", 0))
+
+    @property
+    def bytes_fetched(self) -> int:
+        """Bytes downloaded from an object store by this reader so far (0 for files)."""
+        return int(getattr(self._backend, "bytes_fetched", 0))
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        """Reads and validates ``pyckpt.json`` (the checkpoint is looked at here, not when the
+        Reader is made, so a Reader may be created before its checkpoint exists).
+
+        Raises:
+            FileNotFoundError, CheckpointFormatError: see the class docstring.
+
+        DCP catches a failure of this call, asks again with ``rank=`` (rank-local metadata) and
+        then raises an untyped ``AssertionError``. pyckpt has no rank-local metadata, so that
+        second call returns an empty placeholder and :meth:`set_up_storage_reader` raises the
+        original typed error, which DCP then reports as the rank's failure (``pyckpt.load``
+        re-raises it as is).
+        """
+        if "rank" in kwargs and self._metadata_error is not None:
+            return Metadata(state_dict_metadata={})
+        try:
+            # Node-local: collective (every rank reads its copy, then they agree on who holds
+            # what; see pyckpt.backends.peer).
+            index = self._backend.read_index()
+        except Exception as e:
+            self._metadata_error = e
+            raise
+        self._metadata_error = None
+        sd_md: dict[str, Any] = {}
+        storage: dict[MetadataIndex, Any] = {}
+        for fqn, st in index.tensors.items():
+            memory_format = getattr(torch, st.memory_format, torch.contiguous_format)
+            sd_md[fqn] = TensorStorageMetadata(
+                properties=TensorProperties(
+                    dtype=getattr(torch, st.dtype),
+                    requires_grad=st.requires_grad,
+                    memory_format=memory_format,
+                ),
+                size=torch.Size(st.shape),
+                chunks=[
+                    ChunkStorageMetadata(offsets=torch.Size(p.offsets), sizes=torch.Size(p.sizes))
+                    for p in st.pieces
+                ],
+            )
+            for i, p in enumerate(st.pieces):
+                storage[MetadataIndex(fqn, p.offsets, i)] = (st, p)
+        for fqn, sb in index.bytes_items.items():
+            sd_md[fqn] = BytesStorageMetadata()
+            storage[MetadataIndex(fqn)] = sb
+        self._storage = storage
+        return Metadata(
+            state_dict_metadata=sd_md,
+            planner_data=index.planner_data,
+            storage_data=storage,
+            storage_meta=StorageMeta(
+                checkpoint_id=self.path, save_id=index.save_id, load_id=self.load_id
+            ),
+            version=index.dcp_version,
+        )
+
+    def set_up_storage_reader(
+        self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any
+    ) -> None:
+        if self._metadata_error is not None:
+            error, self._metadata_error = self._metadata_error, None
+            raise error
+        self._storage = metadata.storage_data
+
+    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        return plans
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        # One read session of the backend: for a node-local checkpoint each call of `read` is
+        # one exchange round with the other ranks, and an error here is told to them.
+        pool = self._native.pool()
+        with self._backend.reads(pool) as read:
+            return self._read_data(plan, planner, read)
+
+    def _read_data(
+        self, plan: LoadPlan, planner: LoadPlanner,
+        read: Callable[[list[Any]], tuple[int, int]],
+    ) -> Future[None]:
+        batch: list[tuple[Any, ...]] = []  # (request, finish callback args)
+        batch_bytes = 0
+
+        def flush() -> None:
+            nonlocal batch, batch_bytes
+            if not batch:
+                return
+            nread, ndecoded = read([b[0] for b in batch])
+            self.bytes_read += nread
+            self.chunks_decoded += ndecoded
+            for _, finish in batch:
+                finish()
+            batch, batch_bytes = [], 0
+
+        for req in plan.items:
+            stored = self._storage.get(req.storage_index)
+            if stored is None:
+                raise KeyError(f"{self.path}: no stored data for {req.storage_index}")
+            if req.type == LoadItemType.BYTE_IO:
+                request, finish, temp = self._bytes_request(req, stored, planner)
+            else:
+                request, finish, temp = self._tensor_request(req, stored, planner)
+            if request is None:
+                finish()
+                continue
+            if batch_bytes + temp > _READ_BATCH_BYTES:
+                flush()
+            batch.append((request, finish))
+            batch_bytes += temp
+        flush()
+
+        fut: Future[None] = Future()
+        fut.set_result(None)
+        return fut
+
+    def _bytes_request(
+        self, req: ReadItem, stored: _format.StoredBytes, planner: LoadPlanner
+    ) -> tuple[Any, Any, int]:
+        buf = torch.empty(stored.nbytes, dtype=torch.uint8)
+
+        def finish() -> None:
+            planner.load_bytes(req, io.BytesIO(buf.numpy().tobytes()))
+
+        if stored.nbytes == 0:
+            return None, finish, 0
+        request = ReadRequest(req.storage_index.fqn, stored.segments, 0, stored.nbytes,
+                              buf.data_ptr())
+        return request, finish, stored.nbytes
+
+    def _tensor_request(
+        self,
+        req: ReadItem,
+        stored: tuple[_format.StoredTensor, _format.StoredPiece],
+        planner: LoadPlanner,
+    ) -> tuple[Any, Any, int]:
+        st, piece = stored
+        fqn = req.storage_index.fqn
+        dtype = getattr(torch, st.dtype)
+        itemsize = DTYPE_SIZES[st.dtype]
+        target = planner.resolve_tensor(req).detach()
+        lengths = tuple(req.lengths)
+        if tuple(target.shape) != lengths:
+            raise ValueError(
+                f"tensor {fqn!r}: destination shape {tuple(target.shape)} does not match the "
+                f"requested slice {lengths}"
+            )
+
+        def commit() -> None:
+            planner.commit_tensor(req, target)
+
+        if any(n == 0 for n in lengths):
+            return None, commit, 0
+
+        # Row-major strides of the stored piece and the byte span of the requested slice.
+        strides = [1] * len(piece.sizes)
+        for d in range(len(piece.sizes) - 2, -1, -1):
+            strides[d] = strides[d + 1] * piece.sizes[d + 1]
+        offs = tuple(req.storage_offsets)
+        first = sum(o * s for o, s in zip(offs, strides))
+        last = sum((o + n - 1) * s for o, n, s in zip(offs, lengths, strides))
+        lo, hi = first * itemsize, (last + 1) * itemsize
+
+        whole = lengths == tuple(piece.sizes)
+        if (
+            whole
+            and target.device.type == "cpu"
+            and target.dtype == dtype
+            and target.is_contiguous()
+            and not target.is_conj()
+            and not target.is_neg()
+        ):
+            request = ReadRequest(fqn, piece.segments, 0, piece.nbytes, target.data_ptr())
+            return request, commit, 0
+
+        temp = torch.empty(hi - lo, dtype=torch.uint8)
+
+        def finish() -> None:
+            src = temp.view(dtype).as_strided(lengths, strides)
+            if is_device_tensor(target) and self._staging().available:
+                if src.dtype != target.dtype:
+                    src = src.to(target.dtype)
+                self._staging().upload_from_host(fqn, target, src)
+            else:
+                target.copy_(src)
+            commit()
+
+        request = ReadRequest(fqn, piece.segments, lo, hi, temp.data_ptr())
+        return request, finish, hi - lo
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
+        try:
+            local_dir = open_backend(checkpoint_id).local_dir
+        except (ValueError, TypeError):  # another scheme: not a checkpoint this reader loads
+            return False
+        if local_dir is None:  # a store: looked at when the load starts
+            return True
+        return os.path.isfile(os.path.join(local_dir, METADATA_FILE))

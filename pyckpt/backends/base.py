@@ -1,0 +1,345 @@
+"""The storage seam: what a checkpoint needs from a place, and the one commit rule.
+
+A :class:`Backend` is the Python mirror of ``csrc/core/storage.hpp``: it moves bytes and knows
+nothing of codecs, checksums or DCP. Everything above it (``Writer``, ``Reader``, ``verify``,
+``inspect``, ``consolidate``) holds a backend object made by
+:func:`pyckpt.backends.open_backend`, the only place that reads a URL scheme or the node-local
+choice.
+
+What is shared by every backend lives here, once:
+
+* :func:`commit_save`: data first, metadata last; a failed metadata write removes only this
+  save's data (and only when the stored metadata is not this save's); once the metadata is
+  committed, clean-up of what it made stale never fails the save (:func:`clean_up`).
+* :func:`is_stale`: which names a committed save removes.
+* :func:`overlapping_chunks`: which chunks of a stored piece overlap a raw byte range.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple, Protocol, runtime_checkable
+
+from pyckpt import _format
+from pyckpt._format import METADATA_FILE
+from pyckpt._partition import largest_first
+
+__all__ = [
+    "Backend",
+    "DataSink",
+    "ReadRequest",
+    "SaveState",
+    "check_name",
+    "clean_up",
+    "commit_save",
+    "direct_reads",
+    "is_stale",
+    "overlapping_chunks",
+    "stage_shares",
+]
+
+logger = logging.getLogger("pyckpt.backends")
+
+class ReadRequest(NamedTuple):
+    """One read into a caller's buffer: raw bytes ``[lo, hi)`` of a stored piece (or bytes
+    item) decoded to address ``dst``. A named tuple: the binding (``_C.read_requests``)
+    receives the plain tuple."""
+
+    name: str  # the item, named by errors
+    segments: Sequence[Any]  # the piece's segments (file, raw_begin, params, chunk records)
+    lo: int
+    hi: int
+    dst: int  # address of hi - lo writable bytes
+
+
+# Marker of a temp file of an interrupted atomic write (``<name>.tmp-<pid>-<n>``).
+TEMP_MARKER = ".tmp-"
+
+
+@dataclass
+class SaveState:
+    """What :meth:`Backend.begin_save` hands to the commit of the same save.
+
+    Attributes:
+        is_coordinator: the rank that commits the metadata.
+        base: the identity of the metadata this save replaces, as the backend's commit checks
+            it (``None``: there was none; :data:`ANY`: no check possible).
+        lock: a backend's lock held from set-up to commit (released by :meth:`end`), or None.
+    """
+
+    is_coordinator: bool
+    base: Any = None
+    lock: Any = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def end(self) -> None:
+        if self.lock is not None:
+            self.lock.release()
+            self.lock = None
+
+
+# SaveState.base: "commit unconditionally" (the store cannot tell what it holds).
+ANY = object()
+
+
+class DataSink(Protocol):
+    """One data file being written: handed to the native encoder (``write_items``), committed
+    (durable, visible under its name) by :meth:`commit`; leaving the ``with`` block without a
+    commit removes what was written."""
+
+    def write_items(self, *args: Any) -> Any: ...
+
+    def append(self, data: Any) -> int: ...
+
+    def commit(self) -> None: ...
+
+    @property
+    def size(self) -> int: ...
+
+    def __enter__(self) -> Any: ...
+
+    def __exit__(self, *exc: object) -> Any: ...
+
+
+@runtime_checkable
+class Backend(Protocol):
+    """A place that holds one checkpoint (a directory, an object prefix, an in-memory store).
+
+    Names are plain names inside the checkpoint (``pyckpt.json`` or a data file name that
+    passed :func:`pyckpt._format.is_data_file`); a backend refuses anything else.
+
+    Attributes:
+        location: the checkpoint's location as the user gave it (named by every error).
+        default_chunk_bytes: raw bytes per chunk when the writer was given none.
+        node_local: each rank's copy holds only its node's data (ranks exchange chunks).
+        local_dir: the directory holding the checkpoint when native code may read it in place
+            (consolidation), else None (the backend stages it: :meth:`stage`).
+    """
+
+    @property
+    def location(self) -> str: ...
+
+    @property
+    def default_chunk_bytes(self) -> int: ...
+
+    @property
+    def node_local(self) -> bool: ...
+
+    @property
+    def local_dir(self) -> str | None: ...
+
+    # -- save ------------------------------------------------------------------------------
+    def begin_save(self, is_coordinator: bool, overwrite: bool) -> SaveState:
+        """Prepares a save: creates the place, takes the lock or records the condition the
+        commit will check. Raises ``FileExistsError`` (``overwrite=False`` and a checkpoint is
+        there), ``BlockingIOError`` (another save holds the place)."""
+        ...
+
+    def data_sink(self, name: str, options: Mapping[str, Any]) -> DataSink:
+        """A sink for data file ``name`` (see :class:`DataSink`)."""
+        ...
+
+    def put_metadata(self, encoded: bytes, state: SaveState) -> None:
+        """Writes ``pyckpt.json`` atomically, only if the stored one is still ``state.base``
+        (else :class:`~pyckpt.errors.ConcurrentSaveError` naming it)."""
+        ...
+
+    def metadata_is(self, encoded: bytes) -> bool | None:
+        """Whether the stored ``pyckpt.json`` is exactly ``encoded``; None when unknown."""
+        ...
+
+    # -- names -----------------------------------------------------------------------------
+    def url_of(self, name: str) -> str:
+        """What messages call ``name`` (a path or an object URL)."""
+        ...
+
+    def list_names(self) -> dict[str, int]:
+        """Names of the checkpoint's data files (and temp files) present, with their sizes."""
+        ...
+
+    def delete(self, names: Iterable[str]) -> None:
+        """Deletes ``names`` (absent ones are not an error)."""
+        ...
+
+    # -- load ------------------------------------------------------------------------------
+    def read_index(self) -> _format.CheckpointIndex:
+        """Reads and validates ``pyckpt.json`` (every data file checked present)."""
+        ...
+
+    def read_requests(self, requests: list[Any], pool: Any) -> tuple[int, int]:
+        """As ``_C.read_requests``: reads, verifies and decodes the chunks overlapping each
+        request into the caller's buffer; returns (stored bytes read, chunks decoded)."""
+        ...
+
+    def verify_segments(self, name: str, segments: list[Any], pool: Any) -> tuple[int, int]:
+        """As ``_C.verify_segments`` (checksums of every chunk of ``segments``)."""
+        ...
+
+    def reads(self, pool: Any) -> contextlib.AbstractContextManager[
+            Callable[[list[Any]], tuple[int, int]]]:
+        """One load's read session: yields the function ``Reader.read_data`` calls with each
+        batch of requests (:func:`direct_reads` for most backends; exchange rounds with the
+        other ranks for a node-local checkpoint)."""
+        ...
+
+    # -- consolidation ---------------------------------------------------------------------
+    def stage(self, directory: str, share: tuple[int, int] | None = None) -> list[str]:
+        """Copies the checkpoint (or rank ``share[0]`` of ``share[1]``'s part of its data
+        files) into local ``directory`` for the native consolidator; returns the names."""
+        ...
+
+    def check(self) -> None:
+        """Fails early (typed, naming the location) when the place cannot be written."""
+        ...
+
+    def put_file(self, path: str, *, last: bool = False) -> str:
+        """Stores local file ``path`` (an export output) under its base name, atomically;
+        ``last``: the file that names the others (one request). Returns what it is called."""
+        ...
+
+    def remove_files(self, urls: Iterable[str]) -> None:
+        """Best effort: removes what :meth:`put_file` stored (failures are ignored)."""
+        ...
+
+
+@contextlib.contextmanager
+def direct_reads(backend: Backend, pool: Any) -> Iterator[Callable[[list[Any]], tuple[int, int]]]:
+    """The read session of a backend that needs none: each batch is one
+    :meth:`Backend.read_requests` call."""
+    yield lambda requests: backend.read_requests(requests, pool)
+
+
+def check_name(location: str, name: str, *, temp: bool = False) -> str:
+    """``name`` if it is a plain name of the checkpoint: ``pyckpt.json``, a data file name, or
+    (``temp``) a temp file of either; else :class:`~pyckpt.errors.CheckpointFormatError`
+    naming ``location``. Nothing outside the checkpoint's place is ever reached."""
+    from pyckpt.errors import CheckpointFormatError
+
+    ok = name == METADATA_FILE or _format.is_data_file(name)
+    if not ok and temp and TEMP_MARKER in name and "/" not in name and "\\" not in name:
+        base = name.split(TEMP_MARKER)[0]
+        ok = base == METADATA_FILE or _format.is_data_file(base)
+    if not ok:
+        raise CheckpointFormatError(f"{location}: illegal file name {name!r}")
+    return name
+
+
+def is_stale(name: str, keep: Iterable[str] | set[str], metadata_temps: bool = True) -> bool:
+    """Whether a committed save removes ``name``: a data file of another save, or a temp file
+    of an interrupted write of a data file or (``metadata_temps``) of the metadata."""
+    if _format.is_data_file(name):
+        return name not in keep
+    if TEMP_MARKER in name:
+        base = name.split(TEMP_MARKER)[0]
+        return (metadata_temps and base == METADATA_FILE) or base.endswith(".pyckpt")
+    return False
+
+
+_warned: set[tuple[str, str]] = set()
+_warned_lock = threading.Lock()
+
+
+def _warn_once(backend: Backend, e: BaseException) -> None:
+    key = (backend.location, type(e).__name__)
+    with _warned_lock:
+        first = key not in _warned
+        _warned.add(key)
+    if first:
+        logger.warning(
+            "pyckpt: %s: the checkpoint is committed, but removing files of earlier saves "
+            "failed (%s: %s); they are left for the next save to remove",
+            backend.location, type(e).__name__, e,
+        )
+    else:
+        logger.debug("pyckpt: %s: clean-up failed again: %s", backend.location, e)
+
+
+def clean_up(backend: Backend, keep: Iterable[str], *, metadata_temps: bool = True) -> list[str]:
+    """Removes what a committed save made stale (:func:`is_stale`). Never raises: the save is
+    committed; a failure is logged once per location and error type, and what is left is
+    removed by the next save. Returns the names removed.
+
+    ``metadata_temps=False`` leaves temp files of the metadata alone: a caller that does not
+    hold the place's lock (a node-local rank writing its copy while another rank of its node
+    writes the same copy) must not remove another writer's temp file mid-write.
+    """
+    keep = set(keep)
+    try:
+        stale = [n for n in backend.list_names() if is_stale(n, keep, metadata_temps)]
+        if stale:
+            backend.delete(stale)
+        return stale
+    except Exception as e:
+        _warn_once(backend, e)
+        return []
+
+
+def commit_save(backend: Backend, files: Mapping[str, int] | Iterable[str], encoded: bytes,
+                state: SaveState) -> None:
+    """The commit rule of every backend: the data files ``files`` are durable; write the
+    metadata (atomic, conditional on ``state``), then remove what it made stale.
+
+    A metadata write that failed may still have landed (an answer lost on the way back), so a
+    failure is followed by a look at the stored metadata: if it is this save's, the save has
+    succeeded. If it is another's or absent, this save's data files are removed (best effort)
+    and the error propagates: the previous checkpoint is untouched. If the look fails too, the
+    data files are left for the next save, rather than risk removing a committed checkpoint's.
+
+    After the commit nothing raises (:func:`clean_up`).
+    """
+    names = list(files)
+    try:
+        backend.put_metadata(encoded, state)
+    except BaseException:
+        landed = backend.metadata_is(encoded)
+        if not landed:
+            if landed is False:
+                try:
+                    backend.delete(names)
+                except Exception:
+                    pass
+            raise
+        logger.warning("pyckpt: %s: writing the metadata reported a failure but the stored "
+                       "metadata is this save's: committed", backend.url_of(METADATA_FILE))
+    clean_up(backend, names)
+
+
+def stored_len(rec: Sequence[Any]) -> int:
+    """Stored bytes of a chunk record ``(file_offset, raw_len, xxh64, transform, planes)``."""
+    return int(sum(rec[4][1::2]))
+
+
+def overlapping_chunks(segments: Sequence[Any], lo: int, hi: int,
+                       ) -> list[tuple[int, int, int, Any]]:
+    """The chunks of a stored piece that overlap raw bytes ``[lo, hi)``.
+
+    Args:
+        segments: the piece's segments ``(file, raw_begin, params, chunk records)``.
+
+    Returns:
+        ``(raw_a, raw_b, segment index, record)`` per overlapping chunk, in segment order
+        (empty chunks are never returned).
+    """
+    out = []
+    for si, seg in enumerate(segments):
+        a = seg[1]
+        for rec in seg[3]:
+            b = a + rec[1]
+            if rec[1] and a < hi and b > lo:
+                out.append((a, b, si, rec))
+            a = b
+    return out
+
+
+def stage_shares(files: Mapping[str, int], world: int) -> list[list[str]]:
+    """Data object names by rank: each object to exactly one rank, balanced by bytes (largest
+    first, each to the least loaded rank, ties to the lower rank; deterministic)."""
+    names = sorted(files, key=lambda n: (-files[n], n))
+    shares: list[list[str]] = [[] for _ in range(world)]
+    for name, r in zip(names, largest_first([files[n] for n in names], world)):
+        shares[r].append(name)
+    return shares

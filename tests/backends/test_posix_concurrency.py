@@ -1,0 +1,51 @@
+"""Issue 24 item 8: two processes saving into one directory, overlapping in time, never both
+report success; the directory then loads bit-exact as the save that did."""
+
+from __future__ import annotations
+
+import multiprocessing
+import queue
+from pathlib import Path
+
+import pytest
+import torch
+from _backend_workers import save_overlapping, sd
+
+import pyckpt
+
+
+@pytest.mark.parametrize("flock", [True, False], ids=["flock", "no-flock"])
+def test_overlapping_saves_into_one_directory_never_both_succeed(tmp_path: Path,
+                                                                 flock: bool) -> None:
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "torch.distributed.checkpoint", "pyckpt.storage",
+                                "_backend_workers"])
+    for trial, previous in enumerate([False, True]):
+        path = str(tmp_path / f"t{trial}")
+        if previous:  # a checkpoint is there before both saves start
+            pyckpt.save(sd(99), path)
+        barrier, q = ctx.Barrier(2), ctx.Queue()
+        procs = [ctx.Process(target=save_overlapping, args=(path, 10 * trial + i, barrier, q,
+                                                            flock)) for i in range(2)]
+        for p in procs:
+            p.start()
+        try:
+            outcomes = [q.get(timeout=180) for _ in procs]
+        except queue.Empty:
+            for p in procs:
+                p.kill()
+            raise AssertionError(f"trial {trial}: a saver never reported") from None
+        for p in procs:
+            p.join(60)
+        ok = [seed for seed, status, _ in outcomes if status == "ok"]
+        assert len(ok) == 1, outcomes
+        (loser,) = [o for o in outcomes if o[1] != "ok"]
+        expected = "BlockingIOError" if flock else "ConcurrentSaveError"
+        assert loser[1] == expected, outcomes
+        assert path in loser[2] or "pyckpt.json" in loser[2], loser
+        out = {"w": torch.zeros((4 << 20) // 4), "step": -1}
+        pyckpt.load(out, path)
+        assert out["step"] == ok[0]
+        assert torch.equal(out["w"].view(torch.int32), sd(ok[0])["w"].view(torch.int32))
+        names = {p.name for p in Path(path).iterdir() if p.name.endswith(".pyckpt")}
+        assert len(names) == 1  # only the winner's data file

@@ -1,0 +1,160 @@
+"""The layering rules of pyckpt/, checked on the source (no import of pyckpt needed).
+
+- No import cycle between pyckpt's modules, counting imports inside functions (a lazy import
+  is still a dependency).
+- cli.py imports only public modules (no ``pyckpt._x``).
+- Only the backend selection module and the backends read URL schemes or branch on the
+  node-local choice: ``is_url(``, the literal ``"s3://"`` and ``shared_filesystem`` in a
+  condition appear nowhere else.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+PKG = Path(__file__).resolve().parent.parent / "pyckpt"
+
+
+def _module_name(path: Path) -> str:
+    rel = path.relative_to(PKG.parent).with_suffix("")
+    parts = list(rel.parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def _modules() -> dict[str, Path]:
+    return {_module_name(p): p for p in sorted(PKG.rglob("*.py"))}
+
+
+def _imports(path: Path, name: str, modules: dict[str, Path]) -> set[str]:
+    """pyckpt modules imported anywhere in ``path`` (top level or inside functions), excluding
+    imports needed only for type checking."""
+    tree = ast.parse(path.read_text(), str(path))
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    type_only: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            for sub in node.body:
+                for inner in ast.walk(sub):
+                    type_only.add(id(inner))
+    out: set[str] = set()
+    for node in ast.walk(tree):
+        if id(node) in type_only:
+            continue
+        if isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                pkg = package.split(".")
+                base = ".".join(pkg[: len(pkg) - node.level + 1] + ([base] if base else []))
+            targets = [base] + [f"{base}.{a.name}" for a in node.names]
+        else:
+            continue
+        for t in targets:
+            # The longest pyckpt module the import names (``from pyckpt import _C`` names the
+            # package and, if it is one, the submodule).
+            while t and t not in modules:
+                t = t.rpartition(".")[0]
+            if t and t != name:
+                out.add(t)
+    return out
+
+
+def _graph() -> dict[str, set[str]]:
+    modules = _modules()
+    return {name: _imports(path, name, modules) for name, path in modules.items()}
+
+
+def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import cycle, as a list of modules, or None. Importing a module imports its parent
+    packages first, but a package's ``__init__`` importing its own submodule is not a cycle."""
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(n: str) -> list[str] | None:
+        state[n] = 1
+        stack.append(n)
+        for m in sorted(graph.get(n, ())):
+            if n.startswith(m + "."):  # a submodule "importing" its parent package: not an edge
+                continue
+            if state.get(m) == 1:
+                return stack[stack.index(m):] + [m]
+            if m not in state:
+                found = visit(m)
+                if found:
+                    return found
+        stack.pop()
+        state[n] = 2
+        return None
+
+    for n in sorted(graph):
+        if n not in state:
+            found = visit(n)
+            if found:
+                return found
+    return None
+
+
+def test_the_graph_is_read() -> None:
+    graph = _graph()
+    assert "pyckpt.backends.s3" in graph["pyckpt.storage"] or any(
+        m.startswith("pyckpt.backends") for m in graph["pyckpt.storage"])
+    assert "pyckpt._consolidate.staged" in graph["pyckpt._consolidate"]
+
+
+def test_no_import_cycle_in_pyckpt() -> None:
+    assert _cycle(_graph()) is None
+
+
+def test_the_cycle_check_finds_a_cycle() -> None:
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}}
+    assert _cycle(graph) in (["a", "b", "c", "a"],)
+    assert _cycle({"p": {"p.x"}, "p.x": {"p"}}) is None  # package <-> its submodule
+
+
+def test_cli_imports_only_public_modules() -> None:
+    private = sorted(m for m in _graph()["pyckpt.cli"]
+                     if any(part.startswith("_") for part in m.split(".")[1:]))
+    assert private == []
+
+
+# Modules allowed to look at URL schemes and the node-local choice.
+_SELECTION = ("pyckpt.backends",)
+
+
+def _offences(path: Path) -> list[str]:
+    tree = ast.parse(path.read_text(), str(path))
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call):
+            f = node.func
+            fname = f.attr if isinstance(f, ast.Attribute) else getattr(f, "id", "")
+            if fname == "is_url":
+                out.append(f"{path.name}:{node.lineno}: is_url(")
+        elif isinstance(node, ast.Constant) and node.value == "s3://":
+            out.append(f"{path.name}:{node.lineno}: \"s3://\"")
+        elif isinstance(node, (ast.If, ast.IfExp, ast.While, ast.Assert)):
+            if "shared_filesystem" in ast.unparse(node.test):
+                out.append(f"{path.name}:{node.lineno}: branch on shared_filesystem")
+        elif isinstance(node, ast.Compare) and "shared_filesystem" in ast.unparse(node):
+            out.append(f"{path.name}:{node.lineno}: comparison of shared_filesystem")
+    return out
+
+
+def test_url_schemes_and_node_local_choice_only_in_the_backends() -> None:
+    offences = []
+    for name, path in _modules().items():
+        if name == _SELECTION[0] or name.startswith(_SELECTION[0] + "."):
+            continue
+        offences += _offences(path)
+    assert offences == []
+
+
+def test_the_scheme_check_finds_offences(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.py"
+    bad.write_text('if is_url(p) or p.startswith("s3://"):\n    pass\n'
+                   "x = 1 if shared_filesystem else 2\n")
+    assert len(_offences(bad)) == 3
