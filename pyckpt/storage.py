@@ -50,7 +50,7 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
 from torch.futures import Future
 
-from pyckpt import _C, _format, _knobs, _objstore, _peer
+from pyckpt import _C, _format, _knobs, _objstore, _peer, _ranklocal
 from pyckpt._collective import group_info
 from pyckpt._format import DTYPE_SIZES, METADATA_FILE
 from pyckpt._staging import DeviceStaging, block_bytes_for, is_device_tensor
@@ -165,7 +165,9 @@ class _Save:
     path: str
     save_id: str
     started: bool = False
+    finished: bool = False  # committed: save_id stays readable until the next save starts
     is_coordinator: bool = False
+    rank: int | None = None  # a rank-local save (use_collectives=False): this rank
     lock: _DirLock | None = None
     # Object stores: the ETag of the metadata this save replaces (None: none), for the commit.
     base_etag: str | None | object = None
@@ -312,10 +314,11 @@ class Writer(StorageWriter):
     * Files of other saves are removed only by a committed save holding that lock (so the
       saves they belong to are not in progress); a save that fails in ``finish`` removes its
       own data files; failed writes leave no temp files.
-    * ``dcp.save(..., use_collectives=False)`` on several ranks raises ``NotImplementedError``:
-      without collectives no rank learns the others' items, save id or completion, so no rank
-      could commit one checkpoint naming them all, and each rank would take the others' files
-      for stale ones. Save with collectives (the default); loads reshard to any world size.
+    * ``dcp.save(..., use_collectives=False)`` on several ranks writes a rank-local checkpoint,
+      as DCP's ``FileSystemWriter`` does: each rank commits ``pyckpt.rank<r>.json`` naming
+      only its own items and data files, and removes only its own earlier files (see
+      :mod:`pyckpt._ranklocal` and docs/ARCHITECTURE.md). ``dcp.load`` with a :class:`Reader`
+      loads it at the same world size, every rank reading its own part. Directories only.
 
     Thread-safety: one Writer may run several saves at once (overlapping ``dcp.async_save``
     calls, into different directories): each save's path, id and lock are kept per save.
@@ -508,7 +511,8 @@ class Writer(StorageWriter):
 
     @property
     def save_id(self) -> str:
-        """Id of this thread's current (or next) save."""
+        """Id of this thread's save in progress, else of its last committed save (the id stored
+        in that checkpoint's metadata, on every rank), else of its next save."""
         return self._current().save_id
 
     def _current(self) -> _Save:
@@ -532,20 +536,15 @@ class Writer(StorageWriter):
         """Starts a save on this rank.
 
         Raises:
-            NotImplementedError: ``use_collectives=False`` with more than one rank (see the
-                class docstring).
+            ValueError: ``use_collectives=False`` with several ranks into an object store.
             FileExistsError: ``overwrite=False`` and the directory holds a complete checkpoint.
             BlockingIOError: another save into the directory is in progress.
         """
-        if kwargs.get("use_collectives", True) is False and _world_size() > 1:
-            raise NotImplementedError(
-                "pyckpt.Writer does not support dcp.save(use_collectives=False) with several "
-                "ranks: without collectives no rank can commit a checkpoint naming every rank's "
-                "data. Save with use_collectives=True (the default)."
-            )
         save = self._pending()
         save.started = True
         save.is_coordinator = is_coordinator
+        if kwargs.get("use_collectives", True) is False and _world_size() > 1:
+            save.rank = _ranklocal.set_up(save.path, kwargs.get("rank"), self.overwrite)
         if _objstore.is_url(save.path):  # no lock: a conditional commit (docs/OBJECT_STORES.md)
             save.base_etag = _objstore.set_up_save(self._location(save.path), is_coordinator,
                                                    self.overwrite)
@@ -565,19 +564,22 @@ class Writer(StorageWriter):
 
     def storage_meta(self) -> StorageMeta | None:
         save = self._current()
+        if save.finished:
+            save = self._pending()
         return StorageMeta(checkpoint_id=save.path, save_id=save.save_id)
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         return plan
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
-        save_id = self._active("prepare_global_plan").save_id
+        save = self._active("prepare_global_plan")
         out = []
         for rank, plan in enumerate(plans):
             # A pyckpt.SavePlanner hands over byte ranges of split replicated items.
             ranges = getattr(plan.storage_data, "ranges", None) or {}
+            rank = rank if save.rank is None else save.rank  # rank-local: this rank's one plan
             out.append(
-                dataclasses.replace(plan, storage_data=_RankPlan(rank, dict(ranges), save_id))
+                dataclasses.replace(plan, storage_data=_RankPlan(rank, dict(ranges), save.save_id))
             )
         return out
 
@@ -616,7 +618,8 @@ class Writer(StorageWriter):
         rank_plan = plan.storage_data
         if not isinstance(rank_plan, _RankPlan):
             raise RuntimeError("pyckpt.Writer.write_data called without prepare_global_plan")
-        if not self.shared_filesystem and not save.is_coordinator:
+        save.save_id = rank_plan.save_id or save.save_id  # the coordinator's, on every rank
+        if not self.shared_filesystem and not save.is_coordinator and save.rank is None:
             fsync = self.fsync if self.fsync is not None else _knobs.fsync()
             _peer.expect_metadata(rank_plan.save_id, save.path, fsync)
         fut: Future[list[WriteResult]] = Future()
@@ -737,10 +740,15 @@ class Writer(StorageWriter):
         save = self._active("finish")
         try:
             files, encoded = self._document(metadata, results, save)
+            fsync = self.fsync if self.fsync is not None else _knobs.fsync()
+            if save.rank is not None:
+                _ranklocal.commit(save.path, save.rank, files, encoded, fsync)
+                save.finished = True
+                return
             if _objstore.is_url(save.path):
                 _objstore.commit_save(self._location(save.path), files, encoded, save.base_etag)
+                save.finished = True
                 return
-            fsync = self.fsync if self.fsync is not None else _knobs.fsync()
             meta = os.path.join(save.path, METADATA_FILE)
             try:
                 with _C.FileWriter(meta, "off", fsync) as fw:
@@ -750,15 +758,16 @@ class Writer(StorageWriter):
                 if not _holds(meta, encoded):  # renamed into place before failing: committed
                     self._remove_files(save.path, files)
                 raise
+            save.finished = True
             self._remove_stale_files(save.path, set(files))
             if not self.shared_filesystem:  # every other rank writes its copy (see _peer)
                 metadata.storage_data = _peer.PublishedMetadata(
                     _save_id_of(files) or save.save_id, encoded, sorted(files)
                 )
         finally:
-            save.end()
+            save.end()  # a committed save stays this thread's current one (its save_id)
             tls = self._thread_state()
-            if getattr(tls, "save", None) is save:
+            if getattr(tls, "save", None) is save and not save.finished:
                 tls.save = None
 
     def _document(
@@ -799,7 +808,9 @@ class Writer(StorageWriter):
         crashed)."""
         stale = [
             name for name in os.listdir(path)
-            if (_format.is_data_file(name) and name not in keep) or (
+            if (_format.is_data_file(name) and name not in keep)
+            or _ranklocal.is_metadata_file(name)  # rank-local parts this save replaces
+            or (
                 ".tmp-" in name
                 and (name.startswith(METADATA_FILE) or name.split(".tmp-")[0].endswith(".pyckpt"))
             )
@@ -939,16 +950,27 @@ class Reader(StorageReader):
         Raises:
             FileNotFoundError, CheckpointFormatError: see the class docstring.
 
-        DCP catches a failure of this call, asks again with ``rank=`` (rank-local metadata) and
-        then raises an untyped ``AssertionError``. pyckpt has no rank-local metadata, so that
-        second call returns an empty placeholder and :meth:`set_up_storage_reader` raises the
-        original typed error, which DCP then reports as the rank's failure (``pyckpt.load``
-        re-raises it as is).
+        DCP catches a failure of this call and asks again with ``rank=`` (rank-local metadata).
+        When ``pyckpt.json`` is absent and the directory holds rank-local metadata
+        (``dcp.save(..., use_collectives=False)``, :mod:`pyckpt._ranklocal`), that call returns
+        this rank's part and DCP loads it without collectives. Otherwise it returns an empty
+        placeholder and :meth:`set_up_storage_reader` raises the typed error (the original
+        one, or the rank-local file's), which DCP then reports as the rank's failure
+        (``pyckpt.load`` re-raises it as is) instead of its untyped ``AssertionError``.
         """
+        rank_local = None
         if "rank" in kwargs and self._metadata_error is not None:
-            return Metadata(state_dict_metadata={})
+            try:  # a rank-local checkpoint (dcp.save(use_collectives=False)): this rank's part
+                rank_local = _ranklocal.fallback(self.path, kwargs["rank"], self._metadata_error)
+            except Exception as e:
+                self._metadata_error = e  # raised, typed, by set_up_storage_reader
+            if rank_local is None:
+                return Metadata(state_dict_metadata={})
         try:
-            if _objstore.is_url(self.path):
+            if rank_local is not None:
+                index = rank_local
+                self._peer_files = None
+            elif _objstore.is_url(self.path):
                 index = _objstore.read_index(self._object_fetcher().loc)
             elif self.shared_filesystem is True:
                 index = _format.read_index(self.path)

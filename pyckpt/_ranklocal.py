@@ -1,0 +1,200 @@
+"""Rank-local checkpoints: ``dcp.save(..., use_collectives=False)`` on several ranks.
+
+Without collectives no rank learns the other ranks' items, save ids or completion, so no rank
+can commit one ``pyckpt.json`` naming every rank's data. DCP's answer (``FileSystemWriter``
+writes ``__<rank>.metadata``) is rank-local metadata: each rank commits a metadata file that
+names only its own items and data files, and ``dcp.load`` falls back to it (DCP calls
+``read_metadata(rank=...)`` when the global metadata cannot be read, then loads without
+collectives). pyckpt does the same with ``pyckpt.rank<r>.json``: the same document as
+``pyckpt.json`` (docs/FORMAT.md), with two differences checked on load:
+
+* every data file it names was written by rank ``r`` (``<r>-<k>.<save_id>.pyckpt``);
+* the pieces of a tensor need not tile it (a rank holds only its shards); they must not overlap.
+
+Each rank commits on its own (data, fsync, then its metadata atomically), then removes the
+directory's ``pyckpt.json`` (a collective checkpoint this save replaces) and its own data files
+of earlier saves; it never touches another rank's files. There is no point at which every rank
+has committed, so while a rank-local save runs a load may find some ranks' new parts and other
+ranks' previous ones (each part is whole, with its own save id), exactly as with DCP.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import re
+from typing import Any
+
+from pyckpt import _C, _format
+from pyckpt._format import METADATA_FILE
+
+__all__ = ["metadata_file", "is_metadata_file", "set_up", "commit", "read_index", "fallback"]
+
+_NAME_RE = re.compile(r"pyckpt\.rank(0|[1-9][0-9]{0,9})\.json", re.ASCII)
+# Bound on the pairwise overlap check of one tensor's pieces in one rank's metadata.
+_MAX_PIECES_PER_TENSOR = 4096
+
+
+def metadata_file(rank: int) -> str:
+    """The name of rank ``rank``'s metadata file in a rank-local checkpoint."""
+    return f"pyckpt.rank{rank}.json"
+
+
+def is_metadata_file(name: str) -> bool:
+    """True when ``name`` is exactly the name of a rank-local metadata file."""
+    return _NAME_RE.fullmatch(name) is not None
+
+
+def set_up(path: str, rank: Any, overwrite: bool) -> int:
+    """Checks that rank ``rank`` may start a rank-local save into ``path``; returns the rank.
+
+    Raises:
+        ValueError: ``path`` is an object-store URL (rank-local saves are for directories), or
+            DCP passed no rank.
+        FileExistsError: ``overwrite`` is False and ``path`` holds a complete checkpoint (its
+            ``pyckpt.json`` or this rank's rank-local metadata); ``filename`` names that file.
+    """
+    from pyckpt import _objstore
+
+    if _objstore.is_url(path):
+        raise ValueError(
+            f"{path}: dcp.save(use_collectives=False) with several ranks writes rank-local "
+            "metadata into a directory; object-store URLs need use_collectives=True"
+        )
+    if type(rank) is not int or rank < 0:
+        raise ValueError(f"use_collectives=False: DCP passed no valid rank (got {rank!r})")
+    if not overwrite:
+        for name in (METADATA_FILE, metadata_file(rank)):
+            meta = os.path.join(path, name)
+            if os.path.exists(meta):
+                raise FileExistsError(
+                    errno.EEXIST,
+                    "Checkpoint already exists and overwrite=False; pass overwrite=True or "
+                    "choose another directory",
+                    meta,
+                )
+    return rank
+
+
+def _holds(path: str, content: bytes) -> bool:
+    try:
+        with open(path, "rb") as f:
+            return f.read() == content
+    except OSError:
+        return False
+
+
+def _remove(path: str, names: Any) -> None:
+    for name in names:
+        try:
+            os.unlink(os.path.join(path, name))
+        except FileNotFoundError:
+            pass
+
+
+def commit(path: str, rank: int, files: dict[str, int], encoded: bytes, fsync: bool) -> None:
+    """Commits rank ``rank``'s part of a rank-local save whose data files ``files`` are durable.
+
+    Writes ``pyckpt.rank<rank>.json`` atomically (temp + fsync + rename), then removes
+    ``pyckpt.json`` (the collective checkpoint this save replaces: it would otherwise be loaded
+    first) and the rank's own data and temp files of other saves. If the metadata cannot be
+    written, this save's data files are removed and the error propagates; the rank's previous
+    part stays loadable.
+    """
+    meta = os.path.join(path, metadata_file(rank))
+    try:
+        with _C.FileWriter(meta, "off", fsync) as fw:
+            fw.append(encoded)
+            fw.commit()
+    except BaseException:
+        if not _holds(meta, encoded):  # renamed into place before failing: committed
+            _remove(path, files)
+        raise
+    _remove(path, [METADATA_FILE])
+    prefix = f"{rank}-"
+    stale = []
+    for name in os.listdir(path):
+        if _format.is_data_file(name):
+            if _format.data_file_rank(name) == rank and name not in files:
+                stale.append(name)
+        elif ".tmp-" in name:
+            base = name.split(".tmp-")[0]
+            if base == metadata_file(rank) or (base.startswith(prefix) and
+                                               _format.is_data_file(base)):
+                stale.append(name)
+    _remove(path, stale)
+
+
+class _Validator(_format._Validator):
+    """The metadata validator for one rank's part of a rank-local checkpoint."""
+
+    def __init__(self, root: str, meta: str, version: int, rank: int) -> None:
+        super().__init__(root, meta, version)
+        self.rank = rank
+
+    def check_file(self, name: str, size: int) -> str | None:
+        if _format.data_file_rank(name) != self.rank:
+            raise self.fail(f"files[{name!r}]", f"is not a data file of rank {self.rank}; "
+                                                "rank-local metadata names only its rank's files")
+        return super().check_file(name, size)
+
+    def check_tiling(self, ip: str, shape: tuple[int, ...], numel: int,
+                     pieces: list[_format.StoredPiece]) -> None:
+        """A rank holds some shards of a tensor: its pieces must not overlap (bounds are
+        checked per piece by the base validator)."""
+        boxes = [(n, p) for n, p in enumerate(pieces) if p.nbytes]
+        if len(boxes) > _MAX_PIECES_PER_TENSOR:
+            raise self.fail(f"{ip}.pieces", f"{len(boxes)} pieces, more than the "
+                                            f"{_MAX_PIECES_PER_TENSOR} a rank-local part may hold")
+        for k, (n1, b) in enumerate(boxes):
+            for n0, a in boxes[:k]:
+                if all(a.offsets[d] < b.offsets[d] + b.sizes[d]
+                       and b.offsets[d] < a.offsets[d] + a.sizes[d] for d in range(len(shape))):
+                    raise self.fail(f"{ip}.pieces[{n1}]", f"overlaps {ip}.pieces[{n0}]")
+
+
+def read_index(path: str, rank: int) -> _format.CheckpointIndex:
+    """Reads and validates rank ``rank``'s metadata of the rank-local checkpoint ``path``.
+
+    Raises:
+        FileNotFoundError: the file (``filename``) or a data file it names is missing.
+        CheckpointFormatError: as :func:`pyckpt._format.read_index`, or the file names another
+            rank's data file, or two pieces of a tensor overlap.
+    """
+    meta = os.path.join(path, metadata_file(rank))
+    try:
+        raw = _format._open_metadata(path, meta)
+    except FileNotFoundError:
+        raise FileNotFoundError(
+            errno.ENOENT,
+            f"checkpoint {path!r} has no {METADATA_FILE} and no rank-local metadata for rank "
+            f"{rank}: it was saved with use_collectives=False by fewer ranks, or is incomplete",
+            meta,
+        ) from None
+    doc, version = _format._parse([raw], meta)
+    return _Validator(path, meta, version, rank).index(doc)
+
+
+def fallback(path: str, rank: Any, error: BaseException) -> _format.CheckpointIndex | None:
+    """The index DCP's fallback ``read_metadata(rank=rank)`` loads, after reading the global
+    metadata failed with ``error``: rank ``rank``'s rank-local metadata when ``pyckpt.json`` is
+    absent and ``path`` holds rank-local metadata; None otherwise (the original error stands).
+
+    Raises:
+        FileNotFoundError, CheckpointFormatError: see :func:`read_index`.
+    """
+    from pyckpt import _objstore
+
+    if (
+        type(rank) is not int
+        or not isinstance(error, FileNotFoundError)
+        or error.filename != os.path.join(path, METADATA_FILE)
+        or _objstore.is_url(path)
+    ):
+        return None
+    try:
+        if not any(is_metadata_file(n) for n in os.listdir(path)):
+            return None
+    except OSError:
+        return None
+    return read_index(path, rank)
