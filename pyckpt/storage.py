@@ -50,7 +50,7 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
 from torch.futures import Future
 
-from pyckpt import _C, _format, _knobs, _objstore, _peer, _ranklocal
+from pyckpt import _C, _format, _gc, _knobs, _objstore, _peer, _ranklocal
 from pyckpt._collective import group_info
 from pyckpt._format import DTYPE_SIZES, METADATA_FILE
 from pyckpt._staging import DeviceStaging, block_bytes_for, is_device_tensor
@@ -739,7 +739,8 @@ class Writer(StorageWriter):
         previous checkpoint in the directory stays intact) and the error propagates."""
         save = self._active("finish")
         try:
-            files, encoded = self._document(metadata, results, save)
+            with _gc.paused():  # one piece per rank and tensor at scale (see pyckpt._gc)
+                files, encoded = self._document(metadata, results, save)
             fsync = self.fsync if self.fsync is not None else _knobs.fsync()
             if save.rank is not None:
                 _ranklocal.commit(save.path, save.rank, files, encoded, fsync)
@@ -958,6 +959,10 @@ class Reader(StorageReader):
         one, or the rank-local file's), which DCP then reports as the rank's failure
         (``pyckpt.load`` re-raises it as is) instead of its untyped ``AssertionError``.
         """
+        with _gc.paused():  # one piece per rank and tensor at scale (see pyckpt._gc)
+            return self._read_metadata(*args, **kwargs)
+
+    def _read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         rank_local = None
         if "rank" in kwargs and self._metadata_error is not None:
             try:  # a rank-local checkpoint (dcp.save(use_collectives=False)): this rank's part
