@@ -385,12 +385,6 @@ def _med(xs: list[float]) -> float:
     return statistics.median(xs)
 
 
-def _fmt(xs: list[float]) -> str:
-    if len(xs) == 1:
-        return f"{xs[0]:.3f}"
-    return f"{_med(xs):.3f} [{min(xs):.3f}-{max(xs):.3f}]"
-
-
 def _size(n: int) -> str:
     for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
         if n >= 1 << shift:
@@ -399,22 +393,25 @@ def _size(n: int) -> str:
 
 
 def markdown(rows: list[dict[str, Any]]) -> str:
-    """The results table: seconds as median [min-max], and the ratios pyckpt / DCP."""
-    head = ("| workload | N | T | phase | pyckpt s | DCP s | pyckpt/DCP |\n"
-            "|---|---:|---:|---|---|---|---:|\n")
+    """One line per cell: medians as ``pyckpt / DCP`` (the JSON report keeps every sample), and
+    the ratios pyckpt / DCP of the coordinator's time and of the metadata size."""
+    head = ("| workload | N | T | plan s | meta s | plan+meta s | ratio | metadata bytes | ratio "
+            "| rank: read metadata s | rank: load plan s |\n"
+            "|---|---:|---:|---|---|---|---:|---|---:|---|---|\n")
     lines = []
     for row in rows:
-        s = row["samples"]
-        key = f"| {row['workload']} | {row['ranks']} | {row['tensors']} "
-        for p in PHASES:
-            a, b = s["pyckpt"][p], s["dcp"][p]
-            ratio = _med(a) / _med(b) if _med(b) > 0 else float("inf")
-            lines.append(f"{key}| {p} | {_fmt(a)} | {_fmt(b)} | {ratio:.2f} |")
-        a_plan = _med(s["pyckpt"]["plan"]) + _med(s["pyckpt"]["meta"])
-        b_plan = _med(s["dcp"]["plan"]) + _med(s["dcp"]["meta"])
-        lines.append(f"{key}| plan+meta | {a_plan:.3f} | {b_plan:.3f} | {a_plan / b_plan:.2f} |")
+        med = {sys_: {p: _med(row["samples"][sys_][p]) for p in PHASES} for sys_ in SYSTEMS}
+        a, b = (med[x]["plan"] + med[x]["meta"] for x in SYSTEMS)
         pb, db = row["bytes"]["pyckpt"], row["bytes"]["dcp"]
-        lines.append(f"{key}| metadata bytes | {_size(pb)} | {_size(db)} | {pb / db:.2f} |")
+
+        def pair(p: str, med: dict[str, dict[str, float]] = med) -> str:
+            return f"{med['pyckpt'][p]:.3f} / {med['dcp'][p]:.3f}"
+
+        lines.append(
+            f"| {row['workload']} | {row['ranks']} | {row['tensors']} | {pair('plan')} "
+            f"| {pair('meta')} | {a:.3f} / {b:.3f} | {a / b:.2f} | {_size(pb)} / {_size(db)} "
+            f"| {pb / db:.2f} | {pair('load_meta')} | {pair('load_plan')} |"
+        )
     return head + "\n".join(lines) + "\n"
 
 
@@ -470,15 +467,52 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-items", type=int, default=2_000_000,
                         help="skip cells with more write items over all plans (0: no limit)")
     parser.add_argument("--dir", default=None, help="scratch directory (default: tmp)")
-    parser.add_argument("--json", default=None, help="write the results here")
+    parser.add_argument("--json", default=None,
+                        help="write the results here (rewritten after every cell)")
     parser.add_argument("--markdown", default=None, help="write the table here")
     parser.add_argument("--plot", default=None, help="write the plot here (PNG, matplotlib)")
+    parser.add_argument("--from-json", nargs="+", default=None, metavar="JSON",
+                        help="measure nothing: table and plot of the rows of these reports")
     args = parser.parse_args(argv)
     if args.plot:
         import matplotlib  # noqa: F401  (fail before measuring)
+    if args.from_json:
+        merged: dict[tuple[str, int, int], dict[str, Any]] = {}
+        for name in args.from_json:
+            with open(name) as f:
+                for row in json.load(f)["rows"]:
+                    merged[(row["workload"], row["ranks"], row["tensors"])] = row
+        order = {w: i for i, w in enumerate(WORKLOADS)}
+        rows = sorted(merged.values(), key=lambda r: (order[r["workload"]], r["tensors"],
+                                                      r["ranks"]))
+        table = markdown(rows)
+        print(table)
+        if args.markdown:
+            with open(args.markdown, "w") as f:
+                f.write(table)
+        if args.plot:
+            plot(rows, args.plot)
+        return 0
 
     root = tempfile.mkdtemp(prefix="bench-scale-", dir=args.dir)
-    rows, skipped = [], []
+    rows: list[dict[str, Any]] = []
+    skipped: list[dict[str, Any]] = []
+
+    def write() -> str:  # after every cell: a run stopped early keeps what it measured
+        table = markdown(rows)
+        report = {
+            "host": platform.node(), "python": sys.version.split()[0],
+            "torch": torch.__version__, "model_gib": args.model_gib, "repeats": args.repeats,
+            "rows": rows, "skipped": skipped,
+        }
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(report, f, indent=1)
+        if args.markdown:
+            with open(args.markdown, "w") as f:
+                f.write(table)
+        return table
+
     try:
         for workload in args.workloads:
             for tensors in args.tensors:
@@ -497,20 +531,10 @@ def main(argv: list[str] | None = None) -> int:
                         f"{p} {_med(s['pyckpt'][p]):.3f}/{_med(s['dcp'][p]):.3f}"
                         for p in PHASES) + f"  bytes {row['bytes']['pyckpt']}/"
                         f"{row['bytes']['dcp']}", flush=True)
+                    write()
     finally:
         shutil.rmtree(root, ignore_errors=True)
-    table = markdown(rows)
-    print(table)
-    report = {
-        "host": platform.node(), "python": sys.version.split()[0], "torch": torch.__version__,
-        "model_gib": args.model_gib, "repeats": args.repeats, "rows": rows, "skipped": skipped,
-    }
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=1)
-    if args.markdown:
-        with open(args.markdown, "w") as f:
-            f.write(table)
+    print(write())
     if args.plot:
         plot(rows, args.plot)
     return 0
