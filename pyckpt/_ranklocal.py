@@ -21,14 +21,19 @@ ranks' previous ones (each part is whole, with its own save id), exactly as with
 from __future__ import annotations
 
 import errno
+import math
 import os
 import re
 from typing import Any
 
+import torch
+
 from pyckpt import _C, _format
 from pyckpt._format import METADATA_FILE
+from pyckpt.errors import CheckpointFormatError
 
-__all__ = ["metadata_file", "is_metadata_file", "set_up", "commit", "read_index", "fallback"]
+__all__ = ["metadata_file", "is_metadata_file", "set_up", "commit", "read_index", "fallback",
+           "check_coverage"]
 
 _NAME_RE = re.compile(r"pyckpt\.rank(0|[1-9][0-9]{0,9})\.json", re.ASCII)
 # Bound on the pairwise overlap check of one tensor's pieces in one rank's metadata.
@@ -198,3 +203,37 @@ def fallback(path: str, rank: Any, error: BaseException) -> _format.CheckpointIn
     except OSError:
         return None
     return read_index(path, rank)
+
+
+def check_coverage(plan: Any, planner: Any, path: str, rank: int) -> None:
+    """Refuses a load that this rank's part cannot fill: a destination tensor (or this rank's
+    shard of a DTensor) of which the rank's reads cover fewer elements than it holds. DCP's
+    planner reads only what overlaps the stored pieces and would leave the rest as it was, e.g.
+    when a rank-local checkpoint is loaded at another world size or sharding.
+
+    Raises:
+        CheckpointFormatError: naming the tensor, the rank-local metadata file and the counts.
+    """
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+    from torch.distributed.checkpoint.planner import LoadItemType
+
+    state = getattr(planner, "state_dict", None)
+    metadata = getattr(planner, "metadata", None)
+    if not isinstance(state, dict) or metadata is None:
+        return  # a custom planner: nothing to compare with
+    covered: dict[str, int] = {}
+    for req in plan.items:
+        if req.type == LoadItemType.TENSOR:
+            fqn = req.dest_index.fqn
+            covered[fqn] = covered.get(fqn, 0) + math.prod(req.lengths)
+    for fqn, dest in state.items():
+        if not isinstance(metadata.state_dict_metadata.get(fqn), TensorStorageMetadata):
+            continue
+        local = dest.to_local() if hasattr(dest, "to_local") else dest
+        if isinstance(local, torch.Tensor) and covered.get(fqn, 0) < local.numel():
+            raise CheckpointFormatError(
+                f"{os.path.join(path, metadata_file(rank))}: rank {rank}'s part of this "
+                f"rank-local checkpoint holds {covered.get(fqn, 0)} of the {local.numel()} "
+                f"elements rank {rank} loads into {fqn!r}; a checkpoint saved with "
+                "use_collectives=False loads only at the world size and sharding it was saved with"
+            )

@@ -905,6 +905,7 @@ class Reader(StorageReader):
         self._native = _Native(threads, _knobs.read_threads, pinned_pool_bytes=pinned_pool_bytes)
         self._storage: dict[MetadataIndex, Any] = {}
         self._metadata_error: Exception | None = None
+        self._rank_local: int | None = None  # loading this rank's part of a rank-local save
 
     def close(self) -> None:
         """Stops the native worker threads and frees the staging buffers."""
@@ -926,6 +927,7 @@ class Reader(StorageReader):
         self._storage = {}
         self._metadata_error = None
         self._peer_files = None
+        self._rank_local = None
         if checkpoint_id is not None:
             path = os.fspath(checkpoint_id)
             _objstore.is_url(path)  # a foreign URL (gs://...) fails here, naming it
@@ -964,6 +966,7 @@ class Reader(StorageReader):
 
     def _read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         rank_local = None
+        self._rank_local = None
         if "rank" in kwargs and self._metadata_error is not None:
             try:  # a rank-local checkpoint (dcp.save(use_collectives=False)): this rank's part
                 rank_local = _ranklocal.fallback(self.path, kwargs["rank"], self._metadata_error)
@@ -975,6 +978,7 @@ class Reader(StorageReader):
             if rank_local is not None:
                 index = rank_local
                 self._peer_files = None
+                self._rank_local = kwargs["rank"]
             elif _objstore.is_url(self.path):
                 index = _objstore.read_index(self._object_fetcher().loc)
             elif self.shared_filesystem is True:
@@ -1037,6 +1041,8 @@ class Reader(StorageReader):
         return plans
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        if self._rank_local is not None:
+            _ranklocal.check_coverage(plan, planner, self.path, self._rank_local)
         if self._peer_files is None:
             return self._read_data(plan, planner, None)
         exchange = _peer.Exchange(self._peer_files, self._native.pool())

@@ -220,6 +220,12 @@ def test_single_process_loads_rank_zero_part(tmp_path: Path) -> None:
     # A key only rank 1 saved is not in rank 0's part: DCP's missing-key error.
     with pytest.raises(RuntimeError, match="only_rank1"):
         pyckpt.load({"only_rank1": torch.zeros(50, dtype=torch.int64)}, tmp_path)
+    # The whole sharded tensor: rank 0's part holds half of it. Refused, not half-loaded.
+    whole = {"sharded": torch.full((16, 33), 7.0)}
+    with pytest.raises(pyckpt.CheckpointFormatError, match=r"holds 264 of the 528 elements") as e:
+        pyckpt.load(whole, tmp_path)
+    assert "pyckpt.rank0.json" in str(e.value) and "'sharded'" in str(e.value)
+    assert torch.equal(whole["sharded"], torch.full((16, 33), 7.0))  # nothing was read
 
 
 def _refused_worker(rank: int, world: int, path: str, url: str) -> tuple[str, str]:
