@@ -32,7 +32,12 @@ parsing ``pyckpt.json``, :func:`read_index`). Import names from here.
 
 from __future__ import annotations
 
-from pyckpt._format_read import _parse, read_index, tensor_index  # noqa: F401 (_parse)
+from pyckpt._format_read import (  # noqa: F401 (_open_metadata, _parse)
+    _open_metadata,
+    _parse,
+    read_index,
+    tensor_index,
+)
 from pyckpt._format_schema import _Validator  # noqa: F401 (subclassed by other backends)
 from pyckpt._format_spec import (
     DTYPE_SIZES,

@@ -27,7 +27,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
-from pyckpt import _format, _knobs
+from pyckpt import _format, _gc, _knobs, _ranklocal
 from pyckpt._format import DTYPE_SIZES, METADATA_FILE
 from pyckpt._native import _check_pinned_pool_bytes, _Native
 from pyckpt._staging import DeviceStaging, is_device_tensor
@@ -113,6 +113,7 @@ class Reader(StorageReader):
         self._native = _Native(threads, _knobs.read_threads, pinned_pool_bytes=pinned_pool_bytes)
         self._storage: dict[MetadataIndex, Any] = {}
         self._metadata_error: Exception | None = None
+        self._rank_local: int | None = None  # loading this rank's part of a rank-local save
 
     def close(self) -> None:
         """Stops the native worker threads and frees the staging buffers."""
@@ -133,6 +134,7 @@ class Reader(StorageReader):
         self.load_id = uuid.uuid4().hex[:12]
         self._storage = {}
         self._metadata_error = None
+        self._rank_local = None
         path = self.path if checkpoint_id is None else os.fspath(checkpoint_id)
         self._backend = self._open(path)  # a foreign URL (gs://...) fails here, naming it
         self.path = path
@@ -165,18 +167,36 @@ class Reader(StorageReader):
         Raises:
             FileNotFoundError, CheckpointFormatError: see the class docstring.
 
-        DCP catches a failure of this call, asks again with ``rank=`` (rank-local metadata) and
-        then raises an untyped ``AssertionError``. pyckpt has no rank-local metadata, so that
-        second call returns an empty placeholder and :meth:`set_up_storage_reader` raises the
-        original typed error, which DCP then reports as the rank's failure (``pyckpt.load``
-        re-raises it as is).
+        DCP catches a failure of this call and asks again with ``rank=`` (rank-local metadata).
+        When ``pyckpt.json`` is absent and the directory holds rank-local metadata
+        (``dcp.save(..., use_collectives=False)``, :mod:`pyckpt._ranklocal`), that call returns
+        this rank's part and DCP loads it without collectives. Otherwise it returns an empty
+        placeholder and :meth:`set_up_storage_reader` raises the typed error (the original
+        one, or the rank-local file's), which DCP then reports as the rank's failure
+        (``pyckpt.load`` re-raises it as is) instead of its untyped ``AssertionError``.
         """
+        with _gc.paused():  # one piece per rank and tensor at scale (see pyckpt._gc)
+            return self._read_metadata(*args, **kwargs)
+
+    def _read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        rank_local = None
+        self._rank_local = None
         if "rank" in kwargs and self._metadata_error is not None:
-            return Metadata(state_dict_metadata={})
+            try:  # a rank-local checkpoint (dcp.save(use_collectives=False)): this rank's part
+                rank_local = _ranklocal.fallback(self._backend.local_dir, kwargs["rank"],
+                                                 self._metadata_error)
+            except Exception as e:
+                self._metadata_error = e  # raised, typed, by set_up_storage_reader
+            if rank_local is None:
+                return Metadata(state_dict_metadata={})
         try:
-            # Node-local: collective (every rank reads its copy, then they agree on who holds
-            # what; see pyckpt.backends.peer).
-            index = self._backend.read_index()
+            if rank_local is not None:
+                index = rank_local
+                self._rank_local = kwargs["rank"]
+            else:
+                # Node-local: collective (every rank reads its copy, then they agree on who
+                # holds what; see pyckpt.backends.peer).
+                index = self._backend.read_index()
         except Exception as e:
             self._metadata_error = e
             raise
@@ -230,6 +250,12 @@ class Reader(StorageReader):
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         # One read session of the backend: for a node-local checkpoint each call of `read` is
         # one exchange round with the other ranks, and an error here is told to them.
+        if self._rank_local is not None:
+            _ranklocal.check_coverage(plan, planner, self.path, self._rank_local)
+            # this rank's own files, read directly (no rounds: DCP runs no collectives here)
+            pool = self._native.pool()
+            return self._read_data(
+                plan, planner, lambda requests: self._backend.read_requests(requests, pool))
         pool = self._native.pool()
         with self._backend.reads(pool) as read:
             return self._read_data(plan, planner, read)

@@ -49,6 +49,7 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import SavePlan
 
+from pyckpt import _gc
 from pyckpt._balance import (
     SPLIT_ALIGNMENT,
     ByteRanges,
@@ -210,6 +211,10 @@ class SavePlanner(DefaultSavePlanner):
             ValueError: If the plans are inconsistent (see :func:`balance_save_plans`) or the
                 shards of a tensor do not cover it exactly.
         """
+        with _gc.paused():  # O(N x T) objects that all stay alive (see pyckpt._gc)
+            return self._create_global_plan(all_plans)
+
+    def _create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
         if self.check_replicas:
             check_replica_digests(all_plans)
         per_rank = _balance(all_plans, self.split_alignment)

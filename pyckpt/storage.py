@@ -32,7 +32,7 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteIte
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
-from pyckpt import _C, _format, _knobs, _options
+from pyckpt import _C, _format, _gc, _knobs, _options, _ranklocal
 from pyckpt._format import DTYPE_SIZES
 from pyckpt._native import _check_pinned_pool_bytes, _Native
 from pyckpt._reader import Reader
@@ -101,7 +101,9 @@ class _Save:
     path: str
     save_id: str
     started: bool = False
+    finished: bool = False  # committed: save_id stays readable until the next save starts
     is_coordinator: bool = False
+    rank: int | None = None  # a rank-local save (use_collectives=False): this rank
     # The backend's state of this save (lock, the metadata it replaces), from begin_save.
     state: SaveState | None = None
 
@@ -381,7 +383,8 @@ class Writer(StorageWriter):
 
     @property
     def save_id(self) -> str:
-        """Id of this thread's current (or next) save."""
+        """Id of this thread's save in progress, else of its last committed save (the id stored
+        in that checkpoint's metadata, on every rank), else of its next save."""
         return self._current().save_id
 
     def _current(self) -> _Save:
@@ -405,38 +408,38 @@ class Writer(StorageWriter):
         """Starts a save on this rank.
 
         Raises:
-            NotImplementedError: ``use_collectives=False`` with more than one rank (see the
-                class docstring).
+            ValueError: ``use_collectives=False`` with several ranks into an object store.
             FileExistsError: ``overwrite=False`` and the directory holds a complete checkpoint.
             BlockingIOError: another save into the directory is in progress.
         """
-        if kwargs.get("use_collectives", True) is False and _world_size() > 1:
-            raise NotImplementedError(
-                "pyckpt.Writer does not support dcp.save(use_collectives=False) with several "
-                "ranks: without collectives no rank can commit a checkpoint naming every rank's "
-                "data. Save with use_collectives=True (the default)."
-            )
         save = self._pending()
         save.started = True
         save.is_coordinator = is_coordinator
+        backend = self._backend(save.path)
+        if kwargs.get("use_collectives", True) is False and _world_size() > 1:
+            save.rank = _ranklocal.set_up(backend.local_dir, save.path, kwargs.get("rank"),
+                                          self.overwrite)
         # A directory's lock, or the object-store condition (docs/OBJECT_STORES.md).
-        save.state = self._backend(save.path).begin_save(is_coordinator, self.overwrite)
+        save.state = backend.begin_save(is_coordinator, self.overwrite)
 
     def storage_meta(self) -> StorageMeta | None:
         save = self._current()
+        if save.finished:
+            save = self._pending()
         return StorageMeta(checkpoint_id=save.path, save_id=save.save_id)
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         return plan
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
-        save_id = self._active("prepare_global_plan").save_id
+        save = self._active("prepare_global_plan")
         out = []
         for rank, plan in enumerate(plans):
             # A pyckpt.SavePlanner hands over byte ranges of split replicated items.
             ranges = getattr(plan.storage_data, "ranges", None) or {}
+            rank = rank if save.rank is None else save.rank  # rank-local: this rank's one plan
             out.append(
-                dataclasses.replace(plan, storage_data=_RankPlan(rank, dict(ranges), save_id))
+                dataclasses.replace(plan, storage_data=_RankPlan(rank, dict(ranges), save.save_id))
             )
         return out
 
@@ -475,8 +478,10 @@ class Writer(StorageWriter):
         rank_plan = plan.storage_data
         if not isinstance(rank_plan, _RankPlan):
             raise RuntimeError("pyckpt.Writer.write_data called without prepare_global_plan")
+        save.save_id = rank_plan.save_id or save.save_id  # the coordinator's, on every rank
         backend = self._backend(save.path)
-        if backend.node_local and not save.is_coordinator:  # writes its copy after the commit
+        if backend.node_local and not save.is_coordinator and save.rank is None:
+            # writes its copy after the commit
             cast(Any, backend).expect_metadata(rank_plan.save_id)
         fut: Future[list[WriteResult]] = Future()
         if not plan.items:
@@ -581,18 +586,26 @@ class Writer(StorageWriter):
         """
         save = self._active("finish")
         try:
-            files, encoded = self._document(metadata, results, save)
+            with _gc.paused():  # one piece per rank and tensor at scale (see pyckpt._gc)
+                files, encoded = self._document(metadata, results, save)
             backend = self._backend(save.path)
+            if save.rank is not None:
+                assert backend.local_dir is not None  # checked by _ranklocal.set_up
+                fsync = self.fsync if self.fsync is not None else _knobs.fsync()
+                _ranklocal.commit(backend.local_dir, save.rank, files, encoded, fsync)
+                save.finished = True
+                return
             assert save.state is not None
             commit_save(backend, files, encoded, save.state)
+            save.finished = True
             if backend.node_local:  # every other rank writes its copy (pyckpt.backends.peer)
                 metadata.storage_data = cast(Any, backend).publish(
                     _save_id_of(files) or save.save_id, encoded, files
                 )
         finally:
-            save.end()
+            save.end()  # a committed save stays this thread's current one (its save_id)
             tls = self._thread_state()
-            if getattr(tls, "save", None) is save:
+            if getattr(tls, "save", None) is save and not save.finished:
                 tls.save = None
 
     def _document(

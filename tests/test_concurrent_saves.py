@@ -13,7 +13,6 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from _concurrent_worker import _save_proc, _sd
-from dist_utils import run_distributed
 from torch.distributed.checkpoint.api import CheckpointException
 
 import pyckpt
@@ -211,21 +210,7 @@ def test_missing_checkpoint_raises_typed_errors_at_load(tmp_path: Path) -> None:
 # ------------------------------------------------------------ use_collectives=False
 
 
-def _no_collectives_worker(rank: int, world: int, path: str) -> str:
-    sd = {f"r{rank}": torch.full((100,), float(rank))}
-    try:
-        dcp.save(sd, storage_writer=pyckpt.Writer(path), use_collectives=False)
-    except NotImplementedError as e:
-        return str(e)
-    return "saved"
-
-
-@pytest.mark.distributed
-def test_use_collectives_false_on_two_ranks_is_refused(tmp_path: Path) -> None:
-    results = run_distributed(_no_collectives_worker, 2, str(tmp_path))
-    assert all("use_collectives" in r for r in results), results
-    assert not (tmp_path / _format.METADATA_FILE).exists()
-    assert not _data_files(tmp_path)
+# Several ranks: rank-local metadata, tests/test_ranklocal.py.
 
 
 def test_use_collectives_false_in_one_process_saves(tmp_path: Path) -> None:

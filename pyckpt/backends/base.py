@@ -24,7 +24,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple, Protocol, runtime_checkable
 
-from pyckpt import _format
+from pyckpt import _format, _ranklocal
 from pyckpt._format import METADATA_FILE
 from pyckpt._partition import largest_first
 
@@ -233,6 +233,8 @@ def is_stale(name: str, keep: Iterable[str] | set[str], metadata_temps: bool = T
     of an interrupted write of a data file or (``metadata_temps``) of the metadata."""
     if _format.is_data_file(name):
         return name not in keep
+    if _ranklocal.is_metadata_file(name):  # rank-local parts a collective save replaces
+        return True
     if TEMP_MARKER in name:
         base = name.split(TEMP_MARKER)[0]
         return (metadata_temps and base == METADATA_FILE) or base.endswith(".pyckpt")

@@ -1,0 +1,544 @@
+"""Planning and metadata at scale: pyckpt vs DCP for N = 8 .. 4096 ranks, in one process.
+
+For each workload (``sharded``: every tensor FSDP-sharded along dim 0 over all N ranks;
+``replicated``: every rank holds every tensor whole, as DDP / FSDP NO_SHARD; ``mixed``: three
+tensors in four sharded, the fourth (a norm-sized tensor, 1/16 of the size) replicated), each
+world size N and tensor count T, the script builds the N local save plans DCP's local planning
+would produce (``WriteItem``\\ s of a bf16 model of ``--model-gib`` GiB plus one replicated
+non-tensor item), then times, against DCP on the same plans:
+
+* ``plan``: the coordinator's global planning: ``pyckpt.SavePlanner.create_global_plan`` (the
+  byte balancing of replicated items) + ``pyckpt.Writer.prepare_global_plan``, vs DCP's
+  ``DefaultSavePlanner.create_global_plan`` (with its deduplication of replicated items) +
+  ``FileSystemWriter.prepare_global_plan``;
+* ``meta``: the coordinator's metadata building and encoding from every rank's write results
+  (synthetic, raw 4 MiB chunks): ``Writer.finish``'s document (``pyckpt.json``, JSON) vs DCP
+  ``FileSystemWriter.finish``'s (the pickled ``.metadata``); the encoded size is ``bytes``;
+* ``load_meta`` and ``load_plan`` for ONE rank (the last): reading the metadata (pyckpt:
+  ``Reader.read_metadata``, which validates the document and checks each data file's size with
+  one ``lstat``, on sparse files of the recorded sizes; DCP: ``FileSystemReader.read_metadata``,
+  an unpickle), then the rank's local load plan (``pyckpt.api.load_planner()``, DCP's
+  ``DefaultLoadPlanner``, for a destination state dict holding that rank's shards).
+
+Times are the median and [min-max] over ``--repeats`` runs, both systems alternating; no real
+ranks, no tensor data, no I/O beyond the metadata files. Cells whose plans hold more than
+``--max-items`` write items (N x T for every workload: each rank's plan has T items) are
+skipped (memory: about 1 KiB per distinct item); ``--max-items 0`` runs everything.
+
+    python benchmarks/bench_scale.py --json scale.json --markdown scale.md --plot scale.png
+    python benchmarks/bench_scale.py --ranks 8 64 --tensors 200 --repeats 1   # a quick look
+
+In the synthetic plans the replicated items of all ranks are the same Python objects (DCP's
+gather would unpickle distinct copies): it halves the memory and does not change the work
+(every copy is still hashed, compared and looked up).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import json
+import math
+import os
+import pickle
+import platform
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    MetadataIndex,
+    StorageMeta,
+    TensorProperties,
+)
+from torch.distributed.checkpoint.planner import (
+    SavePlan,
+    TensorWriteData,
+    WriteItem,
+    WriteItemType,
+)
+from torch.distributed.checkpoint.storage import WriteResult
+
+WORKLOADS = ("sharded", "replicated", "mixed")
+SYSTEMS = ("pyckpt", "dcp")
+PHASES = ("plan", "meta", "load_meta", "load_plan")
+CHUNK_BYTES = 4 << 20
+_COLS = 1024  # elements per row of every synthetic tensor (bf16: 2 KiB rows)
+_ITEMSIZE = 2
+
+
+# ------------------------------------------------------------------------ synthetic plans
+
+
+@dataclasses.dataclass(frozen=True)
+class _Tensor:
+    fqn: str
+    rows: int  # global rows (dim 0)
+    sharded: bool
+
+    @property
+    def size(self) -> torch.Size:
+        return torch.Size((self.rows, _COLS))
+
+
+def model(workload: str, ranks: int, tensors: int, model_bytes: int) -> list[_Tensor]:
+    """``tensors`` bf16 tensors of ``model_bytes`` in all, sizes cycling 4:1:1:2 (attention and
+    MLP weights); a sharded tensor has at least one row per rank (rows a multiple of N)."""
+    weights = [4, 1, 1, 2]
+    out = []
+    unit = model_bytes / sum(weights[i % 4] for i in range(tensors))
+    for i in range(tensors):
+        sharded = workload == "sharded" or (workload == "mixed" and i % 4 != 3)
+        nbytes = unit * weights[i % 4] / (16 if workload == "mixed" and not sharded else 1)
+        rows = max(1, round(nbytes / (_COLS * _ITEMSIZE)))
+        if sharded:
+            rows = max(1, round(rows / ranks)) * ranks
+        out.append(_Tensor(f"layers.{i // 8}.w{i % 8}", rows, sharded))
+    return out
+
+
+_PROPS = TensorProperties(dtype=torch.bfloat16)
+
+
+def _item(t: _Tensor, rank: int, ranks: int) -> WriteItem:
+    if t.sharded:
+        rows = t.rows // ranks
+        offsets = torch.Size((rank * rows, 0))
+        chunk = ChunkStorageMetadata(offsets=offsets, sizes=torch.Size((rows, _COLS)))
+        kind = WriteItemType.SHARD
+    else:
+        offsets = torch.Size((0, 0))
+        chunk = ChunkStorageMetadata(offsets=offsets, sizes=t.size)
+        kind = WriteItemType.TENSOR
+    return WriteItem(
+        index=MetadataIndex(t.fqn, offsets),
+        type=kind,
+        tensor_data=TensorWriteData(chunk=chunk, properties=_PROPS, size=t.size),
+    )
+
+
+def local_plans(tensors: list[_Tensor], ranks: int) -> list[SavePlan]:
+    """The N local plans (as DCP's local planning makes them, with flatten mappings)."""
+    mappings = {t.fqn: (t.fqn,) for t in tensors}
+    mappings["extra"] = ("extra",)
+    shared = [_item(t, 0, ranks) for t in tensors if not t.sharded]
+    shared.append(WriteItem(index=MetadataIndex("extra"), type=WriteItemType.BYTE_IO))
+    plans = []
+    for rank in range(ranks):
+        items = [_item(t, rank, ranks) for t in tensors if t.sharded]
+        plans.append(SavePlan(items=items + shared, planner_data=mappings))
+    return plans
+
+
+class _Dest(int):
+    """A destination value for load planning: a tensor's global size and this rank's chunk
+    (what DCP asks of a DTensor through ``__create_chunk_list__``), without any storage.
+
+    An ``int`` subclass only because DCP's state-dict walk in ``set_up_planner`` keeps ints,
+    tensors and DTensors and replaces other leaves by None; planning only calls the two methods.
+    """
+
+    _size: torch.Size
+    _chunk: ChunkStorageMetadata
+
+    def __new__(cls, size: torch.Size, offsets: torch.Size, sizes: torch.Size) -> _Dest:
+        self = super().__new__(cls, 0)
+        self._size = size
+        self._chunk = ChunkStorageMetadata(offsets=offsets, sizes=sizes)
+        return self
+
+    def size(self) -> torch.Size:
+        return self._size
+
+    def __create_chunk_list__(self) -> list[ChunkStorageMetadata]:
+        return [self._chunk]
+
+
+def destination(tensors: list[_Tensor], rank: int, ranks: int) -> dict[str, Any]:
+    sd: dict[str, Any] = {}
+    for t in tensors:
+        if t.sharded:
+            rows = t.rows // ranks
+            sd[t.fqn] = _Dest(t.size, torch.Size((rank * rows, 0)), torch.Size((rows, _COLS)))
+        else:
+            sd[t.fqn] = _Dest(t.size, torch.Size((0, 0)), t.size)
+    sd["extra"] = 0
+    return sd
+
+
+def _nbytes(item: WriteItem) -> int:
+    if item.tensor_data is None:
+        return 64
+    return math.prod(item.tensor_data.chunk.sizes) * _ITEMSIZE
+
+
+def _checksum(k: int) -> int:
+    return (k * 0x9E3779B97F4A7C15 + 0x632BE59BD9B4E019) & ((1 << 64) - 1)
+
+
+def pyckpt_results(plans: list[SavePlan]) -> list[list[WriteResult]]:
+    """What each rank's ``pyckpt.Writer.write_data`` returns for its final plan: raw 4 MiB
+    chunks of its byte range of every item, back to back in one data file per rank."""
+    from pyckpt import _format
+    from pyckpt.storage import _Written
+
+    params = _format.codec_params_for("bfloat16", None, 1, True, _format.RAW_THRESHOLD)
+    out = []
+    serial = 0
+    for plan in plans:
+        rp = plan.storage_data
+        name = _format.data_file_name(rp.rank, 0, rp.save_id)
+        pending = []
+        offset = 0
+        for item in plan.items:
+            start, end = rp.ranges.get(item.index, (0, _nbytes(item)))
+            chunks = []
+            pos = start
+            while pos < end:
+                n = min(CHUNK_BYTES, end - pos)
+                serial += 1
+                chunks.append((offset, n, _checksum(serial), 0, (0, n)))
+                offset += n
+                pos += n
+            pending.append((item.index, end - start, [(name, start, params, chunks)]))
+        out.append([
+            WriteResult(index=index, size_in_bytes=size, storage_data=_Written(segs, name, offset))
+            for index, size, segs in pending
+        ])
+    return out
+
+
+def dcp_results(plans: list[SavePlan]) -> list[list[WriteResult]]:
+    """What each rank's ``FileSystemWriter.write_data`` returns: one ``_StorageInfo`` per item
+    (single file per rank, no transforms)."""
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+
+    out = []
+    for plan in plans:
+        name = f"{plan.storage_data.prefix}0.distcp"
+        offset = 0
+        results = []
+        for item in plan.items:
+            n = _nbytes(item)
+            results.append(WriteResult(index=item.index, size_in_bytes=n,
+                                       storage_data=_StorageInfo(name, offset, n, [])))
+            offset += n
+        out.append(results)
+    return out
+
+
+# -------------------------------------------------------------------------------- systems
+
+
+def _timed(fn: Callable[..., Any], *args: Any) -> tuple[float, Any]:
+    gc.collect()
+    start = time.perf_counter()
+    value = fn(*args)
+    return time.perf_counter() - start, value
+
+
+def run_pyckpt(tensors: list[_Tensor], ranks: int, work: str) -> dict[str, Any]:
+    import pyckpt
+    from pyckpt import _gc
+    from pyckpt.api import load_planner
+    from pyckpt.storage import Writer
+
+    plans = local_plans(tensors, ranks)
+    writer = Writer(os.path.join(work, "save"))
+    writer.reset()
+    writer.set_up_storage_writer(True)  # the coordinator's save (its directory lock)
+
+    def plan(plans: list[SavePlan]) -> tuple[list[SavePlan], Any]:
+        planner = pyckpt.SavePlanner(check_replicas=False)
+        final, metadata = planner.create_global_plan(plans)
+        return writer.prepare_global_plan(final), metadata
+
+    def meta(metadata: Any, results: list[list[WriteResult]]) -> tuple[dict[str, int], bytes]:
+        with _gc.paused():  # as Writer.finish does
+            return writer._document(metadata, results, save)
+
+    t_plan, (final, metadata) = _timed(plan, plans)
+    del plans
+    results = pyckpt_results(final)
+    del final
+    save = writer._active("finish")
+    t_meta, (files, encoded) = _timed(meta, metadata, results)
+    save.end()
+    del results, metadata
+
+    load_dir = os.path.join(work, "load")
+    os.makedirs(load_dir)
+    with open(os.path.join(load_dir, "pyckpt.json"), "wb") as f:
+        f.write(encoded)
+    for name, size in files.items():  # sparse files of the recorded sizes
+        with open(os.path.join(load_dir, name), "wb") as f:
+            f.truncate(size)
+    reader = pyckpt.Reader(load_dir)
+    t_load_meta, md = _timed(reader.read_metadata)
+    dest = destination(tensors, ranks - 1, ranks)
+
+    def load_plan() -> Any:
+        planner = load_planner()
+        planner.set_up_planner(dest, md, False)
+        reader.set_up_storage_reader(md, False)
+        return reader.prepare_local_plan(planner.create_local_plan())
+
+    t_load_plan, lp = _timed(load_plan)
+    return {"plan": t_plan, "meta": t_meta, "load_meta": t_load_meta, "load_plan": t_load_plan,
+            "bytes": len(encoded), "read_items": len(lp.items)}
+
+
+def run_dcp(tensors: list[_Tensor], ranks: int, work: str) -> dict[str, Any]:
+    from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+    from torch.distributed.checkpoint.default_planner import (
+        DefaultLoadPlanner,
+        DefaultSavePlanner,
+    )
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    plans = local_plans(tensors, ranks)
+    writer = FileSystemWriter(os.path.join(work, "save"))
+
+    def plan(plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
+        final, metadata = DefaultSavePlanner().create_global_plan(plans)
+        return writer.prepare_global_plan(final), metadata
+
+    def meta(metadata: Metadata, results: list[list[WriteResult]]) -> bytes:
+        """FileSystemWriter.finish's document, without the file."""
+        from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION
+
+        metadata.version = CURRENT_DCP_VERSION
+        storage_md = {}
+        for wr_list in results:
+            storage_md.update({wr.index: wr.storage_data for wr in wr_list})
+        metadata.storage_data = storage_md
+        metadata.storage_meta = StorageMeta(checkpoint_id=writer.path, save_id="x" * 36)
+        return pickle.dumps(metadata)
+
+    t_plan, (final, metadata) = _timed(plan, plans)
+    del plans
+    results = dcp_results(final)
+    del final
+    t_meta, blob = _timed(meta, metadata, results)
+    del results, metadata
+    load_dir = os.path.join(work, "load")
+    os.makedirs(load_dir)
+    with open(os.path.join(load_dir, ".metadata"), "wb") as f:
+        f.write(blob)
+    reader = FileSystemReader(load_dir)
+    t_load_meta, md = _timed(reader.read_metadata)
+    dest = destination(tensors, ranks - 1, ranks)
+
+    def load_plan() -> Any:
+        planner = DefaultLoadPlanner()
+        planner.set_up_planner(dest, md, False)
+        reader.set_up_storage_reader(md, False)
+        return reader.prepare_local_plan(planner.create_local_plan())
+
+    t_load_plan, lp = _timed(load_plan)
+    return {"plan": t_plan, "meta": t_meta, "load_meta": t_load_meta, "load_plan": t_load_plan,
+            "bytes": len(blob), "read_items": len(lp.items)}
+
+
+RUNNERS = {"pyckpt": run_pyckpt, "dcp": run_dcp}
+
+
+def measure(workload: str, ranks: int, tensors: int, repeats: int, model_bytes: int,
+            root: str) -> dict[str, Any]:
+    """One cell: every phase of both systems, ``repeats`` times (alternating order)."""
+    spec = model(workload, ranks, tensors, model_bytes)
+    samples: dict[str, dict[str, list[float]]] = {s: {p: [] for p in PHASES} for s in SYSTEMS}
+    sizes: dict[str, int] = {}
+    items: dict[str, int] = {}
+    for r in range(repeats):
+        for system in SYSTEMS if r % 2 == 0 else SYSTEMS[::-1]:
+            work = tempfile.mkdtemp(prefix=f"scale-{system}-", dir=root)
+            try:
+                res = RUNNERS[system](spec, ranks, work)
+            finally:
+                shutil.rmtree(work, ignore_errors=True)
+            for p in PHASES:
+                samples[system][p].append(res[p])
+            sizes[system] = res["bytes"]
+            items[system] = res["read_items"]
+    if items["pyckpt"] != items["dcp"]:
+        raise AssertionError(f"{workload} N={ranks} T={tensors}: the load plans differ "
+                             f"({items['pyckpt']} vs {items['dcp']} read items)")
+    return {
+        "workload": workload, "ranks": ranks, "tensors": tensors,
+        "write_items": ranks * (tensors + 1),
+        "samples": samples, "bytes": sizes, "read_items": items["pyckpt"],
+    }
+
+
+# --------------------------------------------------------------------------------- report
+
+
+def _med(xs: list[float]) -> float:
+    return statistics.median(xs)
+
+
+def _size(n: int) -> str:
+    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if n >= 1 << shift:
+            return f"{n / (1 << shift):.1f} {unit}"
+    return f"{n} B"
+
+
+def markdown(rows: list[dict[str, Any]]) -> str:
+    """One line per cell: medians as ``pyckpt / DCP`` (the JSON report keeps every sample), and
+    the ratios pyckpt / DCP of the coordinator's time and of the metadata size."""
+    head = ("| workload | N | T | plan s | meta s | plan+meta s | ratio | metadata bytes | ratio "
+            "| rank: read metadata s | rank: load plan s |\n"
+            "|---|---:|---:|---|---|---|---:|---|---:|---|---|\n")
+    lines = []
+    for row in rows:
+        med = {sys_: {p: _med(row["samples"][sys_][p]) for p in PHASES} for sys_ in SYSTEMS}
+        a, b = (med[x]["plan"] + med[x]["meta"] for x in SYSTEMS)
+        pb, db = row["bytes"]["pyckpt"], row["bytes"]["dcp"]
+
+        def pair(p: str, med: dict[str, dict[str, float]] = med) -> str:
+            return f"{med['pyckpt'][p]:.3f} / {med['dcp'][p]:.3f}"
+
+        lines.append(
+            f"| {row['workload']} | {row['ranks']} | {row['tensors']} | {pair('plan')} "
+            f"| {pair('meta')} | {a:.3f} / {b:.3f} | {a / b:.2f} | {_size(pb)} / {_size(db)} "
+            f"| {pb / db:.2f} | {pair('load_meta')} | {pair('load_plan')} |"
+        )
+    return head + "\n".join(lines) + "\n"
+
+
+def plot(rows: list[dict[str, Any]], path: str) -> None:
+    """Time (plan+meta, load_meta+load_plan) and metadata bytes vs N, per workload and T."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(16, 5))
+    styles = {"pyckpt": "-", "dcp": "--"}
+    series: dict[tuple[str, int], list[dict[str, Any]]] = {}
+    for row in rows:
+        series.setdefault((row["workload"], row["tensors"]), []).append(row)
+    for n, ((workload, tensors), cells) in enumerate(sorted(series.items())):
+        cells.sort(key=lambda r: r["ranks"])
+        xs = [c["ranks"] for c in cells]
+        color = f"C{n}"
+        for system in SYSTEMS:
+            label = f"{system} {workload} T={tensors}"
+            coord = [_med(c["samples"][system]["plan"]) + _med(c["samples"][system]["meta"])
+                     for c in cells]
+            load = [_med(c["samples"][system]["load_meta"])
+                    + _med(c["samples"][system]["load_plan"]) for c in cells]
+            size = [c["bytes"][system] for c in cells]
+            axes[0].plot(xs, coord, styles[system], color=color, marker="o", label=label)
+            axes[1].plot(xs, load, styles[system], color=color, marker="o", label=label)
+            axes[2].plot(xs, size, styles[system], color=color, marker="o", label=label)
+    titles = ("coordinator: global plan + metadata encode (s)",
+              "one rank: read metadata + local load plan (s)", "metadata bytes")
+    for ax, title in zip(axes, titles):
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("ranks N")
+        ax.set_title(title, fontsize=10)
+        ax.grid(True, which="both", alpha=0.3)
+    axes[2].legend(fontsize=7, loc="upper left")
+    fig.suptitle("pyckpt (solid) vs DCP (dashed): planning and metadata vs world size")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--ranks", type=int, nargs="+", default=[8, 64, 512, 4096])
+    parser.add_argument("--tensors", type=int, nargs="+", default=[200, 2000])
+    parser.add_argument("--workloads", nargs="+", choices=WORKLOADS, default=list(WORKLOADS))
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--model-gib", type=float, default=16.0,
+                        help="bytes of the synthetic bf16 model (default 16 GiB: an 8B model)")
+    parser.add_argument("--max-items", type=int, default=2_000_000,
+                        help="skip cells with more write items over all plans (0: no limit)")
+    parser.add_argument("--dir", default=None, help="scratch directory (default: tmp)")
+    parser.add_argument("--json", default=None,
+                        help="write the results here (rewritten after every cell)")
+    parser.add_argument("--markdown", default=None, help="write the table here")
+    parser.add_argument("--plot", default=None, help="write the plot here (PNG, matplotlib)")
+    parser.add_argument("--from-json", nargs="+", default=None, metavar="JSON",
+                        help="measure nothing: table and plot of the rows of these reports")
+    args = parser.parse_args(argv)
+    if args.plot:
+        import matplotlib  # noqa: F401  (fail before measuring)
+    if args.from_json:
+        merged: dict[tuple[str, int, int], dict[str, Any]] = {}
+        for name in args.from_json:
+            with open(name) as f:
+                for row in json.load(f)["rows"]:
+                    merged[(row["workload"], row["ranks"], row["tensors"])] = row
+        order = {w: i for i, w in enumerate(WORKLOADS)}
+        rows = sorted(merged.values(), key=lambda r: (order[r["workload"]], r["tensors"],
+                                                      r["ranks"]))
+        table = markdown(rows)
+        print(table)
+        if args.markdown:
+            with open(args.markdown, "w") as f:
+                f.write(table)
+        if args.plot:
+            plot(rows, args.plot)
+        return 0
+
+    root = tempfile.mkdtemp(prefix="bench-scale-", dir=args.dir)
+    rows: list[dict[str, Any]] = []
+    skipped: list[dict[str, Any]] = []
+
+    def write() -> str:  # after every cell: a run stopped early keeps what it measured
+        table = markdown(rows)
+        report = {
+            "host": platform.node(), "python": sys.version.split()[0],
+            "torch": torch.__version__, "model_gib": args.model_gib, "repeats": args.repeats,
+            "rows": rows, "skipped": skipped,
+        }
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(report, f, indent=1)
+        if args.markdown:
+            with open(args.markdown, "w") as f:
+                f.write(table)
+        return table
+
+    try:
+        for workload in args.workloads:
+            for tensors in args.tensors:
+                for ranks in args.ranks:
+                    if args.max_items and ranks * (tensors + 1) > args.max_items:
+                        skipped.append({"workload": workload, "ranks": ranks,
+                                        "tensors": tensors})
+                        print(f"skip {workload} N={ranks} T={tensors} "
+                              f"({ranks * (tensors + 1)} items > --max-items)", flush=True)
+                        continue
+                    row = measure(workload, ranks, tensors, args.repeats,
+                                  int(args.model_gib * (1 << 30)), root)
+                    rows.append(row)
+                    s = row["samples"]
+                    print(f"{workload:10s} N={ranks:5d} T={tensors:5d}  " + "  ".join(
+                        f"{p} {_med(s['pyckpt'][p]):.3f}/{_med(s['dcp'][p]):.3f}"
+                        for p in PHASES) + f"  bytes {row['bytes']['pyckpt']}/"
+                        f"{row['bytes']['dcp']}", flush=True)
+                    write()
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    print(write())
+    if args.plot:
+        plot(rows, args.plot)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

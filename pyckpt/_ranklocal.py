@@ -1,0 +1,242 @@
+"""Rank-local checkpoints: ``dcp.save(..., use_collectives=False)`` on several ranks.
+
+Without collectives no rank learns the other ranks' items, save ids or completion, so no rank
+can commit one ``pyckpt.json`` naming every rank's data. DCP's answer (``FileSystemWriter``
+writes ``__<rank>.metadata``) is rank-local metadata: each rank commits a metadata file that
+names only its own items and data files, and ``dcp.load`` falls back to it (DCP calls
+``read_metadata(rank=...)`` when the global metadata cannot be read, then loads without
+collectives). pyckpt does the same with ``pyckpt.rank<r>.json``: the same document as
+``pyckpt.json`` (docs/FORMAT.md), with two differences checked on load:
+
+* every data file it names was written by rank ``r`` (``<r>-<k>.<save_id>.pyckpt``);
+* the pieces of a tensor need not tile it (a rank holds only its shards); they must not overlap.
+
+Each rank commits on its own (data, fsync, then its metadata atomically), then removes the
+directory's ``pyckpt.json`` (a collective checkpoint this save replaces) and its own data files
+of earlier saves; it never touches another rank's files. There is no point at which every rank
+has committed, so while a rank-local save runs a load may find some ranks' new parts and other
+ranks' previous ones (each part is whole, with its own save id), exactly as with DCP.
+"""
+
+from __future__ import annotations
+
+import errno
+import math
+import os
+import re
+from typing import Any
+
+import torch
+
+from pyckpt import _C, _format
+from pyckpt._format import METADATA_FILE
+from pyckpt.errors import CheckpointFormatError
+
+__all__ = ["metadata_file", "is_metadata_file", "set_up", "commit", "read_index", "fallback",
+           "check_coverage"]
+
+_NAME_RE = re.compile(r"pyckpt\.rank(0|[1-9][0-9]{0,9})\.json", re.ASCII)
+# Bound on the pairwise overlap check of one tensor's pieces in one rank's metadata.
+_MAX_PIECES_PER_TENSOR = 4096
+
+
+def metadata_file(rank: int) -> str:
+    """The name of rank ``rank``'s metadata file in a rank-local checkpoint."""
+    return f"pyckpt.rank{rank}.json"
+
+
+def is_metadata_file(name: str) -> bool:
+    """True when ``name`` is exactly the name of a rank-local metadata file."""
+    return _NAME_RE.fullmatch(name) is not None
+
+
+def set_up(path: str | None, location: str, rank: Any, overwrite: bool) -> int:
+    """Checks that rank ``rank`` may start a rank-local save into directory ``path``; returns
+    the rank.
+
+    Args:
+        path: the checkpoint's local directory (``Backend.local_dir``); None for a location
+            that is not a directory (an object store, a memory store).
+        location: the checkpoint's location as the user gave it, for messages.
+
+    Raises:
+        ValueError: ``location`` is not a directory (rank-local saves are for directories), or
+            DCP passed no rank.
+        FileExistsError: ``overwrite`` is False and ``path`` holds a complete checkpoint (its
+            ``pyckpt.json`` or this rank's rank-local metadata); ``filename`` names that file.
+    """
+    if path is None:
+        raise ValueError(
+            f"{location}: dcp.save(use_collectives=False) with several ranks writes rank-local "
+            "metadata into a directory; object-store URLs need use_collectives=True"
+        )
+    if type(rank) is not int or rank < 0:
+        raise ValueError(f"use_collectives=False: DCP passed no valid rank (got {rank!r})")
+    if not overwrite:
+        for name in (METADATA_FILE, metadata_file(rank)):
+            meta = os.path.join(path, name)
+            if os.path.exists(meta):
+                raise FileExistsError(
+                    errno.EEXIST,
+                    "Checkpoint already exists and overwrite=False; pass overwrite=True or "
+                    "choose another directory",
+                    meta,
+                )
+    return rank
+
+
+def _holds(path: str, content: bytes) -> bool:
+    try:
+        with open(path, "rb") as f:
+            return f.read() == content
+    except OSError:
+        return False
+
+
+def _remove(path: str, names: Any) -> None:
+    for name in names:
+        try:
+            os.unlink(os.path.join(path, name))
+        except FileNotFoundError:
+            pass
+
+
+def commit(path: str, rank: int, files: dict[str, int], encoded: bytes, fsync: bool) -> None:
+    """Commits rank ``rank``'s part of a rank-local save whose data files ``files`` are durable.
+
+    Writes ``pyckpt.rank<rank>.json`` atomically (temp + fsync + rename), then removes
+    ``pyckpt.json`` (the collective checkpoint this save replaces: it would otherwise be loaded
+    first) and the rank's own data and temp files of other saves. If the metadata cannot be
+    written, this save's data files are removed and the error propagates; the rank's previous
+    part stays loadable.
+    """
+    meta = os.path.join(path, metadata_file(rank))
+    try:
+        with _C.FileWriter(meta, "off", fsync) as fw:
+            fw.append(encoded)
+            fw.commit()
+    except BaseException:
+        if not _holds(meta, encoded):  # renamed into place before failing: committed
+            _remove(path, files)
+        raise
+    _remove(path, [METADATA_FILE])
+    prefix = f"{rank}-"
+    stale = []
+    for name in os.listdir(path):
+        if _format.is_data_file(name):
+            if _format.data_file_rank(name) == rank and name not in files:
+                stale.append(name)
+        elif ".tmp-" in name:
+            base = name.split(".tmp-")[0]
+            if base == metadata_file(rank) or (base.startswith(prefix) and
+                                               _format.is_data_file(base)):
+                stale.append(name)
+    _remove(path, stale)
+
+
+class _Validator(_format._Validator):
+    """The metadata validator for one rank's part of a rank-local checkpoint."""
+
+    def __init__(self, root: str, meta: str, version: int, rank: int) -> None:
+        super().__init__(root, meta, version)
+        self.rank = rank
+
+    def check_file(self, name: str, size: int) -> str | None:
+        if _format.data_file_rank(name) != self.rank:
+            raise self.fail(f"files[{name!r}]", f"is not a data file of rank {self.rank}; "
+                                                "rank-local metadata names only its rank's files")
+        return super().check_file(name, size)
+
+    def check_tiling(self, ip: str, shape: tuple[int, ...], numel: int,
+                     pieces: list[_format.StoredPiece]) -> None:
+        """A rank holds some shards of a tensor: its pieces must not overlap (bounds are
+        checked per piece by the base validator)."""
+        boxes = [(n, p) for n, p in enumerate(pieces) if p.nbytes]
+        if len(boxes) > _MAX_PIECES_PER_TENSOR:
+            raise self.fail(f"{ip}.pieces", f"{len(boxes)} pieces, more than the "
+                                            f"{_MAX_PIECES_PER_TENSOR} a rank-local part may hold")
+        for k, (n1, b) in enumerate(boxes):
+            for n0, a in boxes[:k]:
+                if all(a.offsets[d] < b.offsets[d] + b.sizes[d]
+                       and b.offsets[d] < a.offsets[d] + a.sizes[d] for d in range(len(shape))):
+                    raise self.fail(f"{ip}.pieces[{n1}]", f"overlaps {ip}.pieces[{n0}]")
+
+
+def read_index(path: str, rank: int) -> _format.CheckpointIndex:
+    """Reads and validates rank ``rank``'s metadata of the rank-local checkpoint ``path``.
+
+    Raises:
+        FileNotFoundError: the file (``filename``) or a data file it names is missing.
+        CheckpointFormatError: as :func:`pyckpt._format.read_index`, or the file names another
+            rank's data file, or two pieces of a tensor overlap.
+    """
+    meta = os.path.join(path, metadata_file(rank))
+    try:
+        raw = _format._open_metadata(path, meta)
+    except FileNotFoundError:
+        raise FileNotFoundError(
+            errno.ENOENT,
+            f"checkpoint {path!r} has no {METADATA_FILE} and no rank-local metadata for rank "
+            f"{rank}: it was saved with use_collectives=False by fewer ranks, or is incomplete",
+            meta,
+        ) from None
+    doc, version = _format._parse([raw], meta)
+    return _Validator(path, meta, version, rank).index(doc)
+
+
+def fallback(path: str | None, rank: Any, error: BaseException) -> _format.CheckpointIndex | None:
+    """The index DCP's fallback ``read_metadata(rank=rank)`` loads, after reading the global
+    metadata failed with ``error``: rank ``rank``'s rank-local metadata when ``pyckpt.json`` is
+    absent and directory ``path`` holds rank-local metadata; None otherwise (the original error
+    stands), and for a location that is not a directory (``path`` None).
+
+    Raises:
+        FileNotFoundError, CheckpointFormatError: see :func:`read_index`.
+    """
+    if (
+        path is None
+        or type(rank) is not int
+        or not isinstance(error, FileNotFoundError)
+        or error.filename != os.path.join(path, METADATA_FILE)
+    ):
+        return None
+    try:
+        if not any(is_metadata_file(n) for n in os.listdir(path)):
+            return None
+    except OSError:
+        return None
+    return read_index(path, rank)
+
+
+def check_coverage(plan: Any, planner: Any, path: str, rank: int) -> None:
+    """Refuses a load that this rank's part cannot fill: a destination tensor (or this rank's
+    shard of a DTensor) of which the rank's reads cover fewer elements than it holds. DCP's
+    planner reads only what overlaps the stored pieces and would leave the rest as it was, e.g.
+    when a rank-local checkpoint is loaded at another world size or sharding.
+
+    Raises:
+        CheckpointFormatError: naming the tensor, the rank-local metadata file and the counts.
+    """
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+    from torch.distributed.checkpoint.planner import LoadItemType
+
+    state = getattr(planner, "state_dict", None)
+    metadata = getattr(planner, "metadata", None)
+    if not isinstance(state, dict) or metadata is None:
+        return  # a custom planner: nothing to compare with
+    covered: dict[str, int] = {}
+    for req in plan.items:
+        if req.type == LoadItemType.TENSOR:
+            fqn = req.dest_index.fqn
+            covered[fqn] = covered.get(fqn, 0) + math.prod(req.lengths)
+    for fqn, dest in state.items():
+        if not isinstance(metadata.state_dict_metadata.get(fqn), TensorStorageMetadata):
+            continue
+        local = dest.to_local() if hasattr(dest, "to_local") else dest
+        if isinstance(local, torch.Tensor) and covered.get(fqn, 0) < local.numel():
+            raise CheckpointFormatError(
+                f"{os.path.join(path, metadata_file(rank))}: rank {rank}'s part of this "
+                f"rank-local checkpoint holds {covered.get(fqn, 0)} of the {local.numel()} "
+                f"elements rank {rank} loads into {fqn!r}; a checkpoint saved with "
+                "use_collectives=False loads only at the world size and sharding it was saved with"
+            )
