@@ -6,6 +6,8 @@ Public API (torch-dependent names are imported lazily, so ``import pyckpt`` stay
 * :class:`SavePlanner` -- DCP save planner that spreads replicated state over ranks by bytes.
 * :func:`save` / :func:`load` -- one-line conveniences using the above.
 * :func:`consolidate` -- rank-partitioned export to Hugging Face safetensors.
+* :func:`reserve_pinned` / :func:`release_pinned` / :func:`set_pinned_limit` /
+  :func:`pinned_stats` -- the process's pinned staging memory (shared by every Writer/Reader).
 """
 
 from __future__ import annotations
@@ -37,6 +39,10 @@ __all__ = [
     "save",
     "load",
     "consolidate",
+    "reserve_pinned",
+    "release_pinned",
+    "set_pinned_limit",
+    "pinned_stats",
     "errors",
     "PyckptError",
     "CheckpointFormatError",
@@ -54,6 +60,10 @@ _LAZY = {
     "SavePlanner": "pyckpt.planner",
     "save": "pyckpt.api",
     "load": "pyckpt.api",
+    "reserve_pinned": "pyckpt._pinned",
+    "release_pinned": "pyckpt._pinned",
+    "set_pinned_limit": "pyckpt._pinned",
+    "pinned_stats": "pyckpt._pinned",
 }
 
 

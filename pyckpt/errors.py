@@ -18,6 +18,7 @@ __all__ = [
     "ObjectStoreError",
     "ConcurrentSaveError",
     "ExportNameCollisionError",
+    "PinnedMemoryWarning",
 ]
 
 
@@ -97,3 +98,9 @@ class ExportNameCollisionError(PyckptError, ValueError):
     def __reduce__(self) -> tuple[type[ExportNameCollisionError], tuple[str, tuple[str, ...]]]:
         # Pickled to reach every rank of a consolidation: keep the attributes.
         return type(self), (self.name, self.sources)
+
+
+class PinnedMemoryWarning(UserWarning):
+    """A state to stage does not fit in the process's pinned staging memory: the part that does
+    not fit is copied into pageable memory and the save blocks for that copy (see
+    ``pyckpt.reserve_pinned`` and ``PYCKPT_PINNED_LIMIT``)."""
