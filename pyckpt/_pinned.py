@@ -68,8 +68,13 @@ def _align(n: int, a: int) -> int:
     return (n + a - 1) // a * a
 
 
-def _gib(n: int) -> str:
-    return f"{n / 2**30:.2f} GiB"
+def _size(n: int) -> str:
+    """``1.50 GiB`` / ``3.0 MiB`` / ``512 bytes``."""
+    if n >= 1 << 30:
+        return f"{n / 2**30:.2f} GiB"
+    if n >= 1 << 20:
+        return f"{n / 2**20:.1f} MiB"
+    return f"{n} bytes"
 
 
 @dataclass
@@ -204,7 +209,7 @@ class PinnedMemory:
                     need = sum(_align(sizes[i], PIECE_ALIGN) for i in left)
                     room = self.limit() - self._allocated_locked()
                     size = need if need <= room else room // EXTENT_ROUND * EXTENT_ROUND
-                    if size > 0:
+                    if size > 0 and min(sizes[i] for i in left) <= size:
                         _, blk = self._new_extent_locked(rt, size)
                         blocks.append(blk)
                         used.append(0)
@@ -229,15 +234,18 @@ class PinnedMemory:
                 self._counters.overflow_bytes += overflow
             limit, allocated = self.limit(), self._allocated_locked()
         lease = StageLease([blocks[k] for k in keep], places, overflow, rt is not None)
-        if overflow:
+        if overflow and rt is None:
+            # Plain host memory: a fresh allocation costs the same as an extent's first use.
+            logger.debug("pyckpt: %s staged partly (%d bytes) outside the bound", what, overflow)
+        elif overflow:
             total = sum(sizes)
-            kind = "pinned" if rt is not None else "host"
             warnings.warn(
-                f"pyckpt: {what} ({_gib(total)}) does not fit in the {kind} staging memory "
-                f"(bound {_gib(limit)}, {_gib(allocated)} allocated, the rest in use by saves "
-                f"in flight): {_gib(overflow)} of it is copied into pageable memory and the save "
-                f"blocks until that copy completed. Raise the bound (PYCKPT_PINNED_LIMIT or "
-                f"pyckpt.set_pinned_limit) or reserve memory ahead (pyckpt.reserve_pinned).",
+                f"pyckpt: {what} ({_size(total)}) does not fit in the pinned staging memory "
+                f"under its bound ({_size(limit)}; {_size(allocated)} allocated, part of it "
+                f"held by saves still in flight): {_size(overflow)} of it is copied into "
+                f"pageable memory and this save blocks until that copy completed. Raise the "
+                f"bound (PYCKPT_PINNED_LIMIT or pyckpt.set_pinned_limit) or reserve memory ahead "
+                f"(pyckpt.reserve_pinned).",
                 PinnedMemoryWarning,
                 stacklevel=3,
             )
