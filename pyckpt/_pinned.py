@@ -364,7 +364,7 @@ class PinnedMemory:
                 self._counters.frees += 1
                 self._counters.freed_bytes += ext.nbytes
             self._extents = keep_ext
-            for key, (pool, rt) in list(self._stream_pools.items()):
+            for key, (pool, _rt) in list(self._stream_pools.items()):
                 s = pool.stats()
                 if s["in_use"] > 0:
                     continue

@@ -16,9 +16,9 @@ import time
 
 import pytest
 import torch
+from _fake_cudart import FakeDevice, double_path, load_double
 
 import pyckpt
-from _fake_cudart import FakeDevice, double_path, load_double
 from pyckpt import _C, _knobs, _pinned, _staging
 
 BLOCK = 8192

@@ -12,9 +12,9 @@ import warnings
 import psutil
 import pytest
 import torch
+from _fake_cudart import load_double
 
 import pyckpt
-from _fake_cudart import load_double
 from pyckpt import _C, _knobs, _pinned
 from pyckpt.errors import PinnedMemoryWarning
 
