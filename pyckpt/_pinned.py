@@ -365,20 +365,21 @@ class PinnedMemory:
                 self._counters.freed_bytes += ext.nbytes
             self._extents = keep_ext
             for key, (pool, _rt) in list(self._stream_pools.items()):
+                stagers = [k for k in self._stagers if k[0] == id(pool)]
+                for skey in stagers:
+                    try:
+                        # Its side stream only, never the device; recycles finished uploads.
+                        self._stagers[skey].synchronize()
+                    except Exception as e:  # a failed copy was reported to its caller already
+                        logger.debug("pyckpt: staging stream failed before release: %s", e)
                 s = pool.stats()
                 if s["in_use"] > 0:
                     continue
                 del self._stream_pools[key]
-                for skey in [k for k in self._stagers if k[0] == id(pool)]:
+                for skey in stagers:
                     drop.append(self._stagers.pop(skey))
                 drop.append(pool)
                 released += s["allocated"] * s["block_bytes"]
-        for obj in drop:
-            if isinstance(obj, _C.Stager):
-                try:
-                    obj.synchronize()  # its side stream only, never the device
-                except Exception as e:  # a failed copy was reported to its save already
-                    logger.debug("pyckpt: staging stream failed before release: %s", e)
         drop.clear()  # the last references: memory is unregistered and freed here
         return released
 

@@ -411,7 +411,8 @@ class Writer(StorageWriter):
     _transient = ("_encode_pool", "_encode_pool_key", "_direct_blocks", "_local", "_objstores")
 
     def close(self) -> None:
-        """Stops the native worker threads and frees the staging and encode buffers."""
+        """Stops the native worker threads and frees the encode buffers (pinned staging memory
+        belongs to the process: ``pyckpt.release_pinned()``)."""
         self._native.close()
         for name in self._transient:
             setattr(self, name, None)
@@ -897,7 +898,8 @@ class Reader(StorageReader):
         self._metadata_error: Exception | None = None
 
     def close(self) -> None:
-        """Stops the native worker threads and frees the staging buffers."""
+        """Stops the native worker threads (pinned staging memory belongs to the process:
+        ``pyckpt.release_pinned()``)."""
         self._native.close()
 
     def __enter__(self) -> Reader:
