@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import atexit
 import logging
+import os
 import threading
 import warnings
 from collections.abc import Sequence
@@ -347,7 +348,9 @@ class PinnedMemory:
         pools freed; memory leased by a save in flight stays. Returns the bytes released.
 
         Call it outside training steps: unregistering page-locked memory synchronises the device.
-        A tensor that still views a freed extent keeps that memory alive until it dies.
+        A tensor that still views a freed extent keeps that memory alive until it dies, and a
+        Writer or Reader that streamed through a freed pool keeps it (and its stager) until it
+        is dropped: call it once they are closed.
         """
         released = 0
         drop: list[Any] = []
@@ -365,6 +368,8 @@ class PinnedMemory:
                 self._counters.freed_bytes += ext.nbytes
             self._extents = keep_ext
             for key, (pool, _rt) in list(self._stream_pools.items()):
+                if pool.stats()["allocated"] == 0:
+                    continue  # nothing to free; its stager (used by async saves) stays
                 stagers = [k for k in self._stagers if k[0] == id(pool)]
                 for skey in stagers:
                     try:
@@ -395,6 +400,17 @@ def pinned_memory() -> PinnedMemory:
         if _instance is None:
             _instance = PinnedMemory()
         return _instance
+
+
+def _forget_in_child() -> None:
+    # A forked child must not touch its parent's page-locked memory or streams (CUDA does not
+    # survive fork); it starts with none and leaves the parent's objects alone.
+    global _instance
+    _instance = None
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_in_child)
 
 
 def _forget_for_tests() -> None:

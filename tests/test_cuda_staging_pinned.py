@@ -156,10 +156,14 @@ def test_no_unregister_or_free_while_a_background_save_is_in_flight(fake, tmp_pa
         assert pyckpt.release_pinned() == pyckpt.pinned_stats()["extent_bytes"]
         assert fake.counter("unregister_calls") == 1
         assert pyckpt.pinned_stats()["extents"] == 1
+        calls = fake.counter("calls")
     finally:
         gate.set()
     fut.result()
     gc.collect()
+    # The background part of the save (writing, committing, handing the extent back) and the
+    # collection of its Writer make no CUDA call at all.
+    assert fake.counter("calls") == calls
     assert fake.counter("unregister_calls") == 1  # nothing freed when the save ended
     _load_equal(tmp_path / "a", expect)
 
