@@ -43,7 +43,7 @@ import os
 import threading
 import warnings
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from pyckpt import _C, _knobs
@@ -110,14 +110,13 @@ class StageLease:
 
 @dataclass
 class _Counters:
-    allocations: int = 0  # extents and stream blocks page-locked (or allocated) so far
+    allocations: int = 0  # extents allocated (page-locked when pinned) so far
     allocated_bytes: int = 0
     frees: int = 0  # extents freed by release()
     freed_bytes: int = 0
     leases: int = 0
     overflow_leases: int = 0
     overflow_bytes: int = 0
-    extra: dict[str, int] = field(default_factory=dict)
 
 
 class PinnedMemory:
@@ -209,7 +208,9 @@ class PinnedMemory:
                 if left:
                     need = sum(_align(sizes[i], PIECE_ALIGN) for i in left)
                     room = self.limit() - self._allocated_locked()
-                    size = need if need <= room else room // EXTENT_ROUND * EXTENT_ROUND
+                    size = _align(need, EXTENT_ROUND)
+                    if size > room:  # the rest of the bound, in whole steps
+                        size = max(0, room) // EXTENT_ROUND * EXTENT_ROUND
                     if size > 0 and min(sizes[i] for i in left) <= size:
                         _, blk = self._new_extent_locked(rt, size)
                         blocks.append(blk)
