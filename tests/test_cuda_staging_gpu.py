@@ -129,7 +129,7 @@ def test_writer_sync_and_async_save_then_load(tmp_path) -> None:
             assert torch.equal(out[k], v), (d, k)
 
 
-def test_twenty_async_saves_do_not_grow_rss_or_pinned_memory(tmp_path) -> None:
+def test_twenty_async_saves_do_not_grow_rss_or_pinned_memory(fresh_pinned, tmp_path) -> None:
     import psutil
     import torch.distributed.checkpoint as dcp
 
