@@ -8,6 +8,8 @@ Public API (torch-dependent names are imported lazily, so ``import pyckpt`` stay
 * :func:`consolidate` -- rank-partitioned export to Hugging Face safetensors.
 * :func:`find_error` -- pyckpt's error inside DCP's ``CheckpointException`` wrapper.
 * :class:`CheckpointManager` -- node-local fast tier with peer replicas, durable tier, retention.
+* :func:`reserve_pinned` / :func:`release_pinned` / :func:`set_pinned_limit` /
+  :func:`pinned_stats` -- the process's pinned staging memory (shared by every Writer/Reader).
 """
 
 from __future__ import annotations
@@ -43,6 +45,10 @@ __all__ = [
     "load",
     "consolidate",
     "CheckpointManager",
+    "reserve_pinned",
+    "release_pinned",
+    "set_pinned_limit",
+    "pinned_stats",
     "errors",
     "PyckptError",
     "CheckpointFormatError",
@@ -64,6 +70,10 @@ _LAZY = {
     "save": "pyckpt.api",
     "load": "pyckpt.api",
     "CheckpointManager": "pyckpt.manager",
+    "reserve_pinned": "pyckpt._pinned",
+    "release_pinned": "pyckpt._pinned",
+    "set_pinned_limit": "pyckpt._pinned",
+    "pinned_stats": "pyckpt._pinned",
 }
 
 

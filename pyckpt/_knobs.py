@@ -25,6 +25,10 @@ __all__ = [
     "cuda_mode",
     "cudart_path",
     "pinned_pool_bytes",
+    "pinned_limit",
+    "parse_pinned_limit",
+    "host_memory_bytes",
+    "local_world_size",
     "consolidate_input",
     "override",
 ]
@@ -135,6 +139,58 @@ def pinned_pool_bytes() -> int:
     :class:`pyckpt.Writer` and :class:`pyckpt.Reader`, the bound on the pinned staging pool
     (default 1 GiB)."""
     return _int("pinned_pool_bytes", "PYCKPT_PINNED_POOL_BYTES", 1 << 30, MIN_PINNED_POOL_BYTES)
+
+
+def host_memory_bytes() -> int:
+    """Physical memory of this host in bytes (16 GiB when the system does not say)."""
+    try:
+        return int(os.sysconf("SC_PHYS_PAGES")) * int(os.sysconf("SC_PAGE_SIZE"))
+    except (ValueError, OSError):
+        return 16 << 30
+
+
+def local_world_size() -> int:
+    """``LOCAL_WORLD_SIZE`` (set by torchrun): ranks on this node (default 1)."""
+    return _int("local_world_size", "LOCAL_WORLD_SIZE", 1, 1)
+
+
+def parse_pinned_limit(value: object, source: str = "PYCKPT_PINNED_LIMIT") -> int:
+    """A pinned-memory bound in bytes from an int (bytes, >= 1 MiB) or a fraction of host memory
+    (a float in (0, 1]; strings are parsed as either)."""
+    raw = value
+    if isinstance(value, str):
+        text = value.strip()
+        try:
+            value = int(text)
+        except ValueError:
+            try:
+                value = float(text)
+            except ValueError:
+                raise ValueError(f"{source}={raw!r} is neither bytes nor a fraction") from None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{source}={raw!r} must be bytes (int) or a fraction of host memory")
+    if isinstance(value, float):
+        if not 0.0 < value <= 1.0:
+            raise ValueError(f"{source}={raw!r}: a fraction of host memory must be in (0, 1]")
+        return max(MIN_PINNED_POOL_BYTES, int(host_memory_bytes() * value))
+    if value < MIN_PINNED_POOL_BYTES:
+        raise ValueError(f"{source}={raw!r} must be >= {MIN_PINNED_POOL_BYTES} bytes")
+    return value
+
+
+PINNED_LIMIT_FRACTION = 0.4
+
+
+def pinned_limit() -> int:
+    """``PYCKPT_PINNED_LIMIT``: bound on the process's staging memory (page-locked when CUDA is
+    usable), shared by every Writer and Reader: bytes, or a fraction of host memory such as
+    ``0.25``. Default: 40% of host memory divided by the ranks on this node
+    (``LOCAL_WORLD_SIZE``)."""
+    raw = _get("pinned_limit", "PYCKPT_PINNED_LIMIT")
+    if raw is None or raw.strip() == "":
+        share = int(host_memory_bytes() * PINNED_LIMIT_FRACTION) // local_world_size()
+        return max(MIN_PINNED_POOL_BYTES, share)
+    return parse_pinned_limit(raw)
 
 
 def consolidate_input() -> str:

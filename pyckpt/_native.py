@@ -26,9 +26,11 @@ def _check_pinned_pool_bytes(value: int | None) -> None:
 
 class _Native:
     """The native collaborators of a Writer or Reader, each made on first use: the worker
-    thread pool and the GPU staging (:class:`~pyckpt._staging.DeviceStaging`: pinned pools and
-    per-device stagers). :meth:`close` drops both (the owner stays usable: they are made again
-    when needed); pickling keeps only the configuration."""
+    thread pool and the GPU staging (:class:`~pyckpt._staging.DeviceStaging`, a handle on the
+    pinned memory and per-device stagers that the process owns once, :mod:`pyckpt._pinned`, so a
+    new Writer per checkpoint reuses them). :meth:`close` drops both handles (the owner stays
+    usable: they are made again when needed; the pinned memory is not freed); pickling keeps
+    only the configuration."""
 
     def __init__(
         self,

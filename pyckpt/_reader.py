@@ -116,7 +116,8 @@ class Reader(StorageReader):
         self._rank_local: int | None = None  # loading this rank's part of a rank-local save
 
     def close(self) -> None:
-        """Stops the native worker threads and frees the staging buffers."""
+        """Stops the native worker threads (pinned staging memory belongs to the process:
+        ``pyckpt.release_pinned()``)."""
         self._native.close()
 
     def __enter__(self) -> Reader:

@@ -12,16 +12,19 @@ Three uses:
   Pinned memory is bounded by the owner's ``pinned_pool_bytes`` (default
   ``PYCKPT_PINNED_POOL_BYTES``).
 * :meth:`DeviceStaging.stage_state_dict` -- asynchronous save (``AsyncStager.stage``): the whole
-  state dict is copied into one reused pinned region and returned as CPU tensors that view it.
+  state dict is copied into reused pinned extents and returned as CPU tensors that view them.
 * :meth:`DeviceStaging.upload` -- loads: host bytes go to device tensors through pinned blocks,
   copies overlapping with the filling of the next block.
 
 A :class:`pyckpt.Writer` or :class:`pyckpt.Reader` owns one :class:`DeviceStaging` (made on first
 use, dropped by ``close()`` and by pickling); the writer's DCP ``AsyncStager`` methods delegate to
-:meth:`DeviceStaging.stage_state_dict`.
+:meth:`DeviceStaging.stage_state_dict`. The memory and the stagers themselves belong to the
+process (:mod:`pyckpt._pinned`): a new Writer per checkpoint reuses what earlier ones allocated,
+and neither dropping nor closing an owner frees or unregisters anything.
 
 Thread-safety: one :class:`DeviceStaging` serves one save or load at a time (the writer's
-background thread and the next ``stage()`` call may overlap; regions are double-buffered).
+background thread and the next ``stage()`` call may overlap: the next stage leases other
+extents).
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ from typing import Any
 
 import torch
 
-from pyckpt import _C, _knobs
+from pyckpt import _C, _knobs, _pinned
 from pyckpt._tensors import local_view, plain
 from pyckpt.errors import CudaError
 
@@ -52,7 +55,6 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 _PIECE_ALIGN = 256  # matches D2HStream::kPieceAlign; every dtype's alignment divides it
-_REGION_ROUND = 2 << 20  # async regions are sized in 2 MiB steps so similar saves reuse them
 _DEFAULT_BLOCK = 16 << 20
 
 _runtimes_lock = threading.Lock()
@@ -154,9 +156,10 @@ class DeviceStaging:
         self._lock = threading.Lock()
         self._pool: Any = None
         self._stagers: dict[int, Any] = {}
-        self._region_pool: Any = None
-        # Regions handed out by stage_state_dict and not yet released, by address.
+        # Extents handed out by stage_state_dict and not yet released, by address, and the
+        # addresses of the extents staged by the same call.
         self._regions: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary()
+        self._groups: dict[int, tuple[int, ...]] = {}
 
     # -- resources ---------------------------------------------------------------------
 
@@ -176,44 +179,46 @@ class DeviceStaging:
             raise CudaError(f"{what}: CUDA runtime not available ({self._rt.error})")
 
     def pool(self) -> Any:
-        """The bounded streaming pool (created on first use)."""
+        """The bounded streaming pool (shared by every owner with the same runtime, block size
+        and bound; made on first use and kept by the process, see :mod:`pyckpt._pinned`)."""
         with self._lock:
             if self._pool is None:
-                self._pool = _C.PinnedPool(self._rt, self.block_bytes, self.max_blocks)
+                rt = self._rt if self.available else None
+                self._pool = _pinned.pinned_memory().stream_pool(
+                    rt, self.block_bytes, self.max_blocks
+                )
             return self._pool
 
     def stager(self, device: int) -> Any:
-        """The stager of ``device`` (its side stream is created once, on first use)."""
+        """The stager of ``device`` (its side stream is created once per process and pool)."""
         pool = self.pool()
         self._require("staging on a device")
         assert self._rt is not None  # _require() refuses a missing runtime
         with self._lock:
             st = self._stagers.get(device)
             if st is None:
-                st = _C.Stager(self._rt, pool, device)
+                st = _pinned.pinned_memory().stager(self._rt, pool, device)
                 self._stagers[device] = st
             return st
 
     def stats(self) -> dict[str, Any]:
-        """Pool and stager counters (for tests and benchmarks)."""
+        """Pool, staging-memory and stager counters (for tests and benchmarks)."""
         with self._lock:
             out: dict[str, Any] = {
                 "pool": self._pool.stats() if self._pool is not None else None,
-                "region_pool": self._region_pool.stats() if self._region_pool is not None else None,
+                "region_pool": _pinned.pinned_stats(),
                 "regions_outstanding": len(self._regions),
             }
             out["stagers"] = {d: s.stats() for d, s in self._stagers.items()}
         return out
 
     def close(self) -> None:
-        """Waits for the side streams and drops stagers and pools (memory is freed once no staged
-        tensor views it any more)."""
+        """Forgets this owner's handles on the shared pools and stagers. No memory is freed and no
+        stream waited for: both belong to the process (:func:`pyckpt.release_pinned` frees idle
+        memory); pending uploads are ordered on the caller's stream already."""
         with self._lock:
-            stagers, self._stagers = self._stagers, {}
+            self._stagers = {}
             self._pool = None
-            self._region_pool = None
-        for st in stagers.values():
-            st.synchronize()
 
     # -- synchronous save: stream blocks ------------------------------------------------
 
@@ -282,95 +287,112 @@ class DeviceStaging:
 
     # -- asynchronous save: one region per staged state dict -----------------------------
 
-    def _acquire_region(self, nbytes: int) -> Any:
-        size = _align(max(nbytes, 1), _REGION_ROUND)
+    def _lease(self, sizes: list[int]) -> _pinned.StageLease:
+        global _unpinned_logged
+        if not self.available and not _unpinned_logged:
+            # Without a usable runtime (none installed, or one without a driver or device)
+            # nothing can be page-locked and nothing needs to be: plain aligned host memory.
+            _unpinned_logged = True
+            logger.debug(
+                "pyckpt: staging into unpinned host memory (%s)",
+                "PYCKPT_CUDA=off" if self._rt is None else self._rt.error,
+            )
+        rt = self._rt if self.available else None
+        lease = _pinned.pinned_memory().lease(rt, sizes)
+        addresses = tuple(b.address for b in lease.blocks)
         with self._lock:
-            pool = self._region_pool
-            if pool is None or pool.block_bytes < size:
-                # Two regions: the next stage() may run while the previous save still writes.
-                # Without a usable runtime (none installed, or one without a driver or device)
-                # nothing can be page-locked and nothing needs to be: plain aligned host memory.
-                global _unpinned_logged
-                if not self.available and not _unpinned_logged:
-                    _unpinned_logged = True
-                    logger.debug(
-                        "pyckpt: staging into unpinned host memory (%s)",
-                        "PYCKPT_CUDA=off" if self._rt is None else self._rt.error,
-                    )
-                pool = _C.PinnedPool(self._rt if self.available else None, size, 2)
-                self._region_pool = pool
-        region = pool.acquire()
-        self._regions[region.address] = region
-        return region
+            for blk in lease.blocks:
+                self._regions[blk.address] = blk
+                self._groups[blk.address] = addresses
+        return lease
 
     def release_regions(self, addresses: Sequence[int]) -> int:
-        """Returns to the pool every staged region containing one of ``addresses``.
+        """Returns to the process's free list every staged extent containing one of
+        ``addresses``, with the other extents staged by the same call (no CUDA call).
 
-        Called by the writer once a save's data is written; tensors that still view the region
+        Called by the writer once a save's data is written; tensors that still view the extents
         stay valid memory but may be overwritten by a later stage().
 
         Returns:
-            The number of regions released.
+            The number of extents released.
         """
         released = 0
-        for region in list(self._regions.values()):
-            lo, hi = region.address, region.address + region.nbytes
-            if not region.released and any(lo <= a < hi for a in addresses):
-                region.release()
-                self._regions.pop(lo, None)
+        with self._lock:
+            hit: set[int] = set()
+            for region in list(self._regions.values()):
+                lo, hi = region.address, region.address + region.nbytes
+                if any(lo <= a < hi for a in addresses):
+                    hit.update(self._groups.get(lo, (lo,)))
+            blocks = [self._regions.get(a) for a in hit]
+            for a in hit:
+                self._regions.pop(a, None)
+                self._groups.pop(a, None)
+            for a in [a for a in self._groups if a not in self._regions]:
+                del self._groups[a]  # extents whose views all died (returned by themselves)
+        for blk in blocks:
+            if blk is not None and not blk.released:
+                blk.release()
                 released += 1
         return released
 
     def stage_state_dict(self, state_dict: Any) -> Any:
-        """Returns a "training-safe" copy of ``state_dict`` whose tensors view one pinned region.
+        """Returns a "training-safe" copy of ``state_dict`` whose tensors view the process's
+        staging memory (:mod:`pyckpt._pinned`).
 
         Device tensors (and DTensor shards) are copied by the stager, ordered after each
         device's current stream; CPU tensors are copied on the host meanwhile (training may
         modify them after this returns); other leaves are deep-copied. Returns when every copy
-        is complete. The region is reused by later calls once :meth:`release_regions` freed it,
-        or once nothing views it any more.
+        is complete. The extents are reused by later calls (of any owner) once
+        :meth:`release_regions` freed them, or once nothing views them any more. Tensors that do
+        not fit in the bound are copied into pageable memory (with a
+        :class:`~pyckpt.errors.PinnedMemoryWarning`); that copy blocks.
 
         Raises:
-            CudaError: a copy failed; the message names the tensor. The region is released and
+            CudaError: a copy failed; the message names the tensor. The extents are released and
                 no staged state dict is returned.
         """
         from torch.utils._pytree import keystr, tree_flatten_with_path, tree_unflatten
 
         leaves_with_path, spec = tree_flatten_with_path(state_dict)
-        layout: list[tuple[int, torch.Tensor, torch.Tensor, int]] = []  # leaf, src, local, offset
-        total = 0
+        layout: list[tuple[int, torch.Tensor, torch.Tensor]] = []  # leaf, src, local
         for i, (_, leaf) in enumerate(leaves_with_path):
             if isinstance(leaf, torch.Tensor):
                 local = local_view(leaf)
                 src = plain(local) if _device_api.is_device(local) else local
-                total = _align(total, _PIECE_ALIGN)
-                layout.append((i, src, local, total))
-                total += _nbytes(src)
-        device_items = [x for x in layout if _device_api.is_device(x[2])]
-        if device_items:
+                layout.append((i, src, local))
+        if any(_device_api.is_device(local) for _, _, local in layout):
             self._require("staging a state dict")
-        region = self._acquire_region(total)
+        lease = self._lease([_nbytes(src) for _, src, _ in layout])
         try:
-            by_device: dict[int, list[tuple[int, int, int, str]]] = {}
-            for i, src, local, off in device_items:
-                name = keystr(leaves_with_path[i][0])
-                by_device.setdefault(_device_api.device_index(local), []).append(
-                    (off, src.data_ptr(), _nbytes(src), name)
-                )
+            by_target: dict[tuple[int, int], list[tuple[int, int, int, str]]] = {}
+            for (i, src, local), place in zip(layout, lease.places):
+                if place is not None and place[0] >= 0 and _device_api.is_device(local):
+                    name = keystr(leaves_with_path[i][0])
+                    key = (_device_api.device_index(local), place[0])
+                    by_target.setdefault(key, []).append(
+                        (place[1], src.data_ptr(), _nbytes(src), name)
+                    )
             events = [
-                self.stager(d).copy_into(region, specs, _device_api.current_stream(d))
-                for d, specs in by_device.items()
+                self.stager(d).copy_into(lease.blocks[k], specs, _device_api.current_stream(d))
+                for (d, k), specs in by_target.items()
             ]
             views: dict[int, torch.Tensor] = {}
-            for i, src, local, off in layout:
-                view = self._view(region, off, local)
-                if not _device_api.is_device(local):
-                    view.copy_(src)  # host copy overlaps the device copies
+            for (i, src, local), place in zip(layout, lease.places):
+                if place is None:
+                    # Over the bound: pageable memory; a device copy into it is synchronous
+                    # (ordered on the current stream by torch).
+                    view = torch.empty(local.shape, dtype=local.dtype)
+                    view.copy_(src)
+                else:
+                    block = lease.blocks[place[0]] if place[0] >= 0 else None
+                    view = self._view(block, place[1], local)
+                    if not _device_api.is_device(local):
+                        view.copy_(src)  # host copy overlaps the device copies
                 views[i] = view
             for ev in events:
                 ev.wait()
         except BaseException:
-            self.release_regions([region.address])
+            self.release_regions([b.address for b in lease.blocks])
             raise
         out_leaves = []
         for i, (_, leaf) in enumerate(leaves_with_path):
@@ -383,7 +405,7 @@ class DeviceStaging:
     @staticmethod
     def _view(region: Any, offset: int, like: torch.Tensor) -> torch.Tensor:
         n = _nbytes(like)
-        if n == 0:
+        if n == 0 or region is None:
             return torch.empty(like.shape, dtype=like.dtype)
         flat = torch.frombuffer(region, dtype=torch.uint8, count=n, offset=offset)
         return flat.view(like.dtype).view(like.shape)

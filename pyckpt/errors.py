@@ -25,6 +25,7 @@ __all__ = [
     "ExportNameCollisionError",
     "TierBudgetError",
     "TierWarning",
+    "PinnedMemoryWarning",
 ]
 
 
@@ -204,3 +205,7 @@ class TierBudgetError(PyckptError):
 class TierWarning(UserWarning):
     """A :class:`pyckpt.CheckpointManager` restore came from the durable tier although a fast
     tier is configured (the message names the step and what the fast tier lacked)."""
+class PinnedMemoryWarning(UserWarning):
+    """A state to stage does not fit in the process's pinned staging memory: the part that does
+    not fit is copied into pageable memory and the save blocks for that copy (see
+    ``pyckpt.reserve_pinned`` and ``PYCKPT_PINNED_LIMIT``)."""

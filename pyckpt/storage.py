@@ -279,7 +279,8 @@ class Writer(StorageWriter):
     _transient = ("_encode_pool", "_encode_pool_key", "_local", "_backends")
 
     def close(self) -> None:
-        """Stops the native worker threads and frees the staging and encode buffers."""
+        """Stops the native worker threads and frees the encode buffers (pinned staging memory
+        belongs to the process: ``pyckpt.release_pinned()``)."""
         self._native.close()
         for name in self._transient:
             setattr(self, name, None)

@@ -1,74 +1,35 @@
 """GPU-to-host staging, exercised on CPU through the CUDA runtime test double.
 
-The double (``pyckpt/_testing/libpyckpt_fake_cudart.so``) is loaded through the same run-time path
-as a real runtime (``PYCKPT_CUDART``); "device memory" is host memory, streams are worker threads,
-so copies really are asynchronous and missing waits show up as wrong bytes.
+The double (``pyckpt/_testing/libpyckpt_fake_cudart.so``, see ``_fake_cudart.py``) is loaded
+through the same run-time path as a real runtime (``PYCKPT_CUDART``); "device memory" is host
+memory, streams are worker threads, so copies really are asynchronous and missing waits show up as
+wrong bytes. The process-wide pinned memory itself is tested in test_cuda_staging_pinned.py.
 """
 
 from __future__ import annotations
 
 import ctypes
-import importlib.resources
+import gc
 import os
 import threading
 import time
 
 import pytest
 import torch
+from _fake_cudart import FakeDevice, double_path, load_double
 
 import pyckpt
-from pyckpt import _C, _knobs, _staging
+from pyckpt import _C, _knobs, _pinned, _staging
 
 BLOCK = 8192
 
 
-def _double_path() -> str:
-    return str(importlib.resources.files("pyckpt") / "_testing" / "libpyckpt_fake_cudart.so")
-
-
-class FakeDevice:
-    """CPU tensors registered here play device tensors on device 0; `stream` is the caller's."""
-
-    def __init__(self) -> None:
-        self.ptrs: set[int] = set()
-        self.stream = 0
-
-    def mark(self, t: torch.Tensor) -> torch.Tensor:
-        self.ptrs.add(t.untyped_storage().data_ptr())
-        return t
-
-    def is_device(self, t: torch.Tensor) -> bool:
-        return t.untyped_storage().data_ptr() in self.ptrs
-
-    def device_index(self, t: torch.Tensor) -> int:
-        return 0
-
-    def current_stream(self, device: int) -> int:
-        return self.stream
+_double_path = double_path
 
 
 @pytest.fixture
 def fake(monkeypatch: pytest.MonkeyPatch):
-    path = _double_path()
-    assert os.path.isfile(path), "the CUDA runtime test double is part of every build"
-    lib = ctypes.CDLL(path)
-    lib.fake_cudart_counter.restype = ctypes.c_longlong
-    lib.fake_cudart_counter.argtypes = [ctypes.c_char_p]
-    lib.fake_cudart_fail_on.argtypes = [ctypes.c_char_p, ctypes.c_int, ctypes.c_int]
-    lib.fake_cudart_set_copy_delay_us.argtypes = [ctypes.c_long]
-    lib.fake_cudart_enqueue_fill.argtypes = [
-        ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t, ctypes.c_long
-    ]
-    lib.cudaStreamCreateWithFlags.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_uint]
-    lib.cudaStreamDestroy.argtypes = [ctypes.c_void_p]
-    lib.fake_cudart_reset()
-    lib.counter = lambda name: lib.fake_cudart_counter(name.encode())
-    dev = FakeDevice()
-    lib.dev = dev
-    monkeypatch.setattr(_staging, "_device_api", dev)
-    with _knobs.override(cudart_path=path, cuda_mode="auto"):
-        yield lib
-    lib.fake_cudart_reset()
+    yield from load_double(monkeypatch)
 
 
 def _staging_obj(blocks: int = 4) -> _staging.DeviceStaging:
@@ -189,13 +150,22 @@ def test_pool_is_bounded_pinned_and_reused(fake) -> None:
     assert fake.counter("stream_syncs") == 0  # never a (device- or stream-) wide sync
 
 
-def test_blocks_are_freed_and_unregistered_with_the_pool(fake) -> None:
+def test_owners_share_the_process_pool_and_only_release_pinned_frees_it(fake) -> None:
     before = fake.counter("registered_bytes")
     st = _staging_obj(blocks=2)
     _collect(st, [("a", fake.dev.mark(_rand(3 * BLOCK, 1)))])
     assert fake.counter("registered_bytes") == before + 2 * BLOCK
     st.close()
     del st
+    gc.collect()
+    assert fake.counter("unregister_calls") == 0  # closing or dropping an owner frees nothing
+    st2 = _staging_obj(blocks=2)  # a new owner, same configuration: the same blocks and stream
+    _collect(st2, [("b", fake.dev.mark(_rand(3 * BLOCK, 2)))])
+    assert fake.counter("register_calls") == 2 and fake.counter("streams_created") == 1
+    st2.close()
+    assert pyckpt.release_pinned() == 2 * BLOCK
+    del st2
+    gc.collect()
     assert fake.counter("registered_bytes") == before
     assert fake.counter("unregister_calls") == 2
 
@@ -336,29 +306,24 @@ def test_stage_state_dict_copies_into_one_region(fake) -> None:
     assert torch.equal(staged["cpu"], torch.arange(10))
 
 
-def test_regions_are_reused_and_double_buffered(fake) -> None:
+def test_extents_are_reused_and_a_second_save_in_flight_gets_its_own(fake) -> None:
     sd = _state_dict(fake.dev)
     st = _staging_obj()
     a = st.stage_state_dict(sd)
-    b = st.stage_state_dict(sd)
+    b = st.stage_state_dict(sd)  # `a` is still being written: `b` needs other memory
     addr_a, addr_b = a["cpu"].data_ptr(), b["cpu"].data_ptr()
     assert addr_a != addr_b
-    third: list = []
-    th = threading.Thread(target=lambda: third.append(st.stage_state_dict(sd)))
-    th.start()
-    th.join(0.2)
-    assert th.is_alive()  # both regions still being "written": stage() waits
+    assert _pinned.pinned_stats()["extents"] == 2 and fake.counter("register_calls") == 2
     assert st.release_regions([addr_a]) == 1
-    th.join(5)
-    assert not th.is_alive()
-    assert third[0]["cpu"].data_ptr() == addr_a  # the released region, not a new one
-    assert st.stats()["region_pool"]["allocated"] == 2
-    del a, b
-    third.clear()
+    c = st.stage_state_dict(sd)
+    assert c["cpu"].data_ptr() == addr_a  # the released extent, not a new one
+    assert torch.equal(c["model"]["w"], sd["model"]["w"])
+    del a, b, c
     for _ in range(20):
         s = st.stage_state_dict(sd)
         st.release_regions([s["cpu"].data_ptr()])
-    assert st.stats()["region_pool"]["allocated"] == 2
+    assert _pinned.pinned_stats()["extents"] == 2
+    assert fake.counter("register_calls") == 2 and fake.counter("unregister_calls") == 0
 
 
 def test_stage_failure_releases_the_region(fake) -> None:
@@ -367,7 +332,7 @@ def test_stage_failure_releases_the_region(fake) -> None:
     fake.fake_cudart_fail_on(b"cudaMemcpyAsync", 1, 700)
     with pytest.raises(pyckpt.CudaError, match=r"\['model'\]\['bf16'\]"):
         st.stage_state_dict(sd)
-    assert st.stats()["region_pool"]["in_use"] == 0
+    assert st.stats()["region_pool"]["extents_in_use"] == 0
 
 
 # -- loads: host -> device -------------------------------------------------------------------
@@ -545,7 +510,7 @@ def test_pyckpt_writer_async_save_20_times_reuses_pinned_memory(fake, tmp_path) 
             assert fake.counter("registered_bytes") == registered, step
             expected = sd["w"].clone()  # what this save holds (before training changes it)
             sd["w"].add_(1)
-        assert w._staging().stats()["region_pool"]["allocated"] <= 2
+        assert w._staging().stats()["region_pool"]["extents"] == 1
     finally:
         w.close()
     out = {k: torch.zeros_like(v) for k, v in sd.items()}

@@ -1,6 +1,9 @@
 """Staging on a real GPU (``@pytest.mark.gpu``; skipped without CUDA by conftest.py).
 
-Run on an NVIDIA H100 (torch 2.11+cu130): all pass; see BENCHMARKS.md "GPU staging".
+Run on an NVIDIA H100 (torch 2.11+cu130): all pass; see BENCHMARKS.md "GPU staging". The tests of
+the process-wide pinned memory at the end (a new Writer per save, reserve_pinned, the bound) were
+written on a host without a GPU and are checked on CPU by test_cuda_staging_pinned.py through the
+runtime double; they have not run on a device yet.
 """
 
 from __future__ import annotations
@@ -126,7 +129,7 @@ def test_writer_sync_and_async_save_then_load(tmp_path) -> None:
             assert torch.equal(out[k], v), (d, k)
 
 
-def test_twenty_async_saves_do_not_grow_rss_or_pinned_memory(tmp_path) -> None:
+def test_twenty_async_saves_do_not_grow_rss_or_pinned_memory(fresh_pinned, tmp_path) -> None:
     import psutil
     import torch.distributed.checkpoint as dcp
 
@@ -142,7 +145,7 @@ def test_twenty_async_saves_do_not_grow_rss_or_pinned_memory(tmp_path) -> None:
             gc.collect()
             rss.append(proc.memory_info().rss)
         stats = w._staging().stats()
-        assert stats["region_pool"]["allocated"] <= 2
+        assert stats["region_pool"]["extents"] <= 2
         assert stats["regions_outstanding"] == 0
         # After warm-up (two regions), RSS stays flat: 17 more saves of 64 MiB grow it by less
         # than 4 saves' worth (allocator arenas move it by tens of MiB; a leak of the staged
@@ -150,3 +153,109 @@ def test_twenty_async_saves_do_not_grow_rss_or_pinned_memory(tmp_path) -> None:
         assert max(rss[3:]) - rss[2] < 256 << 20, rss
     finally:
         w.close()
+
+
+# -- the process-wide pinned memory (pyckpt/_pinned.py) ------------------------------------------
+
+
+@pytest.fixture
+def fresh_pinned():
+    from pyckpt import _pinned
+
+    _pinned._forget_for_tests()
+    gc.collect()
+    yield _pinned
+    _pinned._forget_for_tests()
+    _pinned.pinned_memory().set_limit(None)
+
+
+def _nested_state(layers: int = 4, width: int = 1024) -> dict:
+    """``{"model": ..., "optim": ...}`` of bf16 Linear layers trained one SGD step (momentum)."""
+    model = torch.nn.Sequential(
+        *[torch.nn.Linear(width, width, bias=False) for _ in range(layers)]
+    ).to(device="cuda", dtype=torch.bfloat16)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
+    model(torch.randn(8, width, device="cuda", dtype=torch.bfloat16)).sum().backward()
+    opt.step()
+    return {"model": model.state_dict(), "optim": opt.state_dict()}
+
+
+def _load_and_compare(path, sd: dict) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    from pyckpt.storage import Reader
+
+    out = {"model": {k: torch.zeros_like(v) for k, v in sd["model"].items()}}
+    with Reader(path) as r:
+        dcp.load(out, storage_reader=r, no_dist=True)
+    for k, v in sd["model"].items():
+        assert torch.equal(out["model"][k], v), k
+
+
+def test_new_writer_per_async_save_page_locks_once(fresh_pinned, tmp_path) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    import pyckpt
+
+    sd = _nested_state()
+    for step in range(5):
+        expect = {"model": {k: v.clone() for k, v in sd["model"].items()}}
+        fut = dcp.async_save(sd, storage_writer=pyckpt.Writer(tmp_path / f"s{step}"),
+                             no_dist=True)
+        for v in sd["model"].values():
+            v.add_(1)  # training goes on
+        fut.result()
+        gc.collect()  # the Writer is gone: nothing may be unregistered
+        stats = pyckpt.pinned_stats()
+        assert stats["allocations"] == 1 and stats["frees"] == 0, (step, stats)
+        assert stats["pinned_extent_bytes"] > 0
+        _load_and_compare(tmp_path / f"s{step}", expect)
+
+
+def test_reserve_pinned_then_first_save_allocates_nothing(fresh_pinned, tmp_path) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    import pyckpt
+
+    sd = _nested_state()
+    assert pyckpt.reserve_pinned(sd) > 0
+    before = pyckpt.pinned_stats()["allocations"]
+    dcp.async_save(sd, storage_writer=pyckpt.Writer(tmp_path / "c"), no_dist=True).result()
+    assert pyckpt.pinned_stats()["allocations"] == before
+    _load_and_compare(tmp_path / "c", sd)
+
+
+def test_state_over_the_bound_warns_and_saves_exactly(fresh_pinned, tmp_path) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    import pyckpt
+    from pyckpt.errors import PinnedMemoryWarning
+
+    sd = {"model": {f"w{i}": torch.randn(1 << 19, device="cuda") for i in range(3)}}  # 3 x 2 MiB
+    pyckpt.set_pinned_limit(4 << 20)
+    with pytest.warns(PinnedMemoryWarning, match="2.0 MiB of it is copied"):
+        fut = dcp.async_save(sd, storage_writer=pyckpt.Writer(tmp_path / "c"), no_dist=True)
+    expect = {"model": {k: v.clone() for k, v in sd["model"].items()}}
+    fut.result()
+    assert pyckpt.pinned_stats()["allocated_bytes"] <= 4 << 20
+    _load_and_compare(tmp_path / "c", expect)
+
+
+def test_twenty_saves_with_new_writers_keep_host_memory_flat(fresh_pinned, tmp_path) -> None:
+    import psutil
+    import torch.distributed.checkpoint as dcp
+
+    import pyckpt
+
+    sd = {f"layer{i}": torch.randn(1 << 20, device="cuda") for i in range(16)}  # 64 MiB
+    proc = psutil.Process()
+    rss, pinned = [], []
+    for step in range(20):
+        dcp.async_save(sd, storage_writer=pyckpt.Writer(tmp_path / f"s{step % 2}"),
+                       no_dist=True).result()
+        gc.collect()
+        rss.append(proc.memory_info().rss)
+        pinned.append(pyckpt.pinned_stats()["allocated_bytes"])
+    assert len(set(pinned)) == 1
+    assert pyckpt.pinned_stats()["frees"] == 0
+    assert max(rss[3:]) - rss[2] < 256 << 20, rss

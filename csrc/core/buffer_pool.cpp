@@ -1,18 +1,39 @@
 #include "core/buffer_pool.hpp"
 
+#include <sys/mman.h>
+
 #include <cstdlib>
 #include <new>
 #include <stdexcept>
 
 namespace pyckpt {
 
-void* AlignedHostAllocator::allocate(std::size_t bytes) {
+void* allocate_host(std::size_t bytes) {
+  if (bytes >= kMapThreshold) {
+    // Page-aligned (kBlockAlign divides the page size); munmap in free_host gives it back.
+    void* p = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (p == MAP_FAILED) throw std::bad_alloc();
+    return p;
+  }
   void* p = nullptr;
   if (posix_memalign(&p, kBlockAlign, bytes) != 0 || p == nullptr) throw std::bad_alloc();
   return p;
 }
 
-void AlignedHostAllocator::deallocate(void* ptr, std::size_t) noexcept { std::free(ptr); }
+void free_host(void* ptr, std::size_t bytes) noexcept {
+  if (ptr == nullptr) return;
+  if (bytes >= kMapThreshold) {
+    ::munmap(ptr, bytes);
+  } else {
+    std::free(ptr);
+  }
+}
+
+void* AlignedHostAllocator::allocate(std::size_t bytes) { return allocate_host(bytes); }
+
+void AlignedHostAllocator::deallocate(void* ptr, std::size_t bytes) noexcept {
+  free_host(ptr, bytes);
+}
 
 Lease::Lease(Lease&& other) noexcept
     : _pool(std::move(other._pool)), _data(other._data), _size(other._size) {

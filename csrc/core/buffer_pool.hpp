@@ -28,6 +28,23 @@ constexpr std::size_t align_up(std::size_t n, std::size_t align) noexcept {
   return (n + align - 1) & ~(align - 1);
 }
 
+/** @brief Blocks at least this large are mapped with mmap and unmapped when freed. */
+constexpr std::size_t kMapThreshold = std::size_t{1} << 20;
+
+/**
+ * @brief Allocates `bytes` of host memory aligned to kBlockAlign.
+ * @note Blocks of kMapThreshold bytes or more are anonymous mappings, so freeing one always
+ *       returns it to the system. Through malloc, a freed multi-MiB block may stay in the heap
+ *       of whichever thread arena it came from: a process that creates a writer (and so new
+ *       worker threads) per checkpoint then grew by a block per arena until every arena held
+ *       one.
+ * @throws std::bad_alloc.
+ */
+void* allocate_host(std::size_t bytes);
+
+/** @brief Frees memory from allocate_host(ptr's size must be passed again); never throws. */
+void free_host(void* ptr, std::size_t bytes) noexcept;
+
 /** @brief Allocation policy for pool blocks. */
 class HostAllocator {
  public:
@@ -43,7 +60,7 @@ class HostAllocator {
   virtual bool pinned() const noexcept { return false; }
 };
 
-/** @brief Plain 4 KiB-aligned host memory (posix_memalign). */
+/** @brief Plain 4 KiB-aligned host memory (allocate_host / free_host). */
 class AlignedHostAllocator final : public HostAllocator {
  public:
   void* allocate(std::size_t bytes) override;

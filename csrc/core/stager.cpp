@@ -43,25 +43,24 @@ PinnedHostAllocator::PinnedHostAllocator(std::shared_ptr<const CudaRuntime> runt
 }
 
 void* PinnedHostAllocator::allocate(std::size_t bytes) {
-  void* p = nullptr;
-  if (posix_memalign(&p, kBlockAlign, bytes) != 0 || p == nullptr) throw std::bad_alloc();
+  void* p = allocate_host(bytes);
   try {
     // Portable: the block is page-locked for every context, whichever device stages into it.
     _rt->host_register(p, bytes, cuda::kHostRegisterPortable);
   } catch (...) {
-    std::free(p);
+    free_host(p, bytes);
     throw;
   }
   return p;
 }
 
-void PinnedHostAllocator::deallocate(void* ptr, std::size_t) noexcept {
+void PinnedHostAllocator::deallocate(void* ptr, std::size_t bytes) noexcept {
   // Unregister before free: the driver must forget the range before the allocator reuses it.
   try {
     _rt->host_unregister(ptr);
   } catch (...) {  // NOLINT: nothing sensible to do in a noexcept release path
   }
-  std::free(ptr);
+  free_host(ptr, bytes);
 }
 
 // --- StagerEvent ---

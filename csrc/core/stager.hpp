@@ -37,7 +37,7 @@
 namespace pyckpt {
 
 /**
- * @brief Page-locked 4 KiB-aligned host memory: posix_memalign + cudaHostRegister.
+ * @brief Page-locked 4 KiB-aligned host memory: allocate_host + cudaHostRegister.
  * @note Blocks are unregistered before they are freed; the runtime is kept alive by a shared_ptr.
  */
 class PinnedHostAllocator final : public HostAllocator {
