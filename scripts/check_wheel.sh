@@ -3,13 +3,15 @@
 # extension needs no libzstd shared library, so `pip install pyckpt-*.whl` works on a machine
 # without zstd. Usage: scripts/check_wheel.sh [python] [outdir]   (default .venv/bin/python, dist)
 # The build directory is kept (build/wheel-static): a rerun only recompiles what changed.
+# pip builds in an isolated environment (scikit-build-core and pybind11 from the index), as
+# scripts/setup.sh does.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${1:-.venv/bin/python}
 OUT=${2:-dist}
 mkdir -p "$OUT"
 rm -f "$OUT"/pyckpt-*.whl
-PATH="$(dirname "$PY"):$PATH" "$PY" -m pip wheel . --no-deps --no-build-isolation -q -w "$OUT" \
+PATH="$(dirname "$PY"):$PATH" "$PY" -m pip wheel . --no-deps -q -w "$OUT" \
   -Cbuild-dir=build/wheel-static -Ccmake.define.PYCKPT_ZSTD_STATIC=ON
 WHEEL=$(ls "$OUT"/pyckpt-*.whl)
 TMP=$(mktemp -d)
