@@ -230,7 +230,7 @@ def _cmd_verify(args: argparse.Namespace) -> int:
     from pyckpt import tools
 
     start = time.perf_counter()
-    report = tools.verify(args.path, threads=args.threads)
+    report = tools.verify(args.path, threads=args.threads, progress=True)  # on stderr
     secs = time.perf_counter() - start
     for name, err in sorted(report.errors.items()):
         print(f"CORRUPT {name}: {err}")

@@ -131,3 +131,17 @@ def test_cli_consolidate_workers_shows_one_line_based_view_ending_at_100(tmp_pat
     rest = err.splitlines()[err.splitlines().index(lines[-1]) + 1:]
     assert rest and rest[-1].startswith("wrote ") and not any(_LINE.match(ln) for ln in rest)
     assert (dst / "model.safetensors.index.json").is_file()
+
+
+def test_verify_reports_every_raw_byte(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from pyckpt import tools
+
+    sd = {"a": torch.randn(200, 1000), "b": torch.randn(7, 3)}
+    pyckpt.save(sd, tmp_path / "c", compression="zstd", chunk_bytes=64 << 10)
+    seen: list[tuple[int, int]] = []
+    report = tools.verify(tmp_path / "c", progress=lambda d, t: seen.append((d, t)))
+    assert report.ok
+    assert seen[-1] == (200 * 1000 * 4 + 7 * 3 * 4,) * 2
+    tools.verify(tmp_path / "c", progress=True)
+    lines = capsys.readouterr().err.splitlines()
+    assert [_percent(ln) for ln in lines if ln.startswith("verify:")] == [100]
