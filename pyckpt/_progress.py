@@ -202,7 +202,9 @@ def resolve(progress: ProgressArg | Progress, desc: str, process_group: Any = No
     if progress is None or progress is False:
         return None, None
     if progress is True:
-        view = Progress(desc, enabled=is_rank0(process_group))
+        if not is_rank0(process_group):  # one view per job: the other ranks count nothing
+            return None, None
+        view = Progress(desc)
         return view.update, view
     if isinstance(progress, Progress):
         return progress.update, None

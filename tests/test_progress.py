@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from dist_utils import run_distributed
 
 import pyckpt
 from pyckpt import _progress
@@ -145,3 +146,25 @@ def test_verify_reports_every_raw_byte(tmp_path: Path, capsys: pytest.CaptureFix
     tools.verify(tmp_path / "c", progress=True)
     lines = capsys.readouterr().err.splitlines()
     assert [_percent(ln) for ln in lines if ln.startswith("verify:")] == [100]
+
+
+def _two_rank_worker(rank: int, world: int, tmp: str) -> str:
+    import contextlib
+
+    torch.manual_seed(0)
+    sd = {f"w{i}": torch.randn(128, 256) for i in range(4)}  # replicated on both ranks
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        pyckpt.save(sd, os.path.join(tmp, "c"), progress=True)
+        pyckpt.consolidate(os.path.join(tmp, "c"), os.path.join(tmp, "out"), fsync=False,
+                           progress=True)
+    return err.getvalue()
+
+
+@pytest.mark.distributed
+def test_progress_true_is_one_view_per_job_drawn_by_rank_0(tmp_path: Path) -> None:
+    outs = run_distributed(_two_rank_worker, 2, str(tmp_path))
+    assert outs[1] == ""  # the other rank draws nothing
+    lines = [ln for ln in outs[0].splitlines() if _LINE.match(ln)]
+    assert [(_LINE.match(ln).group(1), _percent(ln)) for ln in lines] == [
+        ("save", 100), ("export", 100)], outs[0]
