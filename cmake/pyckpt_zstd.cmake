@@ -31,6 +31,27 @@ if(NOT _pyckpt_zstd_target)
   endif()
 endif()
 
+# A static link was asked for (distribution wheels): pkg-config's flags (-lzstd) would pick the
+# shared library when both are installed, so use the archive itself, or fail rather than ship a
+# wheel that needs libzstd.so on the user's machine.
+if(PYCKPT_ZSTD_STATIC AND NOT _pyckpt_zstd_target STREQUAL "zstd::libzstd_static")
+  find_library(PYCKPT_ZSTD_ARCHIVE NAMES libzstd.a
+    HINTS ${PYCKPT_PC_ZSTD_STATIC_LIBRARY_DIRS} ${PYCKPT_PC_ZSTD_LIBRARY_DIRS})
+  find_path(PYCKPT_ZSTD_INCLUDE NAMES zstd.h
+    HINTS ${PYCKPT_PC_ZSTD_STATIC_INCLUDE_DIRS} ${PYCKPT_PC_ZSTD_INCLUDE_DIRS})
+  if(NOT PYCKPT_ZSTD_ARCHIVE OR NOT PYCKPT_ZSTD_INCLUDE)
+    message(FATAL_ERROR
+      "PYCKPT_ZSTD_STATIC=ON needs the static zstd library (libzstd.a, built with -fPIC) and "
+      "zstd.h; none was found. Install libzstd-dev (Debian/Ubuntu ship libzstd.a in it) or "
+      "point CMake at a prefix that has it: -Ccmake.define.zstd_ROOT=<prefix>")
+  endif()
+  add_library(pyckpt_zstd_archive STATIC IMPORTED)
+  set_target_properties(pyckpt_zstd_archive PROPERTIES
+    IMPORTED_LOCATION "${PYCKPT_ZSTD_ARCHIVE}"
+    INTERFACE_INCLUDE_DIRECTORIES "${PYCKPT_ZSTD_INCLUDE}")
+  set(_pyckpt_zstd_target pyckpt_zstd_archive)
+endif()
+
 if(NOT _pyckpt_zstd_target)
   message(FATAL_ERROR
     "pyckpt needs the zstd library and headers (>= ${PYCKPT_ZSTD_MIN_VERSION}), and none was found.\n"

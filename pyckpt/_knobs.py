@@ -26,6 +26,7 @@ __all__ = [
     "cudart_path",
     "pinned_pool_bytes",
     "consolidate_input",
+    "progress_interval",
     "override",
 ]
 
@@ -140,6 +141,21 @@ def pinned_pool_bytes() -> int:
 def consolidate_input() -> str:
     """``PYCKPT_CONSOLIDATE_INPUT``: how consolidation reads shards, ``pread`` (default) or ``mmap``."""
     return _choice("consolidate_input", "PYCKPT_CONSOLIDATE_INPUT", "pread", ("pread", "mmap"))
+
+
+def progress_interval() -> float:
+    """``PYCKPT_PROGRESS_INTERVAL``: seconds between progress lines when stderr is not a
+    terminal (default 5; 0 writes a line at every update)."""
+    raw = _get("progress_interval", "PYCKPT_PROGRESS_INTERVAL")
+    if raw is None or raw == "":
+        return 5.0
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ValueError(f"PYCKPT_PROGRESS_INTERVAL={raw!r} is not a number") from None
+    if not value >= 0:
+        raise ValueError(f"PYCKPT_PROGRESS_INTERVAL={raw!r} must be >= 0")
+    return value
 
 
 @contextlib.contextmanager

@@ -95,3 +95,48 @@ def test_latest_complete_skips_uncommitted_checkpoints(tmp_path: Path) -> None:
     assert demo.latest_complete(tmp_path) == (20, ["step-000040", "step-000030"])
     (tmp_path / demo.step_name(40) / "pyckpt.json").write_text("{}")
     assert demo.latest_complete(tmp_path) == (40, [])
+
+
+def _summary() -> dict:
+    losses = {s: float(2.0 - s / 20).hex() for s in range(1, 13)}
+    return {
+        "params": 1.5e6, "ckpt_every": 4, "crash_at": 8, "resumed_from": 4,
+        "stall_steps": [4, 8, 12], "stall_pyckpt_s": [0.010, 0.012, 0.011],
+        "stall_dcp_s": [0.050, 0.040, 0.060], "bytes_step": 12, "bytes_pyckpt": 12 << 20,
+        "bytes_dcp": 18 << 20, "bytes_raw": 18 << 20, "load_pyckpt_s": 0.8, "load_dcp_s": 1.6,
+        "export_pyckpt_s": 0.02, "export_torch_s": 0.03, "export_bytes": 6 << 20,
+        "losses": {"reference": losses, "crash": {s: losses[s] for s in range(1, 8)},
+                   "resume": {s: losses[s] for s in range(5, 13)}},
+    }
+
+
+def test_demo_plot_marks_kill_and_resume_labels_stalls_and_separates_export(
+        tmp_path: Path) -> None:
+    import matplotlib.pyplot as plt
+
+    demo = _demo_module()
+    fig = demo._figure(_summary())
+    try:
+        by_title = {ax.get_title().split(" (")[0].split("\n")[0]: ax for ax in fig.axes}
+        loss = by_title["training loss"]
+        legend = [t.get_text() for t in loss.get_legend().get_texts()]
+        assert "SIGKILL while saving step 8" in legend
+        assert "resumed from step 4 (last complete checkpoint)" in legend
+        stall = by_title["training stall per async_save"]
+        assert "3 saves, 1 run each" in stall.get_title()
+        texts = [t.get_text() for t in stall.texts if t.get_text().startswith("DCP")]
+        assert texts == ["DCP / pyckpt 5.00x", "DCP / pyckpt 3.33x", "DCP / pyckpt 5.45x"]
+        labels = {t.get_text() for t in stall.texts}  # bar_label adds Annotations to texts
+        assert {"10.0", "50.0", "60.0"} <= labels  # every bar carries its value
+        # Export on an axis of its own, apart from the resume times (20 ms vs 800 ms).
+        export = next(ax for ax in fig.axes if ax.get_title().startswith("export"))
+        resume = next(ax for ax in fig.axes if ax.get_title().startswith("resume"))
+        assert export is not resume
+        assert export.get_ylim()[1] < 0.1 < resume.get_ylim()[1]
+        assert "torch / pyckpt 1.50x (1 run)" in export.get_title()
+        png = tmp_path / "demo.png"
+        fig.savefig(png, dpi=50)
+        width, height = png_size(png)
+        assert width >= 600 and height >= 400
+    finally:
+        plt.close(fig)
