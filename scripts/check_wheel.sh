@@ -11,8 +11,23 @@ PY=${1:-.venv/bin/python}
 OUT=${2:-dist}
 mkdir -p "$OUT"
 rm -f "$OUT"/pyckpt-*.whl
+# zstd is compiled into the extension from source: distributions' libzstd.a is often built
+# without -fPIC (Debian's is) and cannot be linked into a shared extension. The sources are
+# PYCKPT_ZSTD_SOURCE (a zstd release tree, or a directory with the single-file zstd.c), else the
+# single-file zstd that python-zstandard's source distribution carries, fetched with pip.
+SRC=${PYCKPT_ZSTD_SOURCE:-}
+if [ -z "$SRC" ]; then
+  SRC=build/zstd-source
+  if [ ! -f "$SRC/zstd.c" ]; then
+    rm -rf "$SRC.tmp" && mkdir -p "$SRC.tmp"
+    "$PY" -m pip download -q --no-deps --no-binary :all: "zstandard==0.25.0" -d "$SRC.tmp"
+    tar -xzf "$SRC.tmp"/zstandard-0.25.0.tar.gz -C "$SRC.tmp"
+    rm -rf "$SRC" && mv "$SRC.tmp/zstandard-0.25.0/zstd" "$SRC" && rm -rf "$SRC.tmp"
+  fi
+fi
 PATH="$(dirname "$PY"):$PATH" "$PY" -m pip wheel . --no-deps -q -w "$OUT" \
-  -Cbuild-dir=build/wheel-static -Ccmake.define.PYCKPT_ZSTD_STATIC=ON
+  -Cbuild-dir=build/wheel-static -Ccmake.define.PYCKPT_ZSTD_STATIC=ON \
+  -Ccmake.define.PYCKPT_ZSTD_SOURCE="$(cd "$SRC" && pwd)"
 WHEEL=$(ls "$OUT"/pyckpt-*.whl)
 TMP=$(mktemp -d)
 trap 'rm -rf "$TMP"' EXIT
