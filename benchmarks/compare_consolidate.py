@@ -2,6 +2,12 @@
 
 Usage:
     PYCKPT_BENCH_SCALE=1 python benchmarks/compare_consolidate.py [--repeats 3] [--dir DIR]
+    python benchmarks/compare_consolidate.py --export-sizes 1,16,256 [--repeats 5]
+
+``--export-sizes`` (MiB) measures the fixed cost instead: at each size, one process exports the
+same 2-shard DCP-HF input (dim 0, bf16 and fp32 tensors) with torch's consolidator, with
+pyckpt.consolidate, and copies the input files with shutil.copyfile (the floor: the bytes
+moved once), alternating, medians with [min-max].
 
 Same tensors, same run, alternating, warm page cache, no fsync on either side (torch's
 consolidator never fsyncs). Before each timed run, untimed: sync(), a read of its inputs, then
@@ -107,15 +113,91 @@ def multi_rank(src: str, work: str, world: int, mfb) -> list[dict]:
     return res
 
 
+def _sized_state_dict(target_bytes: int) -> dict[str, torch.Tensor]:
+    """Eight 2-D tensors (bf16, with two fp32 ones) of 1024 columns, about target_bytes."""
+    g = torch.Generator().manual_seed(0)
+    sd = {}
+    for i in range(8):
+        dtype = torch.float32 if i % 4 == 3 else torch.bfloat16
+        rows = max(2, target_bytes // 8 // (1024 * (4 if dtype == torch.float32 else 2)))
+        sd[f"model.layers.{i}.weight"] = torch.randn(rows, 1024, generator=g).to(dtype)
+    return sd
+
+
+def run_copy(src: str, dst: str) -> float:
+    """The floor: every input file copied once into dst (what any export must at least move)."""
+    os.makedirs(dst)
+    t = time.perf_counter()
+    for name in sorted(os.listdir(src)):
+        shutil.copyfile(os.path.join(src, name), os.path.join(dst, name))
+    return time.perf_counter() - t
+
+
+def export_sizes(sizes_mib: list[float], repeats: int, threads: int, work: str) -> None:
+    """The export at small and medium sizes against torch's consolidator and a plain copy."""
+    from safetensors.torch import load_file
+
+    load = os.getloadavg()
+    print(f"# export fixed cost: 2 shards (dim 0), bf16 + fp32; {os.cpu_count()} CPUs; load "
+          f"average {load[0]:.1f}/{load[1]:.1f}/{load[2]:.1f}; repeats={repeats}; warm cache, "
+          f"no fsync; pyckpt.consolidate: 1 process, {threads} threads")
+    print("\n| size MiB | copy of the inputs | torch consolidator | pyckpt.consolidate | "
+          "torch / pyckpt | pyckpt / copy |")
+    print("|---|---|---|---|---|---|")
+
+    def spread(ts: list[float]) -> str:
+        return f"{statistics.median(ts) * 1e3:.1f} [{min(ts) * 1e3:.1f}-{max(ts) * 1e3:.1f}] ms"
+
+    for mib in sizes_mib:
+        sd = _sized_state_dict(int(mib * (1 << 20)))
+        size = nbytes(sd)
+        src = os.path.join(work, f"export-src-{mib:g}")
+        write_shards(src, sd, 2, 0)
+        names = list(sd)
+        runners = {
+            "copy": run_copy,
+            "torch": lambda s, d, names=names: run_torch(s, d, names),
+            "pyckpt": lambda s, d: run_pyckpt(s, d, threads),
+        }
+        times: dict[str, list[float]] = {k: [] for k in runners}
+        for rep in range(repeats + 1):  # the first round warms caches and imports, unrecorded
+            for who, fn in runners.items():
+                dst = os.path.join(work, f"export-dst-{who}")
+                os.sync()
+                warm(src)
+                shutil.rmtree(dst, ignore_errors=True)
+                secs = fn(src, dst)
+                if rep:
+                    times[who].append(secs)
+        for who in ("torch", "pyckpt"):
+            out = load_file(os.path.join(work, f"export-dst-{who}",
+                                         "model-00001-of-00001.safetensors"))
+            assert sorted(out) == sorted(sd) and all(torch.equal(out[k], sd[k]) for k in sd), who
+        for who in runners:
+            shutil.rmtree(os.path.join(work, f"export-dst-{who}"))
+        shutil.rmtree(src)
+        med = {k: statistics.median(v) for k, v in times.items()}
+        print(f"| {size / 2**20:.1f} | {spread(times['copy'])} | {spread(times['torch'])} | "
+              f"{spread(times['pyckpt'])} | {med['torch'] / med['pyckpt']:.2f}x | "
+              f"{med['pyckpt'] / med['copy']:.2f}x |")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--dir", default=None, help="work directory (default: a temp dir)")
     ap.add_argument("--threads", type=int, default=2, help="pyckpt threads (1 process)")
     ap.add_argument("--no-multi-rank", action="store_true", help="skip the multi-rank table")
+    ap.add_argument("--export-sizes", default=None, metavar="MIB,MIB,...",
+                    help="measure the export's fixed cost at these sizes (MiB) against torch's "
+                         "consolidator and a plain copy of the inputs, instead of the tables")
     args = ap.parse_args()
     work = tempfile.mkdtemp(prefix="pyckpt-bench-", dir=args.dir)
     try:
+        if args.export_sizes:
+            sizes = [float(v) for v in args.export_sizes.split(",") if v.strip()]
+            export_sizes(sizes, args.repeats, args.threads, work)
+            return
         target = int(scale() * (1 << 30))
         sd = state_dict(target)
         size = nbytes(sd)

@@ -1,37 +1,45 @@
-"""pyckpt end-to-end demo: train, checkpoint, crash mid-save, resume bit-identically, export.
+"""pyckpt end-to-end demo: train, checkpoint with CheckpointManager, lose a node, resume
+bit-identically from the peers' replicas, export.
 
 Two local processes (gloo on 127.0.0.1) train a small Llama-style causal LM (``transformers``
 ``LlamaForCausalLM``, random init, no downloads) with FSDP2 ``fully_shard`` and AdamW on seeded
-synthetic tokens, and save the model + optimizer with ``dcp.async_save`` into
-``pyckpt.Writer(..., compression="zstd")`` every ``--ckpt-every`` steps. The driver (this script
-without ``--worker``) runs three phases, each a fresh pair of worker processes:
+synthetic tokens. Each process is one "node" (torchrun's ``GROUP_RANK`` 0 and 1, one rank per
+node) and checkpoints model + optimizer with ``pyckpt.CheckpointManager``: every ``--save-every``
+steps into the fast tier (each node's own directory, ``fast/node-{node}``, with a replica of its
+files on the other node), every ``--persist-every`` steps also into the durable tier
+(``durable/``) in the background. The driver (this script without ``--worker``) runs three
+phases, each a fresh pair of worker processes:
 
-1. reference: an uninterrupted run. At every checkpoint step it saves once with pyckpt and once
-   with DCP's own ``FileSystemWriter`` (one after the other, the order alternating) and records
-   the training stall of each: the time ``dcp.async_save`` takes to return, i.e. until training
-   can continue.
-2. crash: a new run from scratch with pyckpt checkpoints only. At ``--crash-at`` rank 1's
-   background write signals once its data file is on disk, before the checkpoint is committed
-   (``pyckpt.json`` is written last); the driver then SIGKILLs rank 1 and, as torchrun's agent
-   would, stops rank 0.
-3. resume: both workers restart, pick the latest COMPLETE checkpoint (a directory holding
-   ``pyckpt.json``; the killed save has none), load it (timed; DCP's reference checkpoint of
-   the same step is loaded into a second copy of the model for comparison and must restore the
-   identical state), train to the end, then export the model: a model-only pyckpt checkpoint
-   consolidated by ``pyckpt.consolidate`` over both ranks into Hugging Face safetensors, timed
-   against torch's ``consolidate_safetensors_files`` on a DCP ``HuggingFaceStorageWriter`` save
-   of the same model. Rank 0 writes config.json, loads the export with
-   ``LlamaForCausalLM.from_pretrained`` and compares its logits with the trained model's.
+1. reference: an uninterrupted run. At every save step it saves three ways, one after the other
+   (the order rotating), and records the training stall of each: the time until training can
+   continue (``CheckpointManager.save``; ``dcp.async_save`` into ``pyckpt.Writer(compression=
+   "zstd")``; ``dcp.async_save`` into DCP's own ``FileSystemWriter``).
+2. node loss: a new run from scratch with the manager only. After step ``--kill-at`` (its
+   checkpoint work finished, so what each tier holds is deterministic) the driver SIGKILLs node
+   1's process and deletes node 1's fast-tier directory, then, as torchrun's agent would, stops
+   node 0.
+3. resume: both nodes restart (node 1 with an empty fast tier) and ``CheckpointManager.restore``
+   loads the newest step complete in any tier: the newest fast-tier step, newer than the newest
+   durable one, node 1's pieces coming from node 0's replicas over the process group. Each rank
+   reports where its restored bytes came from (local / peer / durable); the durable bytes must be
+   0. The restore is timed against DCP loading its reference checkpoint of the same step into a
+   second copy of the model (which must hold the identical state). The run then trains to the end
+   and exports the model: a model-only pyckpt checkpoint consolidated by ``pyckpt.consolidate``
+   over both ranks into Hugging Face safetensors, timed against torch's
+   ``consolidate_safetensors_files`` on a DCP ``HuggingFaceStorageWriter`` save of the same
+   model. Rank 0 writes config.json, loads the export with ``LlamaForCausalLM.from_pretrained``
+   and compares its logits with the trained model's.
 
 Training is deterministic (``torch.use_deterministic_algorithms``, fixed seeds, one thread per
 process, each batch a function of the step index, no dropout), so every loss logged after the
 resume must equal the reference run's bit for bit (compared as float hex). The driver prints a
 table, writes a PNG plot and ``summary.json`` into the work directory, and ends with
 ``resumed bit-identical: yes|no`` and ``export loads in transformers: yes|no`` (exit status 1
-when a check fails).
+when a check fails). No root and no mount namespaces: the two "nodes" share this machine's file
+system, each with its own fast-tier directory.
 
-    python examples/train.py [--workdir DIR] [--size small|tiny] [--steps N] [--ckpt-every K]
-                             [--crash-at S] [--no-progress]
+    python examples/train.py [--workdir DIR] [--size small|tiny] [--steps N] [--save-every K]
+                             [--persist-every P] [--kill-at S] [--no-progress]
 """
 
 from __future__ import annotations
@@ -50,9 +58,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-WORLD_SIZE = 2
-VICTIM_RANK = 1  # the worker killed in the middle of a save
-COMMIT_FILE = "pyckpt.json"  # a pyckpt checkpoint is complete once this file exists
+WORLD_SIZE = 2  # two "nodes" of one rank each
+VICTIM_RANK = 1  # the node lost in the middle of the run (its rank is its node id)
+WRITERS = ("manager", "pyckpt", "dcp")  # the saves compared in the reference run
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,17 +76,18 @@ class Size:
     seq: int
     batch: int  # sequences per rank per step
     steps: int
-    ckpt_every: int
-    crash_at: int
+    save_every: int  # fast-tier saves
+    persist_every: int  # durable-tier copies (a multiple of save_every)
+    kill_at: int  # node 1 is lost after this step
 
 
 SIZES = {
     # ~5.3 M parameters; fp32 model + AdamW state ~61 MiB.
     "small": Size(vocab=4096, hidden=256, intermediate=688, layers=4, heads=8, kv_heads=4,
-                  seq=64, batch=8, steps=60, ckpt_every=10, crash_at=40),
+                  seq=64, batch=8, steps=60, save_every=5, persist_every=20, kill_at=47),
     # For tests: a few thousand parameters, a dozen steps.
     "tiny": Size(vocab=128, hidden=32, intermediate=64, layers=2, heads=4, kv_heads=2,
-                 seq=16, batch=4, steps=12, ckpt_every=4, crash_at=8),
+                 seq=16, batch=4, steps=12, save_every=3, persist_every=6, kill_at=10),
 }
 
 
@@ -86,22 +95,21 @@ def step_name(step: int) -> str:
     return f"step-{step:06d}"
 
 
-def latest_complete(root: Path) -> tuple[int | None, list[str]]:
-    """The newest checkpoint step under ``root`` holding ``pyckpt.json``, and the names of the
-    newer directories that were skipped because they have none (interrupted saves)."""
-    steps = sorted(
-        (int(p.name.split("-", 1)[1]), p) for p in root.glob("step-*") if p.is_dir()
-    ) if root.is_dir() else []
-    skipped = []
-    for step, path in reversed(steps):
-        if (path / COMMIT_FILE).is_file():
-            return step, skipped
-        skipped.append(path.name)
-    return None, skipped
+def expected_resume(size: Size) -> tuple[int, int]:
+    """(the step a restore after losing a node at ``kill_at`` must pick: the newest fast-tier
+    step, the newest durable step at that point)."""
+    fast = size.kill_at - size.kill_at % size.save_every
+    return fast, size.kill_at - size.kill_at % size.persist_every
 
 
 def dir_bytes(path: Path) -> int:
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+
+
+def manager_paths(work: Path, phase: str) -> tuple[Path, str]:
+    """(durable tier, fast tier with ``{node}``) of a phase; the resume reuses the run's."""
+    root = work / ("ref" if phase == "reference" else "run")
+    return root / "durable", str(root / "fast" / "node-{node}")
 
 
 # =============================================================================== worker
@@ -128,8 +136,9 @@ def _worker(cfg: dict[str, Any]) -> int:
     torch.set_num_threads(1)  # the same kernels in every run, on every rank
     torch.use_deterministic_algorithms(True)
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=cfg["timeout"]))
-    # Checkpoint collectives run in DCP's background thread: give them their own group so they
-    # never interleave with the training collectives of the main thread.
+    # DCP's async_save runs its collectives in a background thread: give them their own group
+    # so they never interleave with the training collectives of the main thread (the manager
+    # makes groups of its own for the same reason).
     ckpt_pg = dist.new_group(backend="gloo")
     mesh = init_device_mesh("cpu", (world,))
     show = rank == 0 and cfg["progress"]
@@ -164,10 +173,16 @@ def _worker(cfg: dict[str, Any]) -> int:
     model, opt = build()
     n_params = sum(p.numel() for p in model.parameters())  # global sizes (DTensors)
     results: dict[str, Any] = {"phase": phase, "rank": rank, "params": n_params, "stalls": []}
-    ckpt_root = work / "ckpt"
+    durable, local = manager_paths(work, phase)
+    # The fast tier on each node (here: one directory per node on this machine's disk; on a
+    # cluster the same path on every node, e.g. /dev/shm/pyckpt), one replica of every node's
+    # files on another node, the durable tier every persist_every steps.
+    mgr = pyckpt.CheckpointManager(
+        durable, local=local, replicas=1, save_every=size.save_every,
+        persist_every=size.persist_every, keep_local=2, keep_durable=2, compression="zstd")
     start = 0
 
-    def local(t: Any) -> Any:
+    def local_part(t: Any) -> Any:
         return t.to_local() if hasattr(t, "to_local") else t
 
     def leaves(tree: Any, prefix: str = "") -> dict[str, Any]:
@@ -179,82 +194,68 @@ def _worker(cfg: dict[str, Any]) -> int:
         return {prefix[:-1]: tree}
 
     if phase == "resume":
-        found = [None]
-        if rank == 0:
-            step, skipped = latest_complete(ckpt_root)
-            found = [(step, skipped)]
-        dist.broadcast_object_list(found, src=0)
-        step, skipped = found[0]
-        if step is None:
-            raise SystemExit(f"no complete checkpoint under {ckpt_root}")
-        for name in skipped:
-            say(f"skipping {name}: no {COMMIT_FILE}, the save was interrupted")
-        say(f"resuming from {step_name(step)} (latest complete checkpoint)")
+        from torch.distributed.checkpoint import FileSystemReader
 
-        def load(m: Any, o: Any, reader: Any, path: Path) -> float:
+        def timed(m: Any, o: Any, load: Any) -> tuple[float, Any]:
             dist.barrier()
             t0 = time.perf_counter()
             msd, osd = get_state_dict(m, o)
             state = {"model": msd, "optim": osd, "step": -1}
-            dcp.load(state, checkpoint_id=path, storage_reader=reader)
+            got = load(state)
             set_state_dict(m, o, model_state_dict=msd, optim_state_dict=osd)
-            elapsed = time.perf_counter() - t0
-            if state["step"] != step:
-                raise RuntimeError(f"{path}: holds step {state['step']}, expected {step}")
-            return elapsed
+            return time.perf_counter() - t0, (got, state["step"])
 
-        from torch.distributed.checkpoint import FileSystemReader
-
+        # The newest complete step, read from this node's fast tier and the peers' replicas.
         # For comparison, DCP's checkpoint of the same step from the reference run goes into a
         # second copy of the model. Each is loaded twice, alternating, and the faster load
         # counts: the first load in a process pays one-time costs whichever method comes first.
-        dcp_path = work / "ref" / "dcp" / step_name(step)
-        path = ckpt_root / step_name(step)
         ref_model, ref_opt = build()
-        times: dict[str, list[float]] = {"dcp": [], "pyckpt": []}
+        times: dict[str, list[float]] = {"dcp": [], "manager": []}
+        infos = []
+        step = None
         for _ in range(2):
-            times["dcp"].append(load(ref_model, ref_opt, FileSystemReader(dcp_path), dcp_path))
-            with pyckpt.Reader(path) as reader:
-                times["pyckpt"].append(load(model, opt, reader, path))
-        results["load_dcp_s"], results["load_pyckpt_s"] = min(times["dcp"]), min(times["pyckpt"])
+            seconds, (step, loaded) = timed(model, opt, mgr.restore)
+            if step is None:
+                raise SystemExit(f"no complete checkpoint in {local} or {durable}")
+            if loaded != step:
+                raise RuntimeError(f"restored step {step}, but the state holds step {loaded}")
+            times["manager"].append(seconds)
+            infos.append(dataclasses.asdict(mgr.last_restore))
+            dcp_path = work / "ref" / "dcp" / step_name(step)
+
+            def dcp_load(state: Any, path: Path = dcp_path) -> int:
+                dcp.load(state, checkpoint_id=path, storage_reader=FileSystemReader(path))
+                return int(state["step"])
+
+            seconds, (got, _) = timed(ref_model, ref_opt, dcp_load)
+            if got != step:
+                raise RuntimeError(f"{dcp_path}: holds step {got}, expected {step}")
+            times["dcp"].append(seconds)
+        assert step is not None
+        results["restores"] = infos
+        results["node"] = mgr.node
+        results["load_dcp_s"], results["load_pyckpt_s"] = min(times["dcp"]), min(times["manager"])
+        say(f"CheckpointManager.restore: step {step} from the {infos[0]['tier']} tier")
         a = leaves(dict(zip(("model", "optim"), get_state_dict(model, opt))))
         b = leaves(dict(zip(("model", "optim"), get_state_dict(ref_model, ref_opt))))
         same = a.keys() == b.keys() and all(
-            (torch.equal(local(a[k]), local(b[k])) if isinstance(a[k], torch.Tensor)
+            (torch.equal(local_part(a[k]), local_part(b[k])) if isinstance(a[k], torch.Tensor)
              else a[k] == b[k]) for k in a
         )
         flags = [None] * world
         dist.all_gather_object(flags, same)
         results["state_matches_dcp"] = all(flags)
-        say(f"restored state equals DCP's reference checkpoint of {step_name(step)}: "
+        say(f"restored state equals DCP's reference checkpoint of step {step}: "
             f"{'yes' if all(flags) else 'NO'}")
         del ref_model, ref_opt
         start = results["resumed_from"] = step
 
     # ---------------------------------------------------------------- checkpointing
-    class CrashInjectingWriter(pyckpt.Writer):
-        """pyckpt.Writer that, on the victim rank and for one checkpoint, reports once this
-        rank's data file is on disk and then waits to be killed before the save can commit."""
-
-        crash_dir: str | None = None
-
-        def write_data(self, plan: Any, planner: Any) -> Any:
-            fut = super().write_data(plan, planner)
-            if self.crash_dir is not None and Path(self.path).name == self.crash_dir:
-                fut.wait()  # this rank's data file is written; the commit comes after
-                (work / "crash.marker").write_text(self.path)
-                time.sleep(cfg["timeout"])  # the driver SIGKILLs this process now
-                raise RuntimeError("crash injection: the driver did not kill this worker")
-            return fut
-
-    if phase == "reference":
-        ckpt_root = work / "ref" / "pyckpt"
-    writer = CrashInjectingWriter(ckpt_root, compression="zstd")
-    if phase == "crash" and rank == VICTIM_RANK:
-        writer.crash_dir = step_name(cfg["crash_at"])
+    writer = pyckpt.Writer(work / "ref" / "pyckpt", compression="zstd")  # reference run only
     pending: list[Any] = []
 
     def wait_pending() -> None:
+        mgr.wait()
         while pending:
             f = pending.pop()
             getattr(f, "upload_completion", f).result()
@@ -262,24 +263,39 @@ def _worker(cfg: dict[str, Any]) -> int:
     def checkpoint(step: int, index: int) -> None:
         from torch.distributed.checkpoint import FileSystemWriter
 
-        wait_pending()  # one save in flight at a time
         msd, osd = get_state_dict(model, opt)
         state = {"model": msd, "optim": osd, "step": step}
-        saves = [("pyckpt", lambda: writer, ckpt_root / step_name(step))]
-        if phase == "reference":
-            dcp_path = work / "ref" / "dcp" / step_name(step)
-            saves.append(("dcp", lambda: FileSystemWriter(dcp_path), dcp_path))
-            if index % 2:
-                saves.reverse()
-        for name, make, path in saves:
-            wait_pending()  # never measure one writer while the other still writes
-            w = make()
+        if phase != "reference":
             t0 = time.perf_counter()
-            fut = dcp.async_save(state, checkpoint_id=path, storage_writer=w,
-                                 process_group=ckpt_pg)
+            mgr.save(step, state)  # returns once staged; the rest runs in the background
+            results["stalls"].append({"step": step, "writer": "manager",
+                                      "seconds": time.perf_counter() - t0})
+            return
+        order = list(WRITERS[index % len(WRITERS):] + WRITERS[:index % len(WRITERS)])
+        for name in order:
+            wait_pending()  # never measure one save while another still writes
+            t0 = time.perf_counter()
+            if name == "manager":
+                mgr.save(step, state)
+            else:
+                path = work / "ref" / name / step_name(step)
+                w = writer if name == "pyckpt" else FileSystemWriter(path)
+                pending.append(dcp.async_save(state, checkpoint_id=path, storage_writer=w,
+                                              process_group=ckpt_pg))
             results["stalls"].append({"step": step, "writer": name,
                                       "seconds": time.perf_counter() - t0})
-            pending.append(fut)
+
+    def lose_this_node(step: int) -> None:
+        """Node 1 at the kill step: finish its checkpoint work, tell the driver, wait for the
+        SIGKILL (the driver then deletes this node's fast tier)."""
+        mgr.wait()
+        marker = work / "kill.marker"
+        marker.with_suffix(".tmp").write_text(json.dumps(
+            {"step": step, "node": mgr.node, "tiers": mgr.steps(),
+             "fast_dir": local.replace("{node}", mgr.node)}))
+        marker.with_suffix(".tmp").rename(marker)
+        time.sleep(cfg["timeout"])  # the driver SIGKILLs this process now
+        raise RuntimeError("node loss: the driver did not kill this worker")
 
     # ---------------------------------------------------------------- training
     bar: Any = contextlib.nullcontext()
@@ -304,9 +320,12 @@ def _worker(cfg: dict[str, Any]) -> int:
             if show:
                 bar.update(1)
                 bar.set_postfix(loss=f"{value:.4f}")
-            if step % size.ckpt_every == 0:
-                checkpoint(step, step // size.ckpt_every)
+            if step % size.save_every == 0:
+                checkpoint(step, step // size.save_every)
+            if phase == "crash" and step == size.kill_at and rank == VICTIM_RANK:
+                lose_this_node(step)
     wait_pending()
+    mgr.close()
     writer.close()
 
     if phase == "resume":
@@ -419,16 +438,29 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _launch(cfg: dict[str, Any]) -> list[subprocess.Popen[bytes]]:
+def _stderr_log(cfg: dict[str, Any], rank: int) -> Path:
+    return Path(cfg["workdir"]) / "logs" / f"{cfg['phase']}-rank{rank}.stderr"
+
+
+def _launch(cfg: dict[str, Any], stderr_to_log: bool = False) -> list[subprocess.Popen[bytes]]:
+    """Starts the workers; with ``stderr_to_log`` their stderr goes to ``logs/`` (the node-loss
+    phase: the surviving worker's error about its lost peer is expected there)."""
     port = _free_port()
     procs = []
     for rank in range(WORLD_SIZE):
+        # What torchrun sets on 2 nodes of 1 rank each: the manager's node id is GROUP_RANK.
         env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                   WORLD_SIZE=str(WORLD_SIZE), LOCAL_RANK=str(rank), OMP_NUM_THREADS="1",
-                   PYTHONUNBUFFERED="1")
-        procs.append(subprocess.Popen(
-            [sys.executable, os.path.abspath(__file__), "--worker", json.dumps(cfg)], env=env,
-        ))
+                   WORLD_SIZE=str(WORLD_SIZE), LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
+                   GROUP_RANK=str(rank), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+        err = open(_stderr_log(cfg, rank), "wb") if stderr_to_log else None
+        try:
+            procs.append(subprocess.Popen(
+                [sys.executable, os.path.abspath(__file__), "--worker", json.dumps(cfg)],
+                env=env, stderr=err,
+            ))
+        finally:
+            if err is not None:
+                err.close()
     return procs
 
 
@@ -465,24 +497,36 @@ def _run_phase(cfg: dict[str, Any], timeout: float) -> None:
         _stop(procs)
 
 
-def _run_crash(cfg: dict[str, Any], timeout: float) -> None:
-    marker = Path(cfg["workdir"]) / "crash.marker"
-    procs = _launch(cfg)
+def _run_node_loss(cfg: dict[str, Any], timeout: float) -> dict[str, Any]:
+    """Runs the training until node 1 reports the kill step, SIGKILLs node 1, deletes its fast
+    tier, stops node 0; returns what node 1 reported (its step, tiers and fast-tier dir)."""
+    marker = Path(cfg["workdir"]) / "kill.marker"
+    procs = _launch(cfg, stderr_to_log=True)
     try:
         deadline = time.monotonic() + timeout
         while not marker.exists():
             for i, p in enumerate(procs):
                 if p.poll() is not None:
-                    raise DemoError(f"crash: worker {i} exited with status {p.returncode} "
-                                    "before the save to interrupt began")
+                    raise DemoError(f"node loss: worker {i} exited with status {p.returncode} "
+                                    f"before step {cfg['size']['kill_at']} (its stderr: "
+                                    f"{_stderr_log(cfg, i)})")
             if time.monotonic() > deadline:
-                raise DemoError(f"crash: timed out after {timeout:.0f} s")
+                raise DemoError(f"node loss: timed out after {timeout:.0f} s")
             time.sleep(0.01)
+        report: dict[str, Any] = json.loads(marker.read_text())
         procs[VICTIM_RANK].send_signal(signal.SIGKILL)
         procs[VICTIM_RANK].wait()
-        print(f"  [crash] rank {VICTIM_RANK} SIGKILLed while saving "
-              f"{Path(marker.read_text()).name} (its data file written, checkpoint not "
-              "committed); stopping the other worker", flush=True)
+        fast = Path(report["fast_dir"])
+        files = [f for f in fast.rglob("*") if f.is_file()]
+        lost = sum(f.stat().st_size for f in files)
+        shutil.rmtree(fast)
+        print(f"  [crash] node {report['node']} held fast-tier steps {report['tiers']['local']} "
+              "(its own files and node 0's replicas); durable tier: steps "
+              f"{report['tiers']['durable']}", flush=True)
+        print(f"  [crash] node {report['node']} SIGKILLed after step {report['step']}; its fast "
+              f"tier deleted ({len(files)} files, {lost} B); stopping node 0 (its error about "
+              f"the lost peer: {_stderr_log(cfg, 0)})", flush=True)
+        return report
     finally:
         _stop(procs)
 
@@ -523,42 +567,66 @@ def _plot(path: Path, summary: dict[str, Any]) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(2, 2, figsize=(12, 8))
+    fig = _figure(summary)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def _figure(summary: dict[str, Any]) -> Any:
+    """The demo's figure: losses with the kill and the resume point, stalls per checkpoint with
+    their ratio, bytes on disk, and resume and export times on axes of their own. Every panel
+    says how many runs it shows."""
+    import matplotlib.pyplot as plt
+
+    fig = plt.figure(figsize=(14, 8.5))
+    grid = fig.add_gridspec(2, 4)
     blue, orange = "#1f77b4", "#ff7f0e"
 
-    a = ax[0][0]
+    a = fig.add_subplot(grid[0, :2])
     ref = summary["losses"]["reference"]
     a.plot(list(ref), [float.fromhex(v) for v in ref.values()], color="0.6", lw=3,
-           label="reference (uninterrupted)")
+           label="reference run (uninterrupted)")
     for name, label, style in (
-        ("crash", f"run killed while saving step {summary['crash_at']}",
-         dict(color="tab:red", ls="--")),
-        ("resume", f"restarted, resumed from step {summary['resumed_from']}",
-         dict(color="tab:green", ls=":")),
+        ("crash", "run that was killed", dict(color="tab:red", ls="--")),
+        ("resume", "restarted run", dict(color="tab:green", ls=":")),
     ):
         d = summary["losses"][name]
         a.plot(list(d), [float.fromhex(v) for v in d.values()], lw=1.5, label=label, **style)
-    a.axvline(summary["crash_at"], color="tab:red", lw=0.8)
-    a.axvline(summary["resumed_from"], color="tab:green", lw=0.8)
-    a.set(title="training loss (rank 0)", xlabel="step", ylabel="loss")
-    a.legend()
+    a.axvline(summary["kill_at"], color="tab:red", lw=1,
+              label=f"node 1 lost after step {summary['kill_at']} (SIGKILL, fast tier deleted)")
+    a.axvline(summary["resumed_from"], color="tab:green", lw=1,
+              label=f"resumed from step {summary['resumed_from']} (fast tier: peers' replicas)")
+    a.set(title="training loss (rank 0; 1 run each)", xlabel="step", ylabel="loss")
+    a.legend(fontsize=8)
 
-    a = ax[0][1]
+    a = fig.add_subplot(grid[0, 2:])
     steps = summary["stall_steps"]
-    x = range(len(steps))
-    w = 0.4
-    a.bar([i - w / 2 for i in x], [s * 1e3 for s in summary["stall_pyckpt_s"]], w,
-          color=blue, label="pyckpt.Writer zstd")
-    a.bar([i + w / 2 for i in x], [s * 1e3 for s in summary["stall_dcp_s"]], w,
-          color=orange, label="DCP FileSystemWriter")
-    a.set_xticks(list(x), [str(s) for s in steps])
-    a.set(title="training stall per async_save (max over ranks)", xlabel="checkpoint step",
-          ylabel="ms")
-    a.legend()
+    x = list(range(len(steps)))
+    ours = [v * 1e3 for v in summary["stall_manager_s"]]
+    plain = [v * 1e3 for v in summary["stall_pyckpt_s"]]
+    theirs = [v * 1e3 for v in summary["stall_dcp_s"]]
+    w = 0.27
+    for offset, values, color, label in (
+        (-w, ours, blue, "CheckpointManager.save (fast tier, zstd)"),
+        (0.0, plain, "#aec7e8", "async_save, pyckpt.Writer zstd"),
+        (w, theirs, orange, "async_save, DCP FileSystemWriter"),
+    ):
+        bars = a.bar([i + offset for i in x], values, w, color=color, label=label)
+        a.bar_label(bars, [f"{v:.1f}" for v in values], fontsize=7)
+    top = max(ours + plain + theirs + [1e-9])
+    for i, (p, d) in enumerate(zip(ours, theirs)):  # the ratio above each group
+        a.text(i, 1.12 * max(p, plain[i], d),
+               f"DCP / manager {d / p:.2f}x" if p > 0 else "-",
+               ha="center", fontsize=8, fontweight="bold")
+    a.set_ylim(0, 1.3 * top)
+    a.set_xticks(x, [str(s) for s in steps])
+    a.set(title=f"training stall per save (max over ranks; {len(steps)} saves, 1 run "
+                "each)", xlabel="checkpoint step", ylabel="ms")
+    a.legend(loc="upper left", fontsize=8)
 
-    a = ax[1][0]
+    a = fig.add_subplot(grid[1, :2])
     mib = [summary["bytes_pyckpt"] / 2**20, summary["bytes_dcp"] / 2**20]
-    bars = a.bar(["pyckpt zstd", "DCP"], mib, color=[blue, orange])
+    bars = a.bar(["pyckpt zstd\n(durable tier)", "DCP"], mib, color=[blue, orange])
     a.bar_label(bars, [f"{v:.1f}" for v in mib])
     raw = summary["bytes_raw"] / 2**20
     a.axhline(raw, color="0.3", ls="--", lw=1, label="raw tensor bytes")
@@ -566,25 +634,27 @@ def _plot(path: Path, summary: dict[str, Any]) -> None:
     a.set(title=f"checkpoint on disk (step {summary['bytes_step']})", ylabel="MiB")
     a.legend(loc="upper right")
 
-    a = ax[1][1]
-    labels = ["resume (load)", "export (consolidate)"]
-    ours = [summary["load_pyckpt_s"], summary["export_pyckpt_s"]]
-    theirs = [summary["load_dcp_s"], summary["export_torch_s"]]
-    for xs, vals, color, label in (([i - w / 2 for i in range(2)], ours, blue, "pyckpt"),
-                                   ([i + w / 2 for i in range(2)], theirs, orange,
-                                    "DCP / torch")):
-        bars = a.bar(xs, vals, w, color=color, label=label)
-        a.bar_label(bars, [f"{v:.3f}" for v in vals], fontsize=8)
-    a.set_xticks(range(2), labels)
-    a.set(title="time", ylabel="s")
-    a.legend()
+    # Resume and export on axes of their own: their scales differ by an order of magnitude.
+    for col, title, ours_s, theirs_s, theirs_label in (
+        (2, "resume (restore + set_state_dict)", summary["load_pyckpt_s"],
+         summary["load_dcp_s"], "DCP"),
+        (3, f"export to safetensors ({summary.get('export_bytes', 0) / 2**20:.1f} MiB)",
+         summary["export_pyckpt_s"], summary["export_torch_s"], "torch"),
+    ):
+        a = fig.add_subplot(grid[1, col])
+        bars = a.bar(["pyckpt", theirs_label], [ours_s, theirs_s], color=[blue, orange])
+        a.bar_label(bars, [f"{ours_s:.3f}", f"{theirs_s:.3f}"], fontsize=8)
+        ratio = f"{theirs_s / ours_s:.2f}x" if ours_s > 0 else "-"
+        a.set_ylim(0, 1.25 * max(ours_s, theirs_s, 1e-9))
+        a.set(title=f"{title}\n{theirs_label} / pyckpt {ratio} (1 run)", ylabel="s")
+        a.title.set_fontsize(9)
 
     fig.suptitle(f"pyckpt demo: {summary['params'] / 1e6:.2f} M-parameter Llama, FSDP2 on "
-                 f"{WORLD_SIZE} gloo processes, async checkpoint every {summary['ckpt_every']} "
-                 "steps")
+                 f"{WORLD_SIZE} nodes x 1 gloo process; CheckpointManager: fast tier every "
+                 f"{summary['save_every']} steps (1 replica), durable every "
+                 f"{summary['persist_every']}")
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    return fig
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -593,9 +663,12 @@ def main(argv: list[str] | None = None) -> int:
                     help="work directory (checkpoints, exports, plot); default ./pyckpt-demo")
     ap.add_argument("--size", choices=sorted(SIZES), default="small")
     ap.add_argument("--steps", type=int, default=None)
-    ap.add_argument("--ckpt-every", type=int, default=None)
-    ap.add_argument("--crash-at", type=int, default=None,
-                    help="checkpoint step whose save is interrupted (a multiple of --ckpt-every)")
+    ap.add_argument("--save-every", type=int, default=None,
+                    help="fast-tier save every K steps")
+    ap.add_argument("--persist-every", type=int, default=None,
+                    help="durable-tier copy every P steps (a multiple of --save-every)")
+    ap.add_argument("--kill-at", type=int, default=None,
+                    help="node 1 is lost after this step (not a multiple of --persist-every)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--timeout", type=float, default=600, help="per phase, seconds")
     ap.add_argument("--no-progress", action="store_true", help="no progress bars")
@@ -608,40 +681,43 @@ def main(argv: list[str] | None = None) -> int:
     size = dataclasses.replace(
         size,
         steps=args.steps or size.steps,
-        ckpt_every=args.ckpt_every or size.ckpt_every,
-        crash_at=args.crash_at or size.crash_at,
+        save_every=args.save_every or size.save_every,
+        persist_every=args.persist_every or size.persist_every,
+        kill_at=args.kill_at or size.kill_at,
     )
-    if not (size.ckpt_every < size.crash_at < size.steps and size.crash_at % size.ckpt_every == 0):
-        ap.error("--crash-at must be a multiple of --ckpt-every, after the first checkpoint and "
-                 "before the last step")
+    if size.persist_every % size.save_every:
+        ap.error("--persist-every must be a multiple of --save-every")
+    if not size.save_every <= size.kill_at < size.steps:
+        ap.error("--kill-at must come after the first save and before the last step")
+    fast_step, durable_step = expected_resume(size)
+    if fast_step == durable_step:
+        ap.error("--kill-at must leave a fast-tier step newer than the newest durable one (the "
+                 "demo shows the restore from the peers' replicas)")
 
     work = Path(args.workdir).resolve()
     work.mkdir(parents=True, exist_ok=True)
-    for sub in ("ref", "ckpt", "export", "logs", "results"):
+    for sub in ("ref", "run", "export", "logs", "results"):
         shutil.rmtree(work / sub, ignore_errors=True)
     for sub in ("logs", "results"):
         (work / sub).mkdir()
-    (work / "crash.marker").unlink(missing_ok=True)
+    (work / "kill.marker").unlink(missing_ok=True)
     base = {"size": dataclasses.asdict(size), "workdir": str(work), "seed": args.seed,
-            "crash_at": size.crash_at, "timeout": args.timeout, "progress": not args.no_progress}
+            "timeout": args.timeout, "progress": not args.no_progress}
 
     t_start = time.perf_counter()
-    print(f"pyckpt demo in {work}: {WORLD_SIZE} processes, {size.steps} steps, "
-          f"checkpoint every {size.ckpt_every}, crash while saving step {size.crash_at}",
+    print(f"pyckpt demo in {work}: {WORLD_SIZE} nodes x 1 process, {size.steps} steps, "
+          f"CheckpointManager: fast tier every {size.save_every} steps with 1 replica, durable "
+          f"every {size.persist_every}; node {VICTIM_RANK} lost after step {size.kill_at}",
           flush=True)
     try:
-        print("1/3 reference run (uninterrupted; pyckpt and DCP checkpoints)", flush=True)
+        print("1/3 reference run (uninterrupted; at every save step: CheckpointManager.save, "
+              "pyckpt and DCP async_save)", flush=True)
         _run_phase(dict(base, phase="reference"), args.timeout)
-        print(f"2/3 training run, one worker killed while saving step {size.crash_at}",
-              flush=True)
-        _run_crash(dict(base, phase="crash"), args.timeout)
-        for p in sorted((work / "ckpt").glob("step-*")):
-            files = sorted(f.name for f in p.iterdir())
-            state = ("complete" if COMMIT_FILE in files else
-                     f"INCOMPLETE: no {COMMIT_FILE}, {len(files)} other file(s), "
-                     f"{dir_bytes(p) / 2**20:.2f} MiB")
-            print(f"  {p.name}: {state}", flush=True)
-        print("3/3 restart both workers, resume, finish, export", flush=True)
+        print(f"2/3 training run with CheckpointManager, node {VICTIM_RANK} lost after step "
+              f"{size.kill_at}", flush=True)
+        kill = _run_node_loss(dict(base, phase="crash"), args.timeout)
+        print(f"3/3 restart both nodes (node {VICTIM_RANK} with an empty fast tier), restore, "
+              "finish, export", flush=True)
         _run_phase(dict(base, phase="resume"), args.timeout)
     except DemoError as e:
         print(f"demo failed: {e}", file=sys.stderr)
@@ -663,10 +739,23 @@ def main(argv: list[str] | None = None) -> int:
         checks.append((f"rank {rank}: losses of steps {resumed_from + 1}..{size.steps} after "
                        "the resume equal the reference run's (float hex)",
                        losses_match(ref, resumed, range(resumed_from + 1, size.steps + 1))))
-        checks.append((f"rank {rank}: losses of the run that crashed equal the reference run's",
-                       losses_match(ref, crash, sorted(crash) or [1])))
+        checks.append((f"rank {rank}: losses of the run that lost a node equal the reference "
+                       "run's", losses_match(ref, crash, sorted(crash) or [1])))
     checks.append(("restored state equals DCP's checkpoint of the same step",
                    all(res[("resume", r)]["state_matches_dcp"] for r in range(WORLD_SIZE))))
+    restores = [(r, i) for r in range(WORLD_SIZE) for i in res[("resume", r)]["restores"]]
+    checks.append((f"restored step {fast_step} from the fast tier, the newest complete step "
+                   f"(durable tier's newest: {durable_step}; node {VICTIM_RANK} held "
+                   f"{kill['tiers']['local']} before it was lost)",
+                   resumed_from == fast_step
+                   and kill["tiers"]["durable"][-1:] == ([durable_step] if durable_step else [])
+                   and all(i["step"] == fast_step and i["tier"] == "fast" for _, i in restores)))
+    checks.append((f"node {VICTIM_RANK} (fast tier deleted) restored every byte from peers' "
+                   "replicas", all(i["bytes_local"] == 0 and i["bytes_peer"] > 0
+                                   for r, i in restores if r == VICTIM_RANK)))
+    durable_read = sum(i["bytes_durable"] for _, i in restores)
+    checks.append((f"bytes read from the durable tier by the restores: {durable_read}",
+                   durable_read == 0))
     resumed_ok = all(ok for _, ok in checks)
     r0 = res[("resume", 0)]
     export_ok = bool(r0.get("logits_exact")) and bool(r0.get("export_matches_torch"))
@@ -679,20 +768,30 @@ def main(argv: list[str] | None = None) -> int:
                     out[s["step"]] = max(out.get(s["step"], 0.0), s["seconds"])
         return out
 
-    st_p, st_d = per_step("reference", "pyckpt"), per_step("reference", "dcp")
-    stall_steps = sorted(st_p)
-    last = stall_steps[-1]
+    st_m, st_p, st_d = (per_step("reference", w) for w in WRITERS)
+    stall_steps = sorted(st_m)
+    # Bytes on disk: the manager's durable copy of its last persisted step (a plain pyckpt
+    # checkpoint) against DCP's checkpoint of the same step.
+    last = max(s for s in stall_steps if s % size.persist_every == 0)
     ref_root = work / "ref"
     summary: dict[str, Any] = {
         "params": r0["params"],
-        "ckpt_every": size.ckpt_every,
-        "crash_at": size.crash_at,
+        "save_every": size.save_every,
+        "persist_every": size.persist_every,
+        "kill_at": size.kill_at,
         "resumed_from": resumed_from,
+        "durable_newest_at_kill": durable_step,
+        "restore_sources": {
+            str(r): {k: res[("resume", r)]["restores"][0][k]
+                     for k in ("tier", "bytes_local", "bytes_peer", "bytes_durable")}
+            for r in range(WORLD_SIZE)},
+        "durable_bytes_read": durable_read,
         "stall_steps": stall_steps,
+        "stall_manager_s": [st_m[s] for s in stall_steps],
         "stall_pyckpt_s": [st_p[s] for s in stall_steps],
         "stall_dcp_s": [st_d[s] for s in stall_steps],
         "bytes_step": last,
-        "bytes_pyckpt": dir_bytes(ref_root / "pyckpt" / step_name(last)),
+        "bytes_pyckpt": dir_bytes(ref_root / "durable" / f"step-{last}"),
         "bytes_dcp": dir_bytes(ref_root / "dcp" / step_name(last)),
         # fp32 model + AdamW exp_avg + exp_avg_sq (the step counters are a few bytes more)
         "bytes_raw": r0["params"] * 4 * 3,
@@ -712,26 +811,35 @@ def main(argv: list[str] | None = None) -> int:
     def ratio(a: float, b: float) -> str:
         return f"{b / a:.2f}x" if a > 0 else "-"
 
-    med_p, med_d = statistics.median(summary["stall_pyckpt_s"]), statistics.median(
-        summary["stall_dcp_s"])
+    med_m, med_p, med_d = (statistics.median(summary[f"stall_{w}_s"]) for w in WRITERS)
     rows = [
         ("", "pyckpt", "DCP / torch", "DCP / pyckpt"),
-        (f"stall per async_save, median of {len(stall_steps)}", f"{med_p * 1e3:.1f} ms",
+        (f"stall per save, median of {len(stall_steps)}: CheckpointManager.save",
+         f"{med_m * 1e3:.1f} ms", f"{med_d * 1e3:.1f} ms", ratio(med_m, med_d)),
+        ("  the same: pyckpt async_save (no replicas)", f"{med_p * 1e3:.1f} ms",
          f"{med_d * 1e3:.1f} ms", ratio(med_p, med_d)),
-        (f"bytes on disk (step {last}; raw {summary['bytes_raw'] / 2**20:.1f} MiB)",
+        (f"bytes on disk (durable step {last}; raw {summary['bytes_raw'] / 2**20:.1f} MiB)",
          f"{summary['bytes_pyckpt'] / 2**20:.1f} MiB", f"{summary['bytes_dcp'] / 2**20:.1f} MiB",
          ratio(summary["bytes_pyckpt"], summary["bytes_dcp"])),
-        ("time to resume (load + set_state_dict)", f"{summary['load_pyckpt_s']:.3f} s",
+        ("time to resume (restore + set_state_dict)", f"{summary['load_pyckpt_s']:.3f} s",
          f"{summary['load_dcp_s']:.3f} s", ratio(summary["load_pyckpt_s"], summary["load_dcp_s"])),
         (f"export to safetensors ({summary['export_bytes'] / 2**20:.1f} MiB)",
          f"{summary['export_pyckpt_s']:.3f} s", f"{summary['export_torch_s']:.3f} s",
          ratio(summary["export_pyckpt_s"], summary["export_torch_s"])),
     ]
     print()
+    for r in range(WORLD_SIZE):
+        src = summary["restore_sources"][str(r)]
+        print(f"restore sources, rank {r} (node {r}): local {src['bytes_local']} B, peer "
+              f"{src['bytes_peer']} B, durable {src['bytes_durable']} B ({src['tier']} tier)")
+    print(f"durable bytes read: {durable_read}")
+    print()
     print(_table(rows))
-    print("  pyckpt: pyckpt.Writer(compression='zstd') / pyckpt.Reader / pyckpt.consolidate on "
-          f"{WORLD_SIZE} ranks; DCP: FileSystemWriter() defaults / FileSystemReader / torch's "
-          "consolidate_safetensors_files on a HuggingFaceStorageWriter save (1 process).")
+    print("  pyckpt: CheckpointManager(compression='zstd', replicas=1) save / restore (node 0's "
+          "fast tier + its replica of node 1's files), pyckpt.Writer(compression='zstd') "
+          f"async_save, pyckpt.consolidate on {WORLD_SIZE} ranks; DCP: async_save into "
+          "FileSystemWriter() defaults / FileSystemReader / torch's consolidate_safetensors_files "
+          "on a HuggingFaceStorageWriter save (1 process).")
     print("  Exports: no fsync on either side (torch's consolidator never fsyncs). "
           f"Measured once, same run, on a machine with {os.cpu_count()} CPUs.")
     print()

@@ -30,6 +30,7 @@ __all__ = [
     "host_memory_bytes",
     "local_world_size",
     "consolidate_input",
+    "progress_interval",
     "override",
 ]
 
@@ -196,6 +197,21 @@ def pinned_limit() -> int:
 def consolidate_input() -> str:
     """``PYCKPT_CONSOLIDATE_INPUT``: how consolidation reads shards, ``pread`` (default) or ``mmap``."""
     return _choice("consolidate_input", "PYCKPT_CONSOLIDATE_INPUT", "pread", ("pread", "mmap"))
+
+
+def progress_interval() -> float:
+    """``PYCKPT_PROGRESS_INTERVAL``: seconds between progress lines when stderr is not a
+    terminal (default 5; 0 writes a line at every update)."""
+    raw = _get("progress_interval", "PYCKPT_PROGRESS_INTERVAL")
+    if raw is None or raw == "":
+        return 5.0
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ValueError(f"PYCKPT_PROGRESS_INTERVAL={raw!r} is not a number") from None
+    if not value >= 0:
+        raise ValueError(f"PYCKPT_PROGRESS_INTERVAL={raw!r} must be >= 0")
+    return value
 
 
 @contextlib.contextmanager

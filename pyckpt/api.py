@@ -28,6 +28,7 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import ReadItem
 
+from pyckpt import _progress
 from pyckpt.errors import CheckpointFormatError
 from pyckpt.planner import SavePlanner
 from pyckpt.storage import Reader, Writer
@@ -88,7 +89,9 @@ def _typed_errors() -> Iterator[None]:
             raise
         first = failures[min(failures)]
         original = first[0] if isinstance(first, tuple) else first
-        if not isinstance(original, Exception):
+        # Ctrl-C during the native work arrives wrapped too: the user pressed it, so it is what
+        # they get back (and `except KeyboardInterrupt` works as it would without DCP).
+        if not isinstance(original, (Exception, KeyboardInterrupt)):
             raise
         if original.__cause__ is not None:
             raise original  # noqa: B904 - keeps its own cause; ``wrapped`` becomes the context
@@ -152,6 +155,7 @@ def save(
     *,
     process_group: Any = None,
     check_replicas: bool | Literal["sample", "full"] = True,
+    progress: _progress.ProgressArg = False,
     **writer_options: Any,
 ) -> Metadata:
     """Saves ``state_dict`` to the checkpoint directory ``path`` with DCP.
@@ -168,6 +172,9 @@ def save(
             written) replicated tensors whose copies differ across ranks. ``True`` /
             ``"sample"``: compare a sample of at most 1 MiB per tensor; ``"full"``: every
             byte; ``False``: save anyway (see :class:`pyckpt.SavePlanner`).
+        progress: ``True`` shows the save's progress on stderr (rank 0 only; a bar on a
+            terminal, a log line every few seconds otherwise); a callable is called as
+            ``progress(bytes_done, bytes_total)`` (this rank's bytes) about every 0.1 s.
         **writer_options: Passed to :class:`pyckpt.Writer` (``compression="zstd"``,
             ``threads``, ``direct_io``, ``fsync``, ``shared_filesystem=False`` for a
             node-local checkpoint, ...).
@@ -181,7 +188,12 @@ def save(
             from DCP's ``CheckpointException`` (attached as ``__cause__``), e.g. ``OSError``
             (ENOSPC, EFBIG) from a data file or :class:`pyckpt.UnsupportedDtypeError`.
     """
-    with Writer(path, **writer_options) as writer, _single_process_quiet(), _typed_errors():
+    totals = [0]  # this rank's planned bytes, known once DCP has planned
+    with Writer(path, **writer_options) as writer, _single_process_quiet(), _typed_errors(), \
+            _progress.job(progress, "save", process_group) as report, \
+            _progress.native_counter(report, totals):
+        if report is not None:
+            _progress.count_writer(writer, totals)
         return dcp.save(
             state_dict,
             storage_writer=writer,
@@ -198,6 +210,7 @@ def load(
     trusted: bool = False,
     storage_options: dict[str, Any] | None = None,
     shared_filesystem: bool | Literal["auto"] = True,
+    progress: _progress.ProgressArg = False,
 ) -> None:
     """Loads the checkpoint at ``path`` into ``state_dict`` in place with DCP.
 
@@ -223,6 +236,7 @@ def load(
             ``shared_filesystem=False``): each rank reads its own ``path`` and fetches chunks
             held by other ranks over ``process_group`` (see :class:`pyckpt.Reader`);
             ``"auto"`` lets the ranks find out (one all-gather of the files each sees).
+        progress: as for :func:`save` (the bytes of this rank's state dict).
 
     Raises:
         FileNotFoundError: ``path`` holds no complete checkpoint or a data file is missing.
@@ -236,8 +250,10 @@ def load(
     """
     reader_options = {"shared_filesystem": shared_filesystem, "process_group": process_group,
                       "storage_options": storage_options}
-    with (_typed_errors(), Reader(path, **reader_options) as reader, _single_process_quiet(),
-          _quiet_missing_metadata()):
+    with _typed_errors(), Reader(path, **reader_options) as reader, _single_process_quiet(), \
+            _quiet_missing_metadata(), \
+            _progress.job(progress, "load", process_group) as report, \
+            _progress.native_counter(report, _progress.local_bytes(state_dict) if report else 0):
         dcp.load(
             state_dict, storage_reader=reader, planner=load_planner(trusted),
             process_group=process_group,

@@ -51,9 +51,18 @@ __all__ = [
     "compare",
     "format_table",
     "plot_report",
+    "check_resources",
 ]
 
 METHODS = ("pyckpt", "pyckpt+zstd", "dcp-t1", "dcp-t2", "dcp+zstd-t1", "dcp+zstd-t2")
+
+# ``pyckpt bench``'s default size: every method's saves and loads finish in a few minutes on a
+# 2-core machine. Peak memory is about MEMORY_FACTOR x the state dict (the state dict, the load
+# target, DCP's read and compression buffers); disk about DISK_FACTOR x (one checkpoint at a
+# time, plus the O_DIRECT probe file).
+DEFAULT_SIZE_GIB = 0.5
+MEMORY_FACTOR = 4
+DISK_FACTOR = 2
 
 
 # ----------------------------------------------------------------------------- workloads
@@ -403,26 +412,36 @@ def format_table(report: dict[str, Any]) -> str:
     results: list[Result] = report["results"]
     by = {r.method: r for r in results}
     raw = report["raw_bytes"]
-    lines = [
-        f"state dict: {raw / 2**20:.1f} MiB; O_DIRECT write + fsync: "
-        f"{report['direct_write_Bps'] / 1e9:.2f} GB/s",
-        "seconds: median [min-max] over the repeats",
-        f"{'method':<14}{'save s':>22}{'GB/s':>7}{'cold load s':>22}{'warm load s':>22}"
-        f"{'on disk MiB':>13}{'x raw':>7}  exact",
-    ]
-
     def spread(median: float, runs: list[float]) -> str:
         if not runs:
             return f"{median:.3f}"
         return f"{median:.3f} [{min(runs):.3f}-{max(runs):.3f}]"
 
-    for r in results:
-        lines.append(
-            f"{r.method:<14}{spread(r.save_s, r.save_runs):>22}{r.save_gbps:>7.2f}"
-            f"{spread(r.load_cold_s, r.cold_runs):>22}{spread(r.load_warm_s, r.warm_runs):>22}"
-            f"{r.disk_bytes / 2**20:>13.1f}{r.disk_bytes / raw:>7.3f}"
-            f"  {'yes' if r.bit_exact else 'NO'}"
-        )
+    header = ["method", "save s", "GB/s", "cold load s", "warm load s", "on disk MiB", "x raw",
+              "exact"]
+    rows = [
+        [r.method, spread(r.save_s, r.save_runs), f"{r.save_gbps:.2f}",
+         spread(r.load_cold_s, r.cold_runs), spread(r.load_warm_s, r.warm_runs),
+         f"{r.disk_bytes / 2**20:.1f}", f"{r.disk_bytes / raw:.3f}",
+         "yes" if r.bit_exact else "NO"]
+        for r in results
+    ]
+    # Widths from the content, two spaces between columns: values never run together.
+    widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
+
+    def line(cells: list[str]) -> str:
+        first = cells[0].ljust(widths[0])
+        rest = [c.rjust(w) for c, w in zip(cells[1:-1], widths[1:-1])]
+        return "  ".join([first, *rest, cells[-1]])
+
+    lines = [
+        f"state dict: {raw / 2**20:.1f} MiB; O_DIRECT write + fsync: "
+        f"{report['direct_write_Bps'] / 1e9:.2f} GB/s",
+        "seconds: median [min-max] over the repeats; dcp-tN: DCP FileSystemWriter with "
+        "thread_count=N",
+        line(header),
+        *(line(row) for row in rows),
+    ]
 
     def best(names: tuple[str, ...], attr: str) -> Result | None:
         got = [by[n] for n in names if n in by]
@@ -475,8 +494,10 @@ def plot_report(report: dict[str, Any], path: str | os.PathLike[str], workload: 
 
     results: list[Result] = report["results"]
     names = [r.method for r in results]
-    blues = ["#1f4e99", "#4f8fd6", "#9cc3ee"]
-    oranges = ["#c24f00", "#ff8c33", "#ffc08a"]
+    # One distinct colour per method (pyckpt in blues, DCP in oranges/browns), enough for every
+    # method this module knows; hatching tells the compressed variants apart as well.
+    blues = ["#08306b", "#2171b5", "#6baed6", "#c6dbef"]
+    oranges = ["#7f2704", "#d94801", "#fd8d3c", "#fdd0a2"]
     colors, nb, no = [], 0, 0
     for n in names:
         if n.startswith("pyckpt"):
@@ -485,6 +506,7 @@ def plot_report(report: dict[str, Any], path: str | os.PathLike[str], workload: 
         else:
             colors.append(oranges[no % len(oranges)])
             no += 1
+    hatches = ["//" if "zstd" in n else "" for n in names]
     raw = report["raw_bytes"]
     panels = [
         ("save (fsync)", "s", [r.save_s for r in results]),
@@ -492,10 +514,10 @@ def plot_report(report: dict[str, Any], path: str | os.PathLike[str], workload: 
         ("warm load", "s", [r.load_warm_s for r in results]),
         ("on disk", "MiB", [r.disk_bytes / 2**20 for r in results]),
     ]
-    fig, axes = plt.subplots(1, 4, figsize=(4 * 4, 4.5))
+    fig, axes = plt.subplots(1, 4, figsize=(4 * 4, 5.2))
     x = list(range(len(names)))
     for ax, (label, unit, values) in zip(axes, panels):
-        bars = ax.bar(x, values, color=colors)
+        bars = ax.bar(x, values, color=colors, hatch=hatches, edgecolor="0.25", linewidth=0.5)
         ax.bar_label(bars, [f"{v:.3g}" for v in values], fontsize=8)
         ax.set_title(label)
         ax.set_ylabel(unit)
@@ -512,7 +534,14 @@ def plot_report(report: dict[str, Any], path: str | os.PathLike[str], workload: 
         f"{max(len(r.save_runs) for r in results)}; O_DIRECT write + fsync "
         f"{report['direct_write_Bps'] / 1e9:.2f} GB/s"
     )
-    fig.tight_layout()
+    from matplotlib.patches import Patch
+
+    legend = [Patch(facecolor=c, hatch=h, edgecolor="0.25", label=n)
+              for n, c, h in zip(names, colors, hatches)]
+    fig.legend(handles=legend, loc="lower center", ncol=len(names), fontsize=8, frameon=False,
+               title="dcp-tN: DCP FileSystemWriter(thread_count=N); +zstd: zstd compression "
+                     "(hatched); dots: the individual save runs", title_fontsize=8)
+    fig.tight_layout(rect=(0, 0.1, 1, 1))
     fig.savefig(os.fspath(path), dpi=100)
     plt.close(fig)
 
@@ -528,11 +557,14 @@ def add_arguments(ap: Any) -> None:
     """Adds the ``pyckpt bench`` options to an argparse parser."""
     ap.add_argument("--workload", choices=("llm", "minilm"), default="llm",
                     help="llm: bf16 LLM-shaped state dict; minilm: MiniLM + AdamW state")
-    ap.add_argument("--size-gib", type=float, default=2.0, help="llm workload size (GiB)")
+    ap.add_argument("--size-gib", type=float, default=DEFAULT_SIZE_GIB,
+                    help="llm workload size in GiB (the default runs in a few minutes on 2 "
+                         "cores; needs about 4x this in memory and 2x on disk)")
     ap.add_argument("--methods", default=",".join(METHODS),
-                    help=f"comma-separated subset of {','.join(METHODS)}")
+                    help=f"comma-separated subset of {','.join(METHODS)} "
+                         "(dcp-tN: DCP FileSystemWriter with thread_count=N)")
     ap.add_argument("--repeats", type=int, default=3,
-                    help="runs of each method; the table shows their median [min-max]")
+                    help="saves and loads per method; the table shows the median [min-max]")
     ap.add_argument("--workdir", default=None, help="directory on the filesystem to measure")
     ap.add_argument("--json", default=None, help="also write the report as JSON here")
     ap.add_argument("--plot", default=None, metavar="FILE.png",
@@ -540,8 +572,46 @@ def add_arguments(ap: Any) -> None:
                          "(needs matplotlib: pip install 'pyckpt[demo]')")
 
 
+def _available_memory() -> int | None:
+    """MemAvailable from /proc/meminfo in bytes (None where unknown)."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for ln in f:
+                if ln.startswith("MemAvailable:"):
+                    return int(ln.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def check_resources(nbytes: int, workdir: str) -> str:
+    """Says what a run on ``nbytes`` needs; raises MemoryError / OSError(ENOSPC) up front when
+    the machine clearly lacks it (rather than being killed or filling the disk half-way)."""
+    import errno
+
+    mem_need, disk_need = MEMORY_FACTOR * nbytes, DISK_FACTOR * nbytes
+    disk_free = shutil.disk_usage(workdir).free
+    mem_free = _available_memory()
+    gib = 2**30
+    if disk_free < disk_need:
+        raise OSError(errno.ENOSPC, f"pyckpt bench needs about {disk_need / gib:.1f} GiB free "
+                      f"on disk, {disk_free / gib:.1f} GiB available; use a smaller --size-gib "
+                      "or another --workdir", workdir)
+    if mem_free is not None and mem_free < mem_need:
+        raise MemoryError(f"pyckpt bench needs about {mem_need / gib:.1f} GiB of memory, "
+                          f"{mem_free / gib:.1f} GiB available; use a smaller --size-gib")
+    mem = f", {mem_free / gib:.1f} GiB available" if mem_free is not None else ""
+    return (f"needs about {mem_need / gib:.1f} GiB of memory{mem} and "
+            f"{disk_need / gib:.1f} GiB on disk in {workdir} ({disk_free / gib:.1f} GiB free)")
+
+
 def run_cli(args: Any) -> int:
-    """Runs ``pyckpt bench`` with parsed arguments; returns the exit status."""
+    """Runs ``pyckpt bench`` with parsed arguments; returns the exit status.
+
+    The work directory (a temporary directory under ``--workdir``) is removed on every exit:
+    success, an error, Ctrl-C or SIGTERM.
+    """
+    import signal
     import tempfile
 
     if getattr(args, "plot", None):
@@ -549,16 +619,36 @@ def run_cli(args: Any) -> int:
             import matplotlib  # noqa: F401
         except ImportError:
             raise RuntimeError("--plot needs matplotlib (pip install 'pyckpt[demo]')") from None
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    unknown = [m for m in methods if m not in METHODS]
+    if unknown:
+        raise ValueError(f"unknown method(s) {', '.join(unknown)}; choose from "
+                         f"{', '.join(METHODS)}")
+    if args.repeats < 1:
+        raise ValueError(f"--repeats must be >= 1, got {args.repeats}")
+    workdir = args.workdir or tempfile.gettempdir()
     if args.workload == "llm":
-        sd = llm_state_dict(int(args.size_gib * (1 << 30)))
+        planned = int(args.size_gib * (1 << 30))
+        print(f"pyckpt bench: {args.size_gib:g} GiB; "
+              f"{check_resources(planned, workdir)}", flush=True)
+        sd = llm_state_dict(planned)
         source = f"bf16 LLM-shaped state dict, {len(sd)} tensors"
     else:
         sd, source = minilm_state_dict()
-    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
-    print(f"workload: {source}; {state_dict_bytes(sd) / 2**30:.2f} GiB", flush=True)
-    with tempfile.TemporaryDirectory(dir=args.workdir) as work:
-        report = compare(sd, work, methods, args.repeats,
-                         progress=lambda m: print(f"  {m} ...", flush=True))
+        print(f"pyckpt bench: {check_resources(state_dict_bytes(sd), workdir)}", flush=True)
+    print(f"workload: {source}; {state_dict_bytes(sd) / 2**30:.2f} GiB; methods: "
+          f"{', '.join(methods)}; {args.repeats} repeat(s)", flush=True)
+
+    def on_term(signum: int, frame: Any) -> None:
+        raise SystemExit(128 + signum)  # unwinds through the temp directory's clean-up
+
+    previous = signal.signal(signal.SIGTERM, on_term)
+    try:
+        with tempfile.TemporaryDirectory(prefix="pyckpt-bench-", dir=workdir) as work:
+            report = compare(sd, work, methods, args.repeats,
+                             progress=lambda m: print(f"  {m} ...", flush=True))
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     print(format_table(report))
     if args.json:
         Path(args.json).write_text(report_json(report))

@@ -8,8 +8,8 @@
   sharded checkpoint (pyckpt's own format or DCP's sharded safetensors) to Hugging Face
   safetensors; the export options mirror :func:`pyckpt.consolidate`'s. With ``--workers N > 1`` it starts
   N local processes that form a gloo group on 127.0.0.1 (no torchrun needed) and share the work
-  through :func:`pyckpt.consolidate`; a progress bar (tqdm when installed, else a plain stderr
-  line) sums the bytes the workers report.
+  through :func:`pyckpt.consolidate`; one progress view (pyckpt._progress: a bar on a terminal,
+  a log line every few seconds otherwise) sums the bytes the workers report.
 """
 
 from __future__ import annotations
@@ -29,54 +29,6 @@ def _free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
-
-
-class _Progress:
-    """tqdm when importable, else one rewritten stderr line; silent when disabled.
-
-    Nothing is printed until the first update: consolidation only reports progress once its
-    plan is made and its outputs created, so an error in the input prints no bar before it.
-    """
-
-    def __init__(self, enabled: bool) -> None:
-        self._enabled = enabled
-        self._started = False
-        self._bar: Any = None
-        self._plain = False
-        self._last = 0.0
-
-    def _start(self) -> None:
-        self._started = True
-        try:
-            from tqdm import tqdm
-        except ImportError:
-            self._plain = True
-        else:
-            self._bar = tqdm(total=0, unit="B", unit_scale=True, desc="consolidate", file=sys.stderr)
-
-    def update(self, done: int, total: int) -> None:
-        if not self._enabled:
-            return
-        if not self._started:
-            self._start()
-        if self._bar is not None:
-            self._bar.total = total
-            self._bar.n = done
-            self._bar.refresh()
-        elif self._plain and (time.monotonic() - self._last > 0.2 or done == total):
-            self._last = time.monotonic()
-            pct = 100.0 * done / total if total else 100.0
-            sys.stderr.write(
-                f"\rconsolidate: {done / 2**20:,.1f} / {total / 2**20:,.1f} MiB ({pct:.0f}%)"
-            )
-            sys.stderr.flush()
-
-    def close(self) -> None:
-        if self._bar is not None:
-            self._bar.close()
-        elif self._plain:
-            sys.stderr.write("\n")
-            sys.stderr.flush()
 
 
 def _consolidate_kwargs(args: argparse.Namespace, threads: int | None) -> dict[str, Any]:
@@ -146,7 +98,7 @@ def _worker(
         q.put(("error", rank, f"{type(e).__name__}: {e}"))
 
 
-def _run_workers(args: argparse.Namespace, bar: _Progress) -> tuple[int, int, str]:
+def _run_workers(args: argparse.Namespace, bar: Any) -> tuple[int, int, str]:
     import multiprocessing
 
     ctx = multiprocessing.get_context("spawn")
@@ -178,7 +130,8 @@ def _run_workers(args: argparse.Namespace, bar: _Progress) -> tuple[int, int, st
             kind, rank = msg[0], msg[1]
             if kind == "progress":
                 done[rank], totals[rank] = msg[2], msg[3]
-                bar.update(sum(done.values()), sum(totals.values()))
+                if len(totals) == n:  # the job's total is known once every worker reported
+                    bar.update(sum(done.values()), sum(totals.values()))
             elif kind == "done":
                 finished[rank] = (msg[3], msg[4], msg[5])
             else:
@@ -216,7 +169,9 @@ def _cmd_consolidate(args: argparse.Namespace) -> int:
     if args.workers < 1:
         raise SystemExit("pyckpt consolidate: --workers must be >= 1")
     _export_kwargs(args)  # bad export options fail here, before any worker starts
-    bar = _Progress(not args.quiet)
+    from pyckpt._progress import Progress
+
+    bar = Progress("consolidate", enabled=not args.quiet)
     start = time.perf_counter()
     try:
         if args.workers == 1:
@@ -228,8 +183,10 @@ def _cmd_consolidate(args: argparse.Namespace) -> int:
             total, nfiles, selection = res.total_bytes, len(res.files), res.selection
         else:
             total, nfiles, selection = _run_workers(args, bar)
-    finally:
+    except BaseException:
         bar.close()
+        raise
+    bar.finish()  # 100% only now: the outputs are fsynced, renamed and indexed
     secs = time.perf_counter() - start
     if not args.quiet:
         if selection:
@@ -273,7 +230,7 @@ def _cmd_verify(args: argparse.Namespace) -> int:
     from pyckpt import tools
 
     start = time.perf_counter()
-    report = tools.verify(args.path, threads=args.threads)
+    report = tools.verify(args.path, threads=args.threads, progress=True)  # on stderr
     secs = time.perf_counter() - start
     for name, err in sorted(report.errors.items()):
         print(f"CORRUPT {name}: {err}")

@@ -38,6 +38,14 @@ __all__ = ["CheckpointManager", "SaveInfo", "RestoreInfo", "node_identity"]
 logger = logging.getLogger(__name__)
 
 
+def _local_path(local: str | os.PathLike[str], node: str) -> str:
+    """The fast tier's directory of ``node``: ``local`` with ``{node}`` replaced by its id."""
+    path = os.fspath(local)
+    if "{node}" in path and (not node or os.sep in node or node in (".", "..")):
+        raise ValueError(f"local={path!r}: node id {node!r} cannot be part of a path")
+    return path.replace("{node}", node)
+
+
 def node_identity(node: str | int | None = None) -> str:
     """This process's node id: ``node`` when given; torchrun's ``GROUP_RANK`` when torchrun's
     variables are set (``GROUP_RANK`` and ``LOCAL_WORLD_SIZE``); else the host name."""
@@ -146,7 +154,9 @@ class CheckpointManager:
         durable: the durable tier: a directory (shared or not) or ``s3://bucket/prefix``.
             Step ``N`` is the pyckpt checkpoint ``<durable>/step-<N>`` (``pyckpt.load`` reads it).
         local: the fast tier's directory on each node (e.g. ``/dev/shm/pyckpt``; the same path
-            on every node, never shared between nodes). None: every save goes to ``durable``.
+            on every node, never shared between nodes). ``{node}`` in it is replaced by this
+            rank's node id, for nodes that share a file system (several "nodes" on one
+            machine: ``/dev/shm/pyckpt/node-{node}``). None: every save goes to ``durable``.
         replicas: copies of each node's fast-tier files kept on other nodes (0 .. nodes-1).
         save_every: :meth:`save` writes steps that are multiples of this (others are no-ops).
         persist_every: saved steps that are multiples of this are also copied to ``durable``.
@@ -216,8 +226,9 @@ class CheckpointManager:
         self.check_replicas = check_replicas
         self._fsync = _knobs.fsync() if fsync is None else bool(fsync)
         self.store: DurableStore = open_durable(durable, storage_options, self._fsync)
-        self.tier = None if local is None else LocalTier(local, self._fsync)
         self.node = node_identity(node)
+        self.tier = None if local is None else LocalTier(_local_path(local, self.node),
+                                                         self._fsync)
         self._group = _own_group(process_group, "fast")
         self._persist_group = (_own_group(process_group, "persist") if self.tier is not None
                                else self._group)

@@ -10,7 +10,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
-from pyckpt import _C, _format, _knobs
+from pyckpt import _C, _format, _knobs, _progress
 from pyckpt._options import choice
 from pyckpt.backends import Backend, open_backend
 from pyckpt.errors import PyckptError
@@ -122,8 +122,12 @@ def _verify_piece(name: str, segments: list[Any], nbytes: int, pool: Any,
     report.chunks_checked += nchunks
 
 
-def verify(path: str | os.PathLike[str], threads: int | None = None) -> VerifyReport:
+def verify(path: str | os.PathLike[str], threads: int | None = None,
+           progress: Any = False) -> VerifyReport:
     """Reads every chunk of a checkpoint, checking sizes, checksums and zstd frames.
+
+    ``progress``: ``True`` shows progress on stderr (a bar on a terminal, a log line every few
+    seconds otherwise), or a callable ``(raw_bytes_checked, raw_bytes_total)``.
 
     Raises:
         FileNotFoundError / CheckpointFormatError: the metadata itself is missing or invalid.
@@ -143,15 +147,19 @@ def verify(path: str | os.PathLike[str], threads: int | None = None) -> VerifyRe
             for i, p in enumerate(t.pieces):
                 label = t.fqn if len(t.pieces) == 1 else f"{t.fqn}[piece {i}]"
                 work.append((label, p.segments, p.nbytes))
-        for name, segments, nbytes in work:
-            report.items_checked += 1
-            try:
-                _verify_piece(name, segments, nbytes, pool, report, backend)
-            except (PyckptError, OSError, ValueError, RuntimeError, MemoryError) as e:
-                # Every typed error of one item (CompressionError and UnsupportedDtypeError are
-                # not ValueErrors; a damaged size can ask for more memory than there is) marks
-                # that item corrupt, names it and the reason, and the other items still run.
-                report.errors[name] = f"{type(e).__name__}: {e}"
+        total = sum(nbytes for _, _, nbytes in work)
+        with _progress.job(progress, "verify") as report_to, \
+                _progress.native_counter(report_to, total):
+            for name, segments, nbytes in work:
+                report.items_checked += 1
+                try:
+                    _verify_piece(name, segments, nbytes, pool, report, backend)
+                except (PyckptError, OSError, ValueError, RuntimeError, MemoryError) as e:
+                    # Every typed error of one item (CompressionError and UnsupportedDtypeError
+                    # are not ValueErrors; a damaged size can ask for more memory than there
+                    # is) marks that item corrupt, names it and the reason, and the other
+                    # items still run.
+                    report.errors[name] = f"{type(e).__name__}: {e}"
     finally:
         pool.shutdown()
     return report

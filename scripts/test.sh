@@ -9,15 +9,17 @@
 #   5. cpp         the C++ unit tests (tests/cpp) under ctest, warnings as errors, in the
 #                  sanitizer build (ASan+UBSan)
 #   6. lint        ruff, mypy on pyckpt/, clang-format on csrc/ and tests/cpp/
+#   7. wheel       scripts/check_wheel.sh: builds the distribution wheel (zstd linked statically)
+#                  and checks with readelf that its extension has no libzstd.so dependency
 # Extra arguments go to the stage-1 pytest run. PYCKPT_TEST_STAGES (default
-# "lint tests benchmarks fuzz sanitize cpp") selects stages, e.g. PYCKPT_TEST_STAGES=tests.
+# "lint wheel tests benchmarks fuzz sanitize cpp") selects stages, e.g. PYCKPT_TEST_STAGES=tests.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh
 # .venv/bin/pytest (not "python -m pytest", which puts the checkout on sys.path) imports the
 # installed package, never the source tree.
 export PYTHONDEVMODE=1 HYPOTHESIS_PROFILE=${HYPOTHESIS_PROFILE:-ci}
-STAGES=${PYCKPT_TEST_STAGES:-lint tests benchmarks fuzz sanitize cpp}
+STAGES=${PYCKPT_TEST_STAGES:-lint wheel tests benchmarks fuzz sanitize cpp}
 status=0
 
 # run_stage_pytest NAME MAY_BE_EMPTY CMD...: a run that collected nothing (pytest exit 5) fails unless
@@ -54,6 +56,11 @@ if has_stage lint; then
   # shellcheck disable=SC2046
   run_stage lint .venv/bin/clang-format --dry-run --Werror \
     $(git ls-files 'csrc/*.[ch]pp' 'tests/cpp/*.[ch]pp')
+fi
+if has_stage wheel; then
+  # A few minutes on 2 cores the first time; build/wheel-static is kept, so later runs are
+  # incremental. cmake, ninja and scikit-build-core come from the venv.
+  PATH="$PWD/.venv/bin:$PATH" run_stage wheel scripts/check_wheel.sh .venv/bin/python dist
 fi
 if has_stage tests; then
   run_stage_pytest tests 0 .venv/bin/pytest -p no:cacheprovider --rootdir=. -c pyproject.toml \

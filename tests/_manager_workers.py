@@ -208,6 +208,8 @@ def main(spec_path: str) -> None:
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
     local = os.environ.get("PYCKPT_TEST_LOCAL", os.path.join(root, "local"))
+    if spec.get("local_per_node"):  # one path for every rank; the manager puts in the node id
+        local = os.path.join(root, "nodes", "n{node}")
     if spec.get("crash"):
         _inject_crash(spec["crash"], rank)
     durable = spec.get("durable") or os.path.join(root, "durable")

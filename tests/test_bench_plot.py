@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -42,7 +43,7 @@ def test_plot_report_draws_the_given_figures(tmp_path: Path) -> None:
     b = _report({"pyckpt+zstd": 300_000, "dcp-t2": 1 << 20})
     for name, rep in (("a1", a), ("a2", a), ("b", b)):
         bench.plot_report(rep, tmp_path / f"{name}.png", workload="synthetic")
-        assert png_size(tmp_path / f"{name}.png") == (1600, 450)
+        assert png_size(tmp_path / f"{name}.png") == (1600, 520)
     read = {n: (tmp_path / f"{n}.png").read_bytes() for n in ("a1", "a2", "b")}
     assert read["a1"] == read["a2"]
     assert read["a1"] != read["b"]
@@ -61,3 +62,93 @@ def test_bench_plot_without_matplotlib_fails_before_measuring(
     assert "--plot needs matplotlib" in captured.err
     assert "workload:" not in captured.out  # failed before building or measuring anything
     assert not (tmp_path / "x.png").exists()
+
+
+def test_plot_gives_every_method_its_own_colour_and_explains_t1_t2(tmp_path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rep = _report(dict.fromkeys(bench.METHODS, 1 << 20))
+    figs: list = []
+    real_close = plt.close
+    plt.close = lambda fig=None: figs.append(fig)  # keep the figure to look at it
+    try:
+        bench.plot_report(rep, tmp_path / "all.png")
+    finally:
+        plt.close = real_close
+    fig = figs[0]
+    try:
+        legend = fig.legends[0]
+        names = [t.get_text() for t in legend.get_texts()]
+        assert names == list(bench.METHODS)
+        colours = [tuple(h.get_facecolor()) for h in legend.legend_handles]
+        assert len(set(colours)) == len(bench.METHODS)  # no two methods share a colour
+        assert "dcp-tN: DCP FileSystemWriter(thread_count=N)" in legend.get_title().get_text()
+    finally:
+        real_close(fig)
+
+
+def test_table_columns_stay_apart_with_long_values() -> None:
+    results = [
+        bench.Result("pyckpt", save_s=0.011, load_cold_s=14.872, load_warm_s=16.827,
+                     disk_bytes=3 << 30, raw_bytes=3 << 30, bit_exact=True,
+                     save_runs=[0.011], cold_runs=[14.872], warm_runs=[16.827]),
+        bench.Result("dcp+zstd-t2", save_s=123.456, load_cold_s=1234.567, load_warm_s=2.5,
+                     disk_bytes=2 << 30, raw_bytes=3 << 30, bit_exact=False,
+                     save_runs=[100.0, 123.456, 150.25], cold_runs=[1234.567],
+                     warm_runs=[2.5]),
+    ]
+    table = bench.format_table({"raw_bytes": 3 << 30, "direct_write_Bps": 2e9,
+                                "results": results})
+    lines = table.splitlines()
+    header = next(i for i, ln in enumerate(lines) if ln.startswith("method"))
+    rows = lines[header:header + 3]
+    # Cells hold single spaces ("save s", "0.5 [0.4-0.6]"); columns are two or more apart.
+    cells = [list(re.finditer(r"\S+(?: \S+)*", r)) for r in rows]
+    assert [len(c) for c in cells] == [8, 8, 8], rows
+    for col in range(1, 7):  # right-aligned numeric columns end at the same place on every row
+        assert len({c[col].end() for c in cells}) == 1, (col, rows)
+    assert "0.011 [0.011-0.011]" in rows[1] and "  14.872 [14.872-14.872]" in rows[1]
+    assert "dcp-tN: DCP FileSystemWriter with thread_count=N" in table
+
+
+def test_bench_checks_resources_up_front(tmp_path: Path) -> None:
+    msg = bench.check_resources(1 << 20, str(tmp_path))
+    assert "GiB of memory" in msg and "on disk" in msg
+    with pytest.raises(OSError, match="free on disk") as e:
+        bench.check_resources(1 << 60, str(tmp_path))
+    assert e.value.filename == str(tmp_path)
+
+
+def test_bench_removes_its_work_directory_on_sigterm(tmp_path: Path) -> None:
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parents[1]),
+                                         env.get("PYTHONPATH", "")])
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "pyckpt", "bench", "--size-gib", "0.25", "--repeats", "50",
+         "--methods", "dcp+zstd-t1", "--workdir", str(tmp_path)],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    try:
+        deadline = time.monotonic() + 600  # detects a bench that never starts, not slowness
+        while not list(tmp_path.glob("pyckpt-bench-*/*")):
+            assert proc.poll() is None, proc.communicate()
+            assert time.monotonic() < deadline, "bench never created its work directory"
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=600)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode != 0
+    assert "needs about" in out  # said up front
+    assert not list(tmp_path.glob("pyckpt-bench-*")), err

@@ -248,6 +248,16 @@ def test_node_identity(monkeypatch: pytest.MonkeyPatch) -> None:
     assert node_identity() == socket.gethostname()
 
 
+def test_local_path_with_the_node_id(tmp_path: Path) -> None:
+    with _mgr(tmp_path, local=tmp_path / "fast" / "node-{node}", node="a") as mgr:
+        assert mgr.tier is not None and mgr.tier.root == str(tmp_path / "fast" / "node-a")
+        assert _train(mgr, range(3)) == [0, 2]
+    assert (tmp_path / "fast" / "node-a" / "step-2" / MARKER_FILE).is_file()
+    for bad in ("x/y", ".."):
+        with pytest.raises(ValueError, match="cannot be part of a path"):
+            _mgr(tmp_path, local=tmp_path / "node-{node}", node=bad)
+
+
 def test_ring_never_places_a_replica_on_its_own_node() -> None:
     from pyckpt._replicate import partners, ring_targets
 
@@ -272,7 +282,7 @@ WORLD = NNODES * PER_NODE
 
 
 def _run(root: Path, tag: str, action: str, *, ok: bool = True, **spec: Any) -> list[int]:
-    spec = dict(spec, tag=tag, action=action, namespace=_REFUSAL is None)
+    spec = dict({"namespace": _REFUSAL is None}, **spec, tag=tag, action=action)
     codes = launch(str(root), NNODES, PER_NODE, spec)
     if ok:
         assert codes == [0] * WORLD, "\n".join(
@@ -328,6 +338,32 @@ def test_lose_one_node_restores_bit_exact_from_replicas_with_zero_durable_reads(
         info = res["info"]
         assert info["tier"] == "fast" and info["bytes_durable"] == 0
         if r // PER_NODE == 1:  # the new node 1 had nothing: every byte came from node 0
+            assert info["bytes_local"] == 0 and info["bytes_peer"] > 0, res
+        else:
+            assert info["bytes_peer"] == 0 and info["bytes_local"] > 0, res
+
+
+@multinode
+def test_nodes_sharing_a_file_system_lose_one_node_with_local_per_node(tmp_path: Path) -> None:
+    # No mount namespaces: every rank is given local=<root>/nodes/n{node} and the manager puts
+    # its node id in the path (several "nodes" on one machine, as in examples/train.py).
+    spec = {"manager": _FAST, "local_per_node": True, "namespace": False}
+    _run(tmp_path, "train", "train", steps=[1, 2, 3], **spec)
+    for k in range(NNODES):
+        d = _node_dir(tmp_path, k, 3)
+        assert (d / MARKER_FILE).is_file()
+        assert {data_file_rank(n) // PER_NODE for n in _files(d)} == {0, 1}
+    shutil.rmtree(tmp_path / "nodes" / "n1")
+    for f in (tmp_path / "durable").rglob("*.pyckpt"):
+        f.unlink()  # a read from the durable tier would fail
+    _run(tmp_path, "restore", "restore", **spec)
+    for r in range(WORLD):
+        res = result(str(tmp_path), "restore", r)
+        assert res["step"] == 3 and res["bad"] == [] and res["warnings"] == [], res
+        info = res["info"]
+        assert info["tier"] == "fast" and info["bytes_durable"] == 0
+        assert res["durable_data_bytes_read"] == 0 and res["durable_direct_loads"] == 0
+        if r // PER_NODE == 1:
             assert info["bytes_local"] == 0 and info["bytes_peer"] > 0, res
         else:
             assert info["bytes_peer"] == 0 and info["bytes_local"] > 0, res

@@ -1,10 +1,12 @@
 """The end-to-end demo (examples/train.py, run by scripts/demo.sh) at its test size.
 
-Two gloo worker processes train a tiny Llama with FSDP2, checkpoint asynchronously with
-pyckpt, one is SIGKILLed in the middle of a save, both restart and resume from the latest
-complete checkpoint, and the model is exported with pyckpt.consolidate and loaded with
-transformers. The demo's own checks (bit-identical losses as float hex, identical logits) must
-pass, and it must leave a valid PNG plot behind.
+Two gloo worker processes ("nodes" 0 and 1) train a tiny Llama with FSDP2 and checkpoint with
+pyckpt.CheckpointManager (fast tier per node with a replica on the other node, durable tier
+every few saves); node 1 is SIGKILLed and its fast tier deleted, both restart and restore the
+newest fast-tier step, node 1's bytes coming from node 0's replicas and none from the durable
+tier; the model is exported with pyckpt.consolidate and loaded with transformers. The demo's
+own checks (bit-identical losses as float hex, identical logits) must pass, and it must leave a
+valid PNG plot behind.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import importlib.util
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -51,17 +54,31 @@ def test_demo_trains_crashes_resumes_bit_identically_and_exports(tmp_path: Path)
         "resumed bit-identical: yes",
         "export loads in transformers: yes",
     ], out
-    # The save killed at step 8 was left uncommitted and the restart picked step 4.
-    assert "step-000008: INCOMPLETE: no pyckpt.json" in out, out
-    assert "skipping step-000008: no pyckpt.json" in out, out
+    # Node 1 was lost after step 10 (fast tier: steps 6 and 9; durable: step 6) and the restart
+    # restored step 9 from the fast tier: node 1 read nothing locally, every byte from node 0's
+    # replicas, and no rank read a byte from the durable tier.
+    assert "node 1 held fast-tier steps [6, 9] (its own files and node 0's replicas); durable " \
+           "tier: steps [6]" in out, out
+    assert "node 1 SIGKILLed after step 10; its fast tier deleted" in out, out
+    sources = dict(re.findall(r"^restore sources, rank (\d) \(node \d\): (.*)$", out, re.M))
+    assert sorted(sources) == ["0", "1"], out
+    m0 = re.fullmatch(r"local (\d+) B, peer 0 B, durable 0 B \(fast tier\)", sources["0"])
+    m1 = re.fullmatch(r"local 0 B, peer (\d+) B, durable 0 B \(fast tier\)", sources["1"])
+    assert m0 and int(m0.group(1)) > 0 and m1 and int(m1.group(1)) > 0, sources
+    assert "durable bytes read: 0" in out.splitlines(), out
     summary = json.loads((work / "summary.json").read_text())
-    assert summary["crash_at"] == 8 and summary["resumed_from"] == 4
+    assert summary["kill_at"] == 10 and summary["resumed_from"] == 9
+    assert summary["durable_newest_at_kill"] == 6 and summary["durable_bytes_read"] == 0
+    assert summary["restore_sources"]["1"] == {
+        "tier": "fast", "bytes_local": 0, "bytes_peer": int(m1.group(1)), "bytes_durable": 0}
     assert summary["checks"] and all(summary["checks"].values()), summary["checks"]
     assert summary["logits_max_abs_diff"] == 0.0
-    # Figures were measured, not invented: one stall per checkpoint per writer, real sizes.
-    assert summary["stall_steps"] == [4, 8, 12]
-    assert all(s > 0 for s in summary["stall_pyckpt_s"] + summary["stall_dcp_s"])
-    assert summary["bytes_pyckpt"] > 0 and summary["bytes_dcp"] > 0
+    # Figures were measured, not invented: one stall per save step per method, real sizes.
+    assert summary["stall_steps"] == [3, 6, 9, 12]
+    stalls = summary["stall_manager_s"] + summary["stall_pyckpt_s"] + summary["stall_dcp_s"]
+    assert len(stalls) == 12 and all(s > 0 for s in stalls)
+    assert summary["bytes_step"] == 12 and summary["bytes_pyckpt"] > 0 and summary["bytes_dcp"] > 0
+    assert (work / "ref" / "durable" / "step-12" / "pyckpt.json").is_file()
     # The export is standard Hugging Face safetensors plus the config.json the demo wrote.
     hf = work / "export" / "hf"
     assert (hf / "config.json").is_file() and (hf / "model.safetensors.index.json").is_file()
@@ -83,15 +100,56 @@ def test_losses_match_is_bit_exact() -> None:
     assert not demo.losses_match({s: ref[s] for s in range(1, 7)}, run, range(5, 9))
 
 
-def test_latest_complete_skips_uncommitted_checkpoints(tmp_path: Path) -> None:
+def test_expected_resume_is_the_newest_fast_tier_step() -> None:
     demo = _demo_module()
-    assert demo.latest_complete(tmp_path / "missing") == (None, [])
-    for step, committed in ((10, True), (20, True), (30, False), (40, False)):
-        d = tmp_path / demo.step_name(step)
-        d.mkdir()
-        (d / "data-0.pyckpt").write_bytes(b"x")
-        if committed:
-            (d / "pyckpt.json").write_text("{}")
-    assert demo.latest_complete(tmp_path) == (20, ["step-000040", "step-000030"])
-    (tmp_path / demo.step_name(40) / "pyckpt.json").write_text("{}")
-    assert demo.latest_complete(tmp_path) == (40, [])
+    tiny = demo.SIZES["tiny"]
+    assert demo.expected_resume(tiny) == (9, 6)
+    assert demo.expected_resume(demo.SIZES["small"]) == (45, 40)
+    assert demo.expected_resume(demo.dataclasses.replace(tiny, kill_at=6)) == (6, 6)
+
+
+def _summary() -> dict:
+    losses = {s: float(2.0 - s / 20).hex() for s in range(1, 13)}
+    return {
+        "params": 1.5e6, "save_every": 4, "persist_every": 8, "kill_at": 9, "resumed_from": 8,
+        "stall_steps": [4, 8, 12], "stall_manager_s": [0.010, 0.012, 0.011],
+        "stall_pyckpt_s": [0.009, 0.011, 0.010], "stall_dcp_s": [0.050, 0.040, 0.060], "bytes_step": 12, "bytes_pyckpt": 12 << 20,
+        "bytes_dcp": 18 << 20, "bytes_raw": 18 << 20, "load_pyckpt_s": 0.8, "load_dcp_s": 1.6,
+        "export_pyckpt_s": 0.02, "export_torch_s": 0.03, "export_bytes": 6 << 20,
+        "losses": {"reference": losses, "crash": {s: losses[s] for s in range(1, 8)},
+                   "resume": {s: losses[s] for s in range(5, 13)}},
+    }
+
+
+def test_demo_plot_marks_kill_and_resume_labels_stalls_and_separates_export(
+        tmp_path: Path) -> None:
+    import matplotlib.pyplot as plt
+
+    demo = _demo_module()
+    fig = demo._figure(_summary())
+    try:
+        by_title = {ax.get_title().split(" (")[0].split("\n")[0]: ax for ax in fig.axes}
+        loss = by_title["training loss"]
+        legend = [t.get_text() for t in loss.get_legend().get_texts()]
+        assert "node 1 lost after step 9 (SIGKILL, fast tier deleted)" in legend
+        assert "resumed from step 8 (fast tier: peers' replicas)" in legend
+        stall = by_title["training stall per save"]
+        assert "3 saves, 1 run each" in stall.get_title()
+        texts = [t.get_text() for t in stall.texts if t.get_text().startswith("DCP")]
+        assert texts == ["DCP / manager 5.00x", "DCP / manager 3.33x", "DCP / manager 5.45x"]
+        labels = {t.get_text() for t in stall.texts}  # bar_label adds Annotations to texts
+        assert {"10.0", "9.0", "50.0", "60.0"} <= labels  # every bar carries its value
+        legend = [t.get_text() for t in stall.get_legend().get_texts()]
+        assert legend[0].startswith("CheckpointManager.save") and len(legend) == 3
+        # Export on an axis of its own, apart from the resume times (20 ms vs 800 ms).
+        export = next(ax for ax in fig.axes if ax.get_title().startswith("export"))
+        resume = next(ax for ax in fig.axes if ax.get_title().startswith("resume"))
+        assert export is not resume
+        assert export.get_ylim()[1] < 0.1 < resume.get_ylim()[1]
+        assert "torch / pyckpt 1.50x (1 run)" in export.get_title()
+        png = tmp_path / "demo.png"
+        fig.savefig(png, dpi=50)
+        width, height = png_size(png)
+        assert width >= 600 and height >= 400
+    finally:
+        plt.close(fig)

@@ -9,6 +9,7 @@
 
 #include "bindings/bindings.hpp"
 #include "bindings/core_convert.hpp"
+#include "bindings/interrupt.hpp"
 #include "bindings/io_convert.hpp"
 #include "core/chunk_io.hpp"
 #include "core/chunk_reader.hpp"
@@ -164,6 +165,7 @@ void bind_io(py::module_& m) {
             const std::vector<WriteRequest> reqs = items_from_py(items);
             std::vector<WrittenItem> written;
             {
+              InterruptWatch watch;  // Ctrl-C between chunks
               py::gil_scoped_release nogil;
               written = encode_and_write(self, reqs, chunk_bytes, pool, blocks);
             }
@@ -200,6 +202,7 @@ void bind_io(py::module_& m) {
         const MemorySources memory(sources);
         ReadStats st;
         {
+          InterruptWatch watch;  // Ctrl-C between chunks
           py::gil_scoped_release nogil;
           st = read_requests(reqs, pool, memory.opener());
         }
@@ -214,6 +217,7 @@ void bind_io(py::module_& m) {
         const std::vector<ReadRequest> reqs = requests_from_py(requests);
         ReadStats st;
         {
+          InterruptWatch watch;  // Ctrl-C between chunks
           py::gil_scoped_release nogil;
           st = read_stored(reqs, pool);
         }
@@ -234,6 +238,7 @@ void bind_io(py::module_& m) {
         const MemorySources memory(sources);
         ReadStats st;
         {
+          InterruptWatch watch;  // Ctrl-C between chunks
           py::gil_scoped_release nogil;
           st = verify_segments(name, segs, pool, memory.opener());
         }

@@ -12,6 +12,7 @@
 
 #include "bindings/bindings.hpp"
 #include "bindings/core_convert.hpp"
+#include "bindings/interrupt.hpp"
 #include "bindings/io_convert.hpp"
 #include "core/chunk_reader.hpp"
 #include "core/encode_pipeline.hpp"
@@ -125,6 +126,7 @@ void bind_objstore(py::module_& m) {
             const std::vector<WriteRequest> reqs = items_from_py(items);
             std::vector<WrittenItem> written;
             try {
+              InterruptWatch watch;  // Ctrl-C between chunks; progress of pyckpt.save
               py::gil_scoped_release nogil;
               written = encode_and_write(self.sink(), reqs, chunk_bytes, pool, blocks);
             } catch (const py::error_already_set&) {

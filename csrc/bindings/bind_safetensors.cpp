@@ -7,6 +7,7 @@
 
 #include "bindings/bindings.hpp"
 #include "bindings/core_convert.hpp"
+#include "bindings/interrupt.hpp"
 #include "core/float_cast.hpp"
 #include "core/safetensors.hpp"
 #include "core/stitcher.hpp"
@@ -209,6 +210,7 @@ void bind_safetensors(py::module_& m) {
         opts.progress = progress ? &progress->bytes : nullptr;
         StitchStats s;
         {
+          InterruptWatch watch;  // Ctrl-C between tasks
           py::gil_scoped_release release;
           s = stitch(work, opts);
         }

@@ -3,6 +3,8 @@
 #include <zstd.h>
 
 #include "bindings/bindings.hpp"
+#include "bindings/interrupt.hpp"
+#include "core/cancel.hpp"
 #include "core/error.hpp"
 
 namespace py = pybind11;
@@ -54,6 +56,8 @@ PYBIND11_MODULE(_C, m) {
   errs.compression_error = errors.attr("CompressionError");
   errs.cuda_error = errors.attr("CudaError");
 
+  pyckpt::bindings::init_interrupts();
+
   py::register_exception_translator([](std::exception_ptr p) {
     try {
       if (p) std::rethrow_exception(p);
@@ -68,6 +72,8 @@ PYBIND11_MODULE(_C, m) {
       PyErr_SetString(py_errors().compression_error.ptr(), e.what());
     } catch (const pyckpt::CudaError& e) {
       PyErr_SetString(py_errors().cuda_error.ptr(), e.what());
+    } catch (const pyckpt::Cancelled&) {
+      pyckpt::bindings::raise_cancelled();  // KeyboardInterrupt (Ctrl-C) during native work
     }
   });
 
@@ -77,4 +83,5 @@ PYBIND11_MODULE(_C, m) {
   pyckpt::bindings::bind_objstore(m);
   pyckpt::bindings::bind_safetensors(m);
   pyckpt::bindings::bind_cuda(m);
+  pyckpt::bindings::bind_interrupt(m);
 }

@@ -9,6 +9,7 @@
 #include <stdexcept>
 #include <utility>
 
+#include "core/cancel.hpp"
 #include "core/chunk_io.hpp"
 #include "core/error.hpp"
 
@@ -71,10 +72,16 @@ std::uint64_t read_chunk(const ChunkTask& t) {
 template <typename Work>
 ReadStats run_chunk_tasks(const std::vector<ChunkTask>& tasks, ThreadPool& pool, const Work& work) {
   std::atomic<std::uint64_t> bytes{0};
+  std::atomic<std::uint64_t>* const progress = progress_counter();  // the caller's, if any
   run_all(pool, tasks.size(), [&](std::size_t i) {
     const ChunkTask& t = tasks[i];
     try {
       bytes.fetch_add(work(t), std::memory_order_relaxed);
+      if (progress) {  // the raw bytes of [lo, hi) this chunk delivered (or checked)
+        const std::uint64_t a = std::max(t.raw_off, t.req->lo);
+        const std::uint64_t b = std::min(t.raw_off + t.rec->raw_len, t.req->hi);
+        if (b > a) progress->fetch_add(b - a, std::memory_order_relaxed);
+      }
     } catch (...) {
       trim_chunk_scratch();
       rethrow_with_context(std::current_exception(),
@@ -164,6 +171,7 @@ ReadStats verify_segments(const std::string& name, const std::vector<ReadSegment
   Sources sources(open);
   ReadRequest req;  // names the item in task errors; no destination
   req.name = name;
+  req.hi = UINT64_MAX;  // every chunk is "wanted": progress counts all of them
   std::vector<ChunkTask> tasks;
   for (const ReadSegment& seg : segments) {
     std::uint64_t pos = seg.raw_begin;

@@ -3,12 +3,14 @@
 #include "core/encode_pipeline.hpp"
 
 #include <algorithm>
+#include <atomic>
 #include <deque>
 #include <future>
 #include <memory>
 #include <stdexcept>
 #include <utility>
 
+#include "core/cancel.hpp"
 #include "core/checksum.hpp"
 #include "core/chunk_io.hpp"
 #include "core/error.hpp"
@@ -59,6 +61,10 @@ std::vector<WrittenItem> encode_and_write(ChunkSink& out, const std::vector<Writ
   }
 
   std::vector<WrittenItem> results(items.size());
+  // Set on the first failure (or Ctrl-C): chunks still queued on the pool skip their work, so
+  // the drain below waits only for the ones already running.
+  std::atomic<bool> abandoned{false};
+  std::atomic<std::uint64_t>* const progress = progress_counter();  // the caller's, if any
   const std::size_t max_inflight = 2 * pool.size() + 2;
   std::deque<std::unique_ptr<Slot>> inflight;
 
@@ -79,12 +85,14 @@ std::vector<WrittenItem> encode_and_write(ChunkSink& out, const std::vector<Writ
       s.rec.file_offset = out.append(bytes, s.rec.stored_len);
     } catch (...) {
       const std::exception_ptr err = std::current_exception();
+      abandoned.store(true, std::memory_order_relaxed);
       drain(inflight);
       rethrow_with_context(err, item_context(items[s.item].name));
     }
     if (w.chunks.empty()) w.offset = s.rec.file_offset;
     w.stored_bytes += s.rec.stored_len;
     w.chunks.push_back(std::move(s.rec));
+    if (progress) progress->fetch_add(s.len, std::memory_order_relaxed);
     inflight.pop_front();  // returns the lease
   };
 
@@ -100,6 +108,7 @@ std::vector<WrittenItem> encode_and_write(ChunkSink& out, const std::vector<Writ
         continue;
       }
       for (std::uint64_t off = 0; off < it.nbytes; off += chunk_bytes) {
+        poll_interrupt();  // Ctrl-C between chunks: the catch below drains, the caller aborts
         while (inflight.size() >= max_inflight) consume_one();
         auto s = std::make_unique<Slot>();
         s->item = i;
@@ -123,7 +132,8 @@ std::vector<WrittenItem> encode_and_write(ChunkSink& out, const std::vector<Writ
         }
         Slot* sp = s.get();
         const CodecParams* params = &it.params;
-        s->done = pool.submit([sp, params] {
+        s->done = pool.submit([sp, params, &abandoned] {
+          if (abandoned.load(std::memory_order_relaxed)) return;  // the call is failing anyway
           if (sp->lease) {
             sp->rec = encode_chunk(sp->src, sp->len, *params, sp->lease.data());
           } else {
@@ -140,7 +150,8 @@ std::vector<WrittenItem> encode_and_write(ChunkSink& out, const std::vector<Writ
     }
     while (!inflight.empty()) consume_one();
   } catch (...) {
-    drain(inflight);  // e.g. submit() on a shut-down pool; consume_one already drained
+    abandoned.store(true, std::memory_order_relaxed);
+    drain(inflight);  // e.g. submit() on a shut-down pool, or Ctrl-C; consume_one drained
     throw;
   }
   return results;

@@ -6,6 +6,7 @@
  * Thread-safety: submit() may be called from any thread. Threads start lazily on the first
  * submit() and stop in shutdown() or the destructor; no thread is created at static init.
  */
+#include <atomic>
 #include <condition_variable>
 #include <cstddef>
 #include <exception>
@@ -17,6 +18,8 @@
 #include <thread>
 #include <type_traits>
 #include <vector>
+
+#include "core/cancel.hpp"
 
 namespace pyckpt {
 
@@ -69,6 +72,9 @@ class ThreadPool {
  * @brief Runs fn(0) ... fn(n - 1) on `pool` and waits for every one of them, even after a
  *        failure (tasks may reference the caller's memory), then rethrows the first failure in
  *        index order (or the failure to submit).
+ *
+ * While it waits, the caller's interrupt check (cancel.hpp) is polled: once it fires, tasks that
+ * have not started are skipped, the running ones are drained, and Cancelled is thrown.
  * @note `fn` is shared by all tasks and must be safe to call concurrently.
  */
 template <typename Fn>
@@ -76,18 +82,34 @@ void run_all(ThreadPool& pool, std::size_t n, const Fn& fn) {
   std::vector<std::future<void>> futures;
   futures.reserve(n);
   std::exception_ptr first;
+  // Shared with the tasks, which all finish before this frame is left.
+  std::atomic<bool> cancelled{false};
   try {
-    for (std::size_t i = 0; i < n; ++i) futures.push_back(pool.submit([&fn, i] { fn(i); }));
+    for (std::size_t i = 0; i < n; ++i) {
+      futures.push_back(pool.submit([&fn, &cancelled, i] {
+        if (cancelled.load(std::memory_order_relaxed)) throw Cancelled();
+        fn(i);
+      }));
+    }
   } catch (...) {
     first = std::current_exception();  // e.g. a shut-down pool: still drain what was submitted
   }
+  const bool polling = interrupt_check_installed();
   for (auto& f : futures) {
+    if (polling && !cancelled.load(std::memory_order_relaxed)) {
+      try {
+        while (f.wait_for(kPollInterval) != std::future_status::ready) poll_interrupt();
+      } catch (const Cancelled&) {
+        cancelled.store(true, std::memory_order_relaxed);
+      }
+    }
     try {
       f.get();
     } catch (...) {
       if (!first) first = std::current_exception();
     }
   }
+  if (cancelled.load(std::memory_order_relaxed)) throw Cancelled();
   if (first) std::rethrow_exception(first);
 }
 

@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, cast
 
-from pyckpt import _C, _export, _knobs, _options
+from pyckpt import _C, _export, _knobs, _options, _progress
 from pyckpt._collective import Group, agree, group_info
 from pyckpt._consolidate.nodelocal import DEFAULT_BATCH_BYTES, run_share_nodelocal
 from pyckpt._consolidate.plan import INDEX_NAME, _Plan, make_plan
@@ -132,7 +132,7 @@ def consolidate(
     max_file_bytes: int | None = None,
     threads: int | None = None,
     fsync: bool | None = None,
-    progress: ProgressFn | None = None,
+    progress: ProgressFn | bool | None = None,
     input_mode: str | None = None,
     select: Any = AUTO,
     strip_prefix: str | list[str] | None = None,
@@ -189,8 +189,10 @@ def consolidate(
             a tensor that would push the current one past this many data bytes. Default: one file.
         threads: native copy threads per rank (default ``PYCKPT_NUM_THREADS``).
         fsync: fsync outputs before renaming (default ``PYCKPT_FSYNC``, on).
-        progress: called on this rank as ``progress(bytes_done, bytes_total)`` about every 0.1 s
-            from a helper thread while copying.
+        progress: ``True`` shows the export's progress on stderr (rank 0 only, its share; a bar
+            on a terminal, a log line every few seconds otherwise; 100% once the export is
+            committed); or a callable, called on this rank as ``progress(bytes_done,
+            bytes_total)`` about every 0.1 s from a helper thread while copying.
         input_mode: how input shards are read: ``"pread"`` or ``"mmap"`` (a mapping with
             ``madvise(SEQUENTIAL|WILLNEED)``); default ``PYCKPT_CONSOLIDATE_INPUT``, else
             ``"pread"``.
@@ -240,6 +242,14 @@ def consolidate(
         FileNotFoundError / OSError: I/O failures, with the file name.
         ValueError: bad arguments.
     """
+    if progress is True or progress is False:  # True: one view for the job (see _progress)
+        with _progress.job(progress, "export", process_group) as report:
+            return consolidate(
+                src, dst, process_group=process_group, fqn_to_file=fqn_to_file,
+                max_file_bytes=max_file_bytes, threads=threads, fsync=fsync, progress=report,
+                input_mode=input_mode, select=select, strip_prefix=strip_prefix, rename=rename,
+                dtype=dtype, dedup_tied=dedup_tied, shared_filesystem=shared_filesystem,
+                batch_bytes=batch_bytes)
     start = time.perf_counter()
     src, dst = os.fspath(src), os.fspath(dst)
     # Both refuse foreign URL schemes (gs://...) here; node-local applies to a directory only.
