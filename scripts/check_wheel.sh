@@ -45,7 +45,9 @@ if ls "$TMP"/pyckpt/_testing/*.so >/dev/null 2>&1; then
   exit 1
 fi
 # The statically linked zstd works: a compressed round trip through the wheel's extension.
-PYTHONPATH="$TMP" "$PY" -c '
+# Run from inside the unpacked wheel: the checkout's own pyckpt/ must not shadow it.
+PY_ABS=$(command -v "$PY" || echo "$PWD/$PY")
+(cd "$TMP" && PYTHONPATH="$TMP" "$PY_ABS" -c '
 import sys, tempfile, torch, pyckpt
 from pyckpt import _C
 assert _C.__file__.startswith(sys.argv[1]), _C.__file__
@@ -56,5 +58,5 @@ with tempfile.TemporaryDirectory() as d:
     pyckpt.load(back, d)
 assert torch.equal(back["w"], sd["w"])
 print("zstd", _C.zstd_version, "round trip through", _C.__file__)
-' "$TMP"
+' "$TMP")
 echo "OK: no libzstd dependency"
