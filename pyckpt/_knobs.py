@@ -26,6 +26,7 @@ __all__ = [
     "cudart_path",
     "pinned_pool_bytes",
     "consolidate_input",
+    "peer_timeout",
     "override",
 ]
 
@@ -140,6 +141,13 @@ def pinned_pool_bytes() -> int:
 def consolidate_input() -> str:
     """``PYCKPT_CONSOLIDATE_INPUT``: how consolidation reads shards, ``pread`` (default) or ``mmap``."""
     return _choice("consolidate_input", "PYCKPT_CONSOLIDATE_INPUT", "pread", ("pread", "mmap"))
+
+
+def peer_timeout() -> int:
+    """``PYCKPT_PEER_TIMEOUT``: seconds one of pyckpt's collectives between ranks may wait for
+    the others (default 300) before the rank raises ``PeerLostError``; capped at the process
+    group's own timeout (docs/RELIABILITY.md)."""
+    return _int("peer_timeout", "PYCKPT_PEER_TIMEOUT", 300, 1)
 
 
 @contextlib.contextmanager

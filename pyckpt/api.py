@@ -26,6 +26,7 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import ReadItem
 
+from pyckpt._collective import bounded_group, peer_errors
 from pyckpt.errors import CheckpointFormatError
 from pyckpt.planner import SavePlanner
 from pyckpt.storage import Reader, Writer
@@ -138,7 +139,8 @@ def save(
             from DCP's ``CheckpointException`` (attached as ``__cause__``), e.g. ``OSError``
             (ENOSPC, EFBIG) from a data file or :class:`pyckpt.UnsupportedDtypeError`.
     """
-    with Writer(path, **writer_options) as writer, _single_process_quiet(), _typed_errors():
+    with peer_errors(process_group, "pyckpt.save"), Writer(path, **writer_options) as writer, \
+            _single_process_quiet(), _typed_errors():
         return dcp.save(
             state_dict,
             storage_writer=writer,
@@ -193,7 +195,9 @@ def load(
     """
     reader_options = {"shared_filesystem": shared_filesystem, "process_group": process_group,
                       "storage_options": storage_options}
-    with _typed_errors(), Reader(path, **reader_options) as reader, _single_process_quiet():
+    bound = bounded_group(process_group) if shared_filesystem is False else contextlib.nullcontext()
+    with peer_errors(process_group, "pyckpt.load"), bound, _typed_errors(), \
+            Reader(path, **reader_options) as reader, _single_process_quiet():
         dcp.load(
             state_dict, storage_reader=reader, planner=load_planner(trusted),
             process_group=process_group,

@@ -18,6 +18,7 @@ __all__ = [
     "ObjectStoreError",
     "ConcurrentSaveError",
     "ExportNameCollisionError",
+    "PeerLostError",
 ]
 
 
@@ -97,3 +98,26 @@ class ExportNameCollisionError(PyckptError, ValueError):
     def __reduce__(self) -> tuple[type[ExportNameCollisionError], tuple[str, tuple[str, ...]]]:
         # Pickled to reach every rank of a consolidation: keep the attributes.
         return type(self), (self.name, self.sources)
+
+
+class PeerLostError(PyckptError, RuntimeError):
+    """Another rank of the process group died or stopped answering during one of pyckpt's own
+    exchanges between ranks (node-local saves, loads and consolidations), so this rank gave up
+    instead of waiting for the process group's timeout.
+
+    Raised on every surviving rank within the bound of ``PYCKPT_PEER_TIMEOUT`` (see
+    docs/RELIABILITY.md). The process group is unusable afterwards: pyckpt does not call it
+    again, and the job should restart its ranks. Nothing already saved is touched.
+
+    Attributes:
+        rank: the group rank that was lost, when it could be told (else None).
+        operation: the exchange that failed (e.g. ``"a node-local transfer"``).
+    """
+
+    def __init__(self, message: str, rank: int | None = None, operation: str = "") -> None:
+        super().__init__(message)
+        self.rank = rank
+        self.operation = operation
+
+    def __reduce__(self) -> tuple[type[PeerLostError], tuple[str, int | None, str]]:
+        return type(self), (str(self), self.rank, self.operation)
