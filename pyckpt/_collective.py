@@ -3,13 +3,20 @@
 Used by consolidation and by node-local checkpoints. ``torch`` is imported lazily: a single
 process without ``torch.distributed`` works too (every function then acts on one rank).
 
-Every collective here waits a bounded time (:func:`bound_s`: ``PYCKPT_PEER_TIMEOUT``, capped at
-the group's own timeout): each operation is started with that timeout (gloo then fails the
-operation itself, so no worker thread stays blocked) and waited on with it. When one fails (a
-peer died: its connections closed; or it stopped answering) the group is marked lost, this rank
-finds out which ranks are gone (:func:`_missing_ranks`) and raises
-:class:`~pyckpt.errors.PeerLostError`; any later collective of pyckpt on that group raises at
-once instead of entering an operation the other ranks will never match (docs/RELIABILITY.md).
+No collective here waits forever on a lost rank (docs/RELIABILITY.md, "Peers that die"):
+
+* a rank that sees a collective fail (gloo reports a closed connection at once when a peer
+  dies) marks the group lost, sets a key in the group's store, and raises
+  :class:`~pyckpt.errors.PeerLostError`; every waiting rank polls that key each second, so a
+  survivor that waits on another survivor (one that left the collective) stops too;
+* a wait longer than :func:`bound_s` (``PYCKPT_PEER_TIMEOUT``, default 300 s) checks the other
+  ranks' heartbeats (a counter each rank's daemon thread advances in the store every 2 s): a
+  rank that stopped beating is lost; ranks that still beat are busy with local work, and the
+  wait goes on (up to the group's own timeout);
+* the survivors report in through the store (:func:`_missing_ranks`), so each names the rank
+  that did not;
+* any later collective of pyckpt on a lost group raises at once instead of entering an
+  operation the other ranks will never match.
 """
 
 from __future__ import annotations
@@ -34,8 +41,10 @@ T = TypeVar("T")
 # After a collective failed: how long this rank waits for the other survivors to report in,
 # to tell which ranks are gone (the dead ones never do).
 CHECK_IN_S = 5.0
-# Added to the operation's own timeout when waiting on it (the operation fails first).
-_WAIT_GRACE_S = 5.0
+# How often each rank's heartbeat counter advances in the group's store while it takes part
+# in pyckpt's collectives (see _start_heartbeat).
+HEARTBEAT_S = 2.0
+_BEAT_PREFIX = "pyckpt/peer-beat/"
 _STORE_PREFIX = "pyckpt/peer-alive/"
 # Set in the group's store by the first rank that finds a collective of pyckpt failed.
 _LOST_KEY = "pyckpt/peer-lost"
@@ -88,8 +97,9 @@ def _pg(group: Group) -> Any:
 
 
 def bound_s(group: Group) -> float:
-    """Seconds one collective of pyckpt may wait: ``PYCKPT_PEER_TIMEOUT`` (default 300),
-    capped at the process group's own timeout where it can be read."""
+    """Seconds one collective of pyckpt waits before it checks the other ranks' heartbeats:
+    ``PYCKPT_PEER_TIMEOUT`` (default 300), capped at the process group's own timeout where it
+    can be read."""
     bound = float(_knobs.peer_timeout())
     try:
         import torch
@@ -143,7 +153,9 @@ def _raise_lost(group: Group, what: str, cause: BaseException | None, waited: fl
         raise PeerLostError(
             f"pyckpt: {what} on rank {group.rank}: the process group lost {who} during "
             f"{during}; it cannot be used any more (restart the job's ranks)", lost, what)
-    missing = _missing_ranks(group)
+    missing = cause.ranks if isinstance(cause, _Silent) and cause.ranks else None
+    if missing is None:
+        missing = _missing_ranks(group)
     if missing:
         rank: int | None = missing[0]
         who = (f"rank {rank}" if len(missing) == 1
@@ -156,13 +168,16 @@ def _raise_lost(group: Group, what: str, cause: BaseException | None, waited: fl
         _lost[id(pg)] = (pg, what, rank)
     if isinstance(cause, _Reported):
         how = "another rank found the process group broken"
+    elif isinstance(cause, _Silent):
+        how = (f"no answer within {bound:g} s (PYCKPT_PEER_TIMEOUT) and no heartbeat for "
+               f"{2.5 * HEARTBEAT_S:g} s")
     elif cause is None or "timed out" in str(cause).lower() or "timeout" in str(cause).lower():
-        how = f"no answer within {bound:g} s (PYCKPT_PEER_TIMEOUT)"
+        how = "no answer within the process group's timeout"
     else:
         how = "its connection closed"
-    after = "" if waited is None else f" after {min(waited, bound):.1f} s"
+    after = "" if waited is None else f" after {waited:.1f} s"
     detail = ""
-    if cause is not None and not isinstance(cause, _Reported):
+    if cause is not None and not isinstance(cause, (_Reported, _Silent)):
         detail = f" [{type(cause).__name__}: {(str(cause).splitlines() or [''])[0][:200]}]"
     raise PeerLostError(
         f"pyckpt: lost {who} during {what} on rank {group.rank}: {how}{after}; "
@@ -206,21 +221,73 @@ def _reported(group: Group) -> bool:
     return bool(_store_call(group, lambda store: store.check([_LOST_KEY]), 2.0))
 
 
+class _Silent(Exception):
+    """Ranks that stopped beating (see :func:`_silent_ranks`)."""
+
+    def __init__(self, ranks: list[int] | None) -> None:
+        super().__init__("no heartbeat")
+        self.ranks = ranks
+
+
+# Groups whose heartbeat thread runs: id -> group.
+_beating: dict[int, Any] = {}
+
+
+def _start_heartbeat(group: Group) -> None:
+    """Starts (once per group and process) a daemon thread that increments this rank's counter
+    in the group's store every :data:`HEARTBEAT_S`: a rank busy with local work between two
+    collectives (stitching its own files, reading a large batch) keeps beating, a dead, stopped
+    or wedged process does not."""
+    pg = _pg(group)
+    with _lost_lock:
+        if id(pg) in _beating:
+            return
+        _beating[id(pg)] = pg
+    key = f"{_BEAT_PREFIX}{group.rank}"
+
+    def beat() -> None:
+        try:
+            store = pg.get_group_store()
+            while id(pg) not in _lost:
+                store.add(key, 1)
+                time.sleep(HEARTBEAT_S)
+        except Exception:  # no store, or it is gone: waits fall back to the bound alone
+            pass
+
+    threading.Thread(target=beat, name="pyckpt-peer-heartbeat", daemon=True).start()
+
+
+def _silent_ranks(group: Group) -> list[int] | None:
+    """Ranks whose heartbeat did not advance over 2.5 beats; None when the store is gone."""
+    keys = [f"{_BEAT_PREFIX}{r}" for r in range(group.world)]
+    first = _store_call(group, lambda st: [st.add(k, 0) for k in keys], 5.0)
+    if first is None:
+        return None
+    time.sleep(2.5 * HEARTBEAT_S)
+    second = _store_call(group, lambda st: [st.add(k, 0) for k in keys], 5.0)
+    if second is None:
+        return None
+    return [r for r in range(group.world) if r != group.rank and second[r] == first[r]]
+
+
 def _run(group: Group, what: str, options: Any, start: Callable[[Any], Any]) -> None:
-    """Starts one collective with pyckpt's timeout and waits for it, at most that long.
+    """Starts one collective and waits for it; raises PeerLostError when a rank is lost.
 
     While waiting, every :data:`_POLL_S` the group's store is asked whether another rank has
     already found the group broken: a survivor that waits on another survivor (one that left
-    the collective when its own transfer with the dead rank failed) learns it within a second
-    instead of at the timeout.
+    the collective when its own transfer with the dead rank failed) learns it within a second.
+    Each time :func:`bound_s` passes without the operation completing, the other ranks'
+    heartbeats are checked: a rank that stopped beating is lost; if every rank still beats
+    (busy with local work), the wait goes on, up to the group's own timeout, which then fails
+    the operation.
     """
     pg = _pg(group)
     if id(pg) in _lost:
         _raise_lost(group, what, None, None, 0.0)
+    _start_heartbeat(group)
     bound = bound_s(group)
-    options.timeout = timedelta(seconds=bound)
     t0 = time.monotonic()
-    deadline = t0 + bound + _WAIT_GRACE_S
+    deadline = t0 + bound
     try:
         work = start(options)
         while True:
@@ -231,12 +298,21 @@ def _run(group: Group, what: str, options: Any, start: Callable[[Any], Any]) -> 
                 if work.is_completed():  # the operation itself failed
                     raise
             # This rank's poll interval elapsed; the operation still runs.
-            if time.monotonic() >= deadline:
-                raise TimeoutError(f"timed out after {bound:g} s")
             if _reported(group):
                 raise _Reported("another rank found the process group broken")
-    except (RuntimeError, TimeoutError, _Reported) as e:  # gloo's errors (DistBackendError...)
+            if time.monotonic() >= deadline:
+                silent = _silent_ranks(group)
+                if silent is None or silent:
+                    raise _Silent(silent)
+                deadline = time.monotonic() + bound  # every rank is alive: wait on
+    except (RuntimeError, _Reported, _Silent) as e:  # gloo's errors (DistBackendError...)
         _raise_lost(group, what, e, time.monotonic() - t0, bound)
+
+
+# gloo's reports of a peer that died or stopped answering (and Work.wait's timeout).
+_PEER_FAILURES = ("Connection closed by peer", "Read error", "Write error", "Socket closed",
+                  "Connection reset", "Broken pipe", "Timed out waiting",
+                  "timeout caused pair closure", "Operation timed out!")
 
 
 def is_peer_failure(exc: BaseException) -> bool:
@@ -244,9 +320,7 @@ def is_peer_failure(exc: BaseException) -> bool:
     if type(exc).__name__ in ("DistBackendError", "DistNetworkError"):
         return True
     text = str(exc)
-    return isinstance(exc, RuntimeError) and "/gloo/" in text and any(
-        s in text for s in ("Connection closed", "Read error", "Write error", "Socket closed",
-                            "Connection reset", "Broken pipe", "Timed out"))
+    return isinstance(exc, RuntimeError) and any(s in text for s in _PEER_FAILURES)
 
 
 @contextlib.contextmanager

@@ -144,9 +144,10 @@ def consolidate_input() -> str:
 
 
 def peer_timeout() -> int:
-    """``PYCKPT_PEER_TIMEOUT``: seconds one of pyckpt's collectives between ranks may wait for
-    the others (default 300) before the rank raises ``PeerLostError``; capped at the process
-    group's own timeout (docs/RELIABILITY.md)."""
+    """``PYCKPT_PEER_TIMEOUT``: seconds one of pyckpt's collectives between ranks waits for the
+    others (default 300) before it checks their heartbeats and raises ``PeerLostError`` for a
+    rank that stopped beating; capped at the process group's own timeout. Also the group's
+    timeout during a node-local load (docs/RELIABILITY.md, "Peers that die")."""
     return _int("peer_timeout", "PYCKPT_PEER_TIMEOUT", 300, 1)
 
 

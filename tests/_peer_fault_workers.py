@@ -52,23 +52,41 @@ def state(world: int, zeros: bool, dim: int) -> dict[str, Any]:
     return sd
 
 
-def _run(op: str, rank: int, world: int, root: str) -> None:
+def _prepare(op: str, rank: int, world: int, root: str) -> Any:
+    """Everything before the operation itself (imports, the state to load into), so that the
+    operation starts right after ``ready`` and kill points fall inside it."""
     import pyckpt
     import pyckpt.storage
 
     if op == "save":
-        pyckpt.save(state(world, zeros=False, dim=0), os.path.join(root, "ckpt"),
-                    shared_filesystem=False, compression="zstd")
-    elif op == "load":
+        sd = state(world, zeros=False, dim=0)
+        return lambda: pyckpt.save(sd, os.path.join(root, "ckpt"), shared_filesystem=False,
+                                   compression="zstd")
+    if op == "load":
         pyckpt.storage._READ_BATCH_BYTES = 16 << 10  # type: ignore[attr-defined]
         sd = state(world, zeros=True, dim=1)  # another sharding than the save's
-        pyckpt.load(sd, os.path.join(root, "ckpt"), shared_filesystem=False)
-    elif op == "consolidate":
-        pyckpt.consolidate(os.path.join(root, "ckpt"), os.path.join(root, "export"),
-                           shared_filesystem=False, fsync=False, batch_bytes=8 << 10,
-                           max_file_bytes=256 << 10)
-    else:
-        raise ValueError(op)
+        return lambda: pyckpt.load(sd, os.path.join(root, "ckpt"), shared_filesystem=False)
+    if op == "consolidate":
+        return lambda: pyckpt.consolidate(
+            os.path.join(root, "ckpt"), os.path.join(root, "export"), shared_filesystem=False,
+            fsync=False, batch_bytes=8 << 10, max_file_bytes=256 << 10)
+    raise ValueError(op)
+
+
+def busy_rank_worker(rank: int, world: int, busy_s: float) -> Any:
+    """Rank 1 works ``busy_s`` seconds (longer than the peer timeout) between two collectives;
+    rank 0 waits for it in the second. Returns the seconds rank 0 waited."""
+    from pyckpt import _knobs
+    from pyckpt._collective import all_gather, group_info
+
+    group = group_info(None)
+    with _knobs.override(peer_timeout=2):
+        all_gather(rank, group)
+        t0 = time.monotonic()
+        if rank == 1:
+            time.sleep(busy_s)  # local work; this rank's heartbeat keeps beating
+        got = all_gather(rank * 10, group)
+    return {"got": got, "waited": time.monotonic() - t0}
 
 
 def main(op: str, rank: int, world: int, port: int, root: str) -> None:
@@ -79,11 +97,12 @@ def main(op: str, rank: int, world: int, port: int, root: str) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world,
                             timeout=datetime.timedelta(seconds=GROUP_TIMEOUT_S))
+    run = _prepare(op, rank, world, root_view)
     dist.barrier()
     print("ready", flush=True)
     t0 = time.monotonic()
     try:
-        _run(op, rank, world, root_view)
+        run()
         out: dict[str, Any] = {"ok": True}
     except Exception as e:
         out = {"ok": False, "type": type(e).__name__, "message": str(e),
