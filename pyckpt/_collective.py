@@ -2,20 +2,59 @@
 
 Used by consolidation and by node-local checkpoints. ``torch`` is imported lazily: a single
 process without ``torch.distributed`` works too (every function then acts on one rank).
+
+No collective here waits forever on a lost rank (docs/RELIABILITY.md, "Peers that die"):
+
+* a rank that sees a collective fail (gloo reports a closed connection at once when a peer
+  dies) marks the group lost, sets a key in the group's store, and raises
+  :class:`~pyckpt.errors.PeerLostError`; every waiting rank polls that key each second, so a
+  survivor that waits on another survivor (one that left the collective) stops too;
+* a wait longer than :func:`bound_s` (``PYCKPT_PEER_TIMEOUT``, default 300 s) checks the other
+  ranks' heartbeats (a counter each rank's daemon thread advances in the store every 2 s): a
+  rank that stopped beating is lost; ranks that still beat are busy with local work, and the
+  wait goes on (up to the group's own timeout);
+* the survivors report in through the store (:func:`_missing_ranks`), so each names the rank
+  that did not;
+* any later collective of pyckpt on a lost group raises at once instead of entering an
+  operation the other ranks will never match.
 """
 
 from __future__ import annotations
 
+import contextlib
 import pickle
-from collections.abc import Callable
+import threading
+import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any, TypeVar
 
-from pyckpt.errors import PyckptError
+from pyckpt import _knobs
+from pyckpt.errors import PeerLostError, PyckptError
 
-__all__ = ["Group", "group_info", "broadcast", "all_gather", "portable", "add_note", "agree"]
+__all__ = ["Group", "group_info", "broadcast", "all_gather", "all_to_all_single", "bound_s",
+           "peer_errors", "bounded_group", "portable", "add_note", "agree"]
 
 T = TypeVar("T")
+
+# After a collective failed: how long this rank waits for the other survivors to report in,
+# to tell which ranks are gone (the dead ones never do).
+CHECK_IN_S = 5.0
+# How often each rank's heartbeat counter advances in the group's store while it takes part
+# in pyckpt's collectives (see _start_heartbeat).
+HEARTBEAT_S = 2.0
+_BEAT_PREFIX = "pyckpt/peer-beat/"
+_STORE_PREFIX = "pyckpt/peer-alive/"
+# Set in the group's store by the first rank that finds a collective of pyckpt failed.
+_LOST_KEY = "pyckpt/peer-lost"
+# How often a waiting collective asks the store whether another rank found the group broken.
+_POLL_S = 1.0
+
+# Process groups on which a collective of pyckpt failed: id -> (group object, what failed, the
+# lost rank). The object is kept so that its id is not reused while the entry exists.
+_lost: dict[int, tuple[Any, str, int | None]] = {}
+_lost_lock = threading.Lock()
 
 
 @dataclass(frozen=True)
@@ -51,26 +90,378 @@ def group_info(process_group: Any) -> Group:
     return Group(process_group, rank, dist.get_world_size(process_group), True)
 
 
-def broadcast(obj: Any, group: Group, src: int = 0) -> Any:
-    """``obj`` of group rank ``src`` on every rank."""
+def _pg(group: Group) -> Any:
+    import torch.distributed as dist
+
+    return group.pg if group.pg is not None else dist.group.WORLD
+
+
+def bound_s(group: Group) -> float:
+    """Seconds one collective of pyckpt waits before it checks the other ranks' heartbeats:
+    ``PYCKPT_PEER_TIMEOUT`` (default 300), capped at the process group's own timeout where it
+    can be read."""
+    bound = float(_knobs.peer_timeout())
+    try:
+        import torch
+
+        own = _pg(group)._get_backend(torch.device("cpu")).options._timeout.total_seconds()
+        if own > 0:
+            bound = min(bound, own)
+    except Exception:  # another backend or torch version: the knob alone
+        pass
+    return bound
+
+
+def _device(pg: Any) -> Any:
+    import torch
+    import torch.distributed as dist
+
+    if dist.get_backend(pg) == "nccl":  # object collectives then travel as CUDA tensors
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _missing_ranks(group: Group) -> list[int] | None:
+    """After a failed collective: the ranks that neither report in within :data:`CHECK_IN_S`
+    nor beat meanwhile.
+
+    Each survivor sets a key in the group's store and watches for the others' keys (every
+    survivor's collective fails, so every survivor reports). None when the store cannot be
+    reached either (it may be served by the lost process).
+    """
+
+    beats = [f"{_BEAT_PREFIX}{r}" for r in range(group.world)]
+
+    def check_in(store: Any) -> list[int]:
+        store.set(_LOST_KEY, str(group.rank))
+        store.set(f"{_STORE_PREFIX}{group.rank}", "1")
+        before = [store.add(k, 0) for k in beats]
+        deadline = time.monotonic() + CHECK_IN_S
+        while True:
+            present = {r for r in range(group.world) if store.check([f"{_STORE_PREFIX}{r}"])}
+            if len(present) == group.world or time.monotonic() >= deadline:
+                break
+            time.sleep(0.05)
+        # A survivor still inside a collective pyckpt does not run (DCP's) cannot report in
+        # yet; its heartbeat still advances.
+        after = [store.add(k, 0) for k in beats]
+        return [r for r in range(group.world) if r not in present and after[r] == before[r]]
+
+    return _store_call(group, check_in, CHECK_IN_S + 2.0)
+
+
+def _raise_lost(group: Group, what: str, cause: BaseException | None, waited: float | None,
+                bound: float) -> None:
+    pg = _pg(group)
+    with _lost_lock:
+        earlier = _lost.get(id(pg))
+    if earlier is not None:
+        _, during, lost = earlier
+        who = "a rank" if lost is None else f"rank {lost}"
+        raise PeerLostError(
+            f"pyckpt: {what} on rank {group.rank}: the process group lost {who} during "
+            f"{during}; it cannot be used any more (restart the job's ranks)", lost, what)
+    missing = cause.ranks if isinstance(cause, _Silent) and cause.ranks else None
+    if missing is None:
+        missing = _missing_ranks(group)
+    if missing:
+        rank: int | None = missing[0]
+        who = (f"rank {rank}" if len(missing) == 1
+               else "ranks " + ", ".join(str(r) for r in missing))
+        who += f" of {group.world}"
+    else:
+        rank = None
+        who = "a rank" if missing is None else "a rank (every other rank is alive: one is stuck)"
+    with _lost_lock:
+        _lost[id(pg)] = (pg, what, rank)
+    if isinstance(cause, _Reported):
+        how = "another rank found the process group broken"
+    elif isinstance(cause, _Silent):
+        how = (f"no answer within {bound:g} s (PYCKPT_PEER_TIMEOUT) and no heartbeat for "
+               f"{2.5 * HEARTBEAT_S:g} s")
+    elif cause is None or "timed out" in str(cause).lower() or "timeout" in str(cause).lower():
+        how = "no answer within the process group's timeout"
+    else:
+        how = "its connection closed"
+    after = "" if waited is None else f" after {waited:.1f} s"
+    detail = ""
+    if cause is not None and not isinstance(cause, (_Reported, _Silent)):
+        detail = f" [{type(cause).__name__}: {(str(cause).splitlines() or [''])[0][:200]}]"
+    raise PeerLostError(
+        f"pyckpt: lost {who} during {what} on rank {group.rank}: {how}{after}; "
+        f"the process group cannot be used any more (restart the job's ranks){detail}", rank,
+        what) from cause
+
+
+class _Reported(Exception):
+    """Another rank reported in the group's store that a collective of pyckpt failed there."""
+
+
+# Process groups whose store did not answer (it may be served by the lost process): id -> group.
+_no_store: dict[int, Any] = {}
+
+
+def _store_call(group: Group, fn: Callable[[Any], T], timeout: float) -> T | None:
+    """``fn(store)`` on the group's store, given up after ``timeout`` s (None then, and the
+    store is not asked again): a client of a store whose server died retries for the store's
+    own timeout, which must not extend pyckpt's bound."""
+    pg = _pg(group)
+    if id(pg) in _no_store:
+        return None
+    out: list[T] = []
+
+    def body() -> None:
+        try:
+            out.append(fn(pg.get_group_store()))
+        except Exception:
+            pass
+
+    thread = threading.Thread(target=body, name="pyckpt-peer-store", daemon=True)
+    thread.start()
+    thread.join(timeout)
+    if not out:
+        _no_store[id(pg)] = pg
+        return None
+    return out[0]
+
+
+def _reported(group: Group) -> bool:
+    return bool(_store_call(group, lambda store: store.check([_LOST_KEY]), 2.0))
+
+
+class _Silent(Exception):
+    """Ranks that stopped beating (see :func:`_silent_ranks`)."""
+
+    def __init__(self, ranks: list[int] | None) -> None:
+        super().__init__("no heartbeat")
+        self.ranks = ranks
+
+
+# Groups whose heartbeat thread runs: id -> group.
+_beating: dict[int, Any] = {}
+
+
+def _start_heartbeat(group: Group) -> None:
+    """Starts (once per group and process) a daemon thread that increments this rank's counter
+    in the group's store every :data:`HEARTBEAT_S`: a rank busy with local work between two
+    collectives (stitching its own files, reading a large batch) keeps beating, a dead, stopped
+    or wedged process does not."""
+    pg = _pg(group)
+    with _lost_lock:
+        if id(pg) in _beating:
+            return
+        _beating[id(pg)] = pg
+    key = f"{_BEAT_PREFIX}{group.rank}"
+
+    def beat() -> None:
+        try:
+            store = pg.get_group_store()
+            while id(pg) not in _lost:
+                store.add(key, 1)
+                time.sleep(HEARTBEAT_S)
+        except Exception:  # no store, or it is gone: waits fall back to the bound alone
+            pass
+
+    threading.Thread(target=beat, name="pyckpt-peer-heartbeat", daemon=True).start()
+
+
+def _silent_ranks(group: Group) -> list[int] | None:
+    """Ranks whose heartbeat did not advance over 2.5 beats; None when the store is gone."""
+    keys = [f"{_BEAT_PREFIX}{r}" for r in range(group.world)]
+    first = _store_call(group, lambda st: [st.add(k, 0) for k in keys], 5.0)
+    if first is None:
+        return None
+    time.sleep(2.5 * HEARTBEAT_S)
+    second = _store_call(group, lambda st: [st.add(k, 0) for k in keys], 5.0)
+    if second is None:
+        return None
+    return [r for r in range(group.world) if r != group.rank and second[r] == first[r]]
+
+
+def _run(group: Group, what: str, options: Any, start: Callable[[Any], Any]) -> None:
+    """Starts one collective and waits for it; raises PeerLostError when a rank is lost.
+
+    While waiting, every :data:`_POLL_S` the group's store is asked whether another rank has
+    already found the group broken: a survivor that waits on another survivor (one that left
+    the collective when its own transfer with the dead rank failed) learns it within a second.
+    Each time :func:`bound_s` passes without the operation completing, the other ranks'
+    heartbeats are checked: a rank that stopped beating is lost; if every rank still beats
+    (busy with local work), the wait goes on, up to the group's own timeout, which then fails
+    the operation.
+    """
+    pg = _pg(group)
+    if id(pg) in _lost:
+        _raise_lost(group, what, None, None, 0.0)
+    _start_heartbeat(group)
+    bound = bound_s(group)
+    t0 = time.monotonic()
+    deadline = t0 + bound
+    try:
+        work = start(options)
+        while True:
+            try:
+                work.wait(timedelta(seconds=_POLL_S))
+                return
+            except RuntimeError:
+                if work.is_completed():  # the operation itself failed
+                    raise
+            # This rank's poll interval elapsed; the operation still runs.
+            if _reported(group):
+                raise _Reported("another rank found the process group broken")
+            if time.monotonic() >= deadline:
+                silent = _silent_ranks(group)
+                if silent is None or silent:
+                    raise _Silent(silent)
+                deadline = time.monotonic() + bound  # every rank is alive: wait on
+    except (RuntimeError, _Reported, _Silent) as e:  # gloo's errors (DistBackendError...)
+        _raise_lost(group, what, e, time.monotonic() - t0, bound)
+
+
+# gloo's reports of a peer that died or stopped answering (and Work.wait's timeout).
+_PEER_FAILURES = ("Connection closed by peer", "Read error", "Write error", "Socket closed",
+                  "Connection reset", "Broken pipe", "Timed out waiting",
+                  "timeout caused pair closure", "Operation timed out!")
+
+
+def is_peer_failure(exc: BaseException) -> bool:
+    """Whether ``exc`` is the transport's report of a peer that died or stopped answering."""
+    if type(exc).__name__ in ("DistBackendError", "DistNetworkError"):
+        return True
+    text = str(exc)
+    return isinstance(exc, RuntimeError) and any(s in text for s in _PEER_FAILURES)
+
+
+@contextlib.contextmanager
+def peer_errors(process_group: Any, what: str) -> Iterator[None]:
+    """Turns the transport's error about a lost peer, raised by collectives pyckpt does not run
+    itself (DCP's planning and result exchanges of a save or load), into a
+    :class:`~pyckpt.errors.PeerLostError` naming the rank. Those collectives keep the process
+    group's own timeout: pyckpt cannot tell how long the slowest rank's writes take."""
+    try:
+        yield
+    except PeerLostError:
+        raise
+    except RuntimeError as e:
+        if not is_peer_failure(e):
+            raise
+        try:
+            group = group_info(process_group)
+        except ValueError:
+            raise e from None
+        if not group.distributed:
+            raise
+        _raise_lost(group, what, e, None, bound_s(group))
+
+
+@contextlib.contextmanager
+def bounded_group(process_group: Any) -> Iterator[None]:
+    """Lowers the process group's own timeout to :func:`bound_s` for the duration (restored
+    after): for operations in which no collective waits for another rank's bulk I/O, so that
+    collectives pyckpt does not run itself (DCP's planning exchanges of a node-local load, whose
+    reads end with an exchange every rank takes part in) are bounded as well."""
+    try:
+        group = group_info(process_group)
+    except ValueError:
+        group = Group(None, 0, 1, False)
+    backend = None
+    if group.distributed:
+        try:
+            import torch
+
+            backend = _pg(group)._get_backend(torch.device("cpu"))
+            before = backend.options._timeout
+            bound = timedelta(seconds=bound_s(group))
+            if bound < before:
+                backend.set_timeout(bound)
+            else:
+                backend = None
+        except Exception:  # another backend: its own timeout applies
+            backend = None
+    try:
+        yield
+    finally:
+        if backend is not None:
+            backend.set_timeout(before)
+
+
+def _options(name: str) -> Any:
+    from torch._C import _distributed_c10d as c10d
+
+    return getattr(c10d, name)()
+
+
+def _to_bytes(t: Any, n: int) -> bytes:
+    return bytes(t[:n].cpu().numpy().tobytes())
+
+
+def broadcast(obj: Any, group: Group, src: int = 0, what: str = "a broadcast") -> Any:
+    """``obj`` of group rank ``src`` on every rank.
+
+    Raises:
+        PeerLostError: a rank died or did not answer within :func:`bound_s`.
+    """
     if not group.distributed:
         return obj
-    import torch.distributed as dist
+    import torch
 
-    box = [obj]
-    dist.broadcast_object_list(box, group=group.pg, group_src=src)
-    return box[0]
+    pg = _pg(group)
+    dev = _device(pg)
+    data = pickle.dumps(obj) if group.rank == src else b""
+    size = torch.tensor([len(data)], dtype=torch.int64, device=dev)
+
+    def bcast(t: Any) -> Callable[[Any], Any]:
+        def start(opts: Any) -> Any:
+            opts.rootRank, opts.rootTensor = src, 0
+            return pg.broadcast([t], opts)
+        return start
+
+    _run(group, what, _options("BroadcastOptions"), bcast(size))
+    n = int(size.item())
+    buf = torch.empty(n, dtype=torch.uint8, device=dev)
+    if group.rank == src:
+        buf.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+    _run(group, what, _options("BroadcastOptions"), bcast(buf))
+    return obj if group.rank == src else pickle.loads(_to_bytes(buf, n))
 
 
-def all_gather(obj: Any, group: Group) -> list[Any]:
-    """Every rank's ``obj``, indexed by group rank."""
+def all_gather(obj: Any, group: Group, what: str = "an exchange of state") -> list[Any]:
+    """Every rank's ``obj``, indexed by group rank.
+
+    Raises:
+        PeerLostError: a rank died or did not answer within :func:`bound_s`.
+    """
     if not group.distributed:
         return [obj]
-    import torch.distributed as dist
+    import torch
 
-    out: list[Any] = [None] * group.world
-    dist.all_gather_object(out, obj, group=group.pg)
-    return out
+    pg = _pg(group)
+    dev = _device(pg)
+    data = pickle.dumps(obj)
+    size = torch.tensor([len(data)], dtype=torch.int64, device=dev)
+    sizes = [torch.empty_like(size) for _ in range(group.world)]
+    _run(group, what, _options("AllgatherOptions"),
+         lambda opts: pg.allgather([sizes], [size], opts))
+    lengths = [int(s.item()) for s in sizes]
+    longest = max(lengths)
+    mine = torch.zeros(longest, dtype=torch.uint8, device=dev)
+    mine[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    outs = [torch.empty(longest, dtype=torch.uint8, device=dev) for _ in range(group.world)]
+    _run(group, what, _options("AllgatherOptions"),
+         lambda opts: pg.allgather([outs], [mine], opts))
+    return [obj if r == group.rank else pickle.loads(_to_bytes(outs[r], lengths[r]))
+            for r in range(group.world)]
+
+
+def all_to_all_single(recv: Any, send: Any, recv_sizes: list[int], send_sizes: list[int],
+                      group: Group, what: str = "a transfer between ranks") -> None:
+    """``torch.distributed.all_to_all_single`` with pyckpt's bounded wait (CPU tensors).
+
+    Raises:
+        PeerLostError: a rank died or did not answer within :func:`bound_s`.
+    """
+    pg = _pg(group)
+    _run(group, what, _options("AllToAllOptions"),
+         lambda opts: pg.alltoall_base(recv, send, list(recv_sizes), list(send_sizes), opts))
 
 
 def portable(exc: BaseException) -> BaseException:
@@ -130,11 +521,12 @@ def agree(
             error = e
     status = None if error is None else portable(error)
     if ranks == "root":
-        value, status = broadcast((value, status), group)
+        value, status = broadcast((value, status), group, what=what)
         outcomes = [status]
         values: list[Any] = [value]
     else:
-        gathered = all_gather((value, status) if group.distributed else (None, status), group)
+        gathered = all_gather((value, status) if group.distributed else (None, status), group,
+                              what=what)
         outcomes = [s for _, s in gathered]
         values = [v for v, _ in gathered] if group.distributed else [value]
     failed = [(r, e) for r, e in enumerate(outcomes) if e is not None]

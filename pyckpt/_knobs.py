@@ -31,6 +31,7 @@ __all__ = [
     "local_world_size",
     "consolidate_input",
     "progress_interval",
+    "peer_timeout",
     "override",
 ]
 
@@ -212,6 +213,12 @@ def progress_interval() -> float:
     if not value >= 0:
         raise ValueError(f"PYCKPT_PROGRESS_INTERVAL={raw!r} must be >= 0")
     return value
+def peer_timeout() -> int:
+    """``PYCKPT_PEER_TIMEOUT``: seconds one of pyckpt's collectives between ranks waits for the
+    others (default 300) before it checks their heartbeats and raises ``PeerLostError`` for a
+    rank that stopped beating; capped at the process group's own timeout. Also the group's
+    timeout during a node-local load (docs/RELIABILITY.md, "Peers that die")."""
+    return _int("peer_timeout", "PYCKPT_PEER_TIMEOUT", 300, 1)
 
 
 @contextlib.contextmanager

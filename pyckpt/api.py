@@ -29,6 +29,7 @@ from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import ReadItem
 
 from pyckpt import _progress
+from pyckpt._collective import bounded_group, peer_errors
 from pyckpt.errors import CheckpointFormatError
 from pyckpt.planner import SavePlanner
 from pyckpt.storage import Reader, Writer
@@ -189,7 +190,8 @@ def save(
             (ENOSPC, EFBIG) from a data file or :class:`pyckpt.UnsupportedDtypeError`.
     """
     totals = [0]  # this rank's planned bytes, known once DCP has planned
-    with Writer(path, **writer_options) as writer, _single_process_quiet(), _typed_errors(), \
+    with peer_errors(process_group, "pyckpt.save"), Writer(path, **writer_options) as writer, \
+            _single_process_quiet(), _typed_errors(), \
             _progress.job(progress, "save", process_group) as report, \
             _progress.native_counter(report, totals):
         if report is not None:
@@ -250,7 +252,9 @@ def load(
     """
     reader_options = {"shared_filesystem": shared_filesystem, "process_group": process_group,
                       "storage_options": storage_options}
-    with _typed_errors(), Reader(path, **reader_options) as reader, _single_process_quiet(), \
+    bound = bounded_group(process_group) if shared_filesystem is False else contextlib.nullcontext()
+    with peer_errors(process_group, "pyckpt.load"), bound, _typed_errors(), \
+            Reader(path, **reader_options) as reader, _single_process_quiet(), \
             _quiet_missing_metadata(), \
             _progress.job(progress, "load", process_group) as report, \
             _progress.native_counter(report, _progress.local_bytes(state_dict) if report else 0):

@@ -26,6 +26,7 @@ __all__ = [
     "TierBudgetError",
     "TierWarning",
     "PinnedMemoryWarning",
+    "PeerLostError",
 ]
 
 
@@ -209,3 +210,24 @@ class PinnedMemoryWarning(UserWarning):
     """A state to stage does not fit in the process's pinned staging memory: the part that does
     not fit is copied into pageable memory and the save blocks for that copy (see
     ``pyckpt.reserve_pinned`` and ``PYCKPT_PINNED_LIMIT``)."""
+class PeerLostError(PyckptError, RuntimeError):
+    """Another rank of the process group died or stopped answering during one of pyckpt's own
+    exchanges between ranks (node-local saves, loads and consolidations), so this rank gave up
+    instead of waiting for the process group's timeout.
+
+    Raised on every surviving rank within the bound of ``PYCKPT_PEER_TIMEOUT`` (see
+    docs/RELIABILITY.md). The process group is unusable afterwards: pyckpt does not call it
+    again, and the job should restart its ranks. Nothing already saved is touched.
+
+    Attributes:
+        rank: the group rank that was lost, when it could be told (else None).
+        operation: the exchange that failed (e.g. ``"a node-local transfer"``).
+    """
+
+    def __init__(self, message: str, rank: int | None = None, operation: str = "") -> None:
+        super().__init__(message)
+        self.rank = rank
+        self.operation = operation
+
+    def __reduce__(self) -> tuple[type[PeerLostError], tuple[str, int | None, str]]:
+        return type(self), (str(self), self.rank, self.operation)

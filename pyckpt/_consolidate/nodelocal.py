@@ -64,7 +64,7 @@ def _batches(
                 key = (os.path.basename(item.source), rec[0])
                 if key not in where:
                     where[key] = len(needs)
-                    needs.append((key[0], tuple(rec), params))
+                    needs.append((key[0], tuple(rec), params, item[0]))
             memory, offsets = exchange.fetch(needs)
             # Stage the received bytes: owners in rank order, back to back.
             base: dict[str, int] = {}

@@ -31,7 +31,15 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 from pyckpt import _C, _format
-from pyckpt._collective import Group, add_note, all_gather, broadcast, group_info, portable
+from pyckpt._collective import (
+    Group,
+    add_note,
+    all_gather,
+    all_to_all_single,
+    broadcast,
+    group_info,
+    portable,
+)
 from pyckpt.backends.base import (
     ReadRequest,
     SaveState,
@@ -43,8 +51,9 @@ from pyckpt.backends.posix import PosixBackend
 
 __all__ = ["Exchange", "PeerBackend", "PeerFiles", "discover", "read_requests"]
 
-# One chunk wanted from its owner: (file basename, chunk record tuple, codec params tuple).
-Need = tuple[str, tuple[Any, ...], Any]
+# One chunk wanted from its owner: (file basename, chunk record tuple, codec params tuple[,
+# the name of a tensor it belongs to, for the owner's error messages]).
+Need = tuple[Any, ...]
 
 
 class PeerFiles:
@@ -110,7 +119,7 @@ def discover(root: str, group: Group) -> tuple[_format.CheckpointIndex, PeerFile
         present = []
     mine = (None if index is None else index.save_id, present,
             None if error is None else portable(error))
-    gathered = all_gather(mine, group)
+    gathered = all_gather(mine, group, what="reading the node-local metadata")
     if error is not None:
         raise error
     for r, (_, _, remote) in enumerate(gathered):
@@ -137,7 +146,7 @@ def discover(root: str, group: Group) -> tuple[_format.CheckpointIndex, PeerFile
         if group.rank == src:
             with open(meta, "rb") as fh:
                 document = fh.read()
-        document = broadcast(document, group, src)
+        document = broadcast(document, group, src, what="sending the node-local metadata")
         if index is None:
             index = _format.read_index(root, all_files=False, document=document)
     assert index is not None
@@ -207,20 +216,20 @@ class Exchange:
         self, needs: list[Need], done: bool, error: BaseException | None
     ) -> tuple[dict[str, Any], list[int], bool]:
         import torch
-        import torch.distributed as dist
 
         group = self.files.group
         me = group.rank
         self._round += 1
         wire = [(self.files.owner(os.path.join(self.files.root, n[0])), *n) for n in needs]
-        gathered = all_gather((wire, done, None if error is None else portable(error)), group)
+        gathered = all_gather((wire, done, None if error is None else portable(error)), group,
+                              what="a node-local transfer")
         self._raise_first(gathered, me, error, "a node-local transfer")
         all_done = all(d for _, d, _ in gathered)
         if all(not w for w, _, _ in gathered):
             return {}, [], all_done
 
         # Owner side: read and verify what each rank wants from this one, back to back.
-        send_sizes = [sum(stored_len(rec) for o, _, rec, _ in gathered[r][0] if o == me)
+        send_sizes = [sum(stored_len(n[2]) for n in gathered[r][0] if n[0] == me)
                       for r in range(group.world)]
         send = torch.empty(sum(send_sizes), dtype=torch.uint8)
         read_error: BaseException | None = None
@@ -228,27 +237,29 @@ class Exchange:
             requests = []
             pos = 0
             for r in range(group.world):
-                segs = [(os.path.join(self.files.root, name), 0, params, [rec])
-                        for o, name, rec, params in gathered[r][0] if o == me]
-                if segs:
-                    requests.append((f"chunks for rank {r}", segs, 0, 0, send.data_ptr() + pos))
-                pos += send_sizes[r]
+                # One request per chunk, named after its tensor: an error names it.
+                for o, name, rec, params, *label in gathered[r][0]:
+                    if o == me:
+                        seg = (os.path.join(self.files.root, name), 0, params, [rec])
+                        what = label[0] if label else f"chunks for rank {r}"
+                        requests.append((what, [seg], 0, 0, send.data_ptr() + pos))
+                        pos += stored_len(rec)
             if requests:
                 _C.read_stored(requests, self.pool)
         except Exception as e:
             read_error = e
         statuses = all_gather((None, True, None if read_error is None else portable(read_error)),
-                              group)
+                              group, what="a node-local transfer")
         self._raise_first(statuses, me, read_error, "reading chunks for a peer")
 
         # Receiver side: what each owner sends, in the order asked.
         recv_sizes = [0] * group.world
         offsets = []
-        for owner, _, rec, _ in wire:
+        for owner, _, rec, *_ in wire:
             offsets.append(recv_sizes[owner])
             recv_sizes[owner] += stored_len(rec)
         recv = torch.empty(sum(recv_sizes), dtype=torch.uint8)
-        dist.all_to_all_single(recv, send, recv_sizes, send_sizes, group=group.pg)
+        all_to_all_single(recv, send, recv_sizes, send_sizes, group, what="a node-local transfer")
         self.bytes_sent += sum(send_sizes)
         self.bytes_received += sum(recv_sizes)
         memory = {}
@@ -315,7 +326,7 @@ def read_requests(
             key = (os.path.basename(segments[si][0]), rec[0])
             if key not in where:
                 where[key] = len(needs)
-                needs.append((key[0], tuple(rec), segments[si][2]))
+                needs.append((key[0], tuple(rec), segments[si][2], name))
             picked.append((a, rec))
         remote_segs = list(remote.items())
         plans.append((name, segments, lo, hi, dst, local, remote_segs))

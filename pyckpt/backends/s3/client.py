@@ -21,15 +21,15 @@ import errno
 import logging
 import os
 import threading
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from datetime import timedelta
 from typing import Any, cast
 
 from pyckpt import _format
 from pyckpt._format import METADATA_FILE
 from pyckpt.backends.base import ANY  # Location.put's "no condition"
 from pyckpt.backends.s3 import errors
+from pyckpt.backends.s3 import retry as _retry
 from pyckpt.errors import CheckpointFormatError, ConcurrentSaveError
 
 logger = logging.getLogger("pyckpt.consolidate")
@@ -57,7 +57,7 @@ _CLIENT_KEYS = frozenset((
     "allow_http", "allow_invalid_certificates", "connect_timeout", "timeout", "read_timeout",
     "pool_idle_timeout", "user_agent", "proxy_url",
 ))
-_RETRY_KEYS = frozenset(("max_retries", "retry_timeout"))
+_RETRY_KEYS = frozenset(("max_retries", "retry_timeout"))  # pyckpt.backends.s3.retry.policy
 
 
 def _obstore() -> Any:
@@ -149,6 +149,12 @@ class Location:
         out += [os.environ.get("AWS_SECRET_ACCESS_KEY", ""), os.environ.get("AWS_SESSION_TOKEN", "")]
         return [s for s in out + self._file_secrets if len(s) >= 4]
 
+    def retry_policy(self) -> _retry.RetryPolicy:
+        return _retry.policy(self.storage_options)
+
+    def _retried(self, fn: Callable[[], Any], what: str) -> Any:
+        return _retry.call(fn, self.retry_policy(), what)
+
     def store(self) -> Any:
         """The ``obstore.store.S3Store`` (made once; ``AWS_*`` variables, then options)."""
         with self._lock:
@@ -170,22 +176,18 @@ class Location:
             raise ValueError(f"{self.url}: {e}") from None
         self._file_secrets = [str(config.get(k, "")) for k in ("secret_access_key", "session_token")]
         provider = None
-        client: dict[str, Any] = {"connect_timeout": "5s", "timeout": "120s"}
-        retry: dict[str, Any] = {
-            "max_retries": 10,
-            "retry_timeout": timedelta(minutes=3),
-            "backoff": {"init_backoff": timedelta(milliseconds=100),
-                        "max_backoff": timedelta(seconds=15), "base": 2},
-        }
+        client: dict[str, Any] = {"connect_timeout": "5s", "timeout": "120s",
+                                  "read_timeout": _retry.DEFAULT_STALL_TIMEOUT}
+        retry = _retry.client_config(self.retry_policy())
         if os.environ.get("AWS_ALLOW_HTTP", "").lower() in ("1", "true", "yes"):
             client["allow_http"] = True
         for k, v in self.storage_options.items():
             if k in _CLIENT_KEYS:
                 client[k] = v
-            elif k == "max_retries":
-                retry[k] = int(v)
-            elif k == "retry_timeout":
-                retry[k] = v if isinstance(v, timedelta) else timedelta(seconds=float(v))
+            elif k == "stall_timeout":
+                client["read_timeout"] = v
+            elif k in _RETRY_KEYS:
+                pass  # in retry (retry_policy)
             elif k == "credential_provider":
                 provider = v
             else:
@@ -220,7 +222,8 @@ class Location:
         from obstore import exceptions as ox
 
         try:
-            return dict(obstore.head(self.store(), self.key(name)))
+            return dict(self._retried(lambda: obstore.head(self.store(), self.key(name)),
+                                      f"HEAD {self.url_of(name)}"))
         except (ox.NotFoundError, FileNotFoundError):
             return None
         except (CheckpointFormatError, ValueError):
@@ -234,9 +237,9 @@ class Location:
         obstore = _obstore()
 
         try:
-            stream = obstore.list(self.store(), self.prefix + "/" if self.prefix else None,
-                                  chunk_size=1)
-            next(iter(stream), None)
+            self._retried(lambda: next(iter(obstore.list(
+                self.store(), self.prefix + "/" if self.prefix else None, chunk_size=1)), None),
+                f"LIST {self.url}")
         except ValueError:
             raise
         except Exception as e:
@@ -248,7 +251,8 @@ class Location:
 
         out: dict[str, int] = {}
         try:
-            res = obstore.list_with_delimiter(self.store(), self.prefix or None)
+            res = self._retried(lambda: obstore.list_with_delimiter(
+                self.store(), self.prefix or None), f"LIST {self.url}")
         except Exception as e:
             raise self.error(e, "LIST", self.url) from e
         for meta in res["objects"]:
@@ -277,14 +281,16 @@ class Location:
                      else {"e_tag": if_match})
         try:
             try:
-                obstore.put(self.store(), self.key(name), data, use_multipart=False, mode=mode)
+                self._retried(lambda: obstore.put(self.store(), self.key(name), data,
+                                                  use_multipart=False, mode=mode), f"PUT {url}")
             except (ox.NotSupportedError, NotImplementedError) as e:
                 if mode == "overwrite":
                     raise
                 logger.warning("pyckpt: %s: conditional PUT not supported (%s); writing "
                                "unconditionally, concurrent saves are not detected", url,
                                _redact(str(e), self._secrets()).splitlines()[0])
-                obstore.put(self.store(), self.key(name), data, use_multipart=False)
+                self._retried(lambda: obstore.put(self.store(), self.key(name), data,
+                                                  use_multipart=False), f"PUT {url}")
         except (ox.AlreadyExistsError, ox.PreconditionError, FileExistsError):
             raise ConcurrentSaveError(
                 errno.EBUSY,
@@ -311,7 +317,8 @@ class Location:
                 f"{self.url_of(name)}: {size} bytes, more than the {limit} bytes this pyckpt reads"
             )
         try:
-            return bytes(obstore.get(self.store(), self.key(name)).bytes())
+            return bytes(self._retried(lambda: obstore.get(self.store(), self.key(name)).bytes(),
+                                       f"GET {self.url_of(name)}"))
         except Exception as e:
             raise self.error(e, "GET", self.url_of(name)) from e
 
@@ -320,7 +327,9 @@ class Location:
         obstore = _obstore()
 
         try:
-            return obstore.get_range(self.store(), self.key(name), start=start, end=end)
+            return self._retried(
+                lambda: obstore.get_range(self.store(), self.key(name), start=start, end=end),
+                f"GET bytes {start}-{end - 1} of {self.url_of(name)}")
         except Exception as e:
             raise self.error(e, f"GET bytes {start}-{end - 1} of", self.url_of(name)) from e
 
@@ -332,7 +341,7 @@ class Location:
         if not keys:
             return
         try:
-            obstore.delete(self.store(), keys)
+            self._retried(lambda: obstore.delete(self.store(), keys), f"DELETE in {self.url}")
         except Exception as e:
             raise self.error(e, "DELETE", self.url) from e
 

@@ -105,6 +105,13 @@ def _is_imds(url: str) -> bool:
         _IMDS_PATHS)
 
 
+def no_credentials(e: BaseException) -> bool:
+    """Whether the client's error ``e`` is its failed last look for credentials (a request to
+    the EC2 instance metadata service): no retry can change that."""
+    request = _REQUEST.search(str(e).partition(_DEBUG)[0])
+    return bool(request and _is_imds(request.group("url")))
+
+
 def translate(e: BaseException, what: str, url: str, secrets: Iterable[str] = ()) -> Exception:
     """The typed error for the client failure ``e`` while doing ``what`` (``"PUT"``,
     ``"upload of"``...) on ``url`` (the object's or checkpoint's URL, set as ``filename`` of the

@@ -1,0 +1,117 @@
+"""Rank processes for tests/test_peer_faults.py: node-local operations with a rank killed.
+
+Run as a script, one process per rank::
+
+    python _peer_fault_workers.py OP RANK WORLD PORT ROOT
+
+``OP`` is ``save`` (a node-local save of :func:`state`), ``load`` (a node-local load of it at
+another sharding) or ``consolidate``. Each rank sees only its own node's directories (see
+tests/_nodelocal_workers.py). A rank prints ``ready`` once its process group is up and it is
+about to start the operation, then one JSON line: ``{"ok": true, "seconds": ...}`` or
+``{"ok": false, "type": ..., "message": ..., "rank": ..., "seconds": ...}``, and exits at
+stays alive (as a trainer that handles the error would) until the test kills it: a survivor
+must not depend on the other survivors exiting.
+
+The read batches of a load and the exchange batches of a consolidation are made small, so an
+operation runs many exchange rounds and a kill lands inside one.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import sys
+import time
+from typing import Any
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from _nodelocal_workers import isolate
+
+# The process group's own timeout: far longer than pyckpt's bound on its exchanges, so a
+# survivor that returns in time did so because of pyckpt's bound, not gloo's.
+GROUP_TIMEOUT_S = 900
+TENSORS = 16
+ROWS, COLS = 64, 256  # 64 KiB of float32 per tensor
+
+
+def state(world: int, zeros: bool, dim: int) -> dict[str, Any]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world,))
+    g = torch.Generator().manual_seed(11)
+    sd: dict[str, Any] = {}
+    for i in range(TENSORS):
+        full = torch.randn(ROWS, COLS, generator=g)
+        src = torch.zeros_like(full) if zeros else full
+        sd[f"layers.{i}.w"] = distribute_tensor(src, mesh, [Shard(dim)], src_data_rank=None)
+    return sd
+
+
+def _prepare(op: str, rank: int, world: int, root: str) -> Any:
+    """Everything before the operation itself (imports, the state to load into), so that the
+    operation starts right after ``ready`` and kill points fall inside it."""
+    import pyckpt
+    import pyckpt.storage
+
+    if op == "save":
+        sd = state(world, zeros=False, dim=0)
+        return lambda: pyckpt.save(sd, os.path.join(root, "ckpt"), shared_filesystem=False,
+                                   compression="zstd")
+    if op == "load":
+        pyckpt.storage._READ_BATCH_BYTES = 16 << 10  # type: ignore[attr-defined]
+        sd = state(world, zeros=True, dim=1)  # another sharding than the save's
+        return lambda: pyckpt.load(sd, os.path.join(root, "ckpt"), shared_filesystem=False)
+    if op == "consolidate":
+        return lambda: pyckpt.consolidate(
+            os.path.join(root, "ckpt"), os.path.join(root, "export"), shared_filesystem=False,
+            fsync=False, batch_bytes=8 << 10, max_file_bytes=256 << 10)
+    raise ValueError(op)
+
+
+def busy_rank_worker(rank: int, world: int, busy_s: float) -> Any:
+    """Rank 1 works ``busy_s`` seconds (longer than the peer timeout) between two collectives;
+    rank 0 waits for it in the second. Returns the seconds rank 0 waited."""
+    from pyckpt import _knobs
+    from pyckpt._collective import all_gather, group_info
+
+    group = group_info(None)
+    with _knobs.override(peer_timeout=2):
+        all_gather(rank, group)
+        t0 = time.monotonic()
+        if rank == 1:
+            time.sleep(busy_s)  # local work; this rank's heartbeat keeps beating
+        got = all_gather(rank * 10, group)
+    return {"got": got, "waited": time.monotonic() - t0}
+
+
+def main(op: str, rank: int, world: int, port: int, root: str) -> None:
+    import torch.distributed as dist
+
+    paths, _ = isolate(root, rank, ("ckpt", "export"))
+    root_view = os.path.dirname(paths["ckpt"])
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world,
+                            timeout=datetime.timedelta(seconds=GROUP_TIMEOUT_S))
+    run = _prepare(op, rank, world, root_view)
+    dist.barrier()
+    print("ready", flush=True)
+    t0 = time.monotonic()
+    try:
+        run()
+        out: dict[str, Any] = {"ok": True}
+    except Exception as e:
+        out = {"ok": False, "type": type(e).__name__, "message": str(e),
+               "rank": getattr(e, "rank", None), "operation": getattr(e, "operation", None),
+               "mro": [c.__name__ for c in type(e).__mro__]}
+    out["seconds"] = time.monotonic() - t0
+    print(json.dumps(out), flush=True)
+    time.sleep(3600)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5])
