@@ -33,7 +33,7 @@ from typing import Any
 
 from _ports import free_ports
 
-__all__ = ["SeaweedServer", "ServerUnavailable", "find_weed"]
+__all__ = ["SeaweedServer", "ServerUnavailable", "find_weed", "started"]
 
 ACCESS_KEY = "pyckpt-test-key"
 SECRET_KEY = "pyckpt-test-secret-do-not-log"
@@ -312,3 +312,24 @@ class SeaweedServer:
             for o in page.get("Contents", []):
                 out[o["Key"]] = int(o["Size"])
         return out
+
+
+def started(bucket: str, **kwargs: Any) -> SeaweedServer:
+    """A started server with ``bucket`` created, for a test fixture (the caller closes it);
+    the test is skipped, naming why, when obstore, boto3 or ``weed`` is missing or the server
+    does not come up."""
+    import pytest
+
+    pytest.importorskip("obstore")
+    pytest.importorskip("boto3")
+    srv = SeaweedServer(**kwargs)
+    try:
+        srv.start()
+        srv.create_bucket(bucket)
+    except ServerUnavailable as e:
+        srv.close()
+        pytest.skip(f"no S3-compatible test server: {e}")
+    except BaseException:
+        srv.close()
+        raise
+    return srv

@@ -372,17 +372,10 @@ def test_nodes_sharing_a_file_system_lose_one_node_with_local_per_node(tmp_path:
 def _s3_durable(request: pytest.FixtureRequest, kind: str) -> tuple[str | None, Any]:
     if kind == "dir":
         return None, None
-    pytest.importorskip("obstore")
-    from _s3server import SeaweedServer, ServerUnavailable
+    from _s3server import started
 
-    srv = SeaweedServer()
-    try:
-        srv.start()
-    except ServerUnavailable as e:
-        srv.close()
-        pytest.skip(f"no S3-compatible test server: {e}")
+    srv = started("tiers")
     request.addfinalizer(srv.close)
-    srv.create_bucket("tiers")
     return "s3://tiers/run-1", srv.storage_options()
 
 

@@ -23,7 +23,7 @@ from _s3server import (
     REGION,
     SECRET_KEY,
     SeaweedServer,
-    ServerUnavailable,
+    started,
 )
 from dist_utils import run_distributed
 
@@ -41,16 +41,8 @@ BUCKET = "pyckpt-tests"
 @pytest.fixture(scope="session")
 def s3server() -> Any:
     """One SeaweedFS server for the session, with bucket ``pyckpt-tests``; stopped by pid."""
-    pytest.importorskip("obstore")
-    pytest.importorskip("boto3")
-    srv = SeaweedServer(https=True)
+    srv = started(BUCKET, https=True)
     try:
-        srv.start()
-    except ServerUnavailable as e:
-        srv.close()
-        pytest.skip(f"no S3-compatible test server: {e}")
-    try:
-        srv.create_bucket(BUCKET)
         yield srv
     finally:
         srv.close()

@@ -114,17 +114,10 @@ def test_client_config_spans_the_budget() -> None:
 
 @pytest.fixture(scope="module")
 def server() -> Any:
-    pytest.importorskip("obstore")
-    from _s3server import SeaweedServer, ServerUnavailable
+    from _s3server import started
 
-    srv = SeaweedServer()
+    srv = started(BUCKET)
     try:
-        srv.start()
-    except ServerUnavailable as e:
-        srv.close()
-        pytest.skip(f"SeaweedFS unavailable: {e}")
-    try:
-        srv.create_bucket(BUCKET)
         yield srv
     finally:
         srv.close()

@@ -8,22 +8,14 @@ from pathlib import Path
 
 import pytest
 from _backend_places import BUCKET, KINDS, Place
-from _s3server import SeaweedServer, ServerUnavailable
+from _s3server import SeaweedServer, started
 
 
 @pytest.fixture(scope="session")
 def s3_server() -> Iterator[SeaweedServer]:
     """One SeaweedFS server for the suite (skipped cleanly without ``weed`` or obstore)."""
-    pytest.importorskip("obstore")
-    pytest.importorskip("boto3")
-    srv = SeaweedServer()
+    srv = started(BUCKET)
     try:
-        srv.start()
-    except ServerUnavailable as e:
-        srv.close()
-        pytest.skip(f"no S3-compatible test server: {e}")
-    try:
-        srv.create_bucket(BUCKET)
         yield srv
     finally:
         srv.close()
