@@ -26,7 +26,7 @@ import weakref
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any, cast
 
-from pyckpt import _C, _format, _knobs, _paths
+from pyckpt import _C, _format, _knobs, _paths, _ranklocal
 from pyckpt._format import METADATA_FILE
 from pyckpt.backends.base import ANY, SaveState, check_name, direct_reads
 from pyckpt.errors import ConcurrentSaveError
@@ -255,11 +255,13 @@ class PosixBackend:
         return os.path.join(self.path, name)
 
     def list_names(self) -> dict[str, int]:
-        """Data files and temp files in the directory (no symbolic links), with sizes."""
+        """Data files, temp files and rank-local metadata files in the directory (no symbolic
+        links), with sizes."""
         out = {}
         with os.scandir(self.path) as it:
             for e in it:
-                if not (_format.is_data_file(e.name) or ".tmp-" in e.name):
+                if not (_format.is_data_file(e.name) or ".tmp-" in e.name
+                        or _ranklocal.is_metadata_file(e.name)):
                     continue
                 try:  # another rank of the node may remove it meanwhile
                     if e.is_file(follow_symlinks=False):
