@@ -155,6 +155,7 @@ def load(
     trusted: bool = False,
     storage_options: dict[str, Any] | None = None,
     shared_filesystem: bool | Literal["auto"] = True,
+    cooperative: bool | None = None,
 ) -> None:
     """Loads the checkpoint at ``path`` into ``state_dict`` in place with DCP.
 
@@ -180,6 +181,9 @@ def load(
             ``shared_filesystem=False``): each rank reads its own ``path`` and fetches chunks
             held by other ranks over ``process_group`` (see :class:`pyckpt.Reader`);
             ``"auto"`` lets the ranks find out (one all-gather of the files each sees).
+        cooperative: stored bytes several ranks load (replicated state) are read from storage
+            once, by one rank, and shared over ``process_group`` (see :class:`pyckpt.Reader`);
+            False: every rank reads all it loads itself. Default ``PYCKPT_COOPERATIVE`` (on).
 
     Raises:
         FileNotFoundError: ``path`` holds no complete checkpoint or a data file is missing.
@@ -192,7 +196,7 @@ def load(
         ``CheckpointException`` (attached as ``__cause__``).
     """
     reader_options = {"shared_filesystem": shared_filesystem, "process_group": process_group,
-                      "storage_options": storage_options}
+                      "storage_options": storage_options, "cooperative": cooperative}
     with _typed_errors(), Reader(path, **reader_options) as reader, _single_process_quiet():
         dcp.load(
             state_dict, storage_reader=reader, planner=load_planner(trusted),
