@@ -29,10 +29,10 @@ from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
 from pyckpt import _format, _knobs
+from pyckpt._collective import group_info
 from pyckpt._format import DTYPE_SIZES, METADATA_FILE
 from pyckpt._native import _check_pinned_pool_bytes, _Native
 from pyckpt._staging import DeviceStaging, is_device_tensor
-from pyckpt._collective import group_info
 from pyckpt.backends import Backend, node_local_choice, open_backend
 from pyckpt.backends.base import ReadRequest
 from pyckpt.backends.coop import (

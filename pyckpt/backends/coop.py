@@ -187,7 +187,7 @@ class _CoopExchange(Exchange):
         backend = self.backend
         if isinstance(backend, PeerBackend):
             backend = backend.local
-        return backend.read_stored(requests, self.pool)  # type: ignore[attr-defined, no-any-return]
+        return backend.read_stored(requests, self.pool)
 
 
 # One use of an exchanged chunk by a request: (request name, raw_a, lo, hi, dst address).
@@ -266,8 +266,8 @@ class _Session:
     def _decode(self, got: dict[Key, Any], wanted: dict[Key, list[Use]]) -> int:
         """Decodes the uses in ``wanted`` of the chunks in ``got``; keeps for later the chunks
         with uses left."""
-        out = []
-        sources = {}
+        out: list[ReadRequest] = []
+        sources: dict[str, Any] = {}
         for key, data in got.items():
             uses = wanted.pop(key, [])
             if uses:
