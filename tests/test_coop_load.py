@@ -196,3 +196,36 @@ def _object_bytes(env: dict[str, str], bucket: str, prefix: str) -> int:
     )
     listing = client.list_objects_v2(Bucket=bucket, Prefix=prefix)
     return sum(o["Size"] for o in listing.get("Contents", []) if o["Key"].endswith(".pyckpt"))
+
+
+def test_read_stored_serves_the_same_verified_bytes_from_files_and_memory(tmp_path: Path) -> None:
+    """What a reader sends to the others: the stored chunk bytes as saved, from every backend."""
+    import torch
+
+    from pyckpt import _C
+    from pyckpt.backends import open_backend
+    from pyckpt.backends.base import stored_len
+    from pyckpt.backends.memory import drop
+
+    g = torch.Generator().manual_seed(2)
+    sd = {"w": torch.randn(256, 256, generator=g)}
+    places = [str(tmp_path / "c"), "memory://coop-read-stored"]
+    try:
+        got = []
+        for place in places:
+            pyckpt.save(sd, place, compression="zstd", chunk_bytes=64 << 10)
+            backend = open_backend(place)
+            segments = backend.read_index().tensors["w"].pieces[0].segments
+            n = sum(stored_len(rec) for seg in segments for rec in seg[3])
+            buf = torch.empty(n, dtype=torch.uint8)
+            nread, nchunks = backend.read_stored([("w", segments, 0, 0, buf.data_ptr())],
+                                                 _C.ThreadPool(2))
+            assert (nread, nchunks) == (n, 4)
+            got.append(bytes(buf.numpy()))
+        on_disk = b"".join((tmp_path / "c" / seg[0].rsplit("/", 1)[-1]).read_bytes()
+                           [rec[0]:rec[0] + stored_len(rec)]
+                           for seg in open_backend(places[0]).read_index().tensors["w"]
+                           .pieces[0].segments for rec in seg[3])
+        assert got[0] == on_disk and got[1] == on_disk
+    finally:
+        drop(places[1])
