@@ -18,6 +18,10 @@ a rank with nothing left to fetch keeps serving until all are done (:meth:`Excha
 Errors are agreed on: a failure on any rank (reading, verifying, decoding) is raised on every
 rank at the next round, so no rank is left waiting in a collective.
 
+The same rounds carry cooperative loads (:mod:`pyckpt.backends.coop`): there a chunk is served
+by the rank chosen to read it (:meth:`Exchange.owner_of`) through the backend, and a chunk
+several ranks ask for in one round is read once.
+
 The group must support CPU tensors (gloo; for an NCCL training group pass a gloo group).
 """
 
@@ -244,7 +248,7 @@ class Exchange:
                     at = first.setdefault((name, rec[0]), pos)
                     if at == pos:
                         segs.append((self.path_of(name), 0, params, [rec]))
-                        if segs and len(segs) == 1:
+                        if len(segs) == 1:
                             requests.append([f"chunks for rank {r}", segs, 0, 0,
                                              send.data_ptr() + pos])
                     else:
