@@ -213,6 +213,7 @@ def load(
     storage_options: dict[str, Any] | None = None,
     shared_filesystem: bool | Literal["auto"] = True,
     progress: _progress.ProgressArg = False,
+    cooperative: bool | None = None,
 ) -> None:
     """Loads the checkpoint at ``path`` into ``state_dict`` in place with DCP.
 
@@ -239,6 +240,9 @@ def load(
             held by other ranks over ``process_group`` (see :class:`pyckpt.Reader`);
             ``"auto"`` lets the ranks find out (one all-gather of the files each sees).
         progress: as for :func:`save` (the bytes of this rank's state dict).
+        cooperative: stored bytes several ranks load (replicated state) are read from storage
+            once, by one rank, and shared over ``process_group`` (see :class:`pyckpt.Reader`);
+            False: every rank reads all it loads itself. Default ``PYCKPT_COOPERATIVE`` (on).
 
     Raises:
         FileNotFoundError: ``path`` holds no complete checkpoint or a data file is missing.
@@ -251,7 +255,7 @@ def load(
         ``CheckpointException`` (attached as ``__cause__``).
     """
     reader_options = {"shared_filesystem": shared_filesystem, "process_group": process_group,
-                      "storage_options": storage_options}
+                      "storage_options": storage_options, "cooperative": cooperative}
     bound = bounded_group(process_group) if shared_filesystem is False else contextlib.nullcontext()
     with peer_errors(process_group, "pyckpt.load"), bound, _typed_errors(), \
             Reader(path, **reader_options) as reader, _single_process_quiet(), \

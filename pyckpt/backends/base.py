@@ -179,6 +179,12 @@ class Backend(Protocol):
         """As ``_C.verify_segments`` (checksums of every chunk of ``segments``)."""
         ...
 
+    def read_stored(self, requests: list[Any], pool: Any) -> tuple[int, int]:
+        """As ``_C.read_stored``: the stored (still encoded) bytes of every chunk of each
+        request's segments, checksums verified, back to back into its destination (what a rank
+        serves to the others in a cooperative or node-local load)."""
+        ...
+
     def reads(self, pool: Any) -> contextlib.AbstractContextManager[
             Callable[[list[Any]], tuple[int, int]]]:
         """One load's read session: yields the function ``Reader.read_data`` calls with each

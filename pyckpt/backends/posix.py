@@ -288,6 +288,9 @@ class PosixBackend:
     def reads(self, pool: Any) -> Any:
         return direct_reads(self, pool)
 
+    def read_stored(self, requests: list[Any], pool: Any) -> tuple[int, int]:
+        return _C.read_stored(requests, pool)
+
     def verify_segments(self, name: str, segments: list[Any], pool: Any) -> tuple[int, int]:
         return _C.verify_segments(name, segments, pool)
 
