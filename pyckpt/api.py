@@ -150,6 +150,15 @@ def _single_process_quiet(no_dist: bool = False) -> Iterator[None]:
         yield
 
 
+def _bounded_if_node_local(reader: Reader) -> Any:
+    """A node-local load (every read batch one exchange round all ranks take part in): the
+    group's timeout lowered to the peer bound for the load (pyckpt._collective.bounded_group)."""
+    backend = reader.backend
+    if backend.node_local and not getattr(backend, "auto", False):
+        return bounded_group(reader.process_group)
+    return contextlib.nullcontext()
+
+
 def save(
     state_dict: dict[str, Any],
     path: str | os.PathLike[str],
@@ -256,10 +265,9 @@ def load(
     """
     reader_options = {"shared_filesystem": shared_filesystem, "process_group": process_group,
                       "storage_options": storage_options, "cooperative": cooperative}
-    bound = bounded_group(process_group) if shared_filesystem is False else contextlib.nullcontext()
-    with peer_errors(process_group, "pyckpt.load"), bound, _typed_errors(), \
-            Reader(path, **reader_options) as reader, _single_process_quiet(), \
-            _quiet_missing_metadata(), \
+    with peer_errors(process_group, "pyckpt.load"), _typed_errors(), \
+            Reader(path, **reader_options) as reader, _bounded_if_node_local(reader), \
+            _single_process_quiet(), _quiet_missing_metadata(), \
             _progress.job(progress, "load", process_group) as report, \
             _progress.native_counter(report, _progress.local_bytes(state_dict) if report else 0):
         dcp.load(
