@@ -8,6 +8,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${1:-.venv/bin/python}
+# Absolute: the interpreter's folder goes on PATH for the build, and CMake's nested configure
+# steps (try_compile) run elsewhere, where a relative .venv/bin/ninja does not exist.
+case "$PY" in */*) PY="$(cd "$(dirname "$PY")" && pwd)/$(basename "$PY")" ;; esac
 OUT=${2:-dist}
 mkdir -p "$OUT"
 rm -f "$OUT"/pyckpt-*.whl
@@ -46,8 +49,7 @@ if ls "$TMP"/pyckpt/_testing/*.so >/dev/null 2>&1; then
 fi
 # The statically linked zstd works: a compressed round trip through the wheel's extension.
 # Run from inside the unpacked wheel: the checkout's own pyckpt/ must not shadow it.
-PY_ABS=$(command -v "$PY" || echo "$PWD/$PY")
-(cd "$TMP" && PYTHONPATH="$TMP" "$PY_ABS" -c '
+(cd "$TMP" && PYTHONPATH="$TMP" "$PY" -c '
 import sys, tempfile, torch, pyckpt
 from pyckpt import _C
 assert _C.__file__.startswith(sys.argv[1]), _C.__file__
