@@ -32,6 +32,8 @@ __all__ = [
     "consolidate_input",
     "progress_interval",
     "peer_timeout",
+    "cooperative",
+    "coop_window_bytes",
     "override",
 ]
 
@@ -104,17 +106,33 @@ def chunk_bytes(default: int = 4 << 20) -> int:
     return value
 
 
-def fsync() -> bool:
-    """``PYCKPT_FSYNC``: fsync data files and metadata (default on)."""
-    raw = _get("fsync", "PYCKPT_FSYNC")
+def _bool(name: str, env: str, default: bool) -> bool:
+    raw = _get(name, env)
     if raw is None or raw == "":
-        return True
+        return default
     value = raw.strip().lower()
     if value in _TRUE:
         return True
     if value in _FALSE:
         return False
-    raise ValueError(f"PYCKPT_FSYNC={raw!r} must be 0 or 1")
+    raise ValueError(f"{env}={raw!r} must be 0 or 1")
+
+
+def fsync() -> bool:
+    """``PYCKPT_FSYNC``: fsync data files and metadata (default on)."""
+    return _bool("fsync", "PYCKPT_FSYNC", True)
+
+
+def cooperative() -> bool:
+    """``PYCKPT_COOPERATIVE``: default of ``Reader(cooperative=...)``: stored bytes several
+    ranks load are read from storage by one of them and shared over the group (default on)."""
+    return _bool("cooperative", "PYCKPT_COOPERATIVE", True)
+
+
+def coop_window_bytes() -> int:
+    """``PYCKPT_COOP_WINDOW_BYTES``: stored bytes a rank of a cooperative load asks the others
+    for per exchange round (default 64 MiB; at least one chunk travels per round)."""
+    return _int("coop_window_bytes", "PYCKPT_COOP_WINDOW_BYTES", 64 << 20, 1)
 
 
 def zstd_level() -> int:

@@ -40,12 +40,32 @@ def _snap(pos: int, tensors: Sequence[tuple[int, int]]) -> int:
     return start
 
 
-def largest_first(sizes: Sequence[int], bins: int) -> list[int]:
+def largest_first(
+    sizes: Sequence[int],
+    bins: int,
+    *,
+    loads: Sequence[int] | None = None,
+    allowed: Sequence[Sequence[int]] | None = None,
+) -> list[int]:
     """Greedy bin packing: each item, in the order given (callers pass largest first), goes to
     the least loaded bin, ties to the lower bin. Returns the bin of each item. The one
-    implementation of this balancing (consolidation outputs, objects staged by rank)."""
-    heap = [(0, r) for r in range(bins)]
+    implementation of this balancing (consolidation outputs, objects staged by rank, readers of
+    a cooperative load).
+
+    Args:
+        loads: each bin's load before the first item (default 0).
+        allowed: per item, the bins it may go to (default any).
+    """
+    start = list(loads) if loads is not None else [0] * bins
     out = []
+    if allowed is not None:
+        for size, ok in zip(sizes, allowed):
+            r = min(ok, key=lambda b: (start[b], b))
+            out.append(r)
+            start[r] += size
+        return out
+    heap = [(start[r], r) for r in range(bins)]
+    heapq.heapify(heap)
     for size in sizes:
         load, r = heapq.heappop(heap)
         out.append(r)

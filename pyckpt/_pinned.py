@@ -61,6 +61,30 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
+_runtimes_lock = threading.Lock()
+_runtimes: dict[str | None, Any] = {}
+
+
+def runtime() -> Any | None:
+    """The run-time loaded CUDA runtime used for staging (cached per path).
+
+    Returns:
+        ``None`` when ``PYCKPT_CUDA=off``; otherwise a ``_C.CudaRuntime`` whose ``available`` is
+        False (with ``error`` saying why) when no usable runtime or device was found.
+    """
+    if _knobs.cuda_mode() == "off":
+        return None
+    path = _knobs.cudart_path()
+    with _runtimes_lock:
+        rt = _runtimes.get(path)
+        if rt is None:
+            rt = _C.CudaRuntime.load(path)
+            _runtimes[path] = rt
+            if not rt.available:
+                logger.debug("pyckpt: CUDA staging unavailable: %s", rt.error)
+    return rt
+
+
 PIECE_ALIGN = 256  # tensors start on 256-byte boundaries in an extent (every dtype divides it)
 EXTENT_ROUND = 2 << 20  # extents are sized in 2 MiB steps
 
@@ -472,15 +496,13 @@ def reserve_pinned(
     Raises:
         CudaError: page-locking failed.
     """
-    from pyckpt import _staging
-
     if isinstance(copies, bool) or not isinstance(copies, int) or copies < 1:
         raise ValueError(f"reserve_pinned: copies must be an int >= 1, got {copies!r}")
     mem = pinned_memory()
     if limit is not None:
         mem.set_limit(limit)
     sizes = _item_sizes(state_or_bytes)
-    rt = _staging.runtime()
+    rt = runtime()
     return mem.reserve(rt if rt is not None and rt.available else None, sizes, copies)
 
 

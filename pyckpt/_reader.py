@@ -7,6 +7,7 @@ decodes only the chunks that overlap it (natively, GIL released). The Reader hol
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import os
 import uuid
@@ -28,11 +29,20 @@ from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
 from pyckpt import _format, _gc, _knobs, _ranklocal
+from pyckpt._collective import group_info
 from pyckpt._format import DTYPE_SIZES, METADATA_FILE
 from pyckpt._native import _check_pinned_pool_bytes, _Native
 from pyckpt._staging import DeviceStaging, is_device_tensor
 from pyckpt.backends import Backend, node_local_choice, open_backend
 from pyckpt.backends.base import ReadRequest
+from pyckpt.backends.coop import (
+    CoopPlan,
+    assign,
+    chunks_of,
+    cooperative_reads,
+    first_round,
+    holders_of,
+)
 
 __all__ = ["Reader"]
 
@@ -63,8 +73,14 @@ class Reader(StorageReader):
             all-gather over ``process_group`` when the load starts): when every rank sees
             every file, the load reads as with True; otherwise as with False. A single process
             reads as with True.
-        process_group: the group of the load for ``shared_filesystem=False`` (default: the
-            default group); it must carry CPU tensors (gloo).
+        process_group: the group of the load (default: the default group); for node-local
+            and cooperative loads it must carry CPU tensors (gloo).
+        cooperative: stored bytes that several ranks load (DDP, FSDP ``NO_SHARD``, HSDP
+            replicas, ``Replicate()`` DTensors, any overlap) are read from storage by one rank,
+            verified there and sent to the others over ``process_group`` still compressed;
+            readers are balanced by bytes (docs/REPLICATED.md). Default ``PYCKPT_COOPERATIVE``
+            (on). Applies to ``dcp.load`` with several ranks; a single process, or
+            ``use_collectives=False``, reads alone.
 
     Raises (from :meth:`read_metadata`, i.e. when a load starts; making a Reader reads nothing):
         FileNotFoundError: ``path`` has no ``pyckpt.json`` (not a complete checkpoint) or a data
@@ -84,7 +100,8 @@ class Reader(StorageReader):
     staging (``_native``).
 
     Attributes:
-        bytes_read: stored bytes read from data files by this reader so far.
+        bytes_read: stored bytes read from storage (files or objects) by this reader so far,
+            including what it read for other ranks of a cooperative load.
         chunks_decoded: chunks read, verified and decoded so far.
     """
 
@@ -97,6 +114,7 @@ class Reader(StorageReader):
         storage_options: dict[str, Any] | None = None,
         shared_filesystem: bool | Literal["auto"] = True,
         process_group: Any = None,
+        cooperative: bool | None = None,
     ) -> None:
         super().__init__()
         _check_pinned_pool_bytes(pinned_pool_bytes)
@@ -106,6 +124,7 @@ class Reader(StorageReader):
         self.storage_options = dict(storage_options or {})
         self.shared_filesystem: bool | Literal["auto"] = node_local_choice(shared_filesystem)
         self.process_group = process_group
+        self.cooperative = _knobs.cooperative() if cooperative is None else bool(cooperative)
         self._backend = self._open(self.path)  # a foreign URL (gs://...) fails here
         self.load_id = uuid.uuid4().hex[:12]
         self.bytes_read = 0
@@ -246,18 +265,51 @@ class Reader(StorageReader):
         return plan
 
     def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
-        return plans
+        """A cooperative load (several ranks, ``cooperative``): chooses the one reader of each
+        stored chunk that several ranks want (:func:`pyckpt.backends.coop.assign`) and hands
+        each rank its part in ``LoadPlan.storage_data``."""
+        if not self.cooperative or len(plans) < 2:
+            return plans
+        if group_info(self.process_group).world != len(plans):
+            return plans  # DCP's group is not this reader's: no exchange over it
+        wants = [chunks_of([self._span(item) for item in p.items]) for p in plans]
+        coop = assign(wants, holders_of(self._backend), _knobs.coop_window_bytes())
+        if coop is None:
+            return plans
+        return [dataclasses.replace(p, storage_data=c) for p, c in zip(plans, coop)]
+
+    def _span(self, req: ReadItem) -> tuple[Any, int, int]:
+        """``(segments, lo, hi)``: the stored raw bytes ``req`` reads."""
+        stored = self._storage.get(req.storage_index)
+        if stored is None:
+            raise KeyError(f"{self.path}: no stored data for {req.storage_index}")
+        if req.type == LoadItemType.BYTE_IO:
+            return stored.segments, 0, stored.nbytes
+        st, piece = stored
+        lo, hi = _slice_span(piece.sizes, req.storage_offsets, req.lengths, DTYPE_SIZES[st.dtype])
+        return piece.segments, lo, hi
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
-        # One read session of the backend: for a node-local checkpoint each call of `read` is
-        # one exchange round with the other ranks, and an error here is told to them.
+        pool = self._native.pool()
         if self._rank_local is not None:
             _ranklocal.check_coverage(plan, planner, self.path, self._rank_local)
             # this rank's own files, read directly (no rounds: DCP runs no collectives here)
-            pool = self._native.pool()
             return self._read_data(
                 plan, planner, lambda requests: self._backend.read_requests(requests, pool))
-        pool = self._native.pool()
+        coop = plan.storage_data
+        if isinstance(coop, CoopPlan):
+            # Collective: each call of `read` runs exchange rounds with the other ranks; items
+            # are read in the order of the rounds that carry their chunks.
+            spans = [self._span(item) for item in plan.items]
+            order = sorted(range(len(spans)), key=lambda i: first_round(spans[i], coop))
+            plan = dataclasses.replace(plan, items=[plan.items[i] for i in order])
+            group = group_info(self.process_group)
+            with cooperative_reads(self._backend, coop, group, pool, spans) as session:
+                result = self._read_data(plan, planner, session)
+            self.bytes_read += session.exchange.bytes_read
+            return result
+        # One read session of the backend: for a node-local checkpoint each call of `read` is
+        # one exchange round with the other ranks, and an error here is told to them.
         with self._backend.reads(pool) as read:
             return self._read_data(plan, planner, read)
 
@@ -338,14 +390,8 @@ class Reader(StorageReader):
         if any(n == 0 for n in lengths):
             return None, commit, 0
 
-        # Row-major strides of the stored piece and the byte span of the requested slice.
-        strides = [1] * len(piece.sizes)
-        for d in range(len(piece.sizes) - 2, -1, -1):
-            strides[d] = strides[d + 1] * piece.sizes[d + 1]
-        offs = tuple(req.storage_offsets)
-        first = sum(o * s for o, s in zip(offs, strides))
-        last = sum((o + n - 1) * s for o, n, s in zip(offs, lengths, strides))
-        lo, hi = first * itemsize, (last + 1) * itemsize
+        strides = _strides(piece.sizes)
+        lo, hi = _slice_span(piece.sizes, req.storage_offsets, lengths, itemsize)
 
         whole = lengths == tuple(piece.sizes)
         if (
@@ -383,3 +429,22 @@ class Reader(StorageReader):
         if local_dir is None:  # a store: looked at when the load starts
             return True
         return os.path.isfile(os.path.join(local_dir, METADATA_FILE))
+
+
+def _strides(sizes: Any) -> list[int]:
+    """Row-major strides (in elements) of a stored piece of shape ``sizes``."""
+    strides = [1] * len(sizes)
+    for d in range(len(sizes) - 2, -1, -1):
+        strides[d] = strides[d + 1] * sizes[d + 1]
+    return strides
+
+
+def _slice_span(sizes: Any, offsets: Any, lengths: Any, itemsize: int) -> tuple[int, int]:
+    """The raw byte span ``[lo, hi)`` of the slice ``offsets`` + ``lengths`` of a stored piece."""
+    strides = _strides(sizes)
+    lengths = tuple(lengths)
+    if any(n == 0 for n in lengths):
+        return 0, 0
+    first = sum(o * s for o, s in zip(tuple(offsets), strides))
+    last = sum((o + n - 1) * s for o, n, s in zip(tuple(offsets), lengths, strides))
+    return first * itemsize, (last + 1) * itemsize

@@ -40,7 +40,8 @@ from typing import Any
 
 import torch
 
-from pyckpt import _C, _knobs, _pinned
+from pyckpt import _knobs, _pinned
+from pyckpt._pinned import runtime
 from pyckpt._tensors import local_view, plain
 from pyckpt.errors import CudaError
 
@@ -57,29 +58,7 @@ logger = logging.getLogger(__name__)
 _PIECE_ALIGN = 256  # matches D2HStream::kPieceAlign; every dtype's alignment divides it
 _DEFAULT_BLOCK = 16 << 20
 
-_runtimes_lock = threading.Lock()
-_runtimes: dict[str | None, Any] = {}
 _unpinned_logged = False  # "staging into unpinned memory" is logged once per process
-
-
-def runtime() -> Any | None:
-    """The run-time loaded CUDA runtime used for staging (cached per path).
-
-    Returns:
-        ``None`` when ``PYCKPT_CUDA=off``; otherwise a ``_C.CudaRuntime`` whose ``available`` is
-        False (with ``error`` saying why) when no usable runtime or device was found.
-    """
-    if _knobs.cuda_mode() == "off":
-        return None
-    path = _knobs.cudart_path()
-    with _runtimes_lock:
-        rt = _runtimes.get(path)
-        if rt is None:
-            rt = _C.CudaRuntime.load(path)
-            _runtimes[path] = rt
-            if not rt.available:
-                logger.debug("pyckpt: CUDA staging unavailable: %s", rt.error)
-    return rt
 
 
 def block_bytes_for(chunk_bytes: int) -> int:

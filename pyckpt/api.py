@@ -150,6 +150,15 @@ def _single_process_quiet(no_dist: bool = False) -> Iterator[None]:
         yield
 
 
+def _bounded_if_node_local(reader: Reader) -> Any:
+    """A node-local load (every read batch one exchange round all ranks take part in): the
+    group's timeout lowered to the peer bound for the load (pyckpt._collective.bounded_group)."""
+    backend = reader.backend
+    if backend.node_local and not getattr(backend, "auto", False):
+        return bounded_group(reader.process_group)
+    return contextlib.nullcontext()
+
+
 def save(
     state_dict: dict[str, Any],
     path: str | os.PathLike[str],
@@ -213,6 +222,7 @@ def load(
     storage_options: dict[str, Any] | None = None,
     shared_filesystem: bool | Literal["auto"] = True,
     progress: _progress.ProgressArg = False,
+    cooperative: bool | None = None,
 ) -> None:
     """Loads the checkpoint at ``path`` into ``state_dict`` in place with DCP.
 
@@ -239,6 +249,9 @@ def load(
             held by other ranks over ``process_group`` (see :class:`pyckpt.Reader`);
             ``"auto"`` lets the ranks find out (one all-gather of the files each sees).
         progress: as for :func:`save` (the bytes of this rank's state dict).
+        cooperative: stored bytes several ranks load (replicated state) are read from storage
+            once, by one rank, and shared over ``process_group`` (see :class:`pyckpt.Reader`);
+            False: every rank reads all it loads itself. Default ``PYCKPT_COOPERATIVE`` (on).
 
     Raises:
         FileNotFoundError: ``path`` holds no complete checkpoint or a data file is missing.
@@ -251,11 +264,10 @@ def load(
         ``CheckpointException`` (attached as ``__cause__``).
     """
     reader_options = {"shared_filesystem": shared_filesystem, "process_group": process_group,
-                      "storage_options": storage_options}
-    bound = bounded_group(process_group) if shared_filesystem is False else contextlib.nullcontext()
-    with peer_errors(process_group, "pyckpt.load"), bound, _typed_errors(), \
-            Reader(path, **reader_options) as reader, _single_process_quiet(), \
-            _quiet_missing_metadata(), \
+                      "storage_options": storage_options, "cooperative": cooperative}
+    with peer_errors(process_group, "pyckpt.load"), _typed_errors(), \
+            Reader(path, **reader_options) as reader, _bounded_if_node_local(reader), \
+            _single_process_quiet(), _quiet_missing_metadata(), \
             _progress.job(progress, "load", process_group) as report, \
             _progress.native_counter(report, _progress.local_bytes(state_dict) if report else 0):
         dcp.load(

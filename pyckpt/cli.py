@@ -169,7 +169,7 @@ def _cmd_consolidate(args: argparse.Namespace) -> int:
     if args.workers < 1:
         raise SystemExit("pyckpt consolidate: --workers must be >= 1")
     _export_kwargs(args)  # bad export options fail here, before any worker starts
-    from pyckpt._progress import Progress
+    from pyckpt.tools import Progress
 
     bar = Progress("consolidate", enabled=not args.quiet)
     start = time.perf_counter()

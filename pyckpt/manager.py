@@ -588,8 +588,10 @@ class CheckpointManager:
     def _node_local_load(self, state: Any, step: int, info: RestoreInfo) -> None:
         assert self.tier is not None
         g = self._group
+        # Not cooperative: each piece comes from this node's copy or from one holder's, and
+        # last_restore reports local / peer bytes per rank (a cooperative read would mix them).
         reader = Reader(self.tier.step_dir(step), shared_filesystem=False,
-                                 process_group=g.pg)
+                        process_group=g.pg, cooperative=False)
         with reader, _single_process_quiet(), _typed_errors():
             dcp.load(state, storage_reader=reader, planner=load_planner(),
                      process_group=g.pg)

@@ -12,6 +12,7 @@ from typing import Any
 
 from pyckpt import _C, _format, _knobs, _progress
 from pyckpt._options import choice
+from pyckpt._progress import Progress  # the progress view, for the CLI and callers
 from pyckpt.backends import Backend, open_backend
 from pyckpt.errors import PyckptError
 
@@ -22,6 +23,7 @@ __all__ = [
     "summarize",
     "verify",
     "convert",
+    "Progress",
 ]
 
 @dataclass

@@ -213,7 +213,9 @@ def auto_load_worker(rank: int, world: int, root: str, per_node: int, isolated: 
     dims = {"w": 1, "h": 0, "v": 0, "c": 1}  # another sharding than the save's
     sd = sharded(world, zeros=True, dims=dims)
     sd["step"] = 0
-    pyckpt.load(sd, path, shared_filesystem="auto")
+    # cooperative=False: counts the node-local transfers only (a cooperative load of the shared
+    # chunks would run its own rounds, on a shared directory too).
+    pyckpt.load(sd, path, shared_filesystem="auto", cooperative=False)
     return {"bad": _check_loaded(sd, world, dims), "exchanges": len(exchanges),
             "foreign": foreign_opens(root, node) if isolated else []}
 

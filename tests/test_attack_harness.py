@@ -39,4 +39,18 @@ def test_slow_task_is_not_a_hang_but_a_blocked_one_is(tmp_path: Path) -> None:
     assert got["selftest_slow"]["outcome"] == "ok" and got["selftest_slow"]["seconds"] >= 12
     assert got["selftest_hang"]["outcome"] == "hang"
     assert got["selftest_hang"]["detail"] == "no progress: no CPU time used for 5 s"
-    assert got["selftest_ok"]["outcome"] == "ok"  # in a fresh worker after the hang
+    # In a fresh worker after the hang; on failure, show the detail (the worker's stderr).
+    assert got["selftest_ok"]["outcome"] == "ok", got["selftest_ok"]
+
+
+def test_a_restarted_worker_that_fails_to_start_is_not_a_crash_of_the_next_task(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    generate(str(tmp_path), names=["unknown_version"])
+    # The first worker starts; selftest_outside creates this file; selftest_crash kills that
+    # worker; its replacement finds the file and aborts during start-up, before any task.
+    made = tmp_path / "cases" / "unknown_version" / "outside" / "selftest-read"
+    monkeypatch.setenv("PYCKPT_ATTACK_SELFTEST_START", f"abort-if:{made}")
+    ops = ["selftest_outside", "selftest_crash", "selftest_ok"]
+    with pytest.raises(RuntimeError,
+                       match=r"attack worker failed to start \(killed by SIGABRT\)"):
+        harness.run_tasks(str(tmp_path), [("unknown_version", op) for op in ops], jobs=1)

@@ -548,7 +548,7 @@ def _async_save_and_load_cpu(tmp_path) -> None:
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
 def test_async_save_with_a_runtime_whose_device_count_fails(fake, tmp_path, monkeypatch) -> None:
     # A runtime library without a usable driver: cudaGetDeviceCount fails (code 35).
-    monkeypatch.setattr(_staging, "_runtimes", {})
+    monkeypatch.setattr(_pinned, "_runtimes", {})
     fake.fake_cudart_fail_on(b"cudaGetDeviceCount", 0, 35)
     rt = _staging.runtime()
     assert rt.available is False and "driver version is insufficient" in rt.error
@@ -559,7 +559,7 @@ def test_async_save_with_a_runtime_whose_device_count_fails(fake, tmp_path, monk
 @_needs_native_io
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
 def test_async_save_without_any_runtime(tmp_path, monkeypatch) -> None:
-    monkeypatch.setattr(_staging, "_runtimes", {})
+    monkeypatch.setattr(_pinned, "_runtimes", {})
     with _knobs.override(cudart_path="/nonexistent/libcudart.so.12", cuda_mode="auto"):
         assert _staging.runtime().available is False
         _async_save_and_load_cpu(tmp_path)

@@ -231,7 +231,9 @@ def _load_world(rank: int, world: int, root: str) -> None:
     # rank reads about its own third, not whole segments.
     full = replicated_case("single")["weight"]
     got_dt = {"weight": distribute_tensor(torch.zeros_like(full), mesh, [Shard(0)])}
-    with pyckpt.Reader(os.path.join(root, "single")) as reader:
+    # cooperative=False: this rank's own reads are measured (a cooperative load would have a
+    # neighbour read the chunk two ranks' slices share; tests/test_coop_load.py covers that).
+    with pyckpt.Reader(os.path.join(root, "single"), cooperative=False) as reader:
         dcp.load(got_dt, storage_reader=reader)
     local = got_dt["weight"].to_local()
     expected = full.chunk(world)[rank]

@@ -180,6 +180,12 @@ class Backend(Protocol):
         """As ``_C.verify_segments`` (checksums of every chunk of ``segments``)."""
         ...
 
+    def read_stored(self, requests: list[Any], pool: Any) -> tuple[int, int]:
+        """As ``_C.read_stored``: the stored (still encoded) bytes of every chunk of each
+        request's segments, checksums verified, back to back into its destination (what a rank
+        serves to the others in a cooperative or node-local load)."""
+        ...
+
     def reads(self, pool: Any) -> contextlib.AbstractContextManager[
             Callable[[list[Any]], tuple[int, int]]]:
         """One load's read session: yields the function ``Reader.read_data`` calls with each
@@ -234,12 +240,14 @@ def direct_reads(backend: Backend, pool: Any) -> Iterator[Callable[[list[Any]], 
 
 
 def check_name(location: str, name: str, *, temp: bool = False) -> str:
-    """``name`` if it is a plain name of the checkpoint: ``pyckpt.json``, a data file name, or
-    (``temp``) a temp file of either; else :class:`~pyckpt.errors.CheckpointFormatError`
-    naming ``location``. Nothing outside the checkpoint's place is ever reached."""
+    """``name`` if it is a plain name of the checkpoint: ``pyckpt.json``, a data file name, a
+    rank-local metadata file (``pyckpt.rank<r>.json``), or (``temp``) a temp file of the first
+    two; else :class:`~pyckpt.errors.CheckpointFormatError` naming ``location``. Nothing outside
+    the checkpoint's place is ever reached."""
     from pyckpt.errors import CheckpointFormatError
 
-    ok = name == METADATA_FILE or _format.is_data_file(name)
+    ok = (name == METADATA_FILE or _format.is_data_file(name)
+          or _ranklocal.is_metadata_file(name))
     if not ok and temp and TEMP_MARKER in name and "/" not in name and "\\" not in name:
         base = name.split(TEMP_MARKER)[0]
         ok = base == METADATA_FILE or _format.is_data_file(base)

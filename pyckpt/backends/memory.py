@@ -164,6 +164,11 @@ class MemoryBackend:
     def reads(self, pool: Any) -> Any:
         return direct_reads(self, pool)
 
+    def read_stored(self, requests: list[Any], pool: Any) -> tuple[int, int]:
+        from pyckpt.backends.coop import read_stored_from
+
+        return read_stored_from(requests, pool, self._sources(s for r in requests for s in r[1]))
+
     def verify_segments(self, name: str, segments: list[Any], pool: Any) -> tuple[int, int]:
         return _C.verify_segments(name, segments, pool, self._sources(segments))
 

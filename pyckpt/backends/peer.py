@@ -18,6 +18,10 @@ a rank with nothing left to fetch keeps serving until all are done (:meth:`Excha
 Errors are agreed on: a failure on any rank (reading, verifying, decoding) is raised on every
 rank at the next round, so no rank is left waiting in a collective.
 
+The same rounds carry cooperative loads (:mod:`pyckpt.backends.coop`): there a chunk is served
+by the rank chosen to read it (:meth:`Exchange.owner_of`) through the backend, and a chunk
+several ranks ask for in one round is read once.
+
 The group must support CPU tensors (gloo; for an NCCL training group pass a gloo group).
 """
 
@@ -69,12 +73,14 @@ class PeerFiles:
     """
 
     def __init__(self, root: str, group: Group, owners: dict[str, int], local: set[str],
-                 everywhere: bool = False) -> None:
+                 everywhere: bool = False, holders: dict[str, list[int]] | None = None) -> None:
         self.root = root
         self.group = group
         self.owners = owners
         self.local = local
         self.everywhere = everywhere
+        # data file basename -> every group rank holding it (readers of a cooperative load)
+        self.holders = holders if holders is not None else {}
 
     def owner(self, path: str) -> int:
         """Group rank holding the data file ``path`` (this rank when it is local)."""
@@ -151,9 +157,11 @@ def discover(root: str, group: Group) -> tuple[_format.CheckpointIndex, PeerFile
             index = _format.read_index(root, all_files=False, document=document)
     assert index is not None
     owners: dict[str, int] = {}
+    holders: dict[str, list[int]] = {}
     for r, (_, names, _) in enumerate(gathered):
         for name in names:
             owners.setdefault(name, r)
+            holders.setdefault(name, []).append(r)
     for name in sorted(index.files):
         if name not in owners:
             raise FileNotFoundError(
@@ -165,7 +173,7 @@ def discover(root: str, group: Group) -> tuple[_format.CheckpointIndex, PeerFile
             )
     wanted = set(index.files)
     everywhere = all(wanted <= set(names) for _, names, _ in gathered)
-    return index, PeerFiles(root, group, owners, set(index.local_files), everywhere)
+    return index, PeerFiles(root, group, owners, set(index.local_files), everywhere, holders)
 
 
 class Exchange:
@@ -181,6 +189,7 @@ class Exchange:
         self.pool = pool
         self.bytes_received = 0
         self.bytes_sent = 0
+        self.bytes_read = 0  # stored bytes this rank read from storage for the others
         self._round = 0
         # Set once a round has raised a failure: every rank raised it in that same round, so
         # no further round may run (a rank calling finish() then would wait for the others).
@@ -220,7 +229,7 @@ class Exchange:
         group = self.files.group
         me = group.rank
         self._round += 1
-        wire = [(self.files.owner(os.path.join(self.files.root, n[0])), *n) for n in needs]
+        wire = [(self.owner_of(n), *n) for n in needs]
         gathered = all_gather((wire, done, None if error is None else portable(error)), group,
                               what="a node-local transfer")
         self._raise_first(gathered, me, error, "a node-local transfer")
@@ -234,18 +243,30 @@ class Exchange:
         send = torch.empty(sum(send_sizes), dtype=torch.uint8)
         read_error: BaseException | None = None
         try:
+            # Each chunk is read once per round, however many ranks asked for it.
+            first: dict[tuple[str, int], int] = {}  # chunk -> its position in `send`
+            copies: list[tuple[int, int, int]] = []  # (from, to, length) within `send`
             requests = []
             pos = 0
             for r in range(group.world):
-                # One request per chunk, named after its tensor: an error names it.
+                # One request per chunk, named after its tensor (an error names it); a chunk
+                # several ranks asked for in this round is read once and copied.
                 for o, name, rec, params, *label in gathered[r][0]:
-                    if o == me:
-                        seg = (os.path.join(self.files.root, name), 0, params, [rec])
+                    if o != me:
+                        continue
+                    n = stored_len(rec)
+                    at = first.setdefault((name, rec[0]), pos)
+                    if at == pos:
+                        seg = (self.path_of(name), 0, params, [rec])
                         what = label[0] if label else f"chunks for rank {r}"
                         requests.append((what, [seg], 0, 0, send.data_ptr() + pos))
-                        pos += stored_len(rec)
+                    else:
+                        copies.append((at, pos, n))
+                    pos += n
             if requests:
-                _C.read_stored(requests, self.pool)
+                self.bytes_read += self.read_stored([tuple(q) for q in requests])[0]
+            for src, dst, n in copies:
+                send[dst:dst + n] = send[src:src + n]
         except Exception as e:
             read_error = e
         statuses = all_gather((None, True, None if read_error is None else portable(read_error)),
@@ -269,6 +290,20 @@ class Exchange:
                 memory[peer_source(owner)] = recv[start:start + size].numpy()
             start += size
         return memory, offsets, all_done
+
+    # -- what a subclass may change: who serves a chunk, and how its owner reads it ---------
+
+    def owner_of(self, need: Need) -> int:
+        """Group rank that serves ``need`` (default: the rank holding its file)."""
+        return self.files.owner(os.path.join(self.files.root, need[0]))
+
+    def path_of(self, name: str) -> str:
+        """The segment path of data file ``name`` on the serving rank."""
+        return os.path.join(self.files.root, name)
+
+    def read_stored(self, requests: list[Any]) -> tuple[int, int]:
+        """As ``_C.read_stored`` (files in this rank's directory)."""
+        return _C.read_stored(requests, self.pool)
 
     def _raise_first(self, gathered: list[tuple[Any, bool, BaseException | None]], me: int,
                      mine: BaseException | None, what: str) -> None:
@@ -513,6 +548,9 @@ class PeerBackend:
 
     def verify_segments(self, name: str, segments: list[Any], pool: Any) -> tuple[int, int]:
         return self.local.verify_segments(name, segments, pool)
+
+    def read_stored(self, requests: list[Any], pool: Any) -> tuple[int, int]:
+        return self.local.read_stored(requests, pool)
 
     def stage(self, directory: str, share: tuple[int, int] | None = None) -> list[str]:
         return self.local.stage(directory, share)

@@ -27,7 +27,7 @@ import weakref
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any, cast
 
-from pyckpt import _C, _format, _knobs, _paths
+from pyckpt import _C, _format, _knobs, _paths, _ranklocal
 from pyckpt._format import METADATA_FILE
 from pyckpt.backends.base import (
     ANY,
@@ -314,11 +314,13 @@ class PosixBackend:
         return os.path.join(self.path, name)
 
     def list_names(self) -> dict[str, int]:
-        """Data files and temp files in the directory (no symbolic links), with sizes."""
+        """Data files, temp files and rank-local metadata files in the directory (no symbolic
+        links), with sizes."""
         out = {}
         with os.scandir(self.path) as it:
             for e in it:
-                if not (_format.is_data_file(e.name) or ".tmp-" in e.name):
+                if not (_format.is_data_file(e.name) or ".tmp-" in e.name
+                        or _ranklocal.is_metadata_file(e.name)):
                     continue
                 try:  # another rank of the node may remove it meanwhile
                     if e.is_file(follow_symlinks=False):
@@ -344,6 +346,9 @@ class PosixBackend:
 
     def reads(self, pool: Any) -> Any:
         return direct_reads(self, pool)
+
+    def read_stored(self, requests: list[Any], pool: Any) -> tuple[int, int]:
+        return _C.read_stored(requests, pool)
 
     def verify_segments(self, name: str, segments: list[Any], pool: Any) -> tuple[int, int]:
         return _C.verify_segments(name, segments, pool)

@@ -15,7 +15,8 @@ worker ROOT TASK...``) that import torch once and run many tasks in a row, each:
   has its own ``outside/``, so parallel workers never see each other's accesses),
 * checking that the malicious pickle's marker file never appears.
 
-A worker that dies (signal, abort, non-zero exit) while running a task records a *crash* for it.
+A worker that dies (signal, abort, non-zero exit) while running a task records a *crash* for it;
+one that dies before it is ready (importing torch) ran no task, and :func:`run_tasks` raises.
 
 Outcomes: ``ok`` (returned normally; for loads ``ok`` or ``ok-wrong`` when the loaded values
 differ from the baseline), ``typed`` (a :class:`pyckpt.PyckptError` or ``OSError``; for the CLI:
@@ -342,12 +343,15 @@ def _run_task(root: str, case: str, op: str) -> dict[str, Any]:
 
 
 def _worker(root: str, tasks: list[str]) -> int:
-    # Test hook (test_attacks.py): a start-up that crawls ("slow:SECONDS") or is stuck.
+    # Test hook (test_attack_harness.py): a start-up that crawls ("slow:SECONDS"), is stuck, or
+    # dies once a file exists ("abort-if:PATH", so only a worker started after a task made it).
     start_test = os.environ.get("PYCKPT_ATTACK_SELFTEST_START", "")
     if start_test.startswith("slow:"):
         _crawl(float(start_test[5:]))
     elif start_test == "stuck":
         time.sleep(3600)
+    elif start_test.startswith("abort-if:") and os.path.exists(start_test[9:]):
+        os.abort()
     limit = default_as_limit()
     if limit:
         import resource
@@ -542,10 +546,13 @@ class _Chain:
             err = _stderr_of(self.proc)[-2000:]
             self.proc.stdout.close()  # type: ignore[union-attr]
             self.proc = None
+            how = (f"killed by {signal.Signals(-rc).name}" if rc < 0 else f"exit {rc}")
             if self.todo:
-                if self.current is None and not self.results and rc != 0:
-                    raise RuntimeError(f"attack worker failed to start (exit {rc}): {err}")
-                how = (f"killed by {signal.Signals(-rc).name}" if rc < 0 else f"exit {rc}")
+                # A worker that dies before READY never ran a task: its start-up failed, first
+                # worker or one started after a hang or crash. Charging the next task with a
+                # crash would blame a case that was never run (and hide why start-up failed).
+                if not self.ready:
+                    raise RuntimeError(f"attack worker failed to start ({how}): {err}")
                 self._fail_current("crash", f"worker {how}: {err.strip()[-600:]}")
                 if self.todo:
                     self.start()
@@ -555,6 +562,8 @@ class _Chain:
         if why is not None:
             _kill(self.proc)
             self.proc = None
+            if not self.todo:
+                return  # every result is in: a worker slow to exit has nothing left to lose
             if not self.ready:
                 raise RuntimeError(f"attack worker did not start: {why}")
             self._fail_current("hang", why)

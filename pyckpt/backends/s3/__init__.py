@@ -137,6 +137,9 @@ class S3Backend:
     def reads(self, pool: Any) -> Any:
         return direct_reads(self, pool)
 
+    def read_stored(self, requests: list[Any], pool: Any) -> tuple[int, int]:
+        return self.fetcher().read_stored(requests, pool)
+
     def verify_segments(self, name: str, segments: list[Any], pool: Any) -> tuple[int, int]:
         return self.fetcher().verify_segments(name, segments, pool)
 
