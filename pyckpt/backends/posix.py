@@ -160,16 +160,18 @@ def fsync_dir(path: str) -> None:
 
 
 def _atomic(path: str, fsync: bool, fill: Any) -> int:
-    """Writes ``path`` through a temp file: ``fill(file)`` writes it and returns the bytes
-    written; then fsync (``fsync``), rename, directory fsync. Nothing is left under a final or
+    """Makes file ``path`` through a temp file: ``fill(temp path)`` writes it and returns its
+    size; then fsync (``fsync``), rename, directory fsync. Nothing is left under a final or
     temp name when it fails."""
     tmp = temp_name(path)
     try:
-        with open(tmp, "wb") as f:
-            size = int(fill(f))
-            if fsync:
-                f.flush()
-                os.fsync(f.fileno())
+        size = int(fill(tmp))
+        if fsync:
+            fd = os.open(tmp, os.O_RDONLY | os.O_CLOEXEC)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
@@ -182,17 +184,21 @@ def _atomic(path: str, fsync: bool, fill: Any) -> int:
 
 def write_atomic(path: str, data: bytes, fsync: bool) -> None:
     """Writes ``data`` as file ``path`` atomically (temp + fsync + rename + directory fsync)."""
-    _atomic(path, fsync, lambda f: f.write(data))
+    def fill(tmp: str) -> int:
+        with open(tmp, "wb") as f:
+            return f.write(data)
+
+    _atomic(path, fsync, fill)
 
 
 def copy_atomic(src: str, dst: str, fsync: bool) -> int:
-    """Copies file ``src`` to ``dst`` atomically (as :func:`write_atomic`); returns its size."""
-    with open(src, "rb") as fin:
-        def fill(f: Any) -> int:
-            shutil.copyfileobj(fin, f, 16 << 20)
-            return int(f.tell())
+    """Copies file ``src`` to ``dst`` atomically (as :func:`write_atomic`; the kernel's copy
+    where it has one); returns its size."""
+    def fill(tmp: str) -> int:
+        shutil.copyfile(src, tmp)
+        return os.path.getsize(tmp)
 
-        return _atomic(dst, fsync, fill)
+    return _atomic(dst, fsync, fill)
 
 
 class PosixBackend:
