@@ -152,8 +152,9 @@ class CheckpointManager:
     keeps the newest complete steps, and restores the newest step complete in any tier.
 
     Args:
-        durable: the durable tier: a directory (shared or not) or ``s3://bucket/prefix``.
-            Step ``N`` is the pyckpt checkpoint ``<durable>/step-<N>`` (``pyckpt.load`` reads it).
+        durable: the durable tier: any pyckpt location (a directory, shared or not,
+            ``s3://bucket/prefix``, ``memory://name``). Step ``N`` is the pyckpt checkpoint
+            ``<durable>/step-<N>`` (``pyckpt.load`` reads it), reached through its backend.
         local: the fast tier's directory on each node (e.g. ``/dev/shm/pyckpt``; the same path
             on every node, never shared between nodes). ``{node}`` in it is replaced by this
             rank's node id, for nodes that share a file system (several "nodes" on one

@@ -5,7 +5,8 @@ conformance suite (tests/backends/) runs without a disk or a server. A store is 
 names to immutable bytes; data files are encoded by the native ``BlockWriter`` (the ChunkSink
 that hands blocks to Python), reads decode straight from the stored bytes
 (``_C.read_requests`` with ``sources``). A store lives until :func:`drop` or the end of the
-process; it is shared by every backend object of that name in the process.
+process; it is shared by every backend object of that name in the process. A name may have
+several segments: ``memory://run/step-4`` is a child of ``memory://run`` (:meth:`list_children`).
 """
 
 from __future__ import annotations
@@ -193,7 +194,6 @@ class MemoryBackend:
         with _lock:
             for url in urls:
                 self.files.pop(url.rsplit("/", 1)[-1], None)
-
 
     def get_file(self, name: str, path: str) -> int:
         data = self.files.get(check_name(self.location, name))

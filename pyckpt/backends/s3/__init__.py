@@ -22,6 +22,7 @@ from typing import Any
 from pyckpt import _format
 from pyckpt._format import METADATA_FILE
 from pyckpt.backends.base import ANY, SaveState, check_name, delete_checkpoint, direct_reads
+from pyckpt.backends.posix import temp_name
 from pyckpt.backends.s3.client import (
     DEFAULT_CHUNK_BYTES,
     DEFAULT_MAX_CONCURRENCY,
@@ -170,8 +171,6 @@ class S3Backend:
 
     def get_file(self, name: str, path: str) -> int:
         """Streams object ``name`` into local file ``path`` (temp file, fsync, rename)."""
-        from pyckpt.backends.posix import temp_name
-
         tmp = temp_name(path)
         try:
             size = download(self.loc, check_name(self.location, name), tmp)
