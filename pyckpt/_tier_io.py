@@ -1,5 +1,5 @@
 """How the checkpoint manager's bytes get to a place: the fast tier's node-local step
-directories and the durable tier (a directory or ``s3://``).
+directories and the durable tier (any pyckpt location: a directory, ``s3://``, ``memory://``).
 
 Every file operation of :class:`pyckpt.CheckpointManager` goes through this module: writing a
 replica received from another node, writing and reading the completion marker, listing,
@@ -7,17 +7,24 @@ measuring and deleting steps, copying a committed data file to the durable tier,
 durable metadata, fetching a data file back from it. Nothing here encodes, decodes or plans;
 the data files are pyckpt data files, already compressed and checksummed, and move as they are.
 
+A tier is a location with a backend (:mod:`pyckpt.backends`): durable step ``N`` is the
+checkpoint ``open_backend(<durable>/step-<N>)``; data files go in with ``put_file``, the
+metadata with the backends' one commit rule (:func:`~pyckpt.backends.base.commit_save`); steps
+are listed (``list_children``), fetched (``get_file``) and deleted (``delete_checkpoint``)
+through the backend, so any backend serves as the durable tier. The fast tier is a directory
+on each node, written with the POSIX backend's atomic file writes.
+
 Layout (``<N>`` is the training step, in decimal)::
 
     <local>/step-<N>/               a node-local pyckpt checkpoint: this node's data files, the
                                     replicas of other nodes' files, pyckpt.json, and
                                     pyckpt.tier.json (the completion marker, written last)
-    <durable>/step-<N>/             a plain pyckpt checkpoint (loadable with pyckpt.load)
+    <durable>/step-<N>              a plain pyckpt checkpoint (loadable with pyckpt.load)
 
 Commit rule (the same as everywhere in pyckpt): data files first, each written to a temp name,
-fsynced and renamed; the metadata last (``pyckpt.tier.json`` in the fast tier, ``pyckpt.json``
-in the durable tier); deletion removes the metadata first, so a step that is half deleted never
-looks complete.
+fsynced and renamed (or uploaded whole); the metadata last (``pyckpt.tier.json`` in the fast
+tier, ``pyckpt.json`` in the durable tier); deletion removes the metadata first, so a step that
+is half deleted never looks complete.
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ import json
 import os
 import re
 import shutil
+import tempfile
 import threading
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -34,18 +42,15 @@ from typing import Any
 
 from pyckpt import _format
 from pyckpt._format import METADATA_FILE
-from pyckpt.backends import is_remote
-from pyckpt.backends.s3 import client as s3_client
-from pyckpt.backends.s3.upload import upload_file
+from pyckpt.backends import Backend, SaveState, child_location, commit_save, open_backend
+from pyckpt.backends.posix import PosixBackend, fsync_dir, temp_name, write_atomic
 
 __all__ = [
     "MARKER_FILE",
     "StepView",
     "LocalTier",
-    "DurableStore",
-    "DirStore",
-    "ObjectStore",
-    "open_durable",
+    "DurableTier",
+    "ReplicaFile",
     "step_name",
     "parse_step",
 ]
@@ -67,59 +72,6 @@ def parse_step(name: str) -> int | None:
     """The step of directory name ``name`` (None for any other name)."""
     m = _STEP_RE.fullmatch(name)
     return None if m is None else int(m.group(1))
-
-
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _tmp_name(path: str) -> str:
-    return f"{path}.tmp-{os.getpid()}-{threading.get_ident()}"
-
-
-def _write_atomic(path: str, data: bytes, fsync: bool) -> None:
-    tmp = _tmp_name(path)
-    try:
-        with open(tmp, "wb") as fh:
-            fh.write(data)
-            if fsync:
-                fh.flush()
-                os.fsync(fh.fileno())
-        os.rename(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        raise
-    if fsync:
-        _fsync_dir(os.path.dirname(path))
-
-
-def _copy_atomic(src: str, dst: str, fsync: bool) -> int:
-    """Copies file ``src`` to ``dst`` (temp + fsync + rename); returns the bytes copied."""
-    tmp = _tmp_name(dst)
-    try:
-        with open(src, "rb") as fin, open(tmp, "wb") as fout:
-            shutil.copyfileobj(fin, fout, 16 << 20)
-            if fsync:
-                fout.flush()
-                os.fsync(fout.fileno())
-            size = fout.tell()
-        os.rename(tmp, dst)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        raise
-    if fsync:
-        _fsync_dir(os.path.dirname(dst))
-    return size
 
 
 # ----------------------------------------------------------------------------- fast tier
@@ -152,7 +104,7 @@ class ReplicaFile:
         self.path = path
         self.size = size
         self.fsync = fsync
-        self.tmp = _tmp_name(path)
+        self.tmp = temp_name(path)
         self.fd = os.open(self.tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
         self.received = 0
 
@@ -182,7 +134,7 @@ class ReplicaFile:
         self.fd = -1
         os.rename(self.tmp, self.path)
         if self.fsync:
-            _fsync_dir(os.path.dirname(self.path))
+            fsync_dir(os.path.dirname(self.path))
 
     def abort(self) -> None:
         if self.fd >= 0:
@@ -201,19 +153,23 @@ class LocalTier:
     """
 
     def __init__(self, root: str | os.PathLike[str], fsync: bool = True) -> None:
+        if open_backend(root).local_dir is None:  # a URL: refused, never taken for a path
+            raise ValueError(f"local={os.fspath(root)!r}: the fast tier is a directory on "
+                             "each node, not a URL")
         self.root = os.path.abspath(os.fspath(root))
         self.fsync = fsync
+        self._dir = PosixBackend(self.root, fsync=fsync)
 
     def step_dir(self, step: int) -> str:
         return os.path.join(self.root, step_name(step))
 
+    def backend(self, step: int) -> PosixBackend:
+        """The POSIX backend of step ``step``'s directory on this node."""
+        return PosixBackend(self.step_dir(step), fsync=self.fsync, node_local=True)
+
     def steps(self) -> list[int]:
         """Steps with a directory on this node, ascending."""
-        try:
-            names = os.listdir(self.root)
-        except FileNotFoundError:
-            return []
-        out = [s for s in map(parse_step, names) if s is not None]
+        out = [s for s in map(parse_step, self._dir.list_children()) if s is not None]
         return sorted(out)
 
     def view(self, step: int) -> StepView:
@@ -225,7 +181,7 @@ class LocalTier:
         except FileNotFoundError:
             return out
         try:
-            index = _format.read_index(d, all_files=False)
+            index = self.backend(step).read_index(all_files=False)
             out.save_id = index.save_id
             out.files = dict(index.files)
         except (OSError, ValueError):
@@ -274,8 +230,13 @@ class LocalTier:
     def write_marker(self, step: int, doc: Mapping[str, Any]) -> None:
         """Writes the completion marker of ``step`` (atomically; the last file of a step)."""
         body = dict(doc, version=MARKER_VERSION, step=step)
-        _write_atomic(os.path.join(self.step_dir(step), MARKER_FILE),
-                      json.dumps(body, sort_keys=True).encode(), self.fsync)
+        write_atomic(os.path.join(self.step_dir(step), MARKER_FILE),
+                     json.dumps(body, sort_keys=True).encode(), self.fsync)
+
+    def write_metadata(self, step: int, document: bytes) -> None:
+        """Writes ``pyckpt.json`` of ``step`` on this node (the durable tier's copy, before
+        its lost data files are fetched) as the POSIX backend writes a node's copy."""
+        self.backend(step).put_metadata(document, SaveState(is_coordinator=False))
 
     def remove(self, step: int) -> None:
         """Deletes ``step`` here: the marker first, then the metadata, then the rest."""
@@ -302,18 +263,35 @@ class LocalTier:
 # ----------------------------------------------------------------------------- durable tier
 
 
-class DurableStore:
-    """The durable tier: one pyckpt checkpoint per step under a base location.
+class DurableTier:
+    """The durable tier: step ``N`` is the checkpoint at ``<location>/step-<N>``, through the
+    backend :func:`pyckpt.backends.open_backend` gives for it (any pyckpt location).
 
     Counters (this process): ``data_bytes_read`` (every data byte read back, by fetches and by
     direct loads), ``data_files_fetched`` (files fetched whole by :meth:`fetch_file`),
     ``direct_loads`` (steps read straight from this tier), ``metadata_reads``,
     ``bytes_written``.
+
+    Raises:
+        ValueError: an unsupported URL, or ``storage_options`` for a directory.
+        NotADirectoryError: ``location`` is a path naming a file.
     """
 
-    url: str
-
-    def __init__(self) -> None:
+    def __init__(self, location: str | os.PathLike[str],
+                 storage_options: Mapping[str, Any] | None = None, fsync: bool = True) -> None:
+        self._options = dict(storage_options or {})
+        self.fsync = fsync
+        base = open_backend(location, self._options or None, fsync=fsync)
+        if base.local_dir is not None:
+            if self._options:
+                raise ValueError(f"{base.location}: storage_options are for object-store URLs")
+            if os.path.exists(base.local_dir) and not os.path.isdir(base.local_dir):
+                raise NotADirectoryError(errno.ENOTDIR, "the durable tier must be a directory",
+                                         base.local_dir)
+        self.base: Backend = base
+        # A path made absolute (a later chdir does not move the tier); a URL as normalised.
+        self.url = base.location if base.local_dir is None else os.path.abspath(base.local_dir)
+        self._backends: dict[int, Backend] = {}
         self.data_bytes_read = 0
         self.data_files_fetched = 0
         self.direct_loads = 0
@@ -321,226 +299,84 @@ class DurableStore:
         self.bytes_written = 0
         self._lock = threading.Lock()
 
-    def _count_read(self, nbytes: int) -> None:
-        with self._lock:
-            self.data_bytes_read += nbytes
-            self.data_files_fetched += 1
-
-    def count_direct_load(self, nbytes: int) -> None:
-        """Records a load that read ``nbytes`` of a step straight from this tier."""
-        with self._lock:
-            self.data_bytes_read += nbytes
-            self.direct_loads += 1
-
-    def _count_write(self, nbytes: int) -> None:
-        with self._lock:
-            self.bytes_written += nbytes
-
-    # Interface -------------------------------------------------------------------------------
-
-    def step_location(self, step: int) -> str:
-        """Path or URL of the checkpoint of ``step`` (for pyckpt.load / Reader / Writer)."""
-        raise NotImplementedError
-
-    @property
-    def storage_options(self) -> dict[str, Any]:
-        return {}
-
-    def list_steps(self) -> dict[int, bool]:
-        """Steps with anything stored: step -> committed (its ``pyckpt.json`` exists)."""
-        raise NotImplementedError
-
-    def put_file(self, step: int, src: str) -> int:
-        """Copies the committed local data file ``src`` into ``step``; returns its size."""
-        raise NotImplementedError
-
-    def commit(self, step: int, document: bytes, files: Iterable[str]) -> None:
-        """Writes ``pyckpt.json`` of ``step`` (atomically), then deletes other data files there."""
-        raise NotImplementedError
-
-    def read_metadata(self, step: int) -> bytes:
-        raise NotImplementedError
-
-    def fetch_file(self, step: int, name: str, dst: str) -> int:
-        """Copies data file ``name`` of ``step`` to local path ``dst`` (temp + rename)."""
-        raise NotImplementedError
-
-    def remove(self, step: int) -> None:
-        """Deletes ``step``: its metadata first, then its data."""
-        raise NotImplementedError
-
-
-class DirStore(DurableStore):
-    """A durable tier in a directory (a shared or local file system)."""
-
-    def __init__(self, root: str | os.PathLike[str], fsync: bool = True) -> None:
-        super().__init__()
-        self.url = os.path.abspath(os.fspath(root))
-        self.fsync = fsync
-
-    def step_location(self, step: int) -> str:
-        return os.path.join(self.url, step_name(step))
-
-    def list_steps(self) -> dict[int, bool]:
-        try:
-            names = os.listdir(self.url)
-        except FileNotFoundError:
-            return {}
-        out = {}
-        for n in names:
-            s = parse_step(n)
-            if s is not None:
-                out[s] = os.path.isfile(os.path.join(self.url, n, METADATA_FILE))
-        return out
-
-    def put_file(self, step: int, src: str) -> int:
-        d = self.step_location(step)
-        os.makedirs(d, exist_ok=True)
-        size = _copy_atomic(src, os.path.join(d, os.path.basename(src)), self.fsync)
-        self._count_write(size)
-        return size
-
-    def commit(self, step: int, document: bytes, files: Iterable[str]) -> None:
-        d = self.step_location(step)
-        os.makedirs(d, exist_ok=True)
-        _write_atomic(os.path.join(d, METADATA_FILE), document, self.fsync)
-        self._count_write(len(document))
-        keep = set(files)
-        for n in os.listdir(d):
-            if (_format.is_data_file(n) and n not in keep) or ".tmp-" in n:
-                try:
-                    os.unlink(os.path.join(d, n))
-                except FileNotFoundError:
-                    pass
-
-    def read_metadata(self, step: int) -> bytes:
-        self.metadata_reads += 1
-        with open(os.path.join(self.step_location(step), METADATA_FILE), "rb") as fh:
-            return fh.read(_format.MAX_METADATA_BYTES + 1)
-
-    def fetch_file(self, step: int, name: str, dst: str) -> int:
-        if not _format.is_data_file(name):
-            raise ValueError(f"illegal data file name {name!r}")
-        size = _copy_atomic(os.path.join(self.step_location(step), name), dst, self.fsync)
-        self._count_read(size)
-        return size
-
-    def remove(self, step: int) -> None:
-        d = self.step_location(step)
-        try:
-            os.unlink(os.path.join(d, METADATA_FILE))
-        except FileNotFoundError:
-            pass
-        if self.fsync and os.path.isdir(d):
-            _fsync_dir(d)
-        shutil.rmtree(d, ignore_errors=True)
-
-
-class ObjectStore(DurableStore):
-    """A durable tier in an object store (``s3://bucket/prefix``): step ``N`` is the
-    checkpoint ``s3://bucket/prefix/step-<N>``."""
-
-    def __init__(self, url: str, storage_options: Mapping[str, Any] | None = None) -> None:
-        super().__init__()
-        self._options = dict(storage_options or {})
-        self.base = s3_client.location(url, self._options)
-        self.url = self.base.url
-        self._locations: dict[int, s3_client.Location] = {}
-
     @property
     def storage_options(self) -> dict[str, Any]:
         return dict(self._options)
 
-    def _loc(self, step: int) -> s3_client.Location:
-        with self._lock:
-            loc = self._locations.get(step)
-            if loc is None:
-                loc = s3_client.location(self.step_location(step), self._options)
-                self._locations[step] = loc
-            return loc
-
     def step_location(self, step: int) -> str:
-        return f"{self.url}/{step_name(step)}"
+        """Location of the checkpoint of ``step`` (for pyckpt.load / Reader / Writer)."""
+        return child_location(self.url, step_name(step))
+
+    def backend(self, step: int) -> Backend:
+        """The backend of step ``step`` (one per step, kept: an object-store client is made
+        once)."""
+        with self._lock:
+            b = self._backends.get(step)
+            if b is None:
+                b = self._backends[step] = open_backend(
+                    self.step_location(step), self._options or None, fsync=self.fsync)
+            return b
+
+    def _count(self, read: int = 0, written: int = 0, fetched: int = 0, loads: int = 0) -> None:
+        with self._lock:
+            self.data_bytes_read += read
+            self.bytes_written += written
+            self.data_files_fetched += fetched
+            self.direct_loads += loads
+
+    def count_direct_load(self, nbytes: int) -> None:
+        """Records a load that read ``nbytes`` of a step straight from this tier."""
+        self._count(read=nbytes, loads=1)
 
     def list_steps(self) -> dict[int, bool]:
-        import obstore
-
-        prefix = self.base.prefix + "/" if self.base.prefix else ""
-        out: dict[int, bool] = {}
-        try:
-            for batch in obstore.list(self.base.store(), prefix or None):
-                for meta in batch:
-                    rel = str(meta["path"])[len(prefix):]
-                    parts = rel.split("/")
-                    if len(parts) != 2:
-                        continue
-                    s = parse_step(parts[0])
-                    if s is None:
-                        continue
-                    out[s] = out.get(s, False) or parts[1] == METADATA_FILE
-        except Exception as e:
-            raise self.base.error(e, "LIST", self.url) from None
+        """Steps with anything stored: step -> committed (its ``pyckpt.json`` exists)."""
+        out = {}
+        for name, committed in self.base.list_children().items():
+            s = parse_step(name)
+            if s is not None:
+                out[s] = committed
         return out
 
+    def begin(self, step: int, is_coordinator: bool) -> SaveState:
+        """Sets up persisting ``step`` (the backend's save set-up: the place made, and on the
+        coordinator the lock or the condition its commit checks)."""
+        return self.backend(step).begin_save(is_coordinator, overwrite=True)
+
     def put_file(self, step: int, src: str) -> int:
+        """Stores the committed local data file ``src`` into ``step``; returns its size."""
         size = os.path.getsize(src)
-        upload_file(self._loc(step), src)
-        self._count_write(size)
+        self.backend(step).put_file(src)
+        self._count(written=size)
         return size
 
-    def commit(self, step: int, document: bytes, files: Iterable[str]) -> None:
-        loc = self._loc(step)
-        loc.put(METADATA_FILE, document)
-        self._count_write(len(document))
-        keep = set(files)
-        loc.delete([n for n in loc.list_names() if _format.is_data_file(n) and n not in keep])
+    def commit(self, step: int, document: bytes, files: Iterable[str], state: SaveState) -> None:
+        """Commits ``pyckpt.json`` of ``step`` by the backends' one rule (conditional on
+        ``state``), removing what it made stale; then ends ``state``."""
+        try:
+            commit_save(self.backend(step), list(files), document, state)
+        finally:
+            state.end()
+        self._count(written=len(document))
 
     def read_metadata(self, step: int) -> bytes:
-        self.metadata_reads += 1
-        return self._loc(step).get(METADATA_FILE, _format.MAX_METADATA_BYTES)
+        with self._lock:
+            self.metadata_reads += 1
+        with tempfile.TemporaryDirectory(prefix="pyckpt-meta-") as d:
+            path = os.path.join(d, METADATA_FILE)
+            self.backend(step).get_file(METADATA_FILE, path)
+            with open(path, "rb") as fh:
+                return fh.read(_format.MAX_METADATA_BYTES + 1)
 
     def fetch_file(self, step: int, name: str, dst: str) -> int:
-        import obstore
-
-        loc = self._loc(step)
-        url = loc.url_of(name)
-        tmp = _tmp_name(dst)
-        size = 0
-        try:
-            stream = obstore.get(loc.store(), loc.key(name)).stream(min_chunk_size=8 << 20)
-            with open(tmp, "wb") as fh:
-                for part in stream:
-                    fh.write(part)
-                    size += len(part)
-                fh.flush()
-                os.fsync(fh.fileno())
-            os.rename(tmp, dst)
-        except Exception as e:
-            try:
-                os.unlink(tmp)
-            except FileNotFoundError:
-                pass
-            if isinstance(e, OSError) and e.filename in (url, dst):
-                raise
-            raise loc.error(e, "GET", url) from None
-        self._count_read(size)
+        """Copies data file ``name`` of ``step`` to local path ``dst`` (temp + rename)."""
+        if not _format.is_data_file(name):
+            raise ValueError(f"illegal data file name {name!r}")
+        size = self.backend(step).get_file(name, dst)
+        self._count(read=size, fetched=1)
         return size
 
     def remove(self, step: int) -> None:
-        loc = self._loc(step)
-        loc.delete([METADATA_FILE])
-        names = [n for n in loc.list_names() if _format.is_data_file(n)]
-        loc.delete(names)
-
-
-def open_durable(location: str | os.PathLike[str], storage_options: Mapping[str, Any] | None,
-                 fsync: bool = True) -> DurableStore:
-    """The durable store at ``location``: a directory, or an ``s3://`` URL."""
-    path = os.fspath(location)
-    if is_remote(path):
-        return ObjectStore(path, storage_options)
-    if storage_options:
-        raise ValueError(f"{path}: storage_options are for object-store URLs")
-    if os.path.exists(path) and not os.path.isdir(path):
-        raise NotADirectoryError(errno.ENOTDIR, "the durable tier must be a directory", path)
-    return DirStore(path, fsync)
+        """Deletes ``step``: its metadata first, then its data."""
+        self.backend(step).delete_checkpoint()
+        with self._lock:
+            self._backends.pop(step, None)

@@ -27,8 +27,9 @@ from pyckpt import _format
 from pyckpt._collective import Group, add_note, agree, all_gather, portable
 from pyckpt._replicate import DEFAULT_WINDOW, node_order, replicate, ring_targets
 from pyckpt._tensors import local_view
-from pyckpt._tier_io import DurableStore, LocalTier, StepView, open_durable
+from pyckpt._tier_io import DurableTier, LocalTier, StepView
 from pyckpt.api import _single_process_quiet, _typed_errors, load_planner
+from pyckpt.backends import SaveState
 from pyckpt.errors import PyckptError, TierBudgetError, TierWarning
 from pyckpt.planner import SavePlanner
 from pyckpt.storage import Reader, Writer
@@ -151,8 +152,9 @@ class CheckpointManager:
     keeps the newest complete steps, and restores the newest step complete in any tier.
 
     Args:
-        durable: the durable tier: a directory (shared or not) or ``s3://bucket/prefix``.
-            Step ``N`` is the pyckpt checkpoint ``<durable>/step-<N>`` (``pyckpt.load`` reads it).
+        durable: the durable tier: any pyckpt location (a directory, shared or not,
+            ``s3://bucket/prefix``, ``memory://name``). Step ``N`` is the pyckpt checkpoint
+            ``<durable>/step-<N>`` (``pyckpt.load`` reads it), reached through its backend.
         local: the fast tier's directory on each node (e.g. ``/dev/shm/pyckpt``; the same path
             on every node, never shared between nodes). ``{node}`` in it is replaced by this
             rank's node id, for nodes that share a file system (several "nodes" on one
@@ -225,7 +227,7 @@ class CheckpointManager:
         self.replication_window_bytes = replication_window_bytes
         self.check_replicas = check_replicas
         self._fsync = _knobs.fsync() if fsync is None else bool(fsync)
-        self.store: DurableStore = open_durable(durable, storage_options, self._fsync)
+        self.store = DurableTier(durable, storage_options, self._fsync)
         self.node = node_identity(node)
         self.tier = None if local is None else LocalTier(_local_path(local, self.node),
                                                          self._fsync)
@@ -458,6 +460,7 @@ class CheckpointManager:
         rank 0 commits ``pyckpt.json`` there and applies durable retention."""
         tier, g, store = self.tier, self._persist_group, self.store
         assert tier is not None
+        states: list[SaveState] = []  # this rank's save set-up (rank 0's: lock / condition)
         try:
             loads = [0] * g.world
             mine = []
@@ -469,6 +472,7 @@ class CheckpointManager:
                     mine.append(name)
 
             def upload() -> None:
+                states.append(store.begin(step, g.rank == 0))
                 for name in mine:
                     store.put_file(step, tier.file_path(step, name))
 
@@ -477,13 +481,15 @@ class CheckpointManager:
             def commit() -> None:
                 with open(tier.file_path(step, _format.METADATA_FILE), "rb") as fh:
                     document = fh.read()
-                store.commit(step, document, files)
+                store.commit(step, document, files, states.pop())
                 self._retain_durable()
 
             agree(commit, g, ranks="root", what=f"committing step {step} to {store.url}")
             self.last_persisted = step
             return step
         finally:
+            for state in states:
+                state.end()
             with self._pinned_lock:
                 self._pinned.discard(step)
 
@@ -645,9 +651,7 @@ class CheckpointManager:
             total = 0
             meta = tier.file_path(step, _format.METADATA_FILE)
             if self._leader and not os.path.exists(meta):
-                from pyckpt._tier_io import _write_atomic
-
-                _write_atomic(meta, document, self._fsync)
+                tier.write_metadata(step, document)
             for name in mine:
                 total += self.store.fetch_file(step, name, tier.file_path(step, name))
             return total

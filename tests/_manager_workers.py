@@ -185,7 +185,7 @@ def _inject_crash(crash: dict[str, Any], rank: int) -> None:
 
         _tier_io.ReplicaFile.commit = commit  # type: ignore[method-assign]
     elif crash["at"] == "persist":
-        for cls in (_tier_io.DirStore, _tier_io.ObjectStore):
+        for cls in (_tier_io.DurableTier,):
             original_put = cls.put_file
 
             def put_file(self: Any, step: int, src: str, _orig: Any = original_put) -> int:

@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 PKG = Path(__file__).resolve().parent.parent / "pyckpt"
@@ -158,3 +159,45 @@ def test_the_scheme_check_finds_offences(tmp_path: Path) -> None:
     bad.write_text('if is_url(p) or p.startswith("s3://"):\n    pass\n'
                    "x = 1 if shared_filesystem else 2\n")
     assert len(_offences(bad)) == 3
+
+
+# The checkpoint manager reaches its tiers only through backend objects (a tier is a location
+# with a backend): no URL test, no string starting with "scheme://" (docstrings may name
+# them), no import of one backend's client.
+_TIER_MODULES = ("pyckpt._tier_io", "pyckpt.manager", "pyckpt._replicate")
+_URL_FUNCTIONS = {"is_url", "is_remote", "scheme_of"}
+
+
+def _tier_offences(path: Path, imports: set[str]) -> list[str]:
+    tree = ast.parse(path.read_text(), str(path))
+    out = _offences(path)
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call):
+            f = node.func
+            fname = f.attr if isinstance(f, ast.Attribute) else getattr(f, "id", "")
+            if fname in _URL_FUNCTIONS:
+                out.append(f"{path.name}:{node.lineno}: {fname}(")
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str) \
+                and re.match(r"([A-Za-z][A-Za-z0-9+.-]*)?://", node.value):
+            out.append(f"{path.name}:{node.lineno}: {node.value!r}")
+    out += [f"{path.name}: imports {m}" for m in sorted(imports)
+            if m.startswith(("pyckpt.backends.s3", "pyckpt.backends.memory",
+                             "pyckpt.backends.peer"))]
+    return out
+
+
+def test_the_manager_reaches_its_tiers_only_through_backends() -> None:
+    modules, graph = _modules(), _graph()
+    offences = []
+    for name in _TIER_MODULES:
+        offences += _tier_offences(modules[name], graph[name])
+    assert offences == []
+
+
+def test_the_tier_check_finds_offences(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.py"
+    bad.write_text('"""Docs may say s3://bucket."""\n'
+                   'if is_remote(p) or scheme_of(p) or p.startswith("memory://"):\n'
+                   '    u = f"s3://{p}"\n')
+    # is_remote(, scheme_of(, "memory://", "s3://" (twice: here and in _offences), the import
+    assert len(_tier_offences(bad, {"pyckpt.backends.s3.client"})) == 6

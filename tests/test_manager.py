@@ -190,7 +190,7 @@ def test_failed_save_never_looks_complete_and_keeps_the_last_complete_step(
 def test_failed_persistence_commits_nothing(tmp_path: Path,
                                             monkeypatch: pytest.MonkeyPatch) -> None:
     calls = []
-    real = _tier_io.DirStore.put_file
+    real = _tier_io.DurableTier.put_file
 
     def put_file(self: Any, step: int, src: str) -> int:
         calls.append(step)
@@ -198,7 +198,7 @@ def test_failed_persistence_commits_nothing(tmp_path: Path,
             raise OSError(5, "I/O error (injected)")
         return real(self, step, src)
 
-    monkeypatch.setattr(_tier_io.DirStore, "put_file", put_file)
+    monkeypatch.setattr(_tier_io.DurableTier, "put_file", put_file)
     with _mgr(tmp_path) as mgr:
         for s in range(10):
             mgr.save(s, _state(s))
@@ -219,6 +219,46 @@ def test_durable_only_manager(tmp_path: Path) -> None:
         sd = _state(0, zeros=True)
         assert mgr.restore(sd) == 9  # no fast tier: no warning (warnings are errors here)
         assert _same(sd, _state(9))
+
+
+def test_memory_durable_tier(tmp_path: Path) -> None:
+    """Any backend is a durable tier (here memory://): persistence, retention, a full restart
+    restored from it with the warning, and a durable-only manager."""
+    from pyckpt.backends import memory
+
+    url = f"memory://tiers-{tmp_path.name}"
+
+    def mgr(**kw: Any) -> pyckpt.CheckpointManager:
+        args: dict[str, Any] = dict(local=tmp_path / "local", replicas=0, save_every=2,
+                                    persist_every=4, keep_local=2, keep_durable=2, fsync=False)
+        return pyckpt.CheckpointManager(url, **dict(args, **kw))
+
+    try:
+        with mgr() as m:
+            assert m.store.url == url
+            assert _train(m, range(10)) == [0, 2, 4, 6, 8]
+            assert m.steps() == {"local": [6, 8], "durable": [4, 8]}
+            assert m.store.list_steps() == {4: True, 8: True}
+        assert f"{url}/step-0" not in memory._stores  # deleted, store and all
+        sd = _state(0, zeros=True)
+        pyckpt.load(sd, f"{url}/step-8")  # a durable step is a plain checkpoint
+        assert _same(sd, _state(8))
+        shutil.rmtree(tmp_path / "local")  # a full restart on new machines
+        with mgr() as m:
+            sd = _state(0, zeros=True)
+            with pytest.warns(pyckpt.TierWarning, match=r"step 8 .*fast tier is empty"):
+                assert m.restore(sd) == 8
+            assert _same(sd, _state(8))
+            assert m.store.direct_loads == 1 and m.store.data_bytes_read > 0
+        with mgr(local=None, save_every=3) as m:  # durable only
+            _train(m, range(10, 20))
+            assert m.steps()["durable"] == [15, 18]
+            sd = _state(0, zeros=True)
+            assert m.restore(sd) == 18
+            assert _same(sd, _state(18))
+    finally:
+        for name in [n for n in memory._stores if n == url or n.startswith(url + "/")]:
+            memory.drop(name)
 
 
 def test_nothing_to_restore(tmp_path: Path) -> None:

@@ -24,8 +24,8 @@ from typing import Any, Literal
 from pyckpt import _options
 from pyckpt.backends.base import Backend, SaveState, clean_up, commit_save
 
-__all__ = ["Backend", "SaveState", "clean_up", "commit_save", "is_remote", "node_local_choice",
-           "open_backend", "scheme_of"]
+__all__ = ["Backend", "SaveState", "child_location", "clean_up", "commit_save", "is_remote",
+           "node_local_choice", "open_backend", "scheme_of"]
 
 # Schemes served, and any other "scheme://" (two letters or more, so no drive letter): refused,
 # never taken for a local path.
@@ -58,6 +58,23 @@ def scheme_of(location: Any) -> str | None:
 def is_remote(location: Any) -> bool:
     """Whether ``location`` is a URL (not a local path); refuses foreign schemes."""
     return scheme_of(location) is not None
+
+
+def child_location(location: str | os.PathLike[str], name: str) -> str:
+    """The location named ``name`` directly under ``location`` (a sub-directory, a sub-prefix,
+    or the store ``memory://name/child``), as :meth:`Backend.list_children` names it. A path is
+    made absolute (a later ``chdir`` does not move it).
+
+    Raises:
+        ValueError: ``name`` is not a plain name (empty, ``.``, ``..``, or with a separator), or
+            ``location`` is a URL of an unsupported scheme.
+    """
+    if not name or name in (".", "..") or "/" in name or "\\" in name:
+        raise ValueError(f"{os.fspath(location)}: illegal child name {name!r}")
+    path = os.fspath(location)
+    if scheme_of(path) is None:
+        return os.path.join(os.path.abspath(path), name)
+    return f"{path.rstrip('/')}/{name}"
 
 
 def node_local_choice(value: Any) -> bool | Literal["auto"]:

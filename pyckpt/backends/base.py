@@ -36,6 +36,7 @@ __all__ = [
     "check_name",
     "clean_up",
     "commit_save",
+    "delete_checkpoint",
     "direct_reads",
     "is_stale",
     "overlapping_chunks",
@@ -211,6 +212,25 @@ class Backend(Protocol):
         """Best effort: removes what :meth:`put_file` stored (failures are ignored)."""
         ...
 
+    # -- a location holding checkpoints (the checkpoint manager's tiers) -------------------
+    def get_file(self, name: str, path: str) -> int:
+        """Copies stored ``name`` (``pyckpt.json`` or a data file, as stored) to local file
+        ``path``, atomically (temp + rename); returns its size. ``FileNotFoundError`` naming
+        ``url_of(name)`` when it is absent."""
+        ...
+
+    def list_children(self) -> dict[str, bool]:
+        """The places directly under this location (sub-directories, sub-prefixes, stores
+        named ``<location>/<child>``) that hold anything, by plain name, each with whether it
+        holds a committed checkpoint (its ``pyckpt.json``). None at all: ``{}``."""
+        ...
+
+    def delete_checkpoint(self) -> None:
+        """Deletes the checkpoint here: ``pyckpt.json`` first (it no longer looks complete),
+        then its data and temp files, then the place itself where it is one (a directory);
+        files of other kinds are left alone. Nothing there: nothing to do."""
+        ...
+
 
 @contextlib.contextmanager
 def direct_reads(backend: Backend, pool: Any) -> Iterator[Callable[[list[Any]], tuple[int, int]]]:
@@ -316,6 +336,15 @@ def commit_save(backend: Backend, files: Mapping[str, int] | Iterable[str], enco
         logger.warning("pyckpt: %s: writing the metadata reported a failure but the stored "
                        "metadata is this save's: committed", backend.url_of(METADATA_FILE))
     clean_up(backend, names)
+
+
+def delete_checkpoint(backend: Backend) -> None:
+    """The deletion rule of every backend: ``pyckpt.json`` first, so a checkpoint deleted
+    half-way never looks complete, then every data and temp file listed."""
+    backend.delete([METADATA_FILE])
+    names = list(backend.list_names())
+    if names:
+        backend.delete(names)
 
 
 def stored_len(rec: Sequence[Any]) -> int:

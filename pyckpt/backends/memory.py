@@ -5,7 +5,8 @@ conformance suite (tests/backends/) runs without a disk or a server. A store is 
 names to immutable bytes; data files are encoded by the native ``BlockWriter`` (the ChunkSink
 that hands blocks to Python), reads decode straight from the stored bytes
 (``_C.read_requests`` with ``sources``). A store lives until :func:`drop` or the end of the
-process; it is shared by every backend object of that name in the process.
+process; it is shared by every backend object of that name in the process. A name may have
+several segments: ``memory://run/step-4`` is a child of ``memory://run`` (:meth:`list_children`).
 """
 
 from __future__ import annotations
@@ -19,7 +20,14 @@ from typing import Any
 
 from pyckpt import _C, _format
 from pyckpt._format import METADATA_FILE
-from pyckpt.backends.base import SaveState, check_name, direct_reads, stage_shares
+from pyckpt.backends.base import (
+    SaveState,
+    check_name,
+    delete_checkpoint,
+    direct_reads,
+    stage_shares,
+)
+from pyckpt.backends.posix import write_atomic
 from pyckpt.errors import CheckpointFormatError, ConcurrentSaveError
 
 __all__ = ["MemoryBackend", "drop"]
@@ -77,10 +85,10 @@ class MemoryBackend:
     local_dir = None
 
     def __init__(self, url: str) -> None:
-        name = url[len(SCHEME):]
-        if not name or "/" in name.strip("/"):
-            raise ValueError(f"invalid memory URL {url!r}: expected memory://name")
-        self.location = f"{SCHEME}{name.strip('/')}"
+        parts = url[len(SCHEME):].strip("/").split("/")  # memory://name[/child...]
+        if any(p in ("", ".", "..") for p in parts):
+            raise ValueError(f"invalid memory URL {url!r}: expected memory://name[/child]")
+        self.location = SCHEME + "/".join(parts)
         with _lock:
             self.files = _stores.setdefault(self.location, {})
 
@@ -186,6 +194,30 @@ class MemoryBackend:
         with _lock:
             for url in urls:
                 self.files.pop(url.rsplit("/", 1)[-1], None)
+
+    def get_file(self, name: str, path: str) -> int:
+        data = self.files.get(check_name(self.location, name))
+        if data is None:
+            raise FileNotFoundError(errno.ENOENT, "no such file", self.url_of(name))
+        write_atomic(path, data, fsync=False)
+        return len(data)
+
+    def list_children(self) -> dict[str, bool]:
+        out: dict[str, bool] = {}
+        prefix = self.location + "/"
+        with _lock:
+            for url, files in _stores.items():
+                if url.startswith(prefix) and files:
+                    child, _, rest = url[len(prefix):].partition("/")
+                    out[child] = out.get(child, False) or (not rest and METADATA_FILE in files)
+        return out
+
+    def delete_checkpoint(self) -> None:
+        """Empties the store, then forgets it (as :func:`drop`)."""
+        delete_checkpoint(self)
+        with _lock:
+            if not self.files and _stores.get(self.location) is self.files:
+                del _stores[self.location]
 
 
 class _Validator(_format._Validator):

@@ -563,3 +563,12 @@ class PeerBackend:
 
     def remove_files(self, urls: Iterable[str]) -> None:
         self.local.remove_files(urls)
+
+    def get_file(self, name: str, path: str) -> int:
+        return self.local.get_file(name, path)
+
+    def list_children(self) -> dict[str, bool]:
+        return self.local.list_children()
+
+    def delete_checkpoint(self) -> None:
+        self.local.delete_checkpoint()

@@ -21,6 +21,7 @@ import hashlib
 import logging
 import os
 import shutil
+import threading
 import time
 import weakref
 from collections.abc import Iterable, Iterator, Mapping
@@ -28,10 +29,17 @@ from typing import Any, cast
 
 from pyckpt import _C, _format, _knobs, _paths, _ranklocal
 from pyckpt._format import METADATA_FILE
-from pyckpt.backends.base import ANY, SaveState, check_name, direct_reads
+from pyckpt.backends.base import (
+    ANY,
+    TEMP_MARKER,
+    SaveState,
+    check_name,
+    delete_checkpoint,
+    direct_reads,
+)
 from pyckpt.errors import ConcurrentSaveError
 
-__all__ = ["LOCK_FILE", "PosixBackend"]
+__all__ = ["LOCK_FILE", "PosixBackend", "copy_atomic", "fsync_dir", "temp_name", "write_atomic"]
 
 logger = logging.getLogger("pyckpt.backends")
 
@@ -134,6 +142,63 @@ def _digest(path: str) -> str | None:
             return hashlib.sha256(f.read()).hexdigest()
     except FileNotFoundError:
         return None
+
+
+def temp_name(path: str) -> str:
+    """A sibling temp name of ``path``, unique per process and thread (``<path>.tmp-<pid>-<n>``,
+    which :func:`~pyckpt.backends.base.is_stale` recognises)."""
+    return f"{path}{TEMP_MARKER}{os.getpid()}-{threading.get_ident()}"
+
+
+def fsync_dir(path: str) -> None:
+    """Makes the entries of directory ``path`` (a rename into it) durable."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _atomic(path: str, fsync: bool, fill: Any) -> int:
+    """Makes file ``path`` through a temp file: ``fill(temp path)`` writes it and returns its
+    size; then fsync (``fsync``), rename, directory fsync. Nothing is left under a final or
+    temp name when it fails."""
+    tmp = temp_name(path)
+    try:
+        size = int(fill(tmp))
+        if fsync:
+            fd = os.open(tmp, os.O_RDONLY | os.O_CLOEXEC)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+    if fsync:
+        fsync_dir(os.path.dirname(path) or ".")
+    return size
+
+
+def write_atomic(path: str, data: bytes, fsync: bool) -> None:
+    """Writes ``data`` as file ``path`` atomically (temp + fsync + rename + directory fsync)."""
+    def fill(tmp: str) -> int:
+        with open(tmp, "wb") as f:
+            return f.write(data)
+
+    _atomic(path, fsync, fill)
+
+
+def copy_atomic(src: str, dst: str, fsync: bool) -> int:
+    """Copies file ``src`` to ``dst`` atomically (as :func:`write_atomic`; the kernel's copy
+    where it has one); returns its size."""
+    def fill(tmp: str) -> int:
+        shutil.copyfile(src, tmp)
+        return os.path.getsize(tmp)
+
+    return _atomic(dst, fsync, fill)
 
 
 class PosixBackend:
@@ -307,20 +372,46 @@ class PosixBackend:
         target = self.url_of(name)
         if os.path.abspath(path) == os.path.abspath(target):
             return target
-        tmp = f"{target}.tmp-{os.getpid()}"
-        try:
-            shutil.copyfile(path, tmp)
-            if self._fsync():
-                with open(tmp, "rb+") as f:
-                    os.fsync(f.fileno())
-            os.replace(tmp, target)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
-            raise
+        copy_atomic(path, target, self._fsync())
         return target
 
     def remove_files(self, urls: Iterable[str]) -> None:
         for url in urls:
             with contextlib.suppress(OSError):
                 os.unlink(url)
+
+    # -- a location holding checkpoints --------------------------------------------------
+
+    def get_file(self, name: str, path: str) -> int:
+        """Copies ``name`` to local file ``path`` (temp file, fsync, rename); returns its size."""
+        return copy_atomic(self.url_of(check_name(self.path, name)), path, self._fsync())
+
+    def list_children(self) -> dict[str, bool]:
+        """Sub-directories (no symbolic links), each with whether it holds ``pyckpt.json``."""
+        out = {}
+        try:
+            with os.scandir(self.path) as it:
+                for e in it:
+                    if e.is_dir(follow_symlinks=False):
+                        out[e.name] = os.path.isfile(os.path.join(e.path, METADATA_FILE))
+        except FileNotFoundError:
+            pass
+        return out
+
+    def delete_checkpoint(self) -> None:
+        """The metadata first (made durable), then data and temp files, the lock files, and
+        the directory when nothing else is left in it."""
+        meta = os.path.join(self.path, METADATA_FILE)
+        try:
+            os.unlink(meta)
+            if self._fsync():
+                fsync_dir(self.path)
+        except FileNotFoundError:
+            if not os.path.isdir(self.path):
+                return
+        delete_checkpoint(self)
+        for name in (LOCK_FILE, COMMIT_MUTEX):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(os.path.join(self.path, name))
+        with contextlib.suppress(FileNotFoundError, OSError):
+            os.rmdir(self.path)

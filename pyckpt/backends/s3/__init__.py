@@ -15,12 +15,14 @@ detail; the GETs of one read batch run in a short-lived pool owned by the call.
 from __future__ import annotations
 
 import errno
+import os
 from collections.abc import Iterable, Mapping
 from typing import Any
 
 from pyckpt import _format
 from pyckpt._format import METADATA_FILE
-from pyckpt.backends.base import ANY, SaveState, direct_reads
+from pyckpt.backends.base import ANY, SaveState, check_name, delete_checkpoint, direct_reads
+from pyckpt.backends.posix import temp_name
 from pyckpt.backends.s3.client import (
     DEFAULT_CHUNK_BYTES,
     DEFAULT_MAX_CONCURRENCY,
@@ -28,7 +30,7 @@ from pyckpt.backends.s3.client import (
     Location,
     location,
 )
-from pyckpt.backends.s3.read import Fetcher, read_index, stage_checkpoint
+from pyckpt.backends.s3.read import Fetcher, download, read_index, stage_checkpoint
 from pyckpt.backends.s3.upload import DataUpload, _plain_key, check_part_bytes, upload_file
 
 __all__ = ["S3Backend"]
@@ -164,3 +166,26 @@ class S3Backend:
                 _obstore().delete(self.loc.store(), keys)
             except Exception:
                 pass
+
+    # -- a location holding checkpoints --------------------------------------------------
+
+    def get_file(self, name: str, path: str) -> int:
+        """Streams object ``name`` into local file ``path`` (temp file, fsync, rename)."""
+        tmp = temp_name(path)
+        try:
+            size = download(self.loc, check_name(self.location, name), tmp)
+            os.replace(tmp, path)
+        except BaseException:
+            try:
+                os.unlink(tmp)
+            except FileNotFoundError:
+                pass
+            raise
+        return size
+
+    def list_children(self) -> dict[str, bool]:
+        """Sub-prefixes holding objects, from one (paged) LIST of everything under the prefix."""
+        return self.loc.list_children(METADATA_FILE)
+
+    def delete_checkpoint(self) -> None:
+        delete_checkpoint(self)

@@ -260,6 +260,24 @@ class Location:
             out[name] = int(meta["size"])
         return out
 
+    def list_children(self, marker: str) -> dict[str, bool]:
+        """Sub-prefixes directly under the prefix holding objects, by name, each with whether
+        object ``<child>/<marker>`` exists (one paged LIST of everything under the prefix)."""
+        obstore = _obstore()
+
+        prefix = self.prefix + "/" if self.prefix else ""
+        out: dict[str, bool] = {}
+        try:
+            for batch in self._retried(lambda: list(obstore.list(self.store(), prefix or None)),
+                                       f"LIST {self.url}"):
+                for meta in batch:
+                    child, _, rest = str(meta["path"])[len(prefix):].partition("/")
+                    if child and rest:
+                        out[child] = out.get(child, False) or rest == marker
+        except Exception as e:
+            raise self.error(e, "LIST", self.url) from e
+        return out
+
     def put(self, name: str, data: bytes, if_match: str | None | object = ANY) -> None:
         """Writes object ``name`` with one PUT (atomic: visible whole or not at all).
 

@@ -232,7 +232,7 @@ def stage_checkpoint(loc: Location, directory: str,
     Returns:
         The names of the data objects downloaded.
     """
-    obstore = _obstore()
+    _obstore()  # ImportError naming the client when it is missing
 
     index = read_index(loc)  # names validated; objects checked against a listing
     os.makedirs(directory, exist_ok=True)
@@ -240,18 +240,7 @@ def stage_checkpoint(loc: Location, directory: str,
         f.write(loc.get(METADATA_FILE, _format.MAX_METADATA_BYTES))
 
     def fetch(name: str) -> None:
-        url = loc.url_of(name)
-        try:
-            stream = obstore.get(loc.store(), loc.key(name)).stream(min_chunk_size=8 << 20)
-            with open(os.path.join(directory, name), "wb") as f:
-                for part in stream:
-                    f.write(part)
-        except OSError as e:
-            if e.filename == url or isinstance(e, ObjectStoreError):
-                raise
-            raise loc.error(e, "GET", url) from e
-        except Exception as e:
-            raise loc.error(e, "GET", url) from e
+        download(loc, name, os.path.join(directory, name), fsync=False)
 
     names = list(index.files)
     if share is not None:
@@ -259,3 +248,31 @@ def stage_checkpoint(loc: Location, directory: str,
     with concurrent.futures.ThreadPoolExecutor(max(1, min(8, len(names)))) as ex:
         list(ex.map(fetch, names))
     return names
+
+
+def download(loc: Location, name: str, path: str, fsync: bool = True) -> int:
+    """Streams object ``name`` into local file ``path``; returns its size.
+
+    Raises:
+        FileNotFoundError (no such object), ObjectStoreError...: typed, naming the object's URL.
+    """
+    obstore = _obstore()
+
+    url = loc.url_of(name)
+    size = 0
+    try:
+        stream = obstore.get(loc.store(), loc.key(name)).stream(min_chunk_size=8 << 20)
+        with open(path, "wb") as f:
+            for part in stream:
+                f.write(part)
+                size += len(part)
+            if fsync:
+                f.flush()
+                os.fsync(f.fileno())
+    except OSError as e:
+        if e.filename == url or isinstance(e, ObjectStoreError):
+            raise
+        raise loc.error(e, "GET", url) from e
+    except Exception as e:
+        raise loc.error(e, "GET", url) from e
+    return size
