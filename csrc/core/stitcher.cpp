@@ -151,6 +151,12 @@ constexpr std::uint64_t kMinPwriteRun = 64u << 10;
 // is at most this many times StitchOptions::task_bytes.
 constexpr std::uint64_t kWindowTasks = 4;
 
+// A call whose tasks write at most this many bytes in all runs them on the calling thread: a
+// worker would only be started, handed the work and joined (a fixed cost that dominates small
+// exports, and on a busy machine waits for the scheduler). Also bounds what the calling
+// thread's per-thread buffers keep after the call.
+constexpr std::uint64_t kInlineBytes = 4u << 20;
+
 /** Output-driven task: the tensor elements [x, y) of one group. */
 struct Task {
   const Group* group;
@@ -632,12 +638,9 @@ StitchStats stitch(const std::vector<StitchItem>& items, const StitchOptions& op
   std::atomic<std::uint64_t> runs{0};
   {
     const std::size_t ntasks = tasks.size() + chunk_tasks.size() + window_tasks.size();
-    ThreadPool pool(std::min<std::size_t>(options.threads, std::max<std::size_t>(ntasks, 1)));
     const InputMode mode = options.input;
     std::atomic<std::uint64_t>* progress = options.progress;
-    // Every task is drained before the first failure is reported (run_all), so no worker
-    // touches a file after it is closed.
-    run_all(pool, ntasks, [&](std::size_t i) {
+    const auto run_one = [&](std::size_t i) {
       std::uint64_t done = 0;
       if (i < tasks.size()) {
         const Task& t = tasks[i];
@@ -662,11 +665,23 @@ StitchStats stitch(const std::vector<StitchItem>& items, const StitchOptions& op
         done = n;
       }
       if (progress) progress->fetch_add(done, std::memory_order_relaxed);
-    });
+    };
+    for (const Task& t : tasks) stats.bytes += (t.y - t.x) * t.group->out_item_bytes;
+    for (const ChunkTask& t : chunk_tasks) stats.bytes += (t.b - t.a) * t.group->out_item_bytes;
+    for (const ChunkTask& t : window_chunks) stats.bytes += (t.b - t.a) * t.group->out_item_bytes;
+    if (stats.bytes <= kInlineBytes) {
+      // On this thread, checking for an interrupt (Ctrl-C) between tasks as run_all does.
+      for (std::size_t i = 0; i < ntasks; ++i) {
+        poll_interrupt();
+        run_one(i);
+      }
+    } else {
+      ThreadPool pool(std::min<std::size_t>(options.threads, ntasks));
+      // Every task is drained before the first failure is reported (run_all), so no worker
+      // touches a file after it is closed.
+      run_all(pool, ntasks, run_one);
+    }
   }
-  for (const Task& t : tasks) stats.bytes += (t.y - t.x) * t.group->out_item_bytes;
-  for (const ChunkTask& t : chunk_tasks) stats.bytes += (t.b - t.a) * t.group->out_item_bytes;
-  for (const ChunkTask& t : window_chunks) stats.bytes += (t.b - t.a) * t.group->out_item_bytes;
   stats.tasks = tasks.size() + chunk_tasks.size() + window_tasks.size();
   stats.runs = runs.load();
   if (options.fsync) {
