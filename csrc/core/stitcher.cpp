@@ -183,24 +183,37 @@ TaskResult run_task(const Task& t, InputMode mode) {
   const std::uint64_t e = g.item_bytes;
   const std::uint64_t out_bytes = (t.y - t.x) * e;  // source bytes of the range
   TaskResult res;
-  // Fast path: one block supplies the whole range contiguously (dim-0 shards, whole tensors):
-  // an in-kernel copy from the input file to the output file (not when elements are converted).
-  for (const Part& p : g.parts) {
-    if (g.cast.enabled()) break;
-    const std::uint64_t a = std::max(p.layout.lower_bound(t.x), p.item->block_lo);
-    const std::uint64_t b = std::min(p.layout.lower_bound(t.y), p.block_hi);
-    if (a >= b) continue;
-    if (b - a == t.y - t.x && p.layout.global_index(a) == t.x &&
-        p.layout.global_index(b - 1) == t.y - 1) {
-      const std::uint64_t src_off = p.item->source.offset + (a - p.item->block_lo) * e;
-      const std::uint64_t dst_off = g.out_offset + t.x * e;
-      if (mode == InputMode::Pread &&
-          copy_range(*p.in, src_off, *g.out, dst_off, out_bytes, g.name)) {
-        res.runs = 1;
-        return res;
-      }
-      break;
+  // Fast path: every block's part of the range is one contiguous run of the output (dim-0
+  // shards, whole tensors, a small tensor's task spanning several dim-0 shards): one in-kernel
+  // copy per block from its input file to the output file, no buffer (not when elements are
+  // converted). The parts must cover the range, as on the general path.
+  if (!g.cast.enabled() && mode == InputMode::Pread) {
+    bool contiguous = true;
+    std::uint64_t covered = 0;
+    for (const Part& p : g.parts) {
+      const std::uint64_t a = std::max(p.layout.lower_bound(t.x), p.item->block_lo);
+      const std::uint64_t b = std::min(p.layout.lower_bound(t.y), p.block_hi);
+      if (a >= b) continue;
+      contiguous =
+          contiguous && p.layout.global_index(b - 1) - p.layout.global_index(a) == b - 1 - a;
+      covered += (b - a) * e;
     }
+    PYCKPT_EXPECT_FORMAT(covered == out_bytes, FormatKind::Coverage, "tensor '", g.name,
+                         "': its shards supply ", covered, " of the ", out_bytes,
+                         " bytes of elements [", t.x, ", ", t.y, ")");
+    bool copied = contiguous;
+    for (const Part& p : g.parts) {
+      if (!copied) break;
+      const std::uint64_t a = std::max(p.layout.lower_bound(t.x), p.item->block_lo);
+      const std::uint64_t b = std::min(p.layout.lower_bound(t.y), p.block_hi);
+      if (a >= b) continue;
+      const std::uint64_t src_off = p.item->source.offset + (a - p.item->block_lo) * e;
+      const std::uint64_t dst_off = g.out_offset + p.layout.global_index(a) * e;
+      copied = copy_range(*p.in, src_off, *g.out, dst_off, (b - a) * e, g.name);
+      ++res.runs;
+    }
+    if (copied) return res;
+    res.runs = 0;  // refused by the file system: the general path below writes the whole range
   }
   // General path: gather every block's part of [x, y) into a bounded output buffer, then one
   // pwrite. Each block contributes one contiguous source range (row-major order is preserved).
