@@ -151,6 +151,12 @@ constexpr std::uint64_t kMinPwriteRun = 64u << 10;
 // is at most this many times StitchOptions::task_bytes.
 constexpr std::uint64_t kWindowTasks = 4;
 
+// A call whose tasks write at most this many bytes in all runs them on the calling thread: a
+// worker would only be started, handed the work and joined (a fixed cost that dominates small
+// exports, and on a busy machine waits for the scheduler). Also bounds what the calling
+// thread's per-thread buffers keep after the call.
+constexpr std::uint64_t kInlineBytes = 4u << 20;
+
 /** Output-driven task: the tensor elements [x, y) of one group. */
 struct Task {
   const Group* group;
@@ -177,24 +183,37 @@ TaskResult run_task(const Task& t, InputMode mode) {
   const std::uint64_t e = g.item_bytes;
   const std::uint64_t out_bytes = (t.y - t.x) * e;  // source bytes of the range
   TaskResult res;
-  // Fast path: one block supplies the whole range contiguously (dim-0 shards, whole tensors):
-  // an in-kernel copy from the input file to the output file (not when elements are converted).
-  for (const Part& p : g.parts) {
-    if (g.cast.enabled()) break;
-    const std::uint64_t a = std::max(p.layout.lower_bound(t.x), p.item->block_lo);
-    const std::uint64_t b = std::min(p.layout.lower_bound(t.y), p.block_hi);
-    if (a >= b) continue;
-    if (b - a == t.y - t.x && p.layout.global_index(a) == t.x &&
-        p.layout.global_index(b - 1) == t.y - 1) {
-      const std::uint64_t src_off = p.item->source.offset + (a - p.item->block_lo) * e;
-      const std::uint64_t dst_off = g.out_offset + t.x * e;
-      if (mode == InputMode::Pread &&
-          copy_range(*p.in, src_off, *g.out, dst_off, out_bytes, g.name)) {
-        res.runs = 1;
-        return res;
-      }
-      break;
+  // Fast path: every block's part of the range is one contiguous run of the output (dim-0
+  // shards, whole tensors, a small tensor's task spanning several dim-0 shards): one in-kernel
+  // copy per block from its input file to the output file, no buffer (not when elements are
+  // converted). The parts must cover the range, as on the general path.
+  if (!g.cast.enabled() && mode == InputMode::Pread) {
+    bool contiguous = true;
+    std::uint64_t covered = 0;
+    for (const Part& p : g.parts) {
+      const std::uint64_t a = std::max(p.layout.lower_bound(t.x), p.item->block_lo);
+      const std::uint64_t b = std::min(p.layout.lower_bound(t.y), p.block_hi);
+      if (a >= b) continue;
+      contiguous =
+          contiguous && p.layout.global_index(b - 1) - p.layout.global_index(a) == b - 1 - a;
+      covered += (b - a) * e;
     }
+    PYCKPT_EXPECT_FORMAT(covered == out_bytes, FormatKind::Coverage, "tensor '", g.name,
+                         "': its shards supply ", covered, " of the ", out_bytes,
+                         " bytes of elements [", t.x, ", ", t.y, ")");
+    bool copied = contiguous;
+    for (const Part& p : g.parts) {
+      if (!copied) break;
+      const std::uint64_t a = std::max(p.layout.lower_bound(t.x), p.item->block_lo);
+      const std::uint64_t b = std::min(p.layout.lower_bound(t.y), p.block_hi);
+      if (a >= b) continue;
+      const std::uint64_t src_off = p.item->source.offset + (a - p.item->block_lo) * e;
+      const std::uint64_t dst_off = g.out_offset + p.layout.global_index(a) * e;
+      copied = copy_range(*p.in, src_off, *g.out, dst_off, (b - a) * e, g.name);
+      ++res.runs;
+    }
+    if (copied) return res;
+    res.runs = 0;  // refused by the file system: the general path below writes the whole range
   }
   // General path: gather every block's part of [x, y) into a bounded output buffer, then one
   // pwrite. Each block contributes one contiguous source range (row-major order is preserved).
@@ -632,12 +651,9 @@ StitchStats stitch(const std::vector<StitchItem>& items, const StitchOptions& op
   std::atomic<std::uint64_t> runs{0};
   {
     const std::size_t ntasks = tasks.size() + chunk_tasks.size() + window_tasks.size();
-    ThreadPool pool(std::min<std::size_t>(options.threads, std::max<std::size_t>(ntasks, 1)));
     const InputMode mode = options.input;
     std::atomic<std::uint64_t>* progress = options.progress;
-    // Every task is drained before the first failure is reported (run_all), so no worker
-    // touches a file after it is closed.
-    run_all(pool, ntasks, [&](std::size_t i) {
+    const auto run_one = [&](std::size_t i) {
       std::uint64_t done = 0;
       if (i < tasks.size()) {
         const Task& t = tasks[i];
@@ -662,11 +678,23 @@ StitchStats stitch(const std::vector<StitchItem>& items, const StitchOptions& op
         done = n;
       }
       if (progress) progress->fetch_add(done, std::memory_order_relaxed);
-    });
+    };
+    for (const Task& t : tasks) stats.bytes += (t.y - t.x) * t.group->out_item_bytes;
+    for (const ChunkTask& t : chunk_tasks) stats.bytes += (t.b - t.a) * t.group->out_item_bytes;
+    for (const ChunkTask& t : window_chunks) stats.bytes += (t.b - t.a) * t.group->out_item_bytes;
+    if (stats.bytes <= kInlineBytes) {
+      // On this thread, checking for an interrupt (Ctrl-C) between tasks as run_all does.
+      for (std::size_t i = 0; i < ntasks; ++i) {
+        poll_interrupt();
+        run_one(i);
+      }
+    } else {
+      ThreadPool pool(std::min<std::size_t>(options.threads, ntasks));
+      // Every task is drained before the first failure is reported (run_all), so no worker
+      // touches a file after it is closed.
+      run_all(pool, ntasks, run_one);
+    }
   }
-  for (const Task& t : tasks) stats.bytes += (t.y - t.x) * t.group->out_item_bytes;
-  for (const ChunkTask& t : chunk_tasks) stats.bytes += (t.b - t.a) * t.group->out_item_bytes;
-  for (const ChunkTask& t : window_chunks) stats.bytes += (t.b - t.a) * t.group->out_item_bytes;
   stats.tasks = tasks.size() + chunk_tasks.size() + window_tasks.size();
   stats.runs = runs.load();
   if (options.fsync) {

@@ -87,9 +87,13 @@ def select_tensors(
         if name in choice.ties:
             continue
         cast = choice.casts.get(name)
-        out[name] = dataclasses.replace(
-            tensors[src], name=name, cast_to=None if cast is None else cast[1]
-        )
+        t = tensors[src]
+        if name == t.name and cast is None and t.cast_to is None:
+            out[name] = t  # unchanged: no copy
+        else:
+            out[name] = dataclasses.replace(
+                t, name=name, cast_to=None if cast is None else cast[1]
+            )
     return out, choice
 
 

@@ -93,9 +93,13 @@ def _int_tuple(value: Any, what: str) -> tuple[int, ...]:
 
 def _scan_safetensors(src: str) -> dict[str, _Tensor]:
     """Reads every ``*.safetensors`` header in ``src`` and groups the shards by tensor."""
-    names = sorted(
-        n for n in os.listdir(src) if n.endswith(".safetensors") and not n.startswith(".")
-    )
+    # One directory read: each entry's type comes with it (no stat per file on most file systems).
+    with os.scandir(src) as it:
+        regular = {
+            e.name: e.is_file(follow_symlinks=False) for e in it
+            if e.name.endswith(".safetensors") and not e.name.startswith(".")
+        }
+    names = sorted(regular)
     if not names:
         if os.path.isfile(os.path.join(src, ".metadata")):
             raise CheckpointFormatError(
@@ -110,7 +114,7 @@ def _scan_safetensors(src: str) -> dict[str, _Tensor]:
         path = os.path.join(src, fname)
         # Shards are plain files inside src: a symlink could point anywhere (another user's
         # file, a device), so it is refused before anything is opened.
-        if os.path.islink(path) or not os.path.isfile(path):
+        if not regular[fname]:
             raise CheckpointFormatError(
                 f"{path}: input shards must be regular files inside {src} (symlinks and other "
                 "file types are refused)"

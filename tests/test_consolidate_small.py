@@ -1,0 +1,78 @@
+"""Small exports: the work that runs on the calling thread, the input scan and the index file.
+
+Exports of at most a few MiB copy on the calling thread (no worker threads are started); larger
+ones use the worker pool. Both must give the same bit-exact output. Oracle:
+``safetensors.torch.load_file`` of every output equals the original tensors, bit for bit.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+from _st_workers import grid_blocks, load_outputs, same_bits, sample_tensor, write_dcp_shards
+
+import pyckpt
+from pyckpt import CheckpointFormatError
+
+
+@pytest.mark.parametrize("rows", [64, 1024 + 64], ids=["under-4MiB", "over-4MiB"])
+@pytest.mark.parametrize("threads", [1, 4])
+def test_either_side_of_the_inline_bound_is_bit_exact(tmp_path, rows, threads):
+    # (rows, 1024) fp32 split along dim 1 (scattered runs) and a bf16 split along dim 0: 0.5 MiB
+    # or ~6.5 MiB in all, so the calling-thread path and the worker pool both run.
+    full = {
+        "a.w": sample_tensor((rows, 1024), torch.float32, 1),
+        "b.w": sample_tensor((rows, 1024), torch.bfloat16, 2),
+    }
+    blocks = {"a.w": grid_blocks((rows, 1024), [1, 3]), "b.w": grid_blocks((rows, 1024), [3, 1])}
+    src, dst = str(tmp_path / "src"), str(tmp_path / "dst")
+    write_dcp_shards(src, full, blocks, 3)
+    seen: list[tuple[int, int]] = []
+    res = pyckpt.consolidate(src, dst, threads=threads, fsync=False,
+                             progress=lambda d, t: seen.append((d, t)))
+    out = load_outputs(res.index_path)
+    assert sorted(out) == sorted(full)
+    for name, t in full.items():
+        assert same_bits(out[name], t), name
+    assert seen[-1] == (res.total_bytes, res.total_bytes)
+
+
+@pytest.mark.parametrize("kind", ["directory", "fifo"])
+def test_non_regular_input_entry_is_refused(tmp_path, kind):
+    full = {"w": sample_tensor((6, 4), torch.float32, 3)}
+    src = str(tmp_path / "src")
+    write_dcp_shards(src, full, {"w": grid_blocks((6, 4), [2, 1])}, 2)
+    odd = os.path.join(src, "zz-extra.safetensors")
+    if kind == "directory":
+        os.mkdir(odd)
+    else:
+        os.mkfifo(odd)  # opening it would block: it must be refused from the directory entry
+    dst = tmp_path / "dst"
+    with pytest.raises(CheckpointFormatError, match="zz-extra.safetensors.*regular files"):
+        pyckpt.consolidate(src, dst, fsync=False)
+    assert not dst.exists()
+
+
+def test_index_file_is_sorted_indented_json_with_the_umask(tmp_path):
+    full = {n: sample_tensor((4, 2), torch.float16, i) for i, n in enumerate(["z", "m.b", "m.a"])}
+    src, dst = str(tmp_path / "src"), str(tmp_path / "dst")
+    write_dcp_shards(src, full, {n: grid_blocks((4, 2), [2, 1]) for n in full}, 2)
+    old = os.umask(0o027)
+    try:
+        res = pyckpt.consolidate(src, dst, fsync=True)
+    finally:
+        os.umask(old)
+    with open(res.index_path, "rb") as fh:
+        text = fh.read().decode("utf-8")
+    expected = {
+        "metadata": {"total_size": res.total_bytes},
+        "weight_map": dict.fromkeys(sorted(full), "model-00001-of-00001.safetensors"),
+    }
+    assert text == json.dumps(expected, indent=2, sort_keys=True) + "\n"
+    assert os.stat(res.index_path).st_mode & 0o777 == 0o640
+    assert sorted(n for n in os.listdir(dst)) == [
+        "model-00001-of-00001.safetensors", "model.safetensors.index.json"
+    ]
