@@ -564,7 +564,8 @@ def add_arguments(ap: Any) -> None:
                     help=f"comma-separated subset of {','.join(METHODS)} "
                          "(dcp-tN: DCP FileSystemWriter with thread_count=N)")
     ap.add_argument("--repeats", type=int, default=3,
-                    help="saves and loads per method; the table shows the median [min-max]")
+                    help="runs of each method (a save and a load each); the table shows their "
+                         "median [min-max]")
     ap.add_argument("--workdir", default=None, help="directory on the filesystem to measure")
     ap.add_argument("--json", default=None, help="also write the report as JSON here")
     ap.add_argument("--plot", default=None, metavar="FILE.png",

@@ -16,6 +16,7 @@ import torch
 
 from pyckpt import _C, _format
 from pyckpt._consolidate.scan import _ST_DTYPES
+from pyckpt.errors import CheckpointFormatError
 
 
 def _header_file(path: Path, st_dtype: str, nbytes: int) -> Path:
@@ -40,5 +41,5 @@ def test_native_safetensors_table_agrees(tmp_path: Path, torch_name: str) -> Non
     assert (name, dtype, list(shape), end - begin) == ("t", st_name, [2], 2 * size)
     # One byte more or less than two elements is refused: the native size is the same.
     for wrong in (2 * size - 1, 2 * size + 1):
-        with pytest.raises(_format.CheckpointFormatError):
+        with pytest.raises(CheckpointFormatError):
             _C.read_safetensors_header(str(_header_file(tmp_path / "bad.st", st_name, wrong)))
