@@ -1,6 +1,7 @@
-"""A process whose pyckpt daemon threads are inside a native store call when the interpreter
-exits must exit normally, not die of SIGABRT ("terminate called without an active exception",
-from the store binding's noexcept destructor unwound by CPython's pthread_exit)."""
+"""A process with daemon threads inside native calls (pyckpt's own, or a torch store's from
+pyckpt's heartbeat) when the interpreter exits must exit normally with its own status, not die
+of SIGABRT ("terminate called without an active exception": CPython ends such a thread with
+pthread_exit as it re-takes the GIL, and the unwind meets a noexcept destructor)."""
 
 from __future__ import annotations
 
@@ -10,8 +11,6 @@ import sys
 import textwrap
 
 import pytest
-
-pytest.importorskip("torch.distributed")
 
 # The heartbeat beats back to back (HEARTBEAT_S = 0): without the exit handler its thread is
 # almost always inside store.add when the interpreter finalizes, and the process aborts.
@@ -35,16 +34,57 @@ _SCRIPT = textwrap.dedent(
 )
 
 
+def _run(script: str, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-c", script, *args], capture_output=True, text=True,
+                          timeout=120, env=os.environ.copy())
+
+
 @pytest.mark.parametrize("code", [0, 3])
 def test_exit_while_heartbeat_is_inside_a_store_call_does_not_abort(code: int) -> None:
+    pytest.importorskip("torch.distributed")
     for _ in range(5):
-        proc = subprocess.run(
-            [sys.executable, "-c", _SCRIPT, str(code)],
-            capture_output=True,
-            text=True,
-            timeout=120,
-            env=os.environ.copy(),
-        )
+        proc = _run(_SCRIPT, str(code))
         assert "terminate called" not in proc.stderr, proc.stderr
         assert proc.returncode == code, (proc.returncode, proc.stderr)
         assert proc.stdout.strip() == "done"
+
+
+# Daemon threads that call a GIL-releasing function of pyckpt._C back to back: at exit they are
+# almost always inside it. "raise" ends the main thread with an uncaught exception (status 1).
+_NATIVE = textwrap.dedent(
+    """
+    import sys
+    import threading
+    import time
+    from pyckpt import _C
+
+    buf = bytearray(1 << 20)
+    calls = [0]
+
+    def loop():
+        while True:
+            _C.block_digests([buf], 4096, [0], 1)
+            calls[0] += 1
+
+    for _ in range(2):
+        threading.Thread(target=loop, daemon=True).start()
+    while calls[0] < 20:
+        time.sleep(0.01)
+    print("done", flush=True)
+    if sys.argv[1] == "raise":
+        raise RuntimeError("main thread failed")
+    sys.exit(int(sys.argv[1]))
+    """
+)
+
+
+@pytest.mark.parametrize(("how", "code"), [("0", 0), ("5", 5), ("raise", 1)])
+def test_exit_while_daemon_threads_are_inside_native_calls_does_not_abort(how: str,
+                                                                          code: int) -> None:
+    for _ in range(5):
+        proc = _run(_NATIVE, how)
+        assert "terminate called" not in proc.stderr, proc.stderr
+        assert proc.returncode == code, (proc.returncode, proc.stderr)
+        assert proc.stdout.strip() == "done"
+        if how == "raise":
+            assert "RuntimeError: main thread failed" in proc.stderr
