@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, TypeVar
 
-from pyckpt import _knobs
+from pyckpt import _daemons, _knobs
 from pyckpt.errors import PeerLostError, PyckptError
 
 __all__ = ["Group", "group_info", "broadcast", "all_gather", "all_to_all_single", "bound_s",
@@ -216,8 +216,7 @@ def _store_call(group: Group, fn: Callable[[Any], T], timeout: float) -> T | Non
         except Exception:
             pass
 
-    thread = threading.Thread(target=body, name="pyckpt-peer-store", daemon=True)
-    thread.start()
+    thread = _daemons.start(body, "pyckpt-peer-store")  # in a store call: exit waits for it
     thread.join(timeout)
     if not out:
         _no_store[id(pg)] = pg
@@ -256,13 +255,15 @@ def _start_heartbeat(group: Group) -> None:
     def beat() -> None:
         try:
             store = pg.get_group_store()
-            while id(pg) not in _lost:
+            while id(pg) not in _lost and not _daemons.stopping.is_set():
                 store.add(key, 1)
-                time.sleep(HEARTBEAT_S)
+                _daemons.stopping.wait(HEARTBEAT_S)
         except Exception:  # no store, or it is gone: waits fall back to the bound alone
             pass
 
-    threading.Thread(target=beat, name="pyckpt-peer-heartbeat", daemon=True).start()
+    # Not a bare daemon thread: one still inside store.add at interpreter exit aborts the
+    # process (see _daemons); the exit stops the beat and waits for the call to return.
+    _daemons.start(beat, "pyckpt-peer-heartbeat")
 
 
 def _silent_ranks(group: Group) -> list[int] | None:

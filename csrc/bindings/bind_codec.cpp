@@ -23,7 +23,7 @@ ChunkRecord encode_into(py::handle data, const CodecParams& p, py::handle out) {
     throw py::value_error("output buffer has " + std::to_string(dst.size()) +
                           " bytes, encoding needs " + std::to_string(need));
   }
-  py::gil_scoped_release nogil;
+  GilRelease nogil;
   return encode_chunk(src.data(), src.size(), p, dst.data());
 }
 
@@ -141,7 +141,7 @@ Raises:
       [](py::handle buffers, std::size_t block, const std::vector<std::uint64_t>& seeds,
          std::size_t threads) {
         BorrowedSpans b(buffers);
-        py::gil_scoped_release nogil;
+        GilRelease nogil;
         return block_digests(b.spans, seeds, block, threads);
       },
       py::arg("buffers"), py::arg("block"), py::arg("seeds"), py::arg("threads") = 1,
@@ -151,7 +151,7 @@ Raises:
       "sampled_digests",
       [](py::handle buffers, std::size_t block, std::size_t count, std::size_t threads) {
         BorrowedSpans b(buffers);
-        py::gil_scoped_release nogil;
+        GilRelease nogil;
         return sampled_digests(b.spans, block, count, threads);
       },
       py::arg("buffers"), py::arg("block"), py::arg("count"), py::arg("threads") = 1,
@@ -168,7 +168,7 @@ Raises:
       "xxh64",
       [](py::handle data, std::uint64_t seed) {
         BufferRef b(data, false);
-        py::gil_scoped_release nogil;
+        GilRelease nogil;
         return xxh64(b.data(), b.size(), seed);
       },
       py::arg("data"), py::arg("seed") = 0, R"pbdoc(XXH64 of a contiguous buffer.)pbdoc");
@@ -188,7 +188,7 @@ Raises:
         std::unique_ptr<std::uint8_t[]> out(new std::uint8_t[max_encoded_size(src.size(), p) + 1]);
         ChunkRecord rec;
         {
-          py::gil_scoped_release nogil;
+          GilRelease nogil;
           rec = encode_chunk(src.data(), src.size(), p, out.get());
         }
         return py::make_tuple(py::bytes(reinterpret_cast<const char*>(out.get()), rec.stored_len),
@@ -218,7 +218,7 @@ Raises:
         PYCKPT_EXPECT_FORMAT(src.size() >= rec.stored_len, FormatKind::Truncated,
                              "stored buffer has ", src.size(), " bytes, the record needs ",
                              rec.stored_len);
-        py::gil_scoped_release nogil;
+        GilRelease nogil;
         decode_chunk(src.data(), rec, p, dst.data());
       },
       py::arg("stored"), py::arg("record"), py::arg("params"), py::arg("out"),
@@ -239,7 +239,7 @@ Raises:
         std::uint8_t* planes[8];
         for (std::uint32_t p = 0; p < E; ++p)
           planes[p] = static_cast<std::uint8_t*>(dst.data()) + p * n;
-        py::gil_scoped_release nogil;
+        GilRelease nogil;
         group_bytes(src.data(), n, E, rotl1, planes);
       },
       py::arg("data"), py::arg("elem_size"), py::arg("rotl1"), py::arg("out"),
@@ -261,7 +261,7 @@ Raises:
         for (std::uint32_t p = 0; p < E; ++p) {
           planes[p] = static_cast<const std::uint8_t*>(src.data()) + p * n;
         }
-        py::gil_scoped_release nogil;
+        GilRelease nogil;
         ungroup_bytes(planes, n, E, rotl1, dst.data());
       },
       py::arg("planes"), py::arg("elem_size"), py::arg("rotl1"), py::arg("out"),

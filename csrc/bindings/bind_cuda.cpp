@@ -111,7 +111,7 @@ void bind_cuda(py::module_& m) {
           [](const PinnedPool& p) {
             Lease l;
             {
-              py::gil_scoped_release nogil;
+              GilRelease nogil;
               l = p.pool->acquire();
             }
             return std::make_shared<HostBlock>(std::move(l), p.pool);
@@ -129,7 +129,7 @@ void bind_cuda(py::module_& m) {
 
   py::class_<StagerEvent, std::shared_ptr<StagerEvent>>(m, "StagerEvent",
                                                         "Completion of queued staging copies.")
-      .def("wait", &StagerEvent::wait, py::call_guard<py::gil_scoped_release>(),
+      .def("wait", &StagerEvent::wait, py::call_guard<GilRelease>(),
            R"pbdoc(Blocks (GIL released) until the copies completed; raises CudaError.)pbdoc")
       .def("ready", &StagerEvent::ready, R"pbdoc(True when the copies completed.)pbdoc");
 
@@ -141,7 +141,7 @@ void bind_cuda(py::module_& m) {
       .def(
           "wait",
           [](PyStagedBlock& b) {
-            py::gil_scoped_release nogil;
+            GilRelease nogil;
             b.block.wait();
           },
           R"pbdoc(Blocks (GIL released) until the block's copies completed; raises CudaError.)pbdoc")
@@ -164,7 +164,7 @@ void bind_cuda(py::module_& m) {
       .def(
           "release",
           [](PyStagedBlock& b) {
-            py::gil_scoped_release nogil;
+            GilRelease nogil;
             b.block.reset();
           },
           R"pbdoc(Returns the block to the pool (waiting for copies still running into it).)pbdoc");
@@ -176,7 +176,7 @@ void bind_cuda(py::module_& m) {
           [](D2HStream& s) -> std::shared_ptr<PyStagedBlock> {
             StagedBlock b;
             {
-              py::gil_scoped_release nogil;
+              GilRelease nogil;
               b = s.next();
             }
             if (!b) return nullptr;
@@ -203,7 +203,7 @@ void bind_cuda(py::module_& m) {
             std::vector<StageItem> v;
             v.reserve(items.size());
             for (const auto& [name, ptr, n] : items) v.push_back(StageItem{name, ptr, n});
-            py::gil_scoped_release nogil;
+            GilRelease nogil;
             return std::make_shared<D2HStream>(st->stream_to_host(std::move(v), stream));
           },
           py::arg("items"), py::arg("stream"),
@@ -213,7 +213,7 @@ void bind_cuda(py::module_& m) {
           [](Stager& st, HostBlock& region, const std::vector<SpecTuple>& specs,
              std::uintptr_t stream) {
             std::vector<CopySpec> v = to_specs(specs);
-            py::gil_scoped_release nogil;
+            GilRelease nogil;
             return std::make_shared<StagerEvent>(st.copy_into(region.lease, v, stream));
           },
           py::arg("region"), py::arg("specs"), py::arg("stream"),
@@ -223,7 +223,7 @@ void bind_cuda(py::module_& m) {
           [](Stager& st) {
             Lease l;
             {
-              py::gil_scoped_release nogil;
+              GilRelease nogil;
               l = st.acquire_upload_block();
             }
             return std::make_shared<HostBlock>(std::move(l), st.pool());
@@ -234,18 +234,17 @@ void bind_cuda(py::module_& m) {
           [](Stager& st, HostBlock& block, const std::vector<SpecTuple>& specs) {
             std::vector<CopySpec> v = to_specs(specs);
             Lease l = std::move(block.lease);  // the stager keeps it until the copies completed
-            py::gil_scoped_release nogil;
+            GilRelease nogil;
             st.upload(std::move(l), v);
           },
           py::arg("block"), py::arg("specs"),
           R"pbdoc(Queues (offset, device_ptr, nbytes, name) host-to-device copies; takes the block.)pbdoc")
-      .def("order_after", &Stager::order_after, py::arg("stream"),
-           py::call_guard<py::gil_scoped_release>(),
+      .def("order_after", &Stager::order_after, py::arg("stream"), py::call_guard<GilRelease>(),
            R"pbdoc(Orders later side-stream work after the work queued on `stream`.)pbdoc")
       .def("finish_uploads", &Stager::finish_uploads, py::arg("stream"),
-           py::call_guard<py::gil_scoped_release>(),
+           py::call_guard<GilRelease>(),
            R"pbdoc(Orders `stream` after every queued upload (no host wait).)pbdoc")
-      .def("synchronize", &Stager::synchronize, py::call_guard<py::gil_scoped_release>(),
+      .def("synchronize", &Stager::synchronize, py::call_guard<GilRelease>(),
            R"pbdoc(Waits for the side stream and recycles every upload block.)pbdoc")
       .def_property_readonly("side_stream", &Stager::side_stream)
       .def_property_readonly("device", &Stager::device)

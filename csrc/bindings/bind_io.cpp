@@ -142,7 +142,7 @@ void bind_io(py::module_& m) {
              const DirectMode mode = direct_mode_from_py(direct);
              const DirectFault fault = fault_from_py(test_fault);
              std::shared_ptr<BufferPool> pool = staging ? *staging : nullptr;
-             py::gil_scoped_release nogil;
+             GilRelease nogil;
              return std::make_unique<FileWriter>(p, mode, fsync, staging_block_bytes,
                                                  staging_blocks, fault, std::move(pool));
            }),
@@ -153,7 +153,7 @@ void bind_io(py::module_& m) {
           "append",
           [](FileWriter& self, py::handle data) {
             BufferRef b(data, false);
-            py::gil_scoped_release nogil;
+            GilRelease nogil;
             return self.append(b.data(), b.size());
           },
           py::arg("data"),
@@ -166,16 +166,16 @@ void bind_io(py::module_& m) {
             std::vector<WrittenItem> written;
             {
               InterruptWatch watch;  // Ctrl-C between chunks
-              py::gil_scoped_release nogil;
+              GilRelease nogil;
               written = encode_and_write(self, reqs, chunk_bytes, pool, blocks);
             }
             return written_to_py(written);
           },
           py::arg("items"), py::arg("chunk_bytes"), py::arg("pool"), py::arg("blocks"),
           R"pbdoc(Encode items (name, data_ptr, nbytes, params) in chunks on pool and append them in order. SAFETY: each data_ptr must point to nbytes readable bytes that the caller keeps alive and unmodified until this returns.)pbdoc")
-      .def("commit", &FileWriter::commit, py::call_guard<py::gil_scoped_release>(),
+      .def("commit", &FileWriter::commit, py::call_guard<GilRelease>(),
            R"pbdoc(Flush, fsync, rename into place and fsync the directory.)pbdoc")
-      .def("abort", &FileWriter::abort, py::call_guard<py::gil_scoped_release>(),
+      .def("abort", &FileWriter::abort, py::call_guard<GilRelease>(),
            R"pbdoc(Discard the temp file (idempotent; no-op after commit).)pbdoc")
       .def_property_readonly("size", &FileWriter::size, R"pbdoc(Bytes appended so far.)pbdoc")
       .def_property_readonly("direct", &FileWriter::direct,
@@ -189,7 +189,7 @@ void bind_io(py::module_& m) {
       .def(
           "__exit__",
           [](FileWriter& self, py::args) {
-            py::gil_scoped_release nogil;
+            GilRelease nogil;
             self.abort();  // no-op when committed
             return false;
           },
@@ -203,7 +203,7 @@ void bind_io(py::module_& m) {
         ReadStats st;
         {
           InterruptWatch watch;  // Ctrl-C between chunks
-          py::gil_scoped_release nogil;
+          GilRelease nogil;
           st = read_requests(reqs, pool, memory.opener());
         }
         return py::make_tuple(st.bytes_read, st.chunks_decoded);
@@ -218,7 +218,7 @@ void bind_io(py::module_& m) {
         ReadStats st;
         {
           InterruptWatch watch;  // Ctrl-C between chunks
-          py::gil_scoped_release nogil;
+          GilRelease nogil;
           st = read_stored(reqs, pool);
         }
         return py::make_tuple(st.bytes_read, st.chunks_decoded);
@@ -239,7 +239,7 @@ void bind_io(py::module_& m) {
         ReadStats st;
         {
           InterruptWatch watch;  // Ctrl-C between chunks
-          py::gil_scoped_release nogil;
+          GilRelease nogil;
           st = verify_segments(name, segs, pool, memory.opener());
         }
         return py::make_tuple(st.bytes_read, st.chunks_decoded);

@@ -110,7 +110,7 @@ void bind_objstore(py::module_& m) {
           [](BlockWriter& self, py::handle data) {
             BufferRef b(data, false);
             try {
-              py::gil_scoped_release nogil;
+              GilRelease nogil;
               return self.sink().append(b.data(), b.size());
             } catch (const py::error_already_set&) {
               throw;
@@ -127,7 +127,7 @@ void bind_objstore(py::module_& m) {
             std::vector<WrittenItem> written;
             try {
               InterruptWatch watch;  // Ctrl-C between chunks; progress of pyckpt.save
-              py::gil_scoped_release nogil;
+              GilRelease nogil;
               written = encode_and_write(self.sink(), reqs, chunk_bytes, pool, blocks);
             } catch (const py::error_already_set&) {
               throw;
@@ -142,7 +142,7 @@ void bind_objstore(py::module_& m) {
           "commit",
           [](BlockWriter& self) {
             try {
-              py::gil_scoped_release nogil;
+              GilRelease nogil;
               self.sink().commit();
               self.close_recycler();
             } catch (const py::error_already_set&) {

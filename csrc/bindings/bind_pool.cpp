@@ -12,13 +12,13 @@ void bind_pool(py::module_& m) {
                          R"pbdoc(Fixed pool of native worker threads (started lazily).)pbdoc")
       .def(py::init<std::size_t>(), py::arg("num_threads"))
       .def_property_readonly("size", &ThreadPool::size, R"pbdoc(Number of worker threads.)pbdoc")
-      .def("shutdown", &ThreadPool::shutdown, py::call_guard<py::gil_scoped_release>(),
+      .def("shutdown", &ThreadPool::shutdown, py::call_guard<GilRelease>(),
            R"pbdoc(Finish queued work and join the workers; later use raises RuntimeError.)pbdoc")
       .def("__enter__", [](py::object self) { return self; })
       .def(
           "__exit__",
           [](ThreadPool& self, py::args) {
-            py::gil_scoped_release nogil;
+            GilRelease nogil;
             self.shutdown();
             return false;
           },

@@ -122,7 +122,7 @@ void bind_safetensors(py::module_& m) {
       [](const std::string& path) {
         StHeader h;
         {
-          py::gil_scoped_release release;
+          GilRelease release;
           h = parse_safetensors_header(path);
         }
         return header_to_py(h);
@@ -136,7 +136,7 @@ void bind_safetensors(py::module_& m) {
         const std::string text = json;
         StHeader h;
         {
-          py::gil_scoped_release release;
+          GilRelease release;
           h = parse_safetensors_header_bytes(text, file_size, origin);
         }
         return header_to_py(h);
@@ -175,7 +175,7 @@ void bind_safetensors(py::module_& m) {
         for (const auto& [offsets, sizes, origin] : blocks) {
           tiles.push_back(TileBlock{offsets, sizes, origin});
         }
-        py::gil_scoped_release release;
+        GilRelease release;
         check_tiling(name, shape, tiles);
       },
       py::arg("name"), py::arg("shape"), py::arg("blocks"),
@@ -211,7 +211,7 @@ void bind_safetensors(py::module_& m) {
         StitchStats s;
         {
           InterruptWatch watch;  // Ctrl-C between tasks
-          py::gil_scoped_release release;
+          GilRelease release;
           s = stitch(work, opts);
         }
         py::dict out;
@@ -242,7 +242,7 @@ void bind_safetensors(py::module_& m) {
                                       " bytes, expected " +
                                       std::to_string(count * float_format_bytes(t)));
         }
-        py::gil_scoped_release release;
+        GilRelease release;
         convert_floats(f, t, in.data(), dst.data(), count);
       },
       py::arg("src"), py::arg("from_dtype"), py::arg("to_dtype"), py::arg("out"),

@@ -2,6 +2,7 @@
 // Registration functions of the pyckpt._C submodules; one bind_<area>.cpp each.
 #include <pybind11/pybind11.h>
 
+#include "bindings/gil.hpp"
 #include "core/buffer_pool.hpp"
 
 namespace pyckpt::bindings {

@@ -33,6 +33,10 @@ void init_interrupts() {
   g_main_thread = main.attr("ident").cast<unsigned long>();
 }
 
+bool on_main_thread() noexcept {
+  return g_main_thread != 0 && PyThread_get_thread_ident() == g_main_thread;
+}
+
 bool InterruptWatch::check(void*) {
   py::gil_scoped_acquire gil;
   if (PyErr_CheckSignals() == 0) return false;

@@ -3,7 +3,7 @@
 // (save, load, verify, stitch) creates an InterruptWatch first, with the GIL held:
 //
 //   InterruptWatch watch;
-//   py::gil_scoped_release nogil;
+//   GilRelease nogil;  // bindings/gil.hpp
 //   ... core call ...
 //
 // On the main thread it installs an interrupt check (core/cancel.hpp) that the core polls between
@@ -44,6 +44,9 @@ void bind_interrupt(py::module_& m);
 
 /** @brief Remembers the main thread (called once at import, with the GIL held). */
 void init_interrupts();
+
+/** @return true on the main thread (as remembered by init_interrupts; any thread, no GIL). */
+bool on_main_thread() noexcept;
 
 /**
  * @brief Sets the Python error for a pyckpt::Cancelled that reached the translator: the
