@@ -19,6 +19,7 @@ from typing import Any, NamedTuple
 from pyckpt import _C, _paths
 from pyckpt._consolidate.plan import INDEX_NAME, _byte_geometry, _OutFile, _Plan
 from pyckpt._consolidate.scan import _Tensor
+from pyckpt.backends.posix import fsync_dir
 from pyckpt.errors import PyckptError, UnsupportedDtypeError
 
 __all__ = [
@@ -289,14 +290,6 @@ def tensor_digest(t: _Tensor, scratch_dir: str, threads: int, input_mode: str = 
         _unlink_quiet(path)
 
 
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def commit(plan: _Plan, dst: str, fsync: bool) -> list[str]:
     """fsyncs every file, withdraws an earlier export's index, renames the files into place,
     then writes the index last (rank 0): a crash leaves either no index or a complete export."""
@@ -324,7 +317,7 @@ def commit_files(plan: _Plan, dst: str, fsync: bool, indices: Sequence[int] | No
     if os.path.lexists(old_index):
         os.unlink(old_index)
         if fsync:
-            _fsync_dir(dst)
+            fsync_dir(dst)
     for f in files:
         final = os.path.join(dst, f.name)
         os.replace(os.path.join(dst, f.tmp), final)
@@ -359,5 +352,5 @@ def write_index(plan: _Plan, dst: str, fsync: bool) -> None:
         _unlink_quiet(tmp)
         raise
     if fsync:
-        _fsync_dir(dst)
+        fsync_dir(dst)
 
