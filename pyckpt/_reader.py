@@ -268,8 +268,8 @@ class Reader(StorageReader):
         """A cooperative load (several ranks, ``cooperative``): chooses the one reader of each
         stored chunk that several ranks want (:func:`pyckpt.backends.coop.assign`) and hands
         each rank its part in ``LoadPlan.storage_data``."""
-        if not self.cooperative or len(plans) < 2:
-            return plans
+        if not self.cooperative or len(plans) < 2 or self._rank_local is not None:
+            return plans  # a rank-local checkpoint: each rank knows and reads only its own part
         if group_info(self.process_group).world != len(plans):
             return plans  # DCP's group is not this reader's: no exchange over it
         wants = [chunks_of([self._span(item) for item in p.items]) for p in plans]
