@@ -19,7 +19,7 @@ from typing import Any, NamedTuple
 from pyckpt import _C, _paths
 from pyckpt._consolidate.plan import INDEX_NAME, _byte_geometry, _OutFile, _Plan
 from pyckpt._consolidate.scan import _Tensor
-from pyckpt.backends.posix import fsync_dir
+from pyckpt.backends.posix import fsync_dir, fsync_file
 from pyckpt.errors import PyckptError, UnsupportedDtypeError
 
 __all__ = [
@@ -306,11 +306,7 @@ def commit_files(plan: _Plan, dst: str, fsync: bool, indices: Sequence[int] | No
     for f in files:
         tmp = os.path.join(dst, f.tmp)
         if fsync:
-            fd = os.open(tmp, os.O_RDONLY | os.O_CLOEXEC)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+            fsync_file(tmp)
     # An earlier export's index would name a mix of old and new shards while they are swapped:
     # withdraw it first, so the directory looks incomplete until the new index lands.
     old_index = os.path.join(dst, INDEX_NAME)

@@ -150,6 +150,15 @@ def temp_name(path: str) -> str:
     return f"{path}{TEMP_MARKER}{os.getpid()}-{threading.get_ident()}"
 
 
+def fsync_file(path: str) -> None:
+    """Makes the contents of file ``path`` durable."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def fsync_dir(path: str) -> None:
     """Makes the entries of directory ``path`` (a rename into it) durable."""
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
@@ -167,11 +176,7 @@ def _atomic(path: str, fsync: bool, fill: Any) -> int:
     try:
         size = int(fill(tmp))
         if fsync:
-            fd = os.open(tmp, os.O_RDONLY | os.O_CLOEXEC)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+            fsync_file(tmp)
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
