@@ -100,6 +100,7 @@ def launch(root: str, nnodes: int, per_node: int, spec: dict[str, Any], *,
     When a rank exits with a failure (an injected crash), the others get ``grace`` seconds to
     notice and exit, then are killed (their process groups), so a crash never hangs the test.
     """
+    from _child_env import child_env
     from _ports import free_port
 
     world = nnodes * per_node
@@ -109,9 +110,7 @@ def launch(root: str, nnodes: int, per_node: int, spec: dict[str, Any], *,
     with open(spec_path, "w") as fh:
         json.dump(dict(spec, root=root), fh)
     port = free_port()
-    env_base = dict(os.environ)
-    env_base["PYTHONPATH"] = os.pathsep.join(
-        [os.path.dirname(_HERE), _HERE, env_base.get("PYTHONPATH", "")])
+    env_base = child_env()
     procs = []
     for rank in range(world):
         node = rank // per_node

@@ -7,6 +7,7 @@ import re
 from pathlib import Path
 
 import pytest
+from _child_env import child_env
 from _png import png_size
 
 from pyckpt import bench
@@ -123,15 +124,12 @@ def test_bench_checks_resources_up_front(tmp_path: Path) -> None:
 
 
 def test_bench_removes_its_work_directory_on_sigterm(tmp_path: Path) -> None:
-    import os
     import signal
     import subprocess
     import sys
     import time
 
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parents[1]),
-                                         env.get("PYTHONPATH", "")])
+    env = child_env()
     proc = subprocess.Popen(
         [sys.executable, "-m", "pyckpt", "bench", "--size-gib", "0.25", "--repeats", "50",
          "--methods", "dcp+zstd-t1", "--workdir", str(tmp_path)],

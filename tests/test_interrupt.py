@@ -3,7 +3,6 @@ KeyboardInterrupt; the previous checkpoint in the directory still loads."""
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 import sys
@@ -12,6 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
+from _child_env import child_env
 
 # The child saves a small checkpoint, then starts a long one into the same directory (zstd at
 # level 19 on one thread: tens of seconds of native work for 96 MiB, in 256 KiB chunks, so the
@@ -68,10 +68,7 @@ def test_sigint_during_native_save_raises_keyboard_interrupt_quickly(tmp_path):
     ckpt = tmp_path / "ckpt"
     script = tmp_path / "child.py"
     script.write_text(_CHILD)
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(
-        [str(Path(__file__).resolve().parents[1]), env.get("PYTHONPATH", "")]
-    )
+    env = child_env()
     proc = subprocess.Popen(
         [sys.executable, str(script), str(ckpt)], env=env, text=True,
         stdout=subprocess.PIPE, stderr=subprocess.PIPE,

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from _child_env import child_env
 from dist_utils import run_distributed
 
 import pyckpt
@@ -110,10 +111,7 @@ def _sharded_dcp_checkpoint(src: Path) -> None:
 def test_cli_consolidate_workers_shows_one_line_based_view_ending_at_100(tmp_path: Path) -> None:
     src, dst = tmp_path / "src", tmp_path / "dst"
     _sharded_dcp_checkpoint(src)
-    env = dict(os.environ, PYCKPT_PROGRESS_INTERVAL="0")
-    env["PYTHONPATH"] = os.pathsep.join(
-        [str(Path(__file__).resolve().parents[1]), env.get("PYTHONPATH", "")]
-    )
+    env = child_env(PYCKPT_PROGRESS_INTERVAL="0")
     proc = subprocess.run(
         [sys.executable, "-m", "pyckpt", "consolidate", str(src), str(dst), "--workers", "2",
          "--no-fsync"],
