@@ -107,6 +107,11 @@ def test_client_config_spans_the_budget() -> None:
     assert cfg["backoff"]["init_backoff"].total_seconds() == 1.0
     with pytest.raises(ValueError, match="retry_timeout"):
         _retry.policy({"retry_timeout": 0})
+    # The default: the client's waits are each >= 1 s, so its retries of one upload part (which
+    # only the client retries) span at least 30 s: a restart of 10 s plus start-up is waited for.
+    default = _retry.client_config(_retry.policy({}))
+    min_span = default["max_retries"] * default["backoff"]["init_backoff"].total_seconds()
+    assert min_span >= 30 and default["retry_timeout"].total_seconds() == 180
 
 
 # ----------------------------------------------------------------------------- a real store
@@ -161,10 +166,9 @@ def test_save_survives_a_server_restart_mid_upload(s3: Any,
     sd = _state(1)
     t0 = time.monotonic()
     try:
-        # 16 MiB: 4 parts, 3 sent into the restart. The parts are retried by the client only;
-        # with its jittered backoff 10 retries can end in ~15 s, less than a loaded machine's
-        # restart, so the budget is given in retries here (the default is an open question).
-        pyckpt.save(sd, url, part_bytes=5 << 20, storage_options={"max_retries": 30})
+        # 16 MiB: 4 parts, 3 sent into the restart. The parts are retried by the client only,
+        # with the default budget: its retries of one part span at least 30 s.
+        pyckpt.save(sd, url, part_bytes=5 << 20)
     finally:
         monkeypatch.setattr(_upload, "_after_part", None)
         for t in restarts:
@@ -187,3 +191,45 @@ def test_load_survives_a_server_restart(s3: Any) -> None:
     finally:
         restart.join(120)
     assert all(torch.equal(out[k], sd[k]) for k in sd)
+
+
+# ----------------------------------------------------------------------------- stalls
+
+
+@pytest.fixture
+def proxy(s3: Any) -> Any:
+    from _stallproxy import StallProxy
+
+    with StallProxy(s3.s3_port) as p:
+        yield p
+
+
+def test_a_stalled_connection_is_abandoned_after_stall_timeout_and_retried(
+        s3: Any, proxy: Any) -> None:
+    url = f"s3://{BUCKET}/stall-{uuid.uuid4().hex[:8]}"
+    sd = _state(3)
+    pyckpt.save(sd, url)
+    proxy.stall_next(1)  # the load's first connection: the request arrives, no answer comes back
+    out = {k: torch.zeros_like(v) for k, v in sd.items()}
+    t0 = time.monotonic()
+    pyckpt.load(out, url, storage_options={"endpoint": f"http://127.0.0.1:{proxy.port}",
+                                           "stall_timeout": "2s"})
+    assert proxy.stalled == 1 and proxy.forwarded >= 1
+    assert time.monotonic() - t0 >= 2.0  # it waited for the stalled answer, then gave up on it
+    assert all(torch.equal(out[k], sd[k]) for k in sd)
+
+
+def test_a_store_that_stays_stalled_fails_typed_naming_the_url(s3: Any, proxy: Any) -> None:
+    url = f"s3://{BUCKET}/stall-{uuid.uuid4().hex[:8]}"
+    pyckpt.save(_state(4), url)
+    proxy.stall_next(1000)
+    out = {k: torch.zeros_like(v) for k, v in _state(4).items()}
+    t0 = time.monotonic()
+    with pytest.raises(pyckpt.ObjectStoreError, match=url):
+        pyckpt.load(out, url, storage_options={"endpoint": f"http://127.0.0.1:{proxy.port}",
+                                               "stall_timeout": "1s", "max_retries": 1,
+                                               "retry_timeout": 2})
+    # The configured stall timeout, not the default 30 s nor the group's 30 min, bounds it:
+    # two attempts (one retry) of 1 s each, plus one re-issue by pyckpt of the same.
+    assert time.monotonic() - t0 < 25
+    assert proxy.stalled >= 2

@@ -4,9 +4,9 @@ Two layers, one budget (docs/OBJECT_STORES.md, "Retries"):
 
 * the ``obstore`` client retries each request itself (5xx, 429, refused and dropped
   connections, timeouts of reads) with jittered exponential backoff: :func:`client_config`
-  gives it ``max_retries`` and ``retry_timeout``, and a first backoff of 1 s, so its retries of
-  one request span at least ``max_retries`` seconds: a store refusing connections for a few
-  seconds (a restart, a gateway rolling over) no longer exhausts them in 2-4 s;
+  gives it ``max_retries`` (default 30) and ``retry_timeout`` (default 180 s), and a first
+  backoff of 1 s, so its retries of one request span at least ``max_retries`` seconds: a store
+  refusing connections for half a minute (a restart, a gateway rolling over) is waited for;
 * pyckpt re-issues a whole single-request operation (HEAD, LIST, GET, ranged GET, DELETE and
   the metadata PUT) that the client gave up on for a transient reason (:func:`call`), with
   backoff doubling from 1 s to 15 s, as long as ``retry_timeout`` has not passed since the
@@ -37,7 +37,10 @@ logger = logging.getLogger("pyckpt.objstore")
 
 T = TypeVar("T")
 
-DEFAULT_MAX_RETRIES = 10
+#: 30: the client's waits are drawn between 1 s and twice the previous one (decorrelated jitter), so
+#: its retries of one request span at least 30 s (typically until ``retry_timeout``). With 10 they
+#: could end in ~12-15 s, shorter than a store's restart on a loaded machine.
+DEFAULT_MAX_RETRIES = 30
 DEFAULT_RETRY_TIMEOUT_S = 180.0
 INIT_BACKOFF_S = 1.0
 MAX_BACKOFF_S = 15.0
