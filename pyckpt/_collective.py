@@ -304,8 +304,13 @@ def _run(group: Group, what: str, options: Any, start: Callable[[Any], Any]) -> 
                 work.wait(timedelta(seconds=_POLL_S))
                 return
             except RuntimeError:
-                if work.is_completed():  # the operation itself failed
-                    raise
+                if work.is_completed():
+                    # Either the operation itself failed, or it completed between the timed
+                    # wait giving up and this check (a loaded machine): a second wait returns
+                    # or raises the operation's own error, never the poll's timeout. (Raising
+                    # the timeout here reported a healthy group as lost.)
+                    work.wait()
+                    return
             # This rank's poll interval elapsed; the operation still runs.
             if _reported(group):
                 raise _Reported("another rank found the process group broken")

@@ -1,0 +1,81 @@
+"""pyckpt's bounded collectives (pyckpt/_collective.py) on a real one-rank gloo group."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from datetime import timedelta
+from typing import Any
+
+import pytest
+import torch.distributed as dist
+from _ports import free_port
+
+from pyckpt import _collective
+from pyckpt.errors import PeerLostError
+
+
+@pytest.fixture
+def group() -> Iterator[_collective.Group]:
+    assert not dist.is_initialized()
+    store = dist.TCPStore("127.0.0.1", free_port(), 1, True, timeout=timedelta(seconds=30))
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    pg = dist.group.WORLD
+    try:
+        yield _collective.group_info(None)
+    finally:
+        # Marked lost (if a test has not): its heartbeat thread stops, and the entry keeps the
+        # group object alive, so no later group can reuse its id.
+        with _collective._lost_lock:
+            _collective._lost.setdefault(id(pg), (pg, "the end of a test", None))
+        dist.destroy_process_group()
+
+
+class _CompletesDuringThePoll:
+    """A collective that finishes just after this rank's timed wait gave up: the wait raises
+    gloo's timeout, and by the time the caller looks the work is complete and succeeded (what
+    a loaded machine produces now and then). Its outcome is the real one of ``work``."""
+
+    def __init__(self, work: Any) -> None:
+        self.work = work
+        self.timed_waits = 0
+
+    def wait(self, timeout: timedelta | None = None) -> bool:
+        if timeout is not None:
+            self.timed_waits += 1
+            self.work.wait()
+            raise RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc] "
+                               "Operation timed out!")
+        return bool(self.work.wait())
+
+    def is_completed(self) -> bool:
+        return bool(self.work.is_completed())
+
+
+def test_a_collective_that_completes_as_the_poll_times_out_is_not_a_lost_peer(
+        group: _collective.Group) -> None:
+    import torch
+
+    buf = torch.arange(4)
+    seen: list[_CompletesDuringThePoll] = []
+
+    def start(options: Any) -> Any:
+        seen.append(_CompletesDuringThePoll(dist.all_reduce(buf, async_op=True)))
+        return seen[0]
+
+    _collective._run(group, "a test collective", None, start)  # no PeerLostError
+    assert seen[0].timed_waits == 1
+    assert torch.equal(buf, torch.arange(4))
+    # The group is still usable: the next collective goes through.
+    assert _collective.all_gather("x", group) == ["x"]
+
+
+def test_a_collective_that_failed_still_raises_peer_lost(group: _collective.Group) -> None:
+    class Failed:
+        def wait(self, timeout: timedelta | None = None) -> bool:
+            raise RuntimeError("Connection closed by peer [127.0.0.1]:1234")
+
+        def is_completed(self) -> bool:
+            return True
+
+    with pytest.raises(PeerLostError, match="a test collective"):
+        _collective._run(group, "a test collective", None, lambda options: Failed())
