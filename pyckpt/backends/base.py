@@ -31,6 +31,7 @@ from pyckpt._partition import largest_first
 __all__ = [
     "Backend",
     "DataSink",
+    "NativeBlockSink",
     "ReadRequest",
     "SaveState",
     "check_name",
@@ -104,6 +105,23 @@ class DataSink(Protocol):
     def __enter__(self) -> Any: ...
 
     def __exit__(self, *exc: object) -> Any: ...
+
+
+class NativeBlockSink:
+    """The :class:`DataSink` calls a sink built on the native ``BlockWriter`` (``self._native``,
+    which hands each encoded block to the sink's callback) forwards to it unchanged."""
+
+    _native: Any
+
+    def write_items(self, *args: Any) -> Any:
+        return self._native.write_items(*args)
+
+    def append(self, data: Any) -> int:
+        return int(self._native.append(data))
+
+    @property
+    def size(self) -> int:
+        return int(self._native.size)
 
 
 @runtime_checkable

@@ -21,6 +21,7 @@ from typing import Any
 from pyckpt import _C, _format
 from pyckpt._format import METADATA_FILE
 from pyckpt.backends.base import (
+    NativeBlockSink,
     SaveState,
     check_name,
     delete_checkpoint,
@@ -44,23 +45,13 @@ def drop(url: str) -> None:
         _stores.pop(url, None)
 
 
-class _Sink:
+class _Sink(NativeBlockSink):
     """A data file being encoded: blocks collected, stored under its name by :meth:`commit`."""
 
     def __init__(self, files: dict[str, bytes], name: str, url: str) -> None:
         self._files, self._name = files, name
         self._parts: list[bytes] = []
         self._native = _C.BlockWriter(url, 4 << 20, lambda b: self._parts.append(bytes(b)))
-
-    def write_items(self, *args: Any) -> Any:
-        return self._native.write_items(*args)
-
-    def append(self, data: Any) -> int:
-        return int(self._native.append(data))
-
-    @property
-    def size(self) -> int:
-        return int(self._native.size)
 
     def commit(self) -> None:
         self._native.commit()

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from typing import Any
 
 from pyckpt import _C
+from pyckpt.backends.base import NativeBlockSink
 from pyckpt.backends.s3.client import (
     DEFAULT_MAX_CONCURRENCY,
     DEFAULT_PART_BYTES,
@@ -29,7 +30,7 @@ __all__ = ["DataUpload", "check_part_bytes", "upload_file"]
 _after_part: Callable[[str, int], None] | None = None
 
 
-class DataUpload:
+class DataUpload(NativeBlockSink):
     """One data object uploaded as a multipart upload while it is encoded.
 
     Used like :class:`pyckpt._C.FileWriter` (``write_items``, ``commit``, ``size``); leaving the
@@ -66,16 +67,6 @@ class DataUpload:
         self.bytes_uploaded += len(block)
         if _after_part is not None:
             _after_part(self.url, self.parts)
-
-    def write_items(self, *args: Any) -> Any:
-        return self._native.write_items(*args)
-
-    def append(self, data: Any) -> int:
-        return int(self._native.append(data))
-
-    @property
-    def size(self) -> int:
-        return int(self._native.size)
 
     @property
     def reused_blocks(self) -> int:
