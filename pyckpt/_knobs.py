@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import socket
 from collections.abc import Iterator
 from typing import Any
 
@@ -29,6 +30,7 @@ __all__ = [
     "parse_pinned_limit",
     "host_memory_bytes",
     "local_world_size",
+    "node_id",
     "consolidate_input",
     "progress_interval",
     "peer_timeout",
@@ -123,9 +125,16 @@ def fsync() -> bool:
     return _bool("fsync", "PYCKPT_FSYNC", True)
 
 
-def cooperative() -> bool:
-    """``PYCKPT_COOPERATIVE``: default of ``Reader(cooperative=...)``: stored bytes several
-    ranks load are read from storage by one of them and shared over the group (default on)."""
+def cooperative() -> bool | None:
+    """``PYCKPT_COOPERATIVE``: default of ``Reader(cooperative=...)`` and ``pyckpt.load``:
+    ``1`` forces cooperative loads (stored bytes several ranks load are read from storage by one
+    of them and shared over the group), ``0`` turns them off. Unset (None): each load decides,
+    on the coordinator (docs/REPLICATED.md: on for object stores, node-local checkpoints and
+    replicated bytes wanted on more than one node; off when every rank is on one node and reads
+    a file system)."""
+    raw = _get("cooperative", "PYCKPT_COOPERATIVE")
+    if raw is None or raw.strip() == "":
+        return None
     return _bool("cooperative", "PYCKPT_COOPERATIVE", True)
 
 
@@ -172,6 +181,20 @@ def host_memory_bytes() -> int:
 def local_world_size() -> int:
     """``LOCAL_WORLD_SIZE`` (set by torchrun): ranks on this node (default 1)."""
     return _int("local_world_size", "LOCAL_WORLD_SIZE", 1, 1)
+
+
+def node_id() -> str:
+    """This process's node (host) id: torchrun's ``GROUP_RANK`` when torchrun's variables are
+    set (``GROUP_RANK`` and ``LOCAL_WORLD_SIZE``), else the host name. Ranks with the same id
+    are taken to share a host (its page cache, its local disks): the ``CheckpointManager``'s
+    nodes and the default of cooperative loads. Tests pretend several nodes on one machine by
+    giving each rank its own ``GROUP_RANK`` (``override(node_id=...)`` sets the id itself)."""
+    if _overrides.get("node_id") is not None:
+        return str(_overrides["node_id"])
+    group_rank = os.environ.get("GROUP_RANK")
+    if group_rank and os.environ.get("LOCAL_WORLD_SIZE"):
+        return group_rank
+    return socket.gethostname()
 
 
 def parse_pinned_limit(value: object, source: str = "PYCKPT_PINNED_LIMIT") -> int:
@@ -231,6 +254,8 @@ def progress_interval() -> float:
     if not value >= 0:
         raise ValueError(f"PYCKPT_PROGRESS_INTERVAL={raw!r} must be >= 0")
     return value
+
+
 def peer_timeout() -> int:
     """``PYCKPT_PEER_TIMEOUT``: seconds one of pyckpt's collectives between ranks waits for the
     others (default 300) before it checks their heartbeats and raises ``PeerLostError`` for a

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import io
+import logging
 import os
 import uuid
 from collections.abc import Callable
@@ -37,14 +38,18 @@ from pyckpt.backends import Backend, node_local_choice, open_backend
 from pyckpt.backends.base import ReadRequest
 from pyckpt.backends.coop import (
     CoopPlan,
+    LoadNode,
     assign,
     chunks_of,
     cooperative_reads,
     first_round,
     holders_of,
+    pays_off,
 )
 
 __all__ = ["Reader"]
+
+logger = logging.getLogger(__name__)
 
 # Decoded bytes buffered at once by a resharding load (pieces read whole need no buffer).
 _READ_BATCH_BYTES = 256 << 20
@@ -75,12 +80,17 @@ class Reader(StorageReader):
             reads as with True.
         process_group: the group of the load (default: the default group); for node-local
             and cooperative loads it must carry CPU tensors (gloo).
-        cooperative: stored bytes that several ranks load (DDP, FSDP ``NO_SHARD``, HSDP
+        cooperative: True: stored bytes that several ranks load (DDP, FSDP ``NO_SHARD``, HSDP
             replicas, ``Replicate()`` DTensors, any overlap) are read from storage by one rank,
             verified there and sent to the others over ``process_group`` still compressed;
-            readers are balanced by bytes (docs/REPLICATED.md). Default ``PYCKPT_COOPERATIVE``
-            (on). Applies to ``dcp.load`` with several ranks; a single process, or
-            ``use_collectives=False``, reads alone.
+            readers are balanced by bytes (docs/REPLICATED.md). False: every rank reads all it
+            loads itself. None (default, unless ``PYCKPT_COOPERATIVE`` is 1 or 0): decided per
+            load, the same for every rank: cooperative for an object store, a node-local
+            checkpoint, or a file system when ranks on different nodes (``GROUP_RANK`` under
+            torchrun, else the host name) load the same stored bytes; not when every rank is on
+            one node and reads a file system (its page cache already reads each byte from
+            storage about once; exchanging costs more there). Applies to ``dcp.load`` with
+            several ranks; a single process, or ``use_collectives=False``, reads alone.
 
     Raises (from :meth:`read_metadata`, i.e. when a load starts; making a Reader reads nothing):
         FileNotFoundError: ``path`` has no ``pyckpt.json`` (not a complete checkpoint) or a data
@@ -124,7 +134,8 @@ class Reader(StorageReader):
         self.storage_options = dict(storage_options or {})
         self.shared_filesystem: bool | Literal["auto"] = node_local_choice(shared_filesystem)
         self.process_group = process_group
-        self.cooperative = _knobs.cooperative() if cooperative is None else bool(cooperative)
+        self.cooperative: bool | None = (
+            _knobs.cooperative() if cooperative is None else bool(cooperative))
         self._backend = self._open(self.path)  # a foreign URL (gs://...) fails here
         self.load_id = uuid.uuid4().hex[:12]
         self.bytes_read = 0
@@ -262,18 +273,40 @@ class Reader(StorageReader):
         self._storage = metadata.storage_data
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        """With ``cooperative=None``, names this rank's node (:func:`pyckpt._knobs.node_id`) in
+        the plan's ``storage_data`` for :meth:`prepare_global_plan` (no collective of its own)."""
+        if self.cooperative is None:
+            return dataclasses.replace(plan, storage_data=LoadNode(_knobs.node_id()))
         return plan
 
     def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
-        """A cooperative load (several ranks, ``cooperative``): chooses the one reader of each
-        stored chunk that several ranks want (:func:`pyckpt.backends.coop.assign`) and hands
-        each rank its part in ``LoadPlan.storage_data``."""
-        if not self.cooperative or len(plans) < 2 or self._rank_local is not None:
+        """A cooperative load (several ranks, ``cooperative`` True, or None and
+        :func:`pyckpt.backends.coop.pays_off`): chooses the one reader of each stored chunk that
+        several ranks want (:func:`pyckpt.backends.coop.assign`) and hands each rank its part
+        in ``LoadPlan.storage_data`` (None on every rank when the load is not cooperative)."""
+        nodes = [p.storage_data.node if isinstance(p.storage_data, LoadNode) else None
+                 for p in plans]
+        plans = [dataclasses.replace(p, storage_data=None)
+                 if isinstance(p.storage_data, LoadNode) else p for p in plans]
+        if self.cooperative is False or len(plans) < 2 or self._rank_local is not None:
             return plans  # a rank-local checkpoint: each rank knows and reads only its own part
         if group_info(self.process_group).world != len(plans):
             return plans  # DCP's group is not this reader's: no exchange over it
-        wants = [chunks_of([self._span(item) for item in p.items]) for p in plans]
-        coop = assign(wants, holders_of(self._backend), _knobs.coop_window_bytes())
+        wants: list[dict[Any, int]] | None = None
+
+        def wanted() -> list[dict[Any, int]]:
+            nonlocal wants
+            if wants is None:
+                wants = [chunks_of([self._span(item) for item in p.items]) for p in plans]
+            return wants
+
+        if self.cooperative is None:
+            on, why = pays_off(self._backend, nodes, wanted)
+            logger.debug("%s: %s load of %d ranks (%s)", self.path,
+                         "cooperative" if on else "independent", len(plans), why)
+            if not on:
+                return plans
+        coop = assign(wanted(), holders_of(self._backend), _knobs.coop_window_bytes())
         if coop is None:
             return plans
         return [dataclasses.replace(p, storage_data=c) for p, c in zip(plans, coop)]

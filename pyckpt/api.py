@@ -249,9 +249,12 @@ def load(
             held by other ranks over ``process_group`` (see :class:`pyckpt.Reader`);
             ``"auto"`` lets the ranks find out (one all-gather of the files each sees).
         progress: as for :func:`save` (the bytes of this rank's state dict).
-        cooperative: stored bytes several ranks load (replicated state) are read from storage
-            once, by one rank, and shared over ``process_group`` (see :class:`pyckpt.Reader`);
-            False: every rank reads all it loads itself. Default ``PYCKPT_COOPERATIVE`` (on).
+        cooperative: True: stored bytes several ranks load (replicated state) are read from
+            storage once, by one rank, and shared over ``process_group`` (see
+            :class:`pyckpt.Reader`); False: every rank reads all it loads itself. Default
+            ``PYCKPT_COOPERATIVE``, else decided per load: on for ``s3://``, node-local
+            checkpoints and ranks on several nodes loading the same bytes; off when every rank
+            is on one node reading a directory (docs/REPLICATED.md).
 
     Raises:
         FileNotFoundError: ``path`` holds no complete checkpoint or a data file is missing.

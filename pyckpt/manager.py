@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
 import threading
 import time
 import warnings
@@ -23,7 +22,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-from pyckpt import _format
+from pyckpt import _format, _knobs
 from pyckpt._collective import Group, add_note, agree, all_gather, portable
 from pyckpt._replicate import DEFAULT_WINDOW, node_order, replicate, ring_targets
 from pyckpt._tensors import local_view
@@ -48,13 +47,10 @@ def _local_path(local: str | os.PathLike[str], node: str) -> str:
 
 
 def node_identity(node: str | int | None = None) -> str:
-    """This process's node id: ``node`` when given; torchrun's ``GROUP_RANK`` when torchrun's
-    variables are set (``GROUP_RANK`` and ``LOCAL_WORLD_SIZE``); else the host name."""
-    if node is not None:
-        return str(node)
-    if os.environ.get("GROUP_RANK") and os.environ.get("LOCAL_WORLD_SIZE"):
-        return os.environ["GROUP_RANK"]
-    return socket.gethostname()
+    """This process's node id: ``node`` when given; else :func:`pyckpt._knobs.node_id`
+    (torchrun's ``GROUP_RANK`` when torchrun's variables are set, else the host name), the
+    nodes cooperative loads go by too."""
+    return str(node) if node is not None else _knobs.node_id()
 
 
 @dataclass

@@ -5,6 +5,11 @@ storage (files or objects, including what it read for others). Asserted on 2-4 g
 per-rank max/mean <= 1.05 and total <= 1.05x the stored bytes, on a shared directory, on S3
 (SeaweedFS) and node-local; bit-exact values; sharded items mixed in; the same typed error on
 every rank when one rank's read fails; ``cooperative=False`` reading everything everywhere.
+
+The default (``cooperative=None``, ``PYCKPT_COOPERATIVE`` unset) is decided per load: every
+rank on one node reading a directory reads alone; ranks on two nodes (pretended with
+``GROUP_RANK``, as torchrun sets it), S3 and node-local checkpoints load cooperatively; the
+argument and the knob force either way.
 """
 
 from __future__ import annotations
@@ -30,7 +35,8 @@ from _s3server import SeaweedServer, ServerUnavailable
 from dist_utils import run_distributed
 
 import pyckpt
-from pyckpt.backends.coop import assign
+from pyckpt import _knobs
+from pyckpt.backends.coop import assign, pays_off, wanted_across_nodes
 
 pytestmark = pytest.mark.distributed
 
@@ -41,13 +47,50 @@ def _balanced(per_rank: list[int], stored: int) -> None:
     assert stored <= sum(per_rank) <= 1.05 * stored, (per_rank, stored)
 
 
+def load_on_nodes(rank: int, world: int, path: str, cooperative: bool | None, per_node: int,
+                  env: dict[str, str] | None = None) -> dict[str, Any]:
+    """``load_counted`` with ranks ``per_node`` to a node (torchrun's ``GROUP_RANK``)."""
+    os.environ.update(GROUP_RANK=str(rank // per_node), LOCAL_WORLD_SIZE=str(per_node))
+    return load_counted(rank, world, path, cooperative, None, env)
+
+
+def load_failing_forced(rank: int, world: int, path: str) -> tuple[str, str]:
+    """``load_failing`` with cooperative loads forced on (the ranks share one node)."""
+    os.environ["PYCKPT_COOPERATIVE"] = "1"
+    return load_failing(rank, world, path)
+
+
 @pytest.mark.parametrize("compression", [None, "zstd"])
 def test_shared_directory_reads_each_byte_once(tmp_path: Path, compression: str | None) -> None:
+    # One node: cooperative=True overrides the default (which reads alone there).
     path = str(tmp_path / "ckpt")
     run_distributed(save_replicated, 4, path, compression)
-    results = run_distributed(load_counted, 4, path, None)
+    results = run_distributed(load_counted, 4, path, True)
     assert all(r["bad"] == [] for r in results), results
     _balanced([r["bytes_read"] for r in results], data_bytes(path))
+
+
+def test_default_on_one_node_every_rank_reads_for_itself(tmp_path: Path) -> None:
+    path = str(tmp_path / "ckpt")
+    run_distributed(save_replicated, 4, path, "zstd")
+    results = run_distributed(load_counted, 4, path, None)
+    stored = data_bytes(path)
+    for r in results:
+        assert r["bad"] == [] and r["bytes_read"] == stored, (r, stored)
+
+
+def test_default_on_two_nodes_reads_each_byte_once(tmp_path: Path) -> None:
+    path = str(tmp_path / "ckpt")
+    run_distributed(save_replicated, 4, path, "zstd")
+    stored = data_bytes(path)
+    results = run_distributed(load_on_nodes, 4, path, None, 2)
+    assert all(r["bad"] == [] for r in results), results
+    _balanced([r["bytes_read"] for r in results], stored)
+    assert sum(r["bytes_read"] for r in results) == stored
+    # cooperative=False overrides the default on two nodes too: every rank reads everything.
+    alone = run_distributed(load_on_nodes, 4, path, False, 2)
+    for r in alone:
+        assert r["bad"] == [] and r["bytes_read"] == stored, (r, stored)
 
 
 def test_cooperative_false_reads_everything_on_every_rank(tmp_path: Path) -> None:
@@ -59,21 +102,22 @@ def test_cooperative_false_reads_everything_on_every_rank(tmp_path: Path) -> Non
         assert r["bad"] == [] and r["bytes_read"] == stored, (r, stored)
 
 
-def test_pyckpt_load_cooperative_and_opted_out_bit_exact(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+@pytest.mark.parametrize("cooperative", [None, True, False])
+def test_pyckpt_load_bit_exact(tmp_path: Path, cooperative: bool | None) -> None:
     path = str(tmp_path / "ckpt")
     run_distributed(save_replicated, 2, path, "zstd")
-    assert run_distributed(load_api, 2, path, None) == [[], []]
-    assert run_distributed(load_api, 2, path, False) == [[], []]
+    assert run_distributed(load_api, 2, path, cooperative) == [[], []]
 
 
-def test_env_knob_turns_it_off(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_env_knob_forces_either_way(tmp_path: Path) -> None:
     path = str(tmp_path / "ckpt")
     run_distributed(save_replicated, 2, path, None)
     stored = data_bytes(path)
-    results = run_distributed(load_counted, 2, path, None, None, {"PYCKPT_COOPERATIVE": "0"})
-    assert [r["bytes_read"] for r in results] == [stored, stored]
+    on = run_distributed(load_counted, 2, path, None, None, {"PYCKPT_COOPERATIVE": "1"})
+    assert all(r["bad"] == [] for r in on), on
+    _balanced([r["bytes_read"] for r in on], stored)  # one node, yet cooperative
+    off = run_distributed(load_on_nodes, 2, path, None, 1, {"PYCKPT_COOPERATIVE": "0"})
+    assert [(r["bad"], r["bytes_read"]) for r in off] == [([], stored)] * 2  # two nodes
 
 
 def test_mixed_sharded_and_replicated(tmp_path: Path) -> None:
@@ -97,7 +141,7 @@ def test_a_failing_read_raises_the_same_typed_error_on_every_rank(tmp_path: Path
         b = f.read(1)
         f.seek(CHUNK_MIDDLE)
         f.write(bytes([b[0] ^ 0xFF]))
-    results = run_distributed(load_failing, 3, str(path))
+    results = run_distributed(load_failing_forced, 3, str(path))
     assert len({r[0] for r in results}) == 1 and results[0][0] == "ChecksumError", results
     assert all(victim in msg for _, msg in results), results
 
@@ -132,8 +176,59 @@ def test_assign_balances_and_keeps_single_rank_chunks_with_their_rank() -> None:
 
 
 def test_reader_argument_and_knob_default() -> None:
-    assert pyckpt.Reader("x").cooperative is True
+    assert pyckpt.Reader("x").cooperative is None  # decided per load
     assert pyckpt.Reader("x", cooperative=False).cooperative is False
+    with _knobs.override(cooperative="1"):
+        assert pyckpt.Reader("x").cooperative is True
+        assert pyckpt.Reader("x", cooperative=False).cooperative is False
+    with _knobs.override(cooperative="off"):
+        assert pyckpt.Reader("x").cooperative is False
+        assert pyckpt.Reader("x", cooperative=True).cooperative is True
+    with _knobs.override(cooperative="maybe"), pytest.raises(ValueError, match="COOPERATIVE"):
+        pyckpt.Reader("x")
+
+
+def test_node_id_is_the_managers(monkeypatch: pytest.MonkeyPatch) -> None:
+    import socket
+
+    from pyckpt.manager import node_identity
+
+    monkeypatch.setenv("GROUP_RANK", "5")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    assert _knobs.node_id() == node_identity() == "5"
+    monkeypatch.delenv("GROUP_RANK")
+    assert _knobs.node_id() == node_identity() == socket.gethostname()
+    with _knobs.override(node_id="rack2"):
+        assert _knobs.node_id() == node_identity() == "rack2"
+
+
+class _Place:
+    """A backend as :func:`pays_off` sees it: a directory or (``local_dir=None``) a store."""
+
+    def __init__(self, local_dir: str | None) -> None:
+        self.local_dir = local_dir
+
+
+def test_default_rule() -> None:
+    shared = {("f", 0): 10, ("f", 10): 10}
+    own = [{("g", 0): 10}, {("g", 10): 10}, {("g", 20): 10}, {("g", 30): 10}]
+    replicated = [dict(shared) for _ in range(4)]
+    directory, store = _Place("/ckpt"), _Place(None)
+
+    def never() -> Any:
+        raise AssertionError("one node: the chunks are not looked at")
+
+    assert pays_off(directory, ["a"] * 4, never)[0] is False
+    assert pays_off(directory, ["a", "a", "b", "b"], lambda: replicated)[0] is True
+    assert pays_off(store, ["a"] * 4, never)[0] is True  # object store: always
+    # Several nodes, but each chunk wanted on one node only (sharded; or replicas within a node).
+    assert pays_off(directory, ["a", "a", "b", "b"], lambda: own)[0] is False
+    within = [dict(shared), dict(shared), {("h", 0): 5}, {("h", 0): 5}]
+    assert wanted_across_nodes(within, ["a", "a", "b", "b"]) is False
+    assert wanted_across_nodes(within, ["a", "b", "b", "b"]) is True
+    # A plan that named no node counts as a node of its own.
+    assert pays_off(directory, ["a", None], lambda: replicated[:2])[0] is True
+    assert wanted_across_nodes(own, [None] * 4) is False
 
 
 def test_node_local_reads_each_byte_once_from_its_holder(tmp_path: Path) -> None:
@@ -141,7 +236,8 @@ def test_node_local_reads_each_byte_once_from_its_holder(tmp_path: Path) -> None
     (root / "ckpt").mkdir()
     (root / "nodes").mkdir()
     modes = run_distributed(save_nodelocal, 2, str(root))
-    results = run_distributed(load_nodelocal, 2, str(root), True)
+    # Node-local: cooperative by default (None), whatever the nodes.
+    results = run_distributed(load_nodelocal, 2, str(root), None)
     for r in results:
         assert r["bad"] == [] and r["foreign"] == [], r
     if namespace_refusal() is None:
@@ -174,6 +270,7 @@ def s3env() -> Any:
 
 
 def test_s3_fetches_each_byte_once(s3env: dict[str, str]) -> None:
+    # One node, default: an object store loads cooperatively (every rank's GET is paid).
     url = "s3://coop/replicated"
     run_distributed(save_replicated, 3, url, "zstd", s3env)
     results = run_distributed(load_counted, 3, url, None, None, s3env)

@@ -19,6 +19,13 @@ store). A cooperative load reads each stored chunk once:
    (and at most ``window / (N - 1)`` from one reader, at least one chunk), so what is in flight
    per rank is a window, not the model.
 
+When the caller does not say (``cooperative=None``, ``PYCKPT_COOPERATIVE`` unset),
+:func:`pays_off` decides per load, on the coordinator, from the node each rank named in its
+local plan (:class:`LoadNode`): on for an object store and a node-local checkpoint, on for a
+file system when ranks on different nodes want the same stored bytes, off when they all share
+one node (its page cache already serves each stored byte from storage about once, and the
+exchange only costs there; docs/REPLICATED.md has the measurements).
+
 Errors are agreed on as in every exchange: a rank whose storage read fails (a missing or
 damaged file) raises its error, and every other rank raises the same error at the same round.
 """
@@ -37,8 +44,8 @@ from pyckpt._partition import largest_first
 from pyckpt.backends.base import Backend, ReadRequest, overlapping_chunks, stored_len
 from pyckpt.backends.peer import Exchange, Need, PeerBackend, PeerFiles, peer_source
 
-__all__ = ["CoopPlan", "assign", "chunks_of", "cooperative_reads", "first_round", "holders_of",
-           "plan_uses", "read_stored_from"]
+__all__ = ["CoopPlan", "LoadNode", "assign", "chunks_of", "cooperative_reads", "first_round",
+           "holders_of", "pays_off", "plan_uses", "read_stored_from", "wanted_across_nodes"]
 
 # A stored chunk: (data file basename, file offset of its stored bytes).
 Key = tuple[str, int]
@@ -62,6 +69,62 @@ class CoopPlan:
 
     exchanged: dict[Key, tuple[int, int]]
     rounds: int
+
+
+@dataclass(frozen=True)
+class LoadNode:
+    """A rank's node, carried in its local ``LoadPlan.storage_data`` to the coordinator (so the
+    default needs no collective of its own; replaced there by the rank's :class:`CoopPlan` or
+    None).
+
+    Attributes:
+        node: :func:`pyckpt._knobs.node_id` of the rank (its ``GROUP_RANK`` or host name).
+    """
+
+    node: str
+
+
+def wanted_across_nodes(wants: Sequence[Mapping[Key, int]],
+                        nodes: Sequence[str | None]) -> bool:
+    """Whether ranks on different nodes want the same chunk (``nodes[r]`` is rank r's node;
+    None, unknown, counts as a node of its own)."""
+    first: dict[Key, object] = {}
+    for r, (w, node) in enumerate(zip(wants, nodes)):
+        me: object = node if node is not None else ("rank", r)
+        for key in w:
+            seen = first.setdefault(key, me)
+            if seen != me:
+                return True
+    return False
+
+
+def pays_off(backend: Backend, nodes: Sequence[str | None],
+             wants: Callable[[], Sequence[Mapping[Key, int]]]) -> tuple[bool, str]:
+    """The default of a load that did not choose (``cooperative=None``): whether to read
+    cooperatively, and why (for the log).
+
+    Args:
+        backend: where the checkpoint is read from.
+        nodes: per group rank, its node (:class:`LoadNode`; None where the plan carried none).
+        wants: per group rank, the chunks it needs (:func:`chunks_of`); called only when the
+            answer depends on them.
+
+    On for an object store (no cache shared by the ranks: every rank's GET is paid and
+    fetched) and for a node-local checkpoint (chunks of files a node lacks travel between ranks
+    anyway; cooperatively, each is read once, by a holder). For a file system: off when every
+    rank is on one node (the page cache already brings each stored byte from storage about
+    once; the exchange only adds work), on when ranks on different nodes want the same stored
+    bytes (each node would read them from the shared storage).
+    """
+    if holders_of(backend) is not None:
+        return True, "node-local checkpoint"
+    if backend.local_dir is None:
+        return True, "object store"
+    if None not in nodes and len(set(nodes)) == 1:
+        return False, f"every rank on node {nodes[0]!r}, file system"
+    if wanted_across_nodes(wants(), nodes):
+        return True, "the same stored bytes wanted on several nodes"
+    return False, "no stored bytes wanted on more than one node"
 
 
 def chunks_of(spans: Sequence[tuple[Sequence[Any], int, int]]) -> dict[Key, int]:
