@@ -268,6 +268,12 @@ class CheckpointManager:
         A save first waits for the previous one's fast-tier work. A failure of earlier
         background work is raised here (once) or by :meth:`wait`.
 
+        The only work done before returning is the staging copy (no collective): the ranks
+        exchange their staging outcome as the first step of the background work. A staging
+        failure on any rank (a :class:`pyckpt.CudaError` naming the tensor) writes nothing on
+        any rank: every rank's future fails with it (on the other ranks with a note naming the
+        failing rank) and every rank's next :meth:`save` or :meth:`wait` raises it.
+
         Raises:
             TierBudgetError: the save would take a node's fast tier over ``local_budget_bytes``
                 (on every rank, before anything is written).
@@ -284,12 +290,19 @@ class CheckpointManager:
         if self.tier is not None:
             assert self._fast_writer is not None
             self._check_budget(state)
-            staged = self._stage(self._fast_writer, state)
-            fut = self._save_ex.submit(self._fast_save, step, staged, info)
+            writer, work = self._fast_writer, self._fast_save
         else:
             assert self._durable_writer is not None
-            staged = self._stage(self._durable_writer, state)
-            fut = self._save_ex.submit(self._durable_save, step, staged, info)
+            writer, work = self._durable_writer, self._durable_save
+        # No collective here: the ranks learn each other's staging outcome in the background
+        # work's first agreement (a failure there fails every rank's future the same way, and
+        # every rank raises it at the same later call), so the caller waits only for the copies.
+        staged, error = None, None
+        try:
+            staged = writer.stage(state)
+        except Exception as e:
+            error = e
+        fut = self._save_ex.submit(work, step, staged, error, info)
         info.blocking_s = time.perf_counter() - t0
         self._fast_future = fut
         return fut
@@ -386,12 +399,19 @@ class CheckpointManager:
 
     # -- background work ---------------------------------------------------------------------
 
-    def _fast_save(self, step: int, staged: Any, info: SaveInfo) -> int:
+    def _fast_save(self, step: int, staged: Any, staging_error: BaseException | None,
+                   info: SaveInfo) -> int:
         tier, g = self.tier, self._group
         assert tier is not None and self._fast_writer is not None
         t0 = time.perf_counter()
-        agree(lambda: tier.prepare(step) if self._leader else None, g,
-              what=f"preparing fast-tier step {step}")
+
+        def prepare() -> None:
+            if staging_error is not None:
+                raise staging_error
+            if self._leader:
+                tier.prepare(step)
+
+        agree(prepare, g, what=f"staging the state or preparing fast-tier step {step}")
         path = tier.step_dir(step)
         agree(lambda: tier.ensure(step), g, what=f"preparing fast-tier step {step}")
         with _single_process_quiet(), _typed_errors():
@@ -489,9 +509,16 @@ class CheckpointManager:
             with self._pinned_lock:
                 self._pinned.discard(step)
 
-    def _durable_save(self, step: int, staged: Any, info: SaveInfo) -> int:
+    def _durable_save(self, step: int, staged: Any, staging_error: BaseException | None,
+                      info: SaveInfo) -> int:
         g = self._group
         t0 = time.perf_counter()
+
+        def staged_ok() -> None:
+            if staging_error is not None:
+                raise staging_error
+
+        agree(staged_ok, g, what="staging the state")
         with _single_process_quiet(), _typed_errors():
             dcp.save(staged, storage_writer=self._durable_writer,
                      checkpoint_id=self.store.step_location(step),
@@ -702,18 +729,6 @@ class CheckpointManager:
         exc, self._failure = self._failure, None
         if exc is not None:
             logger.warning("pyckpt: a checkpoint save failed before this restore: %r", exc)
-
-    def _stage(self, writer: Writer, state: Any) -> Any:
-        """``writer.stage(state)`` on every rank; a failure on any rank (a CUDA error) is raised
-        on every rank before any background work starts, so no rank waits for it."""
-        staged, error = None, None
-        try:
-            staged = writer.stage(state)
-        except Exception as e:
-            error = e
-        statuses = all_gather(None if error is None else portable(error), self._group)
-        _raise_any(statuses, self._group.rank, error, "staging the state")
-        return staged
 
     def _check_budget(self, state: Any) -> None:
         if self.local_budget_bytes is None:
