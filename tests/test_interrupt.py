@@ -19,9 +19,14 @@ from _child_env import child_env
 # KeyboardInterrupt reached Python. It then checks what a user relies on.
 _CHILD = textwrap.dedent(
     """
-    import glob, os, sys, time
+    import glob, os, signal, sys, time
     import torch
     import pyckpt
+
+    # Python turns SIGINT into KeyboardInterrupt only if the parent did not ignore it, and a
+    # job started in the background by a non-interactive shell (`cmd &`, as CI runners do)
+    # inherits SIGINT ignored: install Python's own handler, as an interactive start has it.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
     path = sys.argv[1]
     torch.manual_seed(0)
