@@ -6,8 +6,10 @@ between repeats:
 
 * ``dcp``: DCP's ``FileSystemReader`` on a checkpoint saved by ``FileSystemWriter``;
 * ``pyckpt-solo``: ``pyckpt.Reader(cooperative=False)`` (every rank reads everything);
-* ``pyckpt-coop``: ``pyckpt.Reader`` (default: each stored chunk read by one rank, sent to the
-  others still compressed).
+* ``pyckpt-coop``: ``pyckpt.Reader(cooperative=True)`` (each stored chunk read by one rank,
+  sent to the others still compressed);
+* ``pyckpt-default``: ``pyckpt.Reader()`` (decided per load, docs/REPLICATED.md: on one machine
+  the same as ``pyckpt-solo`` for a directory and ``pyckpt-coop`` for ``s3://``).
 
 Reported per method: median load wall time (slowest rank, barrier to barrier) and the bytes
 each rank read from storage (pyckpt: ``Reader.bytes_read``; DCP: the rank's ``rchar`` from
@@ -76,7 +78,7 @@ def _rank(rank: int, world: int, port: int, args: dict[str, Any], q: Any) -> Non
         root = args["root"]
         pk = root if args["s3"] else os.path.join(root, "pyckpt")
         pyckpt.save(state, pk, compression=args["compression"])
-        methods = ["pyckpt-solo", "pyckpt-coop"]
+        methods = ["pyckpt-solo", "pyckpt-coop", "pyckpt-default"]
         if not args["s3"]:
             dcp.save(state, storage_writer=dcp.FileSystemWriter(os.path.join(root, "dcp")))
             methods.insert(0, "dcp")
@@ -91,7 +93,8 @@ def _rank(rank: int, world: int, port: int, args: dict[str, Any], q: Any) -> Non
                     dcp.load(target, storage_reader=dcp.FileSystemReader(os.path.join(root, "dcp")))
                     nread = _rchar() - before
                 else:
-                    with pyckpt.Reader(pk, cooperative=m == "pyckpt-coop") as reader:
+                    coop = {"pyckpt-solo": False, "pyckpt-coop": True}.get(m)
+                    with pyckpt.Reader(pk, cooperative=coop) as reader:
                         dcp.load(target, storage_reader=reader, planner=load_planner())
                     nread = reader.bytes_fetched if args["s3"] else reader.bytes_read
                 dist.barrier()
@@ -100,10 +103,18 @@ def _rank(rank: int, world: int, port: int, args: dict[str, Any], q: Any) -> Non
                                                            state[k].view(torch.uint8))]
                 if bad:
                     raise AssertionError(f"{m}: loaded values differ in {bad[:3]}")
-        stored = 0
+        stored: Any = 0
         if rank == 0 and not args["s3"]:
             stored = {"pyckpt": _dir_bytes(pk, ".pyckpt"),
                       "dcp": _dir_bytes(os.path.join(root, "dcp"), ".distcp")}
+        elif rank == 0:  # the data objects' sizes, as the committed metadata lists them
+            from pyckpt.backends import open_backend
+
+            with tempfile.TemporaryDirectory() as tmp:
+                doc = os.path.join(tmp, "pyckpt.json")
+                open_backend(pk).get_file("pyckpt.json", doc)
+                with open(doc) as fh:
+                    stored = {"pyckpt": sum(json.load(fh)["files"].values())}
         q.put((rank, results, stored))
     finally:
         dist.destroy_process_group()
@@ -166,10 +177,12 @@ def main() -> None:
     report = _report(out, stored, a.world)
     print(f"replicated state {mib:.0f} MiB, {a.world} ranks, compression {a.compression}"
           f"{', S3 (SeaweedFS)' if a.s3 else ', one shared directory'}")
-    print(f"{'method':<13} {'load s':>8} {'MiB/rank max':>13} {'max/mean':>9} {'total/stored':>13}")
+    print(f"{'method':<15} {'load s median [min-max]':>24} {'MiB/rank max':>13} {'max/mean':>9} "
+          f"{'total/stored':>13}")
     for m, row in report.items():
         ratio = f"{row['total_over_stored']:.3f}" if row["total_over_stored"] else "-"
-        print(f"{m:<13} {row['seconds']:>8.3f} {row['max_mib']:>13.1f} "
+        spread = f"{row['seconds']:.3f} [{row['min_s']:.3f}-{row['max_s']:.3f}]"
+        print(f"{m:<15} {spread:>24} {row['max_mib']:>13.1f} "
               f"{row['max_over_mean']:>9.3f} {ratio:>13}")
     if a.json:
         with open(a.json, "w") as f:
@@ -184,7 +197,8 @@ def _report(out: list[Any], stored: dict[str, int], world: int) -> dict[str, Any
         per_rank = [out[r][1][m][-1][1] for r in range(world)]
         mean = sum(per_rank) / world
         base = stored.get("dcp" if m == "dcp" else "pyckpt", 0) if stored else 0
-        report[m] = {"seconds": statistics.median(times), "per_rank_bytes": per_rank,
+        report[m] = {"seconds": statistics.median(times), "min_s": min(times),
+                     "max_s": max(times), "per_rank_bytes": per_rank,
                      "max_mib": max(per_rank) / (1 << 20),
                      "max_over_mean": max(per_rank) / mean if mean else 0.0,
                      "total_over_stored": sum(per_rank) / base if base else None}
