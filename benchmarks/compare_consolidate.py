@@ -133,12 +133,13 @@ def run_copy(src: str, dst: str) -> float:
     return time.perf_counter() - t
 
 
-def export_sizes(sizes_mib: list[float], repeats: int, threads: int, work: str) -> None:
+def export_sizes(sizes_mib: list[float], repeats: int, threads: int, work: str,
+                 dim: int = 0) -> None:
     """The export at small and medium sizes against torch's consolidator and a plain copy."""
     from safetensors.torch import load_file
 
     load = os.getloadavg()
-    print(f"# export fixed cost: 2 shards (dim 0), bf16 + fp32; {os.cpu_count()} CPUs; load "
+    print(f"# export fixed cost: 2 shards (dim {dim}), bf16 + fp32; {os.cpu_count()} CPUs; load "
           f"average {load[0]:.1f}/{load[1]:.1f}/{load[2]:.1f}; repeats={repeats}; warm cache, "
           f"no fsync; pyckpt.consolidate: 1 process, {threads} threads")
     print("\n| size MiB | copy of the inputs | torch consolidator | pyckpt.consolidate | "
@@ -152,7 +153,7 @@ def export_sizes(sizes_mib: list[float], repeats: int, threads: int, work: str) 
         sd = _sized_state_dict(int(mib * (1 << 20)))
         size = nbytes(sd)
         src = os.path.join(work, f"export-src-{mib:g}")
-        write_shards(src, sd, 2, 0)
+        write_shards(src, sd, 2, dim)
         names = list(sd)
         runners = {
             "copy": run_copy,
@@ -161,7 +162,8 @@ def export_sizes(sizes_mib: list[float], repeats: int, threads: int, work: str) 
         }
         times: dict[str, list[float]] = {k: [] for k in runners}
         for rep in range(repeats + 1):  # the first round warms caches and imports, unrecorded
-            for who, fn in runners.items():
+            order = list(runners.items())
+            for who, fn in (order if rep % 2 == 0 else order[::-1]):  # alternating
                 dst = os.path.join(work, f"export-dst-{who}")
                 os.sync()
                 warm(src)
@@ -191,12 +193,14 @@ def main() -> None:
     ap.add_argument("--export-sizes", default=None, metavar="MIB,MIB,...",
                     help="measure the export's fixed cost at these sizes (MiB) against torch's "
                          "consolidator and a plain copy of the inputs, instead of the tables")
+    ap.add_argument("--export-dim", type=int, default=0, choices=[0, 1],
+                    help="with --export-sizes: the dimension the 2 input shards split")
     args = ap.parse_args()
     work = tempfile.mkdtemp(prefix="pyckpt-bench-", dir=args.dir)
     try:
         if args.export_sizes:
             sizes = [float(v) for v in args.export_sizes.split(",") if v.strip()]
-            export_sizes(sizes, args.repeats, args.threads, work)
+            export_sizes(sizes, args.repeats, args.threads, work, args.export_dim)
             return
         target = int(scale() * (1 << 30))
         sd = state_dict(target)
