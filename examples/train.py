@@ -141,7 +141,8 @@ def _worker(cfg: dict[str, Any]) -> int:
     # makes groups of its own for the same reason).
     ckpt_pg = dist.new_group(backend="gloo")
     mesh = init_device_mesh("cpu", (world,))
-    show = rank == 0 and cfg["progress"]
+    # Bars only on a terminal: a log file or a pipe would get every redraw (one huge line).
+    show = rank == 0 and cfg["progress"] and sys.stderr.isatty()
 
     def say(msg: str) -> None:
         if rank == 0:
@@ -671,7 +672,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="node 1 is lost after this step (not a multiple of --persist-every)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--timeout", type=float, default=600, help="per phase, seconds")
-    ap.add_argument("--no-progress", action="store_true", help="no progress bars")
+    ap.add_argument("--no-progress", action="store_true",
+                    help="no progress bars (they are drawn only when stderr is a terminal)")
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.worker is not None:
