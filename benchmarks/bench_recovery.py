@@ -33,7 +33,6 @@ import json
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -358,10 +357,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     base = "/dev/shm" if os.path.isdir("/dev/shm") else None
     work = tempfile.mkdtemp(prefix="pyckpt-recovery-", dir=args.work or base)
     sys.path.insert(0, os.path.join(HERE, "..", "tests"))
-    from _ports import free_port
+    from _ranks import run_ranks
 
     server = None
-    procs: list[subprocess.Popen[bytes]] = []
     env = dict(os.environ)
     try:
         durables = []
@@ -384,30 +382,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "per_node": args.per_node, "repeats": args.repeats,
                 "compression": None if args.compression == "none" else args.compression,
                 "durables": durables, "result": os.path.join(work, "result.json")}
-        spec_path = os.path.join(work, "spec.json")
-        with open(spec_path, "w") as f:
-            json.dump(spec, f)
-        port = free_port()
-        world = args.nodes * args.per_node
-        for rank in range(world):
-            renv = dict(env, RANK=str(rank), WORLD_SIZE=str(world),
-                        LOCAL_RANK=str(rank % args.per_node),
-                        LOCAL_WORLD_SIZE=str(args.per_node),
-                        GROUP_RANK=str(rank // args.per_node), MASTER_ADDR="127.0.0.1",
-                        MASTER_PORT=str(port))
-            procs.append(subprocess.Popen(
-                [sys.executable, os.path.abspath(__file__), "--rank-main", spec_path], env=renv))
-        deadline = time.monotonic() + args.timeout
-        codes = [proc.wait(timeout=max(1.0, deadline - time.monotonic())) for proc in procs]
-        if any(codes):
-            raise SystemExit(f"ranks failed: exit codes {codes}")
-        with open(spec["result"]) as f:
-            per_rank = json.load(f)
+        per_rank = run_ranks(__file__, spec, args.nodes * args.per_node, args.per_node,
+                             args.timeout, env)
     finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
         if server is not None:
             server.close()
         shutil.rmtree(work, ignore_errors=True)

@@ -37,7 +37,6 @@ import json
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -294,8 +293,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     modes += [{"name": f"{k}/t{t}", "kind": k, "threads": t} for k in kinds for t in threads]
     base = "/dev/shm" if os.path.isdir("/dev/shm") else None
     work = tempfile.mkdtemp(prefix="pyckpt-overlap-", dir=args.work or base)
-    sys.path.insert(0, os.path.join(HERE, "..", "tests"))
-    from _ports import free_port
 
     spec = {"work": work, "world": args.world, "dim": args.dim, "layers": args.layers,
             "batch": args.batch, "seq": args.seq, "steps": args.steps, "warmup": args.warmup,
@@ -303,29 +300,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             "torch_threads": args.torch_threads or max(1, (os.cpu_count() or 1) // args.world),
             "compression": None if args.compression == "none" else args.compression,
             "result": os.path.join(work, "result.json")}
-    procs: list[subprocess.Popen[bytes]] = []
+    from _ranks import run_ranks
+
     try:
-        spec_path = os.path.join(work, "spec.json")
-        with open(spec_path, "w") as f:
-            json.dump(spec, f)
-        port = free_port()
-        for rank in range(args.world):
-            env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(args.world),
-                       LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(args.world),
-                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-            procs.append(subprocess.Popen(
-                [sys.executable, os.path.abspath(__file__), "--rank-main", spec_path], env=env))
-        deadline = time.monotonic() + args.timeout
-        codes = [proc.wait(timeout=max(1.0, deadline - time.monotonic())) for proc in procs]
-        if any(codes):
-            raise SystemExit(f"ranks failed: exit codes {codes}")
-        with open(spec["result"]) as f:
-            raw = json.load(f)
+        # One "node": every rank shares the machine (LOCAL_WORLD_SIZE = world).
+        raw = run_ranks(__file__, spec, args.world, args.world, args.timeout)
     finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
         shutil.rmtree(work, ignore_errors=True)
     report = summarize(raw, spec)
     print(f"training with a save in flight: {args.world} ranks (gloo, DDP), "
