@@ -91,6 +91,30 @@ class _DirLock:
         self._release()
 
 
+class _DataFile(_C.FileWriter):
+    """A data file's native writer whose commit reports a vanished temp file as what it is.
+
+    Where flock is unavailable, two overlapping saves into one directory are told apart only at
+    commit: the one that commits first removes the files no committed checkpoint names, the
+    other's temp file among them, and the other's rename of it then finds nothing (ENOENT).
+    That save must fail, and it does; the error says why (:class:`ConcurrentSaveError`), not
+    a bare ``FileNotFoundError`` from ``rename``.
+    """
+
+    def commit(self) -> None:
+        try:
+            super().commit()
+        except FileNotFoundError as e:
+            raise ConcurrentSaveError(
+                errno.ENOENT,
+                "this save's temporary data file vanished before its commit: another save "
+                "into this directory committed meanwhile and removed it (saves into one "
+                "directory must not overlap), or something else deleted it; this save is "
+                "abandoned",
+                e.filename or "",
+            ) from e
+
+
 # Where flock is unavailable: a file created exclusively (O_EXCL, atomic on local filesystems
 # and NFS) around the check and the rename of a commit; one older than this is a crash's.
 COMMIT_MUTEX = ".pyckpt.commit"
@@ -276,7 +300,7 @@ class PosixBackend:
             # Allocated once per backend: on this class of VM freshly faulted-in memory runs at
             # a fraction of memcpy speed, so every save after the first reuses hot pages.
             self._direct_blocks = _C.BufferPool(DIRECT_BLOCK_BYTES, DIRECT_BLOCKS)
-        return _C.FileWriter(
+        return _DataFile(
             os.path.join(self.path, name), direct, self._fsync(), DIRECT_BLOCK_BYTES,
             DIRECT_BLOCKS, staging=self._direct_blocks,
         )

@@ -49,3 +49,24 @@ def test_overlapping_saves_into_one_directory_never_both_succeed(tmp_path: Path,
         assert torch.equal(out["w"].view(torch.int32), sd(ok[0])["w"].view(torch.int32))
         names = {p.name for p in Path(path).iterdir() if p.name.endswith(".pyckpt")}
         assert len(names) == 1  # only the winner's data file
+
+
+def test_a_temp_file_removed_by_another_save_fails_the_commit_as_a_concurrent_save(
+        tmp_path: Path) -> None:
+    # Without flock, the save that commits first removes the files its checkpoint does not name,
+    # the other save's temp data file among them; that save's rename then finds nothing. It
+    # must fail as a concurrent save (what happened), not with rename's bare ENOENT.
+    from pyckpt.backends import open_backend
+
+    path = tmp_path / "ckpt"
+    path.mkdir()
+    name = "0-0.0123456789ab.pyckpt"
+    with open_backend(str(path)).data_sink(name, {}) as sink:
+        sink.append(b"x" * 8192)
+        (temp,) = [p for p in path.iterdir() if p.name.startswith(name + ".tmp")]
+        temp.unlink()  # what the other save's clean-up does
+        with pytest.raises(pyckpt.ConcurrentSaveError, match="another save") as info:
+            sink.commit()
+    assert isinstance(info.value.__cause__, FileNotFoundError)
+    assert name in str(info.value)
+    assert not list(path.iterdir())  # nothing of this save is left
