@@ -138,6 +138,21 @@ def _rank_main(spec_path: str) -> None:
             durable, local=local, replicas=1, save_every=1, persist_every=1,
             compression=compression, storage_options=options)
 
+    def timed_restore(durable: str, local: str | None,
+                      options: dict[str, Any] | None) -> tuple[Any, Any, float, bool]:
+        """A new manager's restore of step 1 into zeros, timed barrier to barrier: (manager,
+        its last_restore, seconds, bit-exact)."""
+        mgr = manager(durable, local, options)
+        target = state(True)
+        dist.barrier()
+        t0 = time.perf_counter()
+        step = mgr.restore(target)
+        dist.barrier()
+        seconds = time.perf_counter() - t0
+        info = mgr.last_restore
+        assert step == 1 and info is not None
+        return mgr, info, seconds, exact(target)
+
     def timed_manager_save(mgr: Any, out: dict[str, Any]) -> None:
         sd = state(False)
         dist.barrier()
@@ -182,39 +197,23 @@ def _rank_main(spec_path: str) -> None:
             if rank == 0:
                 hidden = _hide_data(step_url, options, aside)
             dist.barrier()
-            mgr = manager(durable, local, options)
-            target = state(True)
-            dist.barrier()
-            t0 = time.perf_counter()
-            step = mgr.restore(target)
-            dist.barrier()
-            out["restore_fast_s"] = time.perf_counter() - t0
-            info = mgr.last_restore
-            assert step == 1 and info is not None
+            mgr, info, out["restore_fast_s"], out["restore_fast_exact"] = timed_restore(
+                durable, local, options)
             out["restore_fast_tier"] = info.tier
             out["restore_fast_bytes_durable"] = info.bytes_durable + mgr.store.data_bytes_read
             out["restore_fast_durable_loads"] = mgr.store.direct_loads
             out["restore_fast_bytes_local"] = info.bytes_local
             out["restore_fast_bytes_peer"] = info.bytes_peer
-            out["restore_fast_exact"] = exact(target)
             mgr.close()
             dist.barrier()
             if rank == 0:
                 _restore_data(step_url, options, aside, hidden)
             dist.barrier()
 
-            mgr = manager(durable, None, options)  # durable only
-            target = state(True)
-            dist.barrier()
-            t0 = time.perf_counter()
-            step = mgr.restore(target)
-            dist.barrier()
-            out["restore_durable_s"] = time.perf_counter() - t0
-            info = mgr.last_restore
-            assert step == 1 and info is not None
+            mgr, info, out["restore_durable_s"], out["restore_durable_exact"] = timed_restore(
+                durable, None, options)  # durable only
             out["restore_durable_tier"] = info.tier
             out["restore_durable_bytes_durable"] = info.bytes_durable
-            out["restore_durable_exact"] = exact(target)
             if rank == 0:
                 mgr.store.remove(1)  # free the space before the next round
             mgr.close()
