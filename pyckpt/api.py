@@ -197,6 +197,8 @@ def load(
 
     Any world size can load any checkpoint: each rank reads only the byte ranges of the stored
     pieces that overlap what its state dict holds, including items a save split across ranks.
+    Planning uses :class:`pyckpt.LoadPlanner`: a rank finds the pieces it needs through an index
+    built when the metadata is read, so its planning does not grow with the saving world size.
 
     Args:
         state_dict: The state dict to fill; its tensors (or DTensors) give the shapes and the
