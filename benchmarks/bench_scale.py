@@ -17,8 +17,10 @@ non-tensor item), then times, against DCP on the same plans:
 * ``load_meta`` and ``load_plan`` for ONE rank (the last): reading the metadata (pyckpt:
   ``Reader.read_metadata``, which validates the document and checks each data file's size with
   one ``lstat``, on sparse files of the recorded sizes; DCP: ``FileSystemReader.read_metadata``,
-  an unpickle), then the rank's local load plan (``pyckpt.api.load_planner()``, DCP's
-  ``DefaultLoadPlanner``, for a destination state dict holding that rank's shards).
+  an unpickle), then the rank's local load plan (``pyckpt.LoadPlanner``, which finds each
+  tensor's overlapping pieces through the index ``read_metadata`` built, vs DCP's
+  ``DefaultLoadPlanner``, for a destination state dict holding that rank's shards; the script
+  checks that both plans hold the same read items).
 
 Times are the median and [min-max] over ``--repeats`` runs, both systems alternating; no real
 ranks, no tensor data, no I/O beyond the metadata files. Cells whose plans hold more than
@@ -247,7 +249,6 @@ def _timed(fn: Callable[..., Any], *args: Any) -> tuple[float, Any]:
 def run_pyckpt(tensors: list[_Tensor], ranks: int, work: str) -> dict[str, Any]:
     import pyckpt
     from pyckpt import _gc
-    from pyckpt.api import load_planner
     from pyckpt.storage import Writer
 
     plans = local_plans(tensors, ranks)
@@ -285,14 +286,14 @@ def run_pyckpt(tensors: list[_Tensor], ranks: int, work: str) -> dict[str, Any]:
     dest = destination(tensors, ranks - 1, ranks)
 
     def load_plan() -> Any:
-        planner = load_planner()
+        planner = pyckpt.LoadPlanner()
         planner.set_up_planner(dest, md, False)
         reader.set_up_storage_reader(md, False)
         return reader.prepare_local_plan(planner.create_local_plan())
 
     t_load_plan, lp = _timed(load_plan)
     return {"plan": t_plan, "meta": t_meta, "load_meta": t_load_meta, "load_plan": t_load_plan,
-            "bytes": len(encoded), "read_items": len(lp.items)}
+            "bytes": len(encoded), "read_items": read_items(lp)}
 
 
 def run_dcp(tensors: list[_Tensor], ranks: int, work: str) -> dict[str, Any]:
@@ -344,10 +345,22 @@ def run_dcp(tensors: list[_Tensor], ranks: int, work: str) -> dict[str, Any]:
 
     t_load_plan, lp = _timed(load_plan)
     return {"plan": t_plan, "meta": t_meta, "load_meta": t_load_meta, "load_plan": t_load_plan,
-            "bytes": len(blob), "read_items": len(lp.items)}
+            "bytes": len(blob), "read_items": read_items(lp)}
 
 
 RUNNERS = {"pyckpt": run_pyckpt, "dcp": run_dcp}
+
+
+def read_items(plan: Any) -> frozenset[tuple[Any, ...]]:
+    """A load plan's read items, comparable across systems: everything but the position of the
+    stored piece in its tensor's list (``storage_index.index``: document order for pyckpt, the
+    order of DCP's metadata for DCP); the piece is named by its offsets."""
+    return frozenset(
+        (it.type, it.dest_index.fqn, tuple(it.dest_index.offset or ()), it.dest_index.index,
+         tuple(it.dest_offsets), tuple(it.storage_index.offset or ()), tuple(it.storage_offsets),
+         tuple(it.lengths))
+        for it in plan.items
+    )
 
 
 def measure(workload: str, ranks: int, tensors: int, repeats: int, model_bytes: int,
@@ -356,7 +369,7 @@ def measure(workload: str, ranks: int, tensors: int, repeats: int, model_bytes: 
     spec = model(workload, ranks, tensors, model_bytes)
     samples: dict[str, dict[str, list[float]]] = {s: {p: [] for p in PHASES} for s in SYSTEMS}
     sizes: dict[str, int] = {}
-    items: dict[str, int] = {}
+    items: dict[str, frozenset[tuple[Any, ...]]] = {}
     for r in range(repeats):
         for system in SYSTEMS if r % 2 == 0 else SYSTEMS[::-1]:
             work = tempfile.mkdtemp(prefix=f"scale-{system}-", dir=root)
@@ -370,11 +383,12 @@ def measure(workload: str, ranks: int, tensors: int, repeats: int, model_bytes: 
             items[system] = res["read_items"]
     if items["pyckpt"] != items["dcp"]:
         raise AssertionError(f"{workload} N={ranks} T={tensors}: the load plans differ "
-                             f"({items['pyckpt']} vs {items['dcp']} read items)")
+                             f"({len(items['pyckpt'])} vs {len(items['dcp'])} read items, "
+                             f"{len(items['pyckpt'] ^ items['dcp'])} not in both)")
     return {
         "workload": workload, "ranks": ranks, "tensors": tensors,
         "write_items": ranks * (tensors + 1),
-        "samples": samples, "bytes": sizes, "read_items": items["pyckpt"],
+        "samples": samples, "bytes": sizes, "read_items": len(items["pyckpt"]),
     }
 
 

@@ -4,6 +4,8 @@ Public API (torch-dependent names are imported lazily, so ``import pyckpt`` stay
 
 * :class:`Writer` / :class:`Reader` -- DCP ``StorageWriter`` / ``StorageReader``.
 * :class:`SavePlanner` -- DCP save planner that spreads replicated state over ranks by bytes.
+* :class:`LoadPlanner` -- DCP load planner whose per-rank planning does not grow with the
+  number of saving ranks (indexed stored chunks), weights-only for non-tensor values.
 * :func:`save` / :func:`load` -- one-line conveniences using the above.
 * :func:`consolidate` -- rank-partitioned export to Hugging Face safetensors.
 * :func:`find_error` -- pyckpt's error inside DCP's ``CheckpointException`` wrapper.
@@ -46,6 +48,7 @@ __all__ = [
     "Writer",
     "Reader",
     "SavePlanner",
+    "LoadPlanner",
     "save",
     "load",
     "consolidate",
@@ -77,6 +80,7 @@ _LAZY = {
     "Writer": "pyckpt.storage",
     "Reader": "pyckpt.storage",
     "SavePlanner": "pyckpt.planner",
+    "LoadPlanner": "pyckpt._loadplan",
     "save": "pyckpt.api",
     "load": "pyckpt.api",
     "CheckpointManager": "pyckpt.manager",

@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from pyckpt import _C
+from pyckpt._chunkindex import sweep_order
 from pyckpt._format_spec import (
     _SEAL_HEAD,
     FORMAT_NAME,
@@ -149,7 +150,8 @@ def build_metadata(
             continue
         props = md.properties
         pieces = []
-        for chunk in md.chunks:
+        # Sorted along the sweep dimension: readers index them without a sort (_chunkindex).
+        for chunk in sweep_order(md.size, md.chunks):
             segs = sorted(segments.get(MetadataIndex(fqn, chunk.offsets), []), key=lambda s: s[1])
             pieces.append(
                 {

@@ -23,7 +23,6 @@ from torch.distributed.checkpoint.metadata import (
     MetadataIndex,
     StorageMeta,
     TensorProperties,
-    TensorStorageMetadata,
 )
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.storage import StorageReader
@@ -32,6 +31,7 @@ from torch.futures import Future
 from pyckpt import _format, _gc, _knobs, _ranklocal
 from pyckpt._collective import group_info
 from pyckpt._format import DTYPE_SIZES, METADATA_FILE
+from pyckpt._loadplan import indexed_tensor_metadata
 from pyckpt._native import _check_pinned_pool_bytes, _Native
 from pyckpt._staging import DeviceStaging, is_device_tensor
 from pyckpt.backends import Backend, node_local_choice, open_backend
@@ -236,7 +236,8 @@ class Reader(StorageReader):
         storage: dict[MetadataIndex, Any] = {}
         for fqn, st in index.tensors.items():
             memory_format = getattr(torch, st.memory_format, torch.contiguous_format)
-            sd_md[fqn] = TensorStorageMetadata(
+            # With the index of its stored chunks, for pyckpt.LoadPlanner (pyckpt._loadplan).
+            sd_md[fqn] = indexed_tensor_metadata(
                 properties=TensorProperties(
                     dtype=getattr(torch, st.dtype),
                     requires_grad=st.requires_grad,

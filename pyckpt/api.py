@@ -12,66 +12,30 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import io
 import logging
 import os
-import pickle
 import warnings
 from collections.abc import Iterator
 from typing import Any, Literal
 
-import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata
-from torch.distributed.checkpoint.planner import ReadItem
 
 from pyckpt import _progress
 from pyckpt._collective import bounded_group, peer_errors
-from pyckpt.errors import CheckpointFormatError
+from pyckpt._loadplan import LoadPlanner
 from pyckpt.planner import SavePlanner
 from pyckpt.storage import Reader, Writer
 
 __all__ = ["save", "load"]
 
 
-class _WeightsOnlyLoadPlanner(DefaultLoadPlanner):
-    """DCP's default load planner, except that non-tensor (``BYTE_IO``) values are unpickled
-    with ``torch.load(..., weights_only=True)``.
-
-    DCP's ``DefaultLoadPlanner.load_bytes`` (torch 2.13) calls ``torch.load(value,
-    weights_only=False)``: any pickle stored in a checkpoint runs arbitrary code on load. Here
-    only the types torch's weights-only unpickler allows (tensors, containers, numbers, strings,
-    the types registered with ``torch.serialization.add_safe_globals``) are rebuilt; any other
-    pickle raises :class:`pyckpt.CheckpointFormatError` naming the item.
-    """
-
-    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
-        fqn = read_item.dest_index.fqn
-        try:
-            obj = torch.load(value, weights_only=True)
-        except pickle.UnpicklingError as e:
-            # torch's message is a page of advice; keep its one line that names the type.
-            lines = [ln.strip() for ln in str(e).splitlines() if "WeightsUnpickler" in ln]
-            reason = lines[0] if lines else str(e).splitlines()[0] if str(e) else type(e).__name__
-            raise CheckpointFormatError(
-                f"item {fqn!r}: refused to unpickle a non-tensor value with types outside "
-                f"torch's weights-only allowlist ({reason}); load a trusted checkpoint with "
-                "trusted=True (CLI: --trusted)"
-            ) from None
-        # Hand the (safe) object to DCP's own placement logic (flattened keys, nesting)
-        # re-serialised: it is made only of allowlisted types, so unpickling it runs no code.
-        buf = io.BytesIO()
-        torch.save(obj, buf)
-        buf.seek(0)
-        super().load_bytes(read_item, buf)
-
-
-def load_planner(trusted: bool = False) -> DefaultLoadPlanner:
-    """The load planner pyckpt's own load paths use: weights-only unless ``trusted``."""
-    return DefaultLoadPlanner() if trusted else _WeightsOnlyLoadPlanner()
+def load_planner(trusted: bool = False) -> LoadPlanner:
+    """The load planner pyckpt's own load paths use (:class:`pyckpt.LoadPlanner`): indexed
+    planning, and weights-only unpickling of non-tensor values unless ``trusted``."""
+    return LoadPlanner(trusted=trusted)
 
 
 @contextlib.contextmanager
@@ -233,6 +197,8 @@ def load(
 
     Any world size can load any checkpoint: each rank reads only the byte ranges of the stored
     pieces that overlap what its state dict holds, including items a save split across ranks.
+    Planning uses :class:`pyckpt.LoadPlanner`: a rank finds the pieces it needs through an index
+    built when the metadata is read, so its planning does not grow with the saving world size.
 
     Args:
         state_dict: The state dict to fill; its tensors (or DTensors) give the shapes and the
