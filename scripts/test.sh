@@ -15,7 +15,14 @@
 # "lint wheel tests benchmarks fuzz sanitize cpp") selects stages, e.g. PYCKPT_TEST_STAGES=tests.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# stage_done NAME: how long the stage took and the run so far (a CI run should stay under ~25 min).
+stage_start=$SECONDS
+stage_done() {
+  echo "=== [$1] $((SECONDS - stage_start)) s (run so far: $((SECONDS / 60)) min $((SECONDS % 60)) s)"
+  stage_start=$SECONDS
+}
 scripts/setup.sh
+stage_done setup
 # .venv/bin/pytest (not "python -m pytest", which puts the checkout on sys.path) imports the
 # installed package, never the source tree.
 export PYTHONDEVMODE=1 HYPOTHESIS_PROFILE=${HYPOTHESIS_PROFILE:-ci}
@@ -38,6 +45,7 @@ run_stage_pytest() {
     fi
   fi
   [ "$rc" -eq 0 ] || { echo "=== [$name] FAILED (exit $rc)"; status=1; }
+  stage_done "$name"
 }
 
 has_stage() { case " $STAGES " in *" $1 "*) return 0 ;; *) return 1 ;; esac; }
@@ -48,6 +56,7 @@ run_stage() {
   shift
   echo "=== [$name] $*"
   "$@" || { echo "=== [$name] FAILED"; status=1; }
+  stage_done "$name"
 }
 
 if has_stage lint; then
@@ -74,6 +83,7 @@ if has_stage fuzz; then
   echo "=== [fuzz] fuzz/run.sh ${PYCKPT_FUZZ_SECONDS_PER_HARNESS:-60}"
   PYTHON=.venv/bin/python fuzz/run.sh "${PYCKPT_FUZZ_SECONDS_PER_HARNESS:-60}" \
     || { echo "=== [fuzz] FAILED"; status=1; }
+  stage_done fuzz
 fi
 if has_stage sanitize; then
   if [ ! -x scripts/sanitize.sh ] && [ ! -f scripts/sanitize.sh ]; then
