@@ -11,6 +11,7 @@ import math
 import os
 import stat
 from array import array
+from operator import itemgetter
 from typing import TYPE_CHECKING, Any
 
 from pyckpt import _C
@@ -18,6 +19,7 @@ from pyckpt._format_spec import (
     _BYTES_DTYPE,
     _BYTES_KEYS,
     _GROUPING,
+    _JUST_INT,
     _MAX_FILE_BYTES,
     _MAX_GRID_CELLS,
     _MAX_IRREGULAR_PIECES,
@@ -82,6 +84,58 @@ def _member(path: str, key: str) -> str:
     return f"{path}.{key}" if path else key
 
 
+def _dims_ok(dims: list[Any]) -> bool:
+    """Every entry an exact int (not a bool) in [0, MAX_NUMEL]: the common case, checked with
+    C-level loops (the validator's per-entry loop then only runs to report a failure)."""
+    return not dims or (set(map(type, dims)) == _JUST_INT and min(dims) >= 0
+                        and max(dims) <= MAX_NUMEL)
+
+
+class _Path:
+    """A key path spelled out only when a message needs it: ``{base}{member}[{n}]`` (no index
+    when ``n`` is None)."""
+
+    __slots__ = ("base", "member", "n")
+
+    def __init__(self, base: object, member: str, n: int | None = None) -> None:
+        self.base, self.member, self.n = base, member, n
+
+    def __str__(self) -> str:
+        if self.n is None:
+            return f"{self.base}{self.member}"
+        return f"{self.base}{self.member}[{self.n}]"
+
+    def __format__(self, spec: str) -> str:
+        return format(str(self), spec)
+
+
+class _Key:
+    """A key path spelled out only when a message needs it: ``{base}[{key!r}]``."""
+
+    __slots__ = ("base", "key")
+
+    def __init__(self, base: object, key: str) -> None:
+        self.base, self.key = base, key
+
+    def __str__(self) -> str:
+        return f"{self.base}[{self.key!r}]"
+
+    def __format__(self, spec: str) -> str:
+        return format(str(self), spec)
+
+
+# Files with at most this many chunk bounds (2 per chunk) are checked for packing in Python.
+_PACKING_IN_PYTHON = 2048
+_first = itemgetter(0)
+
+# planner_data leaves (JSON scalars), and the keys of its tagged tuples.
+_PLAIN = (str, int, float, bool)
+_TUPLE_KEYS = frozenset(("__tuple__",))
+
+# The types of a well-formed codec entry [codec, level, elem_size, transform].
+_CODEC_TYPES = (str, int, int, str)
+
+
 class _Validator:
     """Walks a parsed metadata document, checking it and building the index."""
 
@@ -95,6 +149,9 @@ class _Validator:
         self.paths: dict[str, str] = {}  # data file name -> absolute path (one string per file)
         self.ranges: dict[str, array[int]] = {}  # data file name -> [begin, end, begin, end...]
         self.params: dict[tuple[Any, ...], CodecParams] = {}
+        # id(params) -> (params, codec, elem_size, transform): the fields as Python values (reading
+        # them from the native object on every segment costs more than the checks themselves).
+        self.param_info: dict[int, tuple[CodecParams, str, int, str]] = {}
         self.pieces = 0
         self.segments = 0
         self.chunks = 0
@@ -146,6 +203,10 @@ class _Validator:
         if total > limit:
             raise self.fail("", f"more than {limit} {what}: this pyckpt refuses such metadata")
         setattr(self, attr, total)
+
+    def too_many(self, limit: int, what: str) -> CheckpointFormatError:
+        """The failure of :meth:`count` (for the counters the hot paths advance inline)."""
+        return self.fail("", f"more than {limit} {what}: this pyckpt refuses such metadata")
 
     # -- document ----------------------------------------------------------------------------
 
@@ -242,31 +303,37 @@ class _Validator:
             )
         return full
 
-    def untag(self, value: Any, path: str, depth: int) -> Any:
+    def untag(self, value: Any, path: Any, depth: int) -> Any:
+        t = type(value)
+        if value is None or t in _PLAIN:  # the leaves first: most values are
+            if depth > MAX_PLANNER_DEPTH:
+                raise self.fail(path, f"nested deeper than {MAX_PLANNER_DEPTH} levels")
+            return value
         if depth > MAX_PLANNER_DEPTH:
             raise self.fail(path, f"nested deeper than {MAX_PLANNER_DEPTH} levels")
-        t = type(value)
         if t is dict:
             if "__tuple__" in value:
-                self.obj(value, path, frozenset(("__tuple__",)))
-                inner = self.lst(value["__tuple__"], f"{path}.__tuple__")
-                return tuple(
-                    self.untag(v, f"{path}.__tuple__[{i}]", depth + 1) for i, v in enumerate(inner)
-                )
-            return {k: self.untag(v, f"{path}[{k!r}]", depth + 1) for k, v in value.items()}
+                self.obj(value, path, _TUPLE_KEYS)
+                inner = value["__tuple__"]
+                if type(inner) is not list:
+                    self.lst(inner, f"{path}.__tuple__")  # raises
+                return tuple(self.untag(v, _Path(path, ".__tuple__", i), depth + 1)
+                             for i, v in enumerate(inner))
+            return {k: self.untag(v, _Key(path, k), depth + 1) for k, v in value.items()}
         if t is list:
-            return [self.untag(v, f"{path}[{i}]", depth + 1) for i, v in enumerate(value)]
+            return [self.untag(v, _Path(path, "", i), depth + 1) for i, v in enumerate(value)]
         if t is tuple:  # a chunk-like list the parser compacted (see _object_hook)
-            return [self.untag(v, f"{path}[{i}]", depth + 1)
+            return [self.untag(v, _Path(path, "", i), depth + 1)
                     for i, v in enumerate(value[:4])] + [self.untag(list(value[4]),
                                                                     f"{path}[4]", depth + 1)]
-        if value is None or t in (str, int, float, bool):
-            return value
         raise self.fail(path, f"unexpected {_describe(value)}")
 
     # -- items -------------------------------------------------------------------------------
 
     def dims(self, value: Any, path: str, n: int | None) -> tuple[int, ...]:
+        if type(value) is list and len(value) == (len(value) if n is None else n) <= MAX_NDIM \
+                and _dims_ok(value):
+            return tuple(value)
         dims = self.lst(value, path, MAX_NDIM)
         if n is not None and len(dims) != n:
             raise self.fail(path, f"has {len(dims)} entries, the tensor has {n} dimensions")
@@ -297,26 +364,36 @@ class _Validator:
         raw_pieces = self.lst(item["pieces"], f"{ip}.pieces")
         self.count("pieces", len(raw_pieces), MAX_PIECES, "pieces")
         pieces = []
+        ndim = len(shape)
+        # The key path of a piece is only spelled out for a message: each check below runs the
+        # common case inline and calls the general helper (which raises) only when it fails.
         for n, raw in enumerate(raw_pieces):
-            pp = f"{ip}.pieces[{n}]"
-            piece = self.obj(raw, pp, _PIECE_KEYS)
-            offsets = self.dims(piece["offsets"], f"{pp}.offsets", len(shape))
-            sizes = self.dims(piece["sizes"], f"{pp}.sizes", len(shape))
+            piece = raw if type(raw) is dict and raw.keys() == _PIECE_KEYS else self.obj(
+                raw, f"{ip}.pieces[{n}]", _PIECE_KEYS)
+            offsets, sizes = piece["offsets"], piece["sizes"]
+            if (type(offsets) is list and type(sizes) is list and len(offsets) == ndim
+                    and len(sizes) == ndim and _dims_ok(offsets) and _dims_ok(sizes)):
+                offsets, sizes = tuple(offsets), tuple(sizes)
+            else:
+                pp = f"{ip}.pieces[{n}]"
+                offsets = self.dims(offsets, f"{pp}.offsets", ndim)
+                sizes = self.dims(sizes, f"{pp}.sizes", ndim)
             for d, (o, s, full) in enumerate(zip(offsets, sizes, shape)):
                 if o > full or s > full - o:
-                    raise self.fail(pp, f"offsets {list(offsets)} + sizes {list(sizes)} leave "
-                                        f"the tensor's shape {list(shape)} (dimension {d})")
+                    raise self.fail(f"{ip}.pieces[{n}]",
+                                    f"offsets {list(offsets)} + sizes {list(sizes)} leave "
+                                    f"the tensor's shape {list(shape)} (dimension {d})")
             nbytes = math.prod(sizes) * esize
-            segs = self.segments_of(piece["segments"], nbytes, pp, dtype,
+            segs = self.segments_of(piece["segments"], nbytes, _Path(ip, ".pieces", n), dtype,
                                     self.place_seed(fqn, offsets))
             pieces.append(StoredPiece(offsets, sizes, nbytes, segs))
         self.check_tiling(ip, shape, numel, pieces)
         return StoredTensor(fqn, dtype, shape, pieces, requires_grad, memory_format)
 
-    def codec(self, value: Any, path: str, dtype: str) -> CodecParams:
-        if type(value) is list and len(value) == 4:
-            cached = self.params.get((dtype, *value)) if all(
-                type(v) in (str, int) for v in value) else None
+    def codec(self, value: Any, path: Any, dtype: str) -> CodecParams:
+        # Exact types only in the key: True would hash and compare equal to 1.
+        if type(value) is list and tuple(map(type, value)) == _CODEC_TYPES:
+            cached = self.params.get((dtype, *value))
             if cached is not None:
                 return cached
         params = self.lst(value, path)
@@ -341,31 +418,41 @@ class _Validator:
         result = _C.CodecParams(codec, level, elem_size, transform)
         key = (dtype, *params)
         self.params[key] = result
+        self.param_info[id(result)] = (result, codec, elem_size, transform)
         return result
 
     def segments_of(
-        self, value: Any, nbytes: int, where: str, dtype: str, seed: int | None = None
+        self, value: Any, nbytes: int, where: Any, dtype: str, seed: int | None = None
     ) -> list[tuple[str, int, CodecParams, list[tuple[Any, ...]]]]:
         """Validates the segments of a piece or bytes item. ``seed``: the piece's place seed
         (format version 3), used to unbind each chunk's checksum from its place."""
-        raw_segments = self.lst(value, f"{where}.segments")
-        self.count("segments", len(raw_segments), MAX_SEGMENTS, "segments")
+        raw_segments = value if type(value) is list else self.lst(value, f"{where}.segments")
+        self.segments += len(raw_segments)
+        if self.segments > MAX_SEGMENTS:
+            raise self.too_many(MAX_SEGMENTS, "segments")
         out = []
         expect = 0
         for s, raw in enumerate(raw_segments):
-            sp = f"{where}.segments[{s}]"
-            seg = self.obj(raw, sp, _SEGMENT_KEYS)
+            sp = _Path(where, ".segments", s)
+            seg = raw if type(raw) is dict and raw.keys() == _SEGMENT_KEYS else self.obj(
+                raw, str(sp), _SEGMENT_KEYS)
             name = seg["file"]
             if type(name) is not str or name not in self.files:
                 raise self.fail(f"{sp}.file", f"{_describe(name)} is not a data file listed in "
                                               "'files'")
-            raw_begin = self.int_(seg["raw_begin"], f"{sp}.raw_begin", 0, MAX_ITEM_BYTES)
+            raw_begin = seg["raw_begin"]
+            if type(raw_begin) is not int or not 0 <= raw_begin <= MAX_ITEM_BYTES:
+                self.int_(raw_begin, f"{sp}.raw_begin", 0, MAX_ITEM_BYTES)  # raises
             if raw_begin != expect:
                 raise self.fail(f"{sp}.raw_begin", f"segments leave a gap or overlap: {raw_begin}"
                                                    f", expected {expect}")
-            params = self.codec(seg["codec"], f"{sp}.codec", dtype)
-            chunks = self.lst(seg["chunks"], f"{sp}.chunks")
-            self.count("chunks", len(chunks), MAX_CHUNKS, "chunk records")
+            params = self.codec(seg["codec"], _Path(sp, ".codec"), dtype)
+            chunks = seg["chunks"]
+            if type(chunks) is not list:
+                self.lst(chunks, f"{sp}.chunks")  # raises
+            self.chunks += len(chunks)
+            if self.chunks > MAX_CHUNKS:
+                raise self.too_many(MAX_CHUNKS, "chunk records")
             expect += self.chunks_of(chunks, name, params, sp)
             if seed is not None:
                 self.unbind(chunks, seed, raw_begin)
@@ -374,11 +461,15 @@ class _Validator:
             raise self.fail(f"{where}.segments", f"hold {expect} raw bytes, expected {nbytes}")
         return out
 
-    def chunks_of(self, chunks: list[Any], name: str, params: CodecParams, sp: str) -> int:
+    def chunks_of(self, chunks: list[Any], name: str, params: CodecParams, sp: Any) -> int:
         """Validates the (parser-compacted) chunk records of a segment; returns raw bytes."""
         size = self.files[name]
         ranges = self.ranges[name]
-        codec, E, transform = params.codec, params.elem_size, params.transform
+        info = self.param_info.get(id(params))
+        if info is None:  # params not made by codec() (read through a native object's fields)
+            info = self.param_info[id(params)] = (params, params.codec, params.elem_size,
+                                                  params.transform)
+        _, codec, E, transform = info
         group_code = _TRANSFORM_CODES[transform] if codec == "zstd" and E > 1 else 0
         total = 0
         for j, c in enumerate(chunks):
@@ -508,10 +599,13 @@ class _Validator:
 
     def check_packing(self, index: CheckpointIndex) -> None:
         """Every data file is its chunks back to back: no overlap, no gap, nothing after."""
-        import numpy as np
-
         for name, ranges in self.ranges.items():
             size = self.files[name]
+            if len(ranges) <= _PACKING_IN_PYTHON:
+                self.check_file_packing(index, name, size, ranges)
+                continue
+            import numpy as np
+
             r = np.frombuffer(ranges, dtype=np.uint64).reshape(-1, 2)
             r = r[np.argsort(r[:, 0], kind="stable")]
             if len(r) == 0:
@@ -532,6 +626,25 @@ class _Validator:
             if int(r[-1, 1]) != size:
                 raise self.fail(f"files[{name!r}]", f"records {size} bytes, its chunks end at "
                                                     f"{int(r[-1, 1])}")
+
+    def check_file_packing(self, index: CheckpointIndex, name: str, size: int,
+                           ranges: array[int]) -> None:
+        """:meth:`check_packing` for one file of few chunks, without numpy's per-call costs
+        (the same order and the same messages: chunks sorted stably by offset)."""
+        prev = 0
+        for off, end in sorted(zip(ranges[0::2], ranges[1::2]), key=_first):
+            if off != prev:
+                where = self.chunk_path(index, name, off)
+                if off < prev:
+                    raise self.fail(where, f"stored bytes at offset {off} of {name} overlap "
+                                           f"another chunk's (which end at {prev})")
+                raise self.fail(where, f"bytes [{prev}, {off}) of {name} belong to no chunk")
+            prev = end
+        if not ranges:
+            if size:
+                raise self.fail(f"files[{name!r}]", f"{size} bytes but no chunk is stored in it")
+        elif prev != size:
+            raise self.fail(f"files[{name!r}]", f"records {size} bytes, its chunks end at {prev}")
 
     def chunk_path(self, index: CheckpointIndex, name: str, off: int) -> str:
         """The key path of the chunk stored at ``off`` of data file ``name`` (for messages)."""

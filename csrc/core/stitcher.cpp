@@ -65,43 +65,6 @@ void pwrite_output(const PosixFile& f, const void* src, std::uint64_t n, std::ui
   if (err != 0) throw SysError(err, "pwrite", f.path(), "tensor '" + tensor + "'");
 }
 
-// In-kernel copy (no user-space pass over the bytes); false when the kernel or filesystem
-// refuses, so the caller falls back to pread + pwrite.
-bool copy_range(const PosixFile& in, std::uint64_t in_off, const PosixFile& out,
-                std::uint64_t out_off, std::uint64_t n, const std::string& tensor) {
-#ifdef __linux__
-  while (n > 0) {
-    loff_t io = static_cast<loff_t>(in_off);
-    loff_t oo = static_cast<loff_t>(out_off);
-    const ssize_t r =
-        ::copy_file_range(in.fd(), &io, out.fd(), &oo,
-                          static_cast<std::size_t>(std::min<std::uint64_t>(n, 1u << 30)), 0);
-    if (r == -1) {
-      if (errno == EINTR) continue;
-      if (errno == EXDEV || errno == ENOSYS || errno == EINVAL || errno == EOPNOTSUPP ||
-          errno == EBADF) {
-        return false;
-      }
-      throw SysError(errno, "copy_file_range", in.path(), "tensor '" + tensor + "'");
-    }
-    PYCKPT_EXPECT_FORMAT(r > 0, FormatKind::Truncated, "input file '", in.path(),
-                         "' ended at offset ", in_off, " while reading tensor '", tensor, "'");
-    in_off += static_cast<std::uint64_t>(r);
-    out_off += static_cast<std::uint64_t>(r);
-    n -= static_cast<std::uint64_t>(r);
-  }
-  return true;
-#else
-  (void)in;
-  (void)in_off;
-  (void)out;
-  (void)out_off;
-  (void)n;
-  (void)tensor;
-  return false;
-#endif
-}
-
 /** One block of a tensor (or one encoded chunk of it), ready to copy. */
 struct Part {
   const StitchItem* item;
@@ -183,40 +146,11 @@ TaskResult run_task(const Task& t, InputMode mode) {
   const std::uint64_t e = g.item_bytes;
   const std::uint64_t out_bytes = (t.y - t.x) * e;  // source bytes of the range
   TaskResult res;
-  // Fast path: every block's part of the range is one contiguous run of the output (dim-0
-  // shards, whole tensors, a small tensor's task spanning several dim-0 shards): one in-kernel
-  // copy per block from its input file to the output file, no buffer (not when elements are
-  // converted). The parts must cover the range, as on the general path.
-  if (!g.cast.enabled() && mode == InputMode::Pread) {
-    bool contiguous = true;
-    std::uint64_t covered = 0;
-    for (const Part& p : g.parts) {
-      const std::uint64_t a = std::max(p.layout.lower_bound(t.x), p.item->block_lo);
-      const std::uint64_t b = std::min(p.layout.lower_bound(t.y), p.block_hi);
-      if (a >= b) continue;
-      contiguous =
-          contiguous && p.layout.global_index(b - 1) - p.layout.global_index(a) == b - 1 - a;
-      covered += (b - a) * e;
-    }
-    PYCKPT_EXPECT_FORMAT(covered == out_bytes, FormatKind::Coverage, "tensor '", g.name,
-                         "': its shards supply ", covered, " of the ", out_bytes,
-                         " bytes of elements [", t.x, ", ", t.y, ")");
-    bool copied = contiguous;
-    for (const Part& p : g.parts) {
-      if (!copied) break;
-      const std::uint64_t a = std::max(p.layout.lower_bound(t.x), p.item->block_lo);
-      const std::uint64_t b = std::min(p.layout.lower_bound(t.y), p.block_hi);
-      if (a >= b) continue;
-      const std::uint64_t src_off = p.item->source.offset + (a - p.item->block_lo) * e;
-      const std::uint64_t dst_off = g.out_offset + p.layout.global_index(a) * e;
-      copied = copy_range(*p.in, src_off, *g.out, dst_off, (b - a) * e, g.name);
-      ++res.runs;
-    }
-    if (copied) return res;
-    res.runs = 0;  // refused by the file system: the general path below writes the whole range
-  }
-  // General path: gather every block's part of [x, y) into a bounded output buffer, then one
-  // pwrite. Each block contributes one contiguous source range (row-major order is preserved).
+  // Gather every block's part of [x, y) into a bounded output buffer, then one pwrite. Each
+  // block contributes one contiguous source range (row-major order is preserved). Contiguous
+  // runs (dim-0 shards) are read with one pread each too: an A/B against an in-kernel
+  // copy_file_range per run (ext4, 2-core VM, 1-320 MiB) found pread + pwrite as fast or faster
+  // (BENCHMARKS.md, "Small and medium exports").
   thread_local std::vector<std::byte> obuf;
   if (obuf.size() < out_bytes) obuf.resize(static_cast<std::size_t>(out_bytes));
   std::uint64_t filled = 0;

@@ -161,8 +161,8 @@ struct StitchItem {
 
 /** @brief How stitch() reads RawFile sources. */
 enum class InputMode : std::uint8_t {
-  /// copy_file_range for a contiguous range; else pread, or one preadv per 1024 scattered runs,
-  /// into a bounded per-thread output buffer
+  /// pread for a contiguous range, or one preadv per 1024 scattered runs, into a bounded
+  /// per-thread output buffer (then one pwrite per task)
   Pread = 0,
   Mmap = 1,  ///< copy from a read-only mapping with madvise(SEQUENTIAL | WILLNEED)
 };
@@ -202,8 +202,8 @@ struct StitchStats {
  * MAP_SHARED mapping of the output. A byte-grouped chunk's planes are interleaved straight into
  * each run (DecodedChunk::copy_out). Memory use is bounded by threads x (4 x task_bytes + 3 x
  * the largest chunk) plus the mappings. Items with an
- * enabled StitchItem::cast are converted in memory after reading or decoding (never through the
- * in-kernel copy), with one more per-thread buffer of the converted bytes.
+ * enabled StitchItem::cast are converted in memory after reading or decoding, with one more
+ * per-thread buffer of the converted bytes.
  * @param items the copies; items may share inputs and outputs; their destinations must not overlap.
  * @param options see StitchOptions.
  * @return counters.
