@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import pickle
+import struct
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -400,8 +401,39 @@ def _to_bytes(t: Any, n: int) -> bytes:
     return bytes(t[:n].cpu().numpy().tobytes())
 
 
-def broadcast(obj: Any, group: Group, src: int = 0, what: str = "a broadcast") -> Any:
-    """``obj`` of group rank ``src`` on every rank.
+#: Bytes of a broadcast's pickle carried by its first collective: the outcome of a step, a
+#: file list, the plan of an export of a few hundred tensors fit, and need one collective; a
+#: larger object sends the rest in a second.
+BROADCAST_INLINE = 64 << 10
+#: Bytes of each rank's pickle carried by an all-gather's first collective (a status and a few
+#: numbers fit; the gathered buffer is world x this, so it stays small).
+GATHER_INLINE = 512
+
+_LEN = struct.Struct("<Q")
+
+
+def _frame(data: bytes, inline: int, dev: Any) -> Any:
+    """A uint8 tensor of 8 + ``inline`` bytes: the length of ``data``, then its first bytes."""
+    import torch
+
+    buf = bytearray(_LEN.size + inline)
+    _LEN.pack_into(buf, 0, len(data))
+    head = data[:inline]
+    buf[_LEN.size:_LEN.size + len(head)] = head
+    return torch.frombuffer(buf, dtype=torch.uint8).to(dev)
+
+
+def _unframe(frame: Any, inline: int) -> tuple[int, bytes]:
+    """The length and the inline bytes of a frame made by :func:`_frame`."""
+    raw = _to_bytes(frame, _LEN.size + inline)
+    (length,) = _LEN.unpack_from(raw, 0)
+    return length, raw[_LEN.size:_LEN.size + min(length, inline)]
+
+
+def broadcast(obj: Any, group: Group, src: int = 0, what: str = "a broadcast",
+              inline: int = BROADCAST_INLINE) -> Any:
+    """``obj`` of group rank ``src`` on every rank: one collective when its pickle fits
+    ``inline`` bytes (the length travels with the first bytes), a second for the rest.
 
     Raises:
         PeerLostError: a rank died or did not answer within :func:`bound_s`.
@@ -412,8 +444,8 @@ def broadcast(obj: Any, group: Group, src: int = 0, what: str = "a broadcast") -
 
     pg = _pg(group)
     dev = _device(pg)
-    data = pickle.dumps(obj) if group.rank == src else b""
-    size = torch.tensor([len(data)], dtype=torch.int64, device=dev)
+    root = group.rank == src
+    data = pickle.dumps(obj) if root else b""
 
     def bcast(t: Any) -> Callable[[Any], Any]:
         def start(opts: Any) -> Any:
@@ -421,17 +453,25 @@ def broadcast(obj: Any, group: Group, src: int = 0, what: str = "a broadcast") -
             return pg.broadcast([t], opts)
         return start
 
-    _run(group, what, _options("BroadcastOptions"), bcast(size))
-    n = int(size.item())
-    buf = torch.empty(n, dtype=torch.uint8, device=dev)
-    if group.rank == src:
-        buf.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
-    _run(group, what, _options("BroadcastOptions"), bcast(buf))
-    return obj if group.rank == src else pickle.loads(_to_bytes(buf, n))
+    frame = _frame(data, inline, dev)
+    _run(group, what, _options("BroadcastOptions"), bcast(frame))
+    if root:
+        if len(data) > inline:
+            rest = torch.frombuffer(bytearray(data[inline:]), dtype=torch.uint8).to(dev)
+            _run(group, what, _options("BroadcastOptions"), bcast(rest))
+        return obj
+    length, head = _unframe(frame, inline)
+    if length > inline:
+        rest = torch.empty(length - inline, dtype=torch.uint8, device=dev)
+        _run(group, what, _options("BroadcastOptions"), bcast(rest))
+        head += _to_bytes(rest, length - inline)
+    return pickle.loads(head)
 
 
-def all_gather(obj: Any, group: Group, what: str = "an exchange of state") -> list[Any]:
-    """Every rank's ``obj``, indexed by group rank.
+def all_gather(obj: Any, group: Group, what: str = "an exchange of state",
+               inline: int = GATHER_INLINE) -> list[Any]:
+    """Every rank's ``obj``, indexed by group rank: one collective when every rank's pickle
+    fits ``inline`` bytes, a second (sized by the longest) for the rest.
 
     Raises:
         PeerLostError: a rank died or did not answer within :func:`bound_s`.
@@ -443,19 +483,23 @@ def all_gather(obj: Any, group: Group, what: str = "an exchange of state") -> li
     pg = _pg(group)
     dev = _device(pg)
     data = pickle.dumps(obj)
-    size = torch.tensor([len(data)], dtype=torch.int64, device=dev)
-    sizes = [torch.empty_like(size) for _ in range(group.world)]
-    _run(group, what, _options("AllgatherOptions"),
-         lambda opts: pg.allgather([sizes], [size], opts))
-    lengths = [int(s.item()) for s in sizes]
-    longest = max(lengths)
-    mine = torch.zeros(longest, dtype=torch.uint8, device=dev)
-    mine[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-    outs = [torch.empty(longest, dtype=torch.uint8, device=dev) for _ in range(group.world)]
+    mine = _frame(data, inline, dev)
+    outs = [torch.empty_like(mine) for _ in range(group.world)]
     _run(group, what, _options("AllgatherOptions"),
          lambda opts: pg.allgather([outs], [mine], opts))
-    return [obj if r == group.rank else pickle.loads(_to_bytes(outs[r], lengths[r]))
-            for r in range(group.world)]
+    parts = [_unframe(o, inline) for o in outs]
+    longest = max(length for length, _ in parts)
+    if longest > inline:  # every rank saw the same lengths: all take this second collective
+        tail = torch.zeros(longest - inline, dtype=torch.uint8, device=dev)
+        if len(data) > inline:
+            tail[:len(data) - inline] = torch.frombuffer(bytearray(data[inline:]),
+                                                         dtype=torch.uint8)
+        tails = [torch.empty_like(tail) for _ in range(group.world)]
+        _run(group, what, _options("AllgatherOptions"),
+             lambda opts: pg.allgather([tails], [tail], opts))
+        parts = [(length, head + (_to_bytes(t, length - inline) if length > inline else b""))
+                 for (length, head), t in zip(parts, tails)]
+    return [obj if r == group.rank else pickle.loads(parts[r][1]) for r in range(group.world)]
 
 
 def all_to_all_single(recv: Any, send: Any, recv_sizes: list[int], send_sizes: list[int],

@@ -19,10 +19,9 @@ from dataclasses import dataclass, field
 from typing import Any, cast
 
 from pyckpt import _C, _export, _knobs, _options, _progress
-from pyckpt._collective import Group, group_info
+from pyckpt._collective import Group, agree, group_info
 from pyckpt._consolidate.nodelocal import DEFAULT_BATCH_BYTES, run_share_nodelocal
 from pyckpt._consolidate.plan import INDEX_NAME, _Plan, make_plan
-from pyckpt._consolidate.rounds import agree
 from pyckpt._consolidate.run import (
     ProgressFn,
     commit,

@@ -1,5 +1,6 @@
-"""The export's agreement rounds (pyckpt._consolidate.rounds): one collective when the outcome
-fits its inline buffer, a second one for the rest, and agree's failure rules either way."""
+"""pyckpt._collective's object collectives and agree(): one collective when the pickle fits the
+inline buffer, a second one for the rest, and agree's failure rules either way (the rounds of
+an export, a manager save, a replica check)."""
 
 from __future__ import annotations
 
@@ -8,8 +9,8 @@ from typing import Any
 import pytest
 from dist_utils import run_distributed
 
+from pyckpt import _collective as coll
 from pyckpt._collective import group_info
-from pyckpt._consolidate import rounds
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
@@ -17,46 +18,50 @@ pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 def rounds_worker(rank: int, world: int) -> dict[str, Any]:
     group = group_info(None)
     out: dict[str, Any] = {}
-    big = bytes(range(256)) * (rounds.ROOT_INLINE // 128)  # past the inline bytes of both kinds
+    big = bytes(range(256)) * (coll.BROADCAST_INLINE // 128)  # past both kinds' inline bytes
     # Small and large outcomes, from every rank and from rank 0.
-    _, out["small_all"] = rounds.agree(lambda: rank * 10, group)
-    _, out["large_all"] = rounds.agree(lambda: big[: rank * 3000 + 1], group)
-    out["small_root"], _ = rounds.agree(lambda: {"plan": rank}, group, ranks="root")
-    out["large_root"], _ = rounds.agree(lambda: (big, rank), group, ranks="root")
+    _, out["small_all"] = coll.agree(lambda: rank * 10, group)
+    _, out["large_all"] = coll.agree(lambda: big[: rank * 3000 + 1], group)
+    out["small_root"], _ = coll.agree(lambda: {"plan": rank}, group, ranks="root")
+    out["large_root"], _ = coll.agree(lambda: (big, rank), group, ranks="root")
+    # A broadcast from another rank than 0, small and large.
+    out["from_1"] = coll.broadcast(("s", rank), group, src=1)
+    out["large_from_1"] = coll.broadcast((big, rank), group, src=1, what="large")
     # A failure on rank 1 with a message longer than the inline bytes: every rank cleans up and
     # raises its type; rank 0's copy names the failing rank.
     cleaned: list[int] = []
 
     def fail_on_one() -> int:
         if rank == 1:
-            raise KeyError("x" * (2 * rounds.ALL_INLINE))
+            raise KeyError("x" * (2 * coll.GATHER_INLINE))
         return rank
 
     try:
-        rounds.agree(fail_on_one, group, on_failure=lambda: cleaned.append(rank), what="step")
+        coll.agree(fail_on_one, group, on_failure=lambda: cleaned.append(rank), what="step")
     except KeyError as e:
         out["raised"] = ("KeyError", len(str(e)), list(getattr(e, "__notes__", [])))
     # A failure of the root's step reaches every rank.
     try:
-        rounds.agree(lambda: 1 // 0, group, ranks="root", on_failure=lambda: cleaned.append(rank),
+        coll.agree(lambda: 1 // 0, group, ranks="root", on_failure=lambda: cleaned.append(rank),
                      what="planning")
     except ZeroDivisionError as e:
         out["root_raised"] = ("ZeroDivisionError", list(getattr(e, "__notes__", [])))
     out["cleaned"] = cleaned
     # The group is still in step afterwards.
-    _, out["after"] = rounds.agree(lambda: rank, group)
+    _, out["after"] = coll.agree(lambda: rank, group)
     return out
 
 
 def test_rounds_move_small_and_large_outcomes_and_failures() -> None:
     results = run_distributed(rounds_worker, 2)
-    big = bytes(range(256)) * (rounds.ROOT_INLINE // 128)
+    big = bytes(range(256)) * (coll.BROADCAST_INLINE // 128)
     for rank, r in enumerate(results):
         assert r["small_all"] == [0, 10]
         assert r["large_all"] == [big[:1], big[:3001]]
         assert r["small_root"] == {"plan": 0}
         assert r["large_root"] == (big, 0)
-        assert r["raised"][:2] == ("KeyError", 2 * rounds.ALL_INLINE + 2), r["raised"]
+        assert r["from_1"] == ("s", 1) and r["large_from_1"] == (big, 1)
+        assert r["raised"][:2] == ("KeyError", 2 * coll.GATHER_INLINE + 2), r["raised"]
         assert r["root_raised"][0] == "ZeroDivisionError"
         assert r["cleaned"] == [rank, rank]
         assert r["after"] == [0, 1]
@@ -67,11 +72,11 @@ def test_rounds_move_small_and_large_outcomes_and_failures() -> None:
 
 def test_rounds_in_one_process() -> None:
     group = group_info(None)
-    assert rounds.agree(lambda: 5, group) == (5, [5])
-    assert rounds.agree(lambda: 6, group, ranks="root") == (6, [6])
+    assert coll.agree(lambda: 5, group) == (5, [5])
+    assert coll.agree(lambda: 6, group, ranks="root") == (6, [6])
     cleaned = []
     with pytest.raises(KeyError):
-        rounds.agree(lambda: {}["k"], group, on_failure=lambda: cleaned.append(1))
+        coll.agree(lambda: {}["k"], group, on_failure=lambda: cleaned.append(1))
     assert cleaned == [1]
     with pytest.raises(ValueError, match="ranks must be"):
-        rounds.agree(lambda: 1, group, ranks="some")
+        coll.agree(lambda: 1, group, ranks="some")
