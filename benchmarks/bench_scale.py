@@ -430,13 +430,13 @@ def markdown(rows: list[dict[str, Any]]) -> str:
 
 
 def plot(rows: list[dict[str, Any]], path: str) -> None:
-    """Time (plan+meta, load_meta+load_plan) and metadata bytes vs N, per workload and T."""
+    """Time (plan+meta, load_meta, load_plan) and metadata bytes vs N, per workload and T."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 3, figsize=(16, 5))
+    fig, axes = plt.subplots(1, 4, figsize=(20, 5))
     styles = {"pyckpt": "-", "dcp": "--"}
     series: dict[tuple[str, int], list[dict[str, Any]]] = {}
     for row in rows:
@@ -449,21 +449,20 @@ def plot(rows: list[dict[str, Any]], path: str) -> None:
             label = f"{system} {workload} T={tensors}"
             coord = [_med(c["samples"][system]["plan"]) + _med(c["samples"][system]["meta"])
                      for c in cells]
-            load = [_med(c["samples"][system]["load_meta"])
-                    + _med(c["samples"][system]["load_plan"]) for c in cells]
+            read = [_med(c["samples"][system]["load_meta"]) for c in cells]
+            load = [_med(c["samples"][system]["load_plan"]) for c in cells]
             size = [c["bytes"][system] for c in cells]
-            axes[0].plot(xs, coord, styles[system], color=color, marker="o", label=label)
-            axes[1].plot(xs, load, styles[system], color=color, marker="o", label=label)
-            axes[2].plot(xs, size, styles[system], color=color, marker="o", label=label)
-    titles = ("coordinator: global plan + metadata encode (s)",
-              "one rank: read metadata + local load plan (s)", "metadata bytes")
+            for ax, ys in zip(axes, (coord, read, load, size)):
+                ax.plot(xs, ys, styles[system], color=color, marker="o", label=label)
+    titles = ("coordinator: global plan + metadata encode (s)", "one rank: read metadata (s)",
+              "one rank: local load plan (s)", "metadata bytes")
     for ax, title in zip(axes, titles):
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         ax.set_xlabel("ranks N")
         ax.set_title(title, fontsize=10)
         ax.grid(True, which="both", alpha=0.3)
-    axes[2].legend(fontsize=7, loc="upper left")
+    axes[3].legend(fontsize=7, loc="upper left")
     fig.suptitle("pyckpt (solid) vs DCP (dashed): planning and metadata vs world size")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
