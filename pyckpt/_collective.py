@@ -26,6 +26,7 @@ import pickle
 import struct
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import timedelta
@@ -237,8 +238,10 @@ class _Silent(Exception):
         self.ranks = ranks
 
 
-# Groups whose heartbeat thread runs: id -> group.
-_beating: dict[int, Any] = {}
+# Groups whose heartbeat thread runs. Weak: a group the job destroyed (and no longer holds) is
+# freed then, not kept alive until the interpreter finalizes, where tearing down a gloo group
+# can abort the process after its work is done.
+_beating: weakref.WeakSet[Any] = weakref.WeakSet()
 
 
 def _start_heartbeat(group: Group) -> None:
@@ -248,18 +251,27 @@ def _start_heartbeat(group: Group) -> None:
     or wedged process does not."""
     pg = _pg(group)
     with _lost_lock:
-        if id(pg) in _beating:
+        if pg in _beating:
             return
-        _beating[id(pg)] = pg
+        _beating.add(pg)
     key = f"{_BEAT_PREFIX}{group.rank}"
+    # The thread holds the group weakly (and its store, which does not keep the group alive):
+    # it stops once the group is freed.
+    group_ref = weakref.ref(pg)
+    pg_id = id(pg)
+    try:
+        store = pg.get_group_store()
+    except Exception:  # no store: waits fall back to the bound alone
+        return
+    del pg
 
     def beat() -> None:
         try:
-            store = pg.get_group_store()
-            while id(pg) not in _lost and not _daemons.stopping.is_set():
+            while (group_ref() is not None and pg_id not in _lost
+                   and not _daemons.stopping.is_set()):
                 store.add(key, 1)
                 _daemons.stopping.wait(HEARTBEAT_S)
-        except Exception:  # no store, or it is gone: waits fall back to the bound alone
+        except Exception:  # the store is gone: waits fall back to the bound alone
             pass
 
     # Not a bare daemon thread: one still inside store.add at interpreter exit aborts the

@@ -79,3 +79,29 @@ def test_a_collective_that_failed_still_raises_peer_lost(group: _collective.Grou
 
     with pytest.raises(PeerLostError, match="a test collective"):
         _collective._run(group, "a test collective", None, lambda options: Failed())
+
+
+def test_heartbeat_does_not_keep_a_destroyed_group_alive() -> None:
+    """After ``destroy_process_group`` (and the job's own references gone) the group is freed,
+    and its heartbeat thread ends: pyckpt keeps no group alive until the interpreter finalizes,
+    where tearing down a gloo group can abort a process whose work is done."""
+    import gc
+    import threading
+    import weakref
+
+    assert not dist.is_initialized()
+    store = dist.TCPStore("127.0.0.1", free_port(), 1, True, timeout=timedelta(seconds=30))
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    pg = dist.group.WORLD
+    before = {t for t in threading.enumerate() if t.name == "pyckpt-peer-heartbeat"}
+    _collective.all_gather(1, _collective.group_info(None))  # starts the heartbeat
+    beats = {t for t in threading.enumerate() if t.name == "pyckpt-peer-heartbeat"} - before
+    assert len(beats) == 1 and pg in _collective._beating
+    ref = weakref.ref(pg)
+    del pg
+    dist.destroy_process_group()
+    gc.collect()
+    assert ref() is None, gc.get_referrers(ref())
+    (thread,) = beats
+    thread.join(_collective.HEARTBEAT_S + 10)  # it notices at its next beat
+    assert not thread.is_alive()
