@@ -44,17 +44,20 @@ def expected(step: int, world: int, rank: int) -> dict[str, torch.Tensor]:
     return {"w": w.chunk(world, 0)[rank].clone(), "h": h.chunk(world, 1)[rank].clone(), "r": r}
 
 
-def make_state(step: int, world: int, zeros: bool = False) -> dict[str, Any]:
+def make_state(step: int, world: int, zeros: bool = False,
+               device: str = "cpu") -> dict[str, Any]:
+    """The state at ``step``; ``device="cuda"`` puts every tensor (and the mesh) on the GPU."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
-    mesh = init_device_mesh("cpu", (world,))
+    mesh = init_device_mesh(device, (world,))
     g = torch.Generator().manual_seed(1000 + step)
     w = torch.randn(64, 33, generator=g)
     h = torch.randn(16, 48, generator=g).to(torch.bfloat16)
     r = torch.randint(-(1 << 30), 1 << 30, (300,), generator=g, dtype=torch.int32)
     if zeros:
         w, h, r = torch.zeros_like(w), torch.zeros_like(h), torch.zeros_like(r)
+    w, h, r = w.to(device), h.to(device), r.to(device)
     return {
         "w": distribute_tensor(w, mesh, [Shard(0)], src_data_rank=None),
         "h": distribute_tensor(h, mesh, [Shard(1)], src_data_rank=None),
@@ -67,11 +70,11 @@ def check(state: dict[str, Any], step: int, world: int, rank: int) -> list[str]:
     want = expected(step, world, rank)
     bad = []
     for k in ("w", "h"):
-        got = state[k].to_local()
+        got = state[k].to_local().cpu()
         if got.dtype != want[k].dtype or not torch.equal(got.view(torch.uint8),
                                                           want[k].view(torch.uint8)):
             bad.append(k)
-    if not torch.equal(state["r"], want["r"]):
+    if not torch.equal(state["r"].cpu(), want["r"]):
         bad.append("r")
     if state["extra"]["step"] != step:
         bad.append(f"extra.step={state['extra']['step']}")
@@ -213,6 +216,9 @@ def main(spec_path: str) -> None:
         _inject_crash(spec["crash"], rank)
     durable = spec.get("durable") or os.path.join(root, "durable")
     options = spec.get("manager", {})
+    device = spec.get("device", "cpu")
+    if device == "cuda":  # every rank shares the one GPU (before the mesh picks LOCAL_RANK's)
+        torch.cuda.set_device(0)
     out: dict[str, Any] = {"rank": rank}
     # Which fast-tier paths this rank can see (the namespace hides the other nodes).
     nodes = os.path.join(root, "nodes")
@@ -222,7 +228,7 @@ def main(spec_path: str) -> None:
     if spec["action"] == "train":
         futures = []
         for step in spec["steps"]:
-            fut = mgr.save(step, make_state(step, world))
+            fut = mgr.save(step, make_state(step, world, device=device))
             futures.append(None if fut is None else step)
         mgr.wait()
         out["saved"] = [s for s in futures if s is not None]
@@ -234,11 +240,13 @@ def main(spec_path: str) -> None:
                                        storage_options=spec.get("storage_options"), **options)
         out["steps_seen"] = mgr.steps()
     elif spec["action"] == "restore":
-        state = make_state(0, world, zeros=True)
+        state = make_state(0, world, zeros=True, device=device)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             step = mgr.restore(state)
         out["step"] = step
+        out["devices"] = sorted({(v.to_local() if hasattr(v, "to_local") else v).device.type
+                                 for v in state.values() if isinstance(v, torch.Tensor)})
         out["bad"] = [] if step is None else check(state, step, world, rank)
         out["info"] = vars(mgr.last_restore) if mgr.last_restore else None
         out["warnings"] = [(type(w.message).__name__, str(w.message)) for w in caught]

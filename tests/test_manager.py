@@ -502,3 +502,26 @@ def test_gpu_state_saved_and_restored_into_cuda_tensors(tmp_path: Path) -> None:
         assert all(v.is_cuda for v in sd.values() if isinstance(v, torch.Tensor))
         assert _same({k: (v.cpu() if isinstance(v, torch.Tensor) else v) for k, v in sd.items()},
                      _state(4))
+
+
+@multinode
+@pytest.mark.gpu
+def test_gpu_lose_one_node_restores_into_cuda_tensors_from_peer_replicas(tmp_path: Path) -> None:
+    # The several-node test above with every tensor (DTensor shards included) on the GPU: each
+    # rank's save stages device memory, and after node 1 is lost its new ranks restore into
+    # CUDA tensors from node 0's replicas, with no durable reads.
+    spec = {"manager": _FAST, "local_per_node": True, "namespace": False, "device": "cuda"}
+    _run(tmp_path, "train", "train", steps=[1, 2, 3], **spec)
+    shutil.rmtree(tmp_path / "nodes" / "n1")
+    for f in (tmp_path / "durable").rglob("*.pyckpt"):
+        f.unlink()
+    _run(tmp_path, "restore", "restore", **spec)
+    for r in range(WORLD):
+        res = result(str(tmp_path), "restore", r)
+        assert res["step"] == 3 and res["bad"] == [] and res["warnings"] == [], res
+        assert res["devices"] == ["cuda"], res
+        info = res["info"]
+        assert info["tier"] == "fast" and info["bytes_durable"] == 0
+        assert res["durable_data_bytes_read"] == 0 and res["durable_direct_loads"] == 0
+        if r // PER_NODE == 1:
+            assert info["bytes_local"] == 0 and info["bytes_peer"] > 0, res
