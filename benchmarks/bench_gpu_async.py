@@ -21,7 +21,8 @@ trained by SGD with momentum. Reported (median [min-max]):
 * training-step cost: each step (forward, backward, SGD, then a device sync so every step is
   timed alone) with no save in flight, against the steps that run while a save is written in
   the background (median and slowest; targets <= 1.02x and <= 1.25x), for pyckpt with a new
-  Writer per save (and DCP's default unless ``--no-dcp``);
+  Writer per save, for a ``CheckpointManager`` saving into its fast tier (a local directory;
+  one process, no replicas), and for DCP's default unless ``--no-dcp``;
 * host RSS and pyckpt's staging memory over ``--rss-saves`` saves with new Writers.
 
 * synchronous saves (GB/s): pyckpt ``Writer`` against DCP ``FileSystemWriter`` (2 threads).
@@ -289,6 +290,29 @@ def main() -> int:
         stall[name] = blocks
 
     during("pyckpt, new Writer per save", lambda: pyckpt.Writer(fresh_dir("train")))
+
+    # The same with a CheckpointManager saving into its fast tier (a local directory, zstd; one
+    # process, so no replicas; no durable copy among these steps).
+    mgr = pyckpt.CheckpointManager(root / "mgr-durable", local=root / "mgr-local", replicas=0,
+                                   save_every=1, persist_every=1 << 30, keep_local=1)
+    try:
+        inflight, blocks = [], []
+        for s in range(args.saves):
+            loop.sync()
+            t0 = time.perf_counter()
+            fut = mgr.save(s + 1, loop.state(args.with_optim))
+            blocks.append(time.perf_counter() - t0)
+            n = 0
+            while fut is not None and (not fut.done() or n == 0):
+                inflight.append(loop.step())
+                n += 1
+            mgr.wait()
+        steps["during a save: CheckpointManager, fast tier"] = inflight
+        stall["CheckpointManager, fast tier"] = blocks
+    finally:
+        mgr.close()
+        shutil.rmtree(root / "mgr-durable", ignore_errors=True)
+        shutil.rmtree(root / "mgr-local", ignore_errors=True)
     if not args.no_dcp and "DCP default async_save" not in notes:
         during("DCP default async_save", lambda: FileSystemWriter(fresh_dir("train-dcp")))
 
