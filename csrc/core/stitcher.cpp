@@ -114,6 +114,10 @@ constexpr std::uint64_t kMinPwriteRun = 64u << 10;
 // is at most this many times StitchOptions::task_bytes.
 constexpr std::uint64_t kWindowTasks = 4;
 
+// Bytes a contiguous byte-grouped chunk is interleaved into at a time before they are written to
+// the output file (the buffer stays in cache between the interleave and the kernel's copy).
+constexpr std::uint64_t kSliceBytes = 512u << 10;
+
 // A call whose tasks write at most this many bytes in all runs them on the calling thread: a
 // worker would only be started, handed the work and joined (a fixed cost that dominates small
 // exports, and on a busy machine waits for the scheduler). Also bounds what the calling
@@ -241,12 +245,11 @@ std::uint64_t run_chunk_task(const ChunkTask& t, std::byte* window) {
     if (cbuf.size() < n) cbuf.resize(static_cast<std::size_t>(n));
     convert_floats(g.cast.from, g.cast.to, raw + (t.a - block_lo) * e, cbuf.data(), t.b - t.a);
     from = cbuf.data();
-  } else if (contiguous) {
-    from = reinterpret_cast<const std::byte*>(load_chunk(*p.in, src.chunk, src.params, nullptr) +
-                                              (t.a - block_lo) * e);
   } else {
-    // Scattered runs: a byte-grouped chunk stays as planes and is interleaved straight into
-    // each run's destination (no ungroup-then-copy pass).
+    // A byte-grouped chunk stays as planes and is interleaved straight into each destination:
+    // the window, the output mapping, or (written to the file) a small reused slice buffer. No
+    // chunk-sized buffer of decoded bytes: each thread's memory is the stored bytes and the
+    // planes that were compressed.
     parts = load_chunk_parts(*p.in, src.chunk, src.params);
     if (const std::uint8_t* flat = parts.flat_bytes()) {
       from = reinterpret_cast<const std::byte*>(flat + (t.a - block_lo) * e);
@@ -263,8 +266,18 @@ std::uint64_t run_chunk_task(const ChunkTask& t, std::byte* window) {
   if (contiguous) {
     if (window) {
       put(t.a, t.b - t.a, window + (first - g.lo) * oe);
-    } else {
+    } else if (from) {
       pwrite_output(*g.out, from, (t.b - t.a) * oe, g.out_offset + first * oe, g.name);
+    } else {
+      thread_local std::vector<std::byte> slice;
+      if (slice.size() < kSliceBytes) slice.resize(kSliceBytes);
+      for (std::uint64_t k = t.a; k < t.b;) {
+        const std::uint64_t cnt = std::min<std::uint64_t>(t.b - k, kSliceBytes / oe);
+        put(k, cnt, slice.data());
+        pwrite_output(*g.out, slice.data(), cnt * oe, g.out_offset + (first + k - t.a) * oe,
+                      g.name);
+        k += cnt;
+      }
     }
     return 1;
   }
