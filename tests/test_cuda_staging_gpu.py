@@ -1,9 +1,9 @@
 """Staging on a real GPU (``@pytest.mark.gpu``; skipped without CUDA by conftest.py).
 
-Run on an NVIDIA H100 (torch 2.11+cu130): all pass; see BENCHMARKS.md "GPU staging". The tests of
-the process-wide pinned memory at the end (a new Writer per save, reserve_pinned, the bound) were
-written on a host without a GPU and are checked on CPU by test_cuda_staging_pinned.py through the
-runtime double; they have not run on a device yet.
+Run on an NVIDIA H100 and, with the tests of the process-wide pinned memory at the end (a new
+Writer per save, reserve_pinned, the bound), on an NVIDIA H200 (torch 2.11+cu130, 2026-11-26):
+all pass; see BENCHMARKS.md "GPU staging". On a host without a GPU the same rules are checked by
+test_cuda_staging_pinned.py through the runtime double. ``scripts/gpu_check.sh`` runs these.
 """
 
 from __future__ import annotations

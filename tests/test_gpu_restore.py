@@ -4,7 +4,8 @@ What a trainer restoring on GPUs relies on: ``pyckpt.load`` / ``dcp.load`` fill 
 tensors bit for bit (raw and zstd, contiguous or not), cast a stored dtype to the destination's
 as DCP does (fp32 checkpoint into bf16 parameters), reshard a checkpoint written by 2 ranks into
 one process's CUDA tensors, and a cooperative load of replicated state (read from storage once
-over the ranks) lands in CUDA tensors on every rank.
+over the ranks) lands in CUDA tensors on every rank. All pass on an NVIDIA H200 (torch
+2.11+cu130, 2026-11-26; ``scripts/gpu_check.sh``).
 """
 
 from __future__ import annotations
