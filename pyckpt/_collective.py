@@ -418,8 +418,19 @@ def _to_bytes(t: Any, n: int) -> bytes:
 #: larger object sends the rest in a second.
 BROADCAST_INLINE = 64 << 10
 #: Bytes of each rank's pickle carried by an all-gather's first collective (a status and a few
-#: numbers fit; the gathered buffer is world x this, so it stays small).
+#: numbers fit): at most this, and less in large groups (:func:`gather_inline`).
 GATHER_INLINE = 512
+#: Bound on the whole gathered buffer of a first collective (world x per-rank inline bytes), so
+#: a round in a group of thousands of ranks moves at most this much per rank however small its
+#: outcome; per-rank inline bytes never drop below :data:`GATHER_INLINE_MIN`.
+GATHER_INLINE_TOTAL = 256 << 10
+GATHER_INLINE_MIN = 64
+
+
+def gather_inline(world: int) -> int:
+    """Per-rank inline bytes of an all-gather in a group of ``world`` ranks: 512 up to 512
+    ranks, then ``GATHER_INLINE_TOTAL // world`` (64 from 4096 ranks on)."""
+    return max(GATHER_INLINE_MIN, min(GATHER_INLINE, GATHER_INLINE_TOTAL // max(1, world)))
 
 _LEN = struct.Struct("<Q")
 
@@ -481,9 +492,10 @@ def broadcast(obj: Any, group: Group, src: int = 0, what: str = "a broadcast",
 
 
 def all_gather(obj: Any, group: Group, what: str = "an exchange of state",
-               inline: int = GATHER_INLINE) -> list[Any]:
+               inline: int | None = None) -> list[Any]:
     """Every rank's ``obj``, indexed by group rank: one collective when every rank's pickle
-    fits ``inline`` bytes, a second (sized by the longest) for the rest.
+    fits ``inline`` bytes (default :func:`gather_inline` of the group's size), a second (sized
+    by the longest) for the rest.
 
     Raises:
         PeerLostError: a rank died or did not answer within :func:`bound_s`.
@@ -492,6 +504,8 @@ def all_gather(obj: Any, group: Group, what: str = "an exchange of state",
         return [obj]
     import torch
 
+    if inline is None:
+        inline = gather_inline(group.world)
     pg = _pg(group)
     dev = _device(pg)
     data = pickle.dumps(obj)

@@ -80,3 +80,24 @@ def test_rounds_in_one_process() -> None:
     assert cleaned == [1]
     with pytest.raises(ValueError, match="ranks must be"):
         coll.agree(lambda: 1, group, ranks="some")
+
+
+def test_gather_inline_bytes_shrink_in_large_groups() -> None:
+    # A first collective moves world x inline bytes to every rank: bounded for thousands of ranks.
+    assert coll.gather_inline(2) == coll.gather_inline(512) == coll.GATHER_INLINE == 512
+    assert coll.gather_inline(1024) == 256
+    assert coll.gather_inline(4096) == coll.gather_inline(100_000) == coll.GATHER_INLINE_MIN
+    for world in (2, 64, 513, 4096, 8192):
+        assert world * coll.gather_inline(world) <= max(coll.GATHER_INLINE_TOTAL,
+                                                        world * coll.GATHER_INLINE_MIN)
+
+
+def small_inline_worker(rank: int, world: int) -> list[Any]:
+    # Inline bytes as small as a 4096-rank group gets: short and long outcomes mixed.
+    group = group_info(None)
+    return coll.all_gather("r" * (rank * 100), group, inline=coll.GATHER_INLINE_MIN)
+
+
+def test_all_gather_with_the_smallest_inline_bytes() -> None:
+    for r in run_distributed(small_inline_worker, 3):
+        assert r == ["", "r" * 100, "r" * 200]
