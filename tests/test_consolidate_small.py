@@ -13,6 +13,8 @@ import os
 import pytest
 import torch
 from _st_workers import grid_blocks, load_outputs, same_bits, sample_tensor, write_dcp_shards
+from hypothesis import given
+from hypothesis import strategies as st
 
 import pyckpt
 from pyckpt import CheckpointFormatError
@@ -76,3 +78,20 @@ def test_index_file_is_sorted_indented_json_with_the_umask(tmp_path):
     assert sorted(n for n in os.listdir(dst)) == [
         "model-00001-of-00001.safetensors", "model.safetensors.index.json"
     ]
+
+
+_NAMES = st.text(min_size=0, max_size=12)  # any code points: quotes, controls, non-ASCII
+
+
+@given(weight_map=st.dictionaries(_NAMES, _NAMES, max_size=8),
+       ties=st.dictionaries(_NAMES, _NAMES, max_size=3),
+       total=st.integers(min_value=0, max_value=1 << 62))
+def test_index_text_is_json_dumps_with_indent_2_sorted(weight_map, ties, total):
+    # The index is written by a faster encoder; its text must be exactly json.dumps's.
+    from pyckpt._consolidate.run import index_text
+
+    metadata: dict = {"total_size": total}
+    if ties:
+        metadata["tied_weights"] = dict(sorted(ties.items()))
+    want = json.dumps({"metadata": metadata, "weight_map": weight_map}, indent=2, sort_keys=True)
+    assert index_text(metadata, weight_map) == want

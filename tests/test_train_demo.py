@@ -115,7 +115,8 @@ def _summary() -> dict:
         "stall_steps": [4, 8, 12], "stall_manager_s": [0.010, 0.012, 0.011],
         "stall_pyckpt_s": [0.009, 0.011, 0.010], "stall_dcp_s": [0.050, 0.040, 0.060], "bytes_step": 12, "bytes_pyckpt": 12 << 20,
         "bytes_dcp": 18 << 20, "bytes_raw": 18 << 20, "load_pyckpt_s": 0.8, "load_dcp_s": 1.6,
-        "export_pyckpt_s": 0.02, "export_torch_s": 0.03, "export_bytes": 6 << 20,
+        "export_pyckpt_s": 0.02, "export_torch_s": 0.03, "export_pyckpt_shards_s": 0.015,
+        "export_bytes": 6 << 20,
         "losses": {"reference": losses, "crash": {s: losses[s] for s in range(1, 8)},
                    "resume": {s: losses[s] for s in range(5, 13)}},
     }
@@ -146,7 +147,12 @@ def test_demo_plot_marks_kill_and_resume_labels_stalls_and_separates_export(
         resume = next(ax for ax in fig.axes if ax.get_title().startswith("resume"))
         assert export is not resume
         assert export.get_ylim()[1] < 0.1 < resume.get_ylim()[1]
-        assert "torch / pyckpt 1.50x (1 run)" in export.get_title()
+        assert "torch / pyckpt 1.50x; from torch's input 2.00x (1 run)" in export.get_title()
+        # Both of pyckpt's exports (from its zstd checkpoint, from torch's plain shards) and
+        # torch's, each bar labelled with its time.
+        assert [t.get_text() for t in export.get_xticklabels()] == [
+            "pyckpt from\nits zstd ckpt", "pyckpt from\ntorch's input", "torch"]
+        assert {"0.020", "0.015", "0.030"} <= {t.get_text() for t in export.texts}
         png = tmp_path / "demo.png"
         fig.savefig(png, dpi=50)
         width, height = png_size(png)

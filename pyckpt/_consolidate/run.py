@@ -24,7 +24,7 @@ from pyckpt.errors import PyckptError, UnsupportedDtypeError
 
 __all__ = [
     "ProgressFn", "create_outputs", "remove_temps", "stitch_items", "run_share", "commit",
-    "tensor_digest", "commit_files", "write_index", "stitch",
+    "tensor_digest", "commit_files", "write_index", "index_text", "stitch",
 ]
 
 _TASK_BYTES = 16 << 20
@@ -321,19 +321,29 @@ def commit_files(plan: _Plan, dst: str, fsync: bool, indices: Sequence[int] | No
     return finals
 
 
+def index_text(metadata: dict[str, Any], weight_map: dict[str, str]) -> str:
+    """``json.dumps({"metadata": ..., "weight_map": ...}, indent=2, sort_keys=True)``, the same
+    text, with the weight map's lines made by the C string encoder (``json.dumps`` with an
+    indent encodes in pure Python: a tenth of a millisecond for a small export's index)."""
+    if not weight_map:
+        return json.dumps({"metadata": metadata, "weight_map": weight_map}, indent=2,
+                          sort_keys=True)
+    enc = json.encoder.encode_basestring_ascii  # what json.dumps uses (ensure_ascii)
+    meta = json.dumps(metadata, indent=2, sort_keys=True).replace("\n", "\n  ")
+    lines = ",\n".join(f"    {enc(k)}: {enc(v)}" for k, v in sorted(weight_map.items()))
+    return f'{{\n  "metadata": {meta},\n  "weight_map": {{\n{lines}\n  }}\n}}'
+
+
 def write_index(plan: _Plan, dst: str, fsync: bool) -> None:
     """Writes ``model.safetensors.index.json`` atomically (the last step of an export)."""
     metadata: dict[str, Any] = {"total_size": plan.total_bytes}
     if plan.ties:  # written once: the index records which name each left-out copy equals
         metadata["tied_weights"] = dict(sorted(plan.ties.items()))
-    index = {
-        "metadata": metadata,
-        "weight_map": {n: f.name for f in plan.files for n, _, _ in f.tensors},
-    }
+    weight_map = {n: f.name for f in plan.files for n, _, _ in f.tensors}
     # One temp name per process: node-local ranks that share ``dst`` all write the same index.
     tmp = os.path.join(dst, f"{plan.index_tmp}.{os.getpid()}")
     # Encoded once and written with plain os calls (no buffered text file for a few kilobytes).
-    data = memoryview((json.dumps(index, indent=2, sort_keys=True) + "\n").encode("utf-8"))
+    data = memoryview((index_text(metadata, weight_map) + "\n").encode("utf-8"))
     try:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o666)
         try:
