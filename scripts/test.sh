@@ -5,7 +5,7 @@
 #                  PYCKPT_TEST_WORKERS pytest-xdist workers (default 2), then the few tests that
 #                  time CPU scheduling, alone (tests-serial)
 #   2. benchmarks  a smoke run of the benchmarks (timings disabled)
-#   3. fuzz        every atheris harness in fuzz/ for PYCKPT_FUZZ_SECONDS_PER_HARNESS (default 60)
+#   3. fuzz        every atheris harness in fuzz/ for PYCKPT_FUZZ_SECONDS_PER_HARNESS (default 30)
 #   4. sanitize    scripts/sanitize.sh: the C++-heavy tests and the attack corpus against an
 #                  ASan+UBSan build of the extension
 #   5. cpp         the C++ unit tests (tests/cpp) under ctest, warnings as errors, in the
@@ -94,8 +94,8 @@ if has_stage benchmarks; then
     -c pyproject.toml benchmarks --benchmark-disable -q -o testpaths=benchmarks
 fi
 if has_stage fuzz; then
-  echo "=== [fuzz] fuzz/run.sh ${PYCKPT_FUZZ_SECONDS_PER_HARNESS:-60}"
-  PYTHON=.venv/bin/python fuzz/run.sh "${PYCKPT_FUZZ_SECONDS_PER_HARNESS:-60}" \
+  echo "=== [fuzz] fuzz/run.sh ${PYCKPT_FUZZ_SECONDS_PER_HARNESS:-30}"
+  PYTHON=.venv/bin/python fuzz/run.sh "${PYCKPT_FUZZ_SECONDS_PER_HARNESS:-30}" \
     || { echo "=== [fuzz] FAILED"; status=1; }
   stage_done fuzz
 fi
