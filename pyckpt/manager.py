@@ -13,6 +13,7 @@ import os
 import threading
 import time
 import warnings
+import weakref
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -116,10 +117,13 @@ def _state_bytes(state: Any) -> int:
     return total
 
 
-# (ranks, purpose) -> (the default group it was made under, the gloo group). Groups are kept
-# for the life of the default group and reused by later managers: destroying a subgroup makes
-# torch give the next one over the same ranks the same store prefix as an earlier one, whose
-# stale keys then break its rendezvous.
+# (ranks, purpose) -> weak references to (the default group it was made under, the gloo group).
+# Groups are kept for the life of the default group and reused by later managers: destroying a
+# subgroup makes torch give the next one over the same ranks the same store prefix as an
+# earlier one, whose stale keys then break its rendezvous. Weak: torch's registry keeps a group
+# until destroy_process_group(), which then frees it (with the managers that used it); a strong
+# reference here would keep it until the interpreter finalizes, where tearing down a gloo group
+# can abort a process whose work is done.
 _GROUPS: dict[tuple[tuple[int, ...], str], tuple[Any, Any]] = {}
 _GROUPS_LOCK = threading.Lock()
 
@@ -135,10 +139,10 @@ def _own_group(process_group: Any, purpose: str) -> Group:
     world = dist.group.WORLD
     with _GROUPS_LOCK:
         made = _GROUPS.get((ranks, purpose))
-        if made is None or made[0] is not world:
+        pg = None if made is None or made[0]() is not world else made[1]()
+        if pg is None:
             pg = dist.new_group(list(ranks), backend="gloo", use_local_synchronization=True)
-            made = _GROUPS[(ranks, purpose)] = (world, pg)
-    pg = made[1]
+            _GROUPS[(ranks, purpose)] = (weakref.ref(world), weakref.ref(pg))
     return Group(pg, dist.get_rank(pg), dist.get_world_size(pg), True)
 
 

@@ -298,6 +298,35 @@ def test_local_path_with_the_node_id(tmp_path: Path) -> None:
             _mgr(tmp_path, local=tmp_path / "node-{node}", node=bad)
 
 
+def test_groups_are_freed_with_the_default_group(tmp_path: Path) -> None:
+    """The manager's own gloo groups are reused while the default group lives, and freed by
+    ``destroy_process_group`` (once the job holds no manager): none lives on until the
+    interpreter finalizes, where tearing down a gloo group can abort a process whose work is
+    done (seen as "terminate called without an active exception" at a rank's exit)."""
+    import gc
+    import weakref
+    from datetime import timedelta
+
+    import torch.distributed as dist
+    from _ports import free_port
+
+    assert not dist.is_initialized()
+    store = dist.TCPStore("127.0.0.1", free_port(), 1, True, timeout=timedelta(seconds=30))
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        with _mgr(tmp_path) as mgr:
+            groups = [mgr._group.pg, mgr._persist_group.pg]
+            assert _train(mgr, range(3)) == [0, 2]
+        with _mgr(tmp_path) as again:  # a later manager reuses them
+            assert [again._group.pg, again._persist_group.pg] == groups
+        refs = [weakref.ref(g) for g in groups]
+        del mgr, again, groups
+    finally:
+        dist.destroy_process_group()
+    gc.collect()
+    assert [r() for r in refs] == [None, None]
+
+
 def test_ring_never_places_a_replica_on_its_own_node() -> None:
     from pyckpt._replicate import partners, ring_targets
 
