@@ -2,31 +2,120 @@
 
 #include <sys/mman.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <new>
 #include <stdexcept>
 
 namespace pyckpt {
 
-void* allocate_host(std::size_t bytes) {
-  if (bytes >= kMapThreshold) {
-    // Page-aligned (kBlockAlign divides the page size); munmap in free_host gives it back.
-    void* p = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-    if (p == MAP_FAILED) throw std::bad_alloc();
-    return p;
-  }
-  void* p = nullptr;
-  if (posix_memalign(&p, kBlockAlign, bytes) != 0 || p == nullptr) throw std::bad_alloc();
+namespace {
+
+// Freed mappings kept for reuse, oldest first. Never destroyed: pools and thread-local scratch
+// may give memory back after static destructors ran (the blocks stay reachable through it, so
+// leak checkers do not report them).
+struct HostCache {
+  std::mutex mu;
+  std::vector<HostBlock> blocks;
+  std::size_t bytes = 0;
+};
+
+HostCache& host_cache() {
+  static HostCache* c = new HostCache;
+  return *c;
+}
+
+void* map_host(std::size_t bytes) {
+  // Page-aligned (kBlockAlign divides the page size).
+  void* p = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  if (p == MAP_FAILED) throw std::bad_alloc();
   return p;
 }
 
+}  // namespace
+
+HostBlock take_host(std::size_t lo, std::size_t hi) {
+  lo = std::max<std::size_t>(lo, 1);
+  if (lo < kMapThreshold) {
+    void* p = nullptr;
+    if (posix_memalign(&p, kBlockAlign, lo) != 0 || p == nullptr) throw std::bad_alloc();
+    return HostBlock{p, lo};
+  }
+  {
+    HostCache& c = host_cache();
+    std::lock_guard<std::mutex> lock(c.mu);
+    auto best = c.blocks.end();
+    for (auto it = c.blocks.begin(); it != c.blocks.end(); ++it) {
+      if (it->bytes >= lo && it->bytes <= hi && (best == c.blocks.end() || it->bytes < best->bytes)) {
+        best = it;
+      }
+    }
+    if (best != c.blocks.end()) {
+      const HostBlock b = *best;
+      c.blocks.erase(best);
+      c.bytes -= b.bytes;
+      return b;
+    }
+  }
+  return HostBlock{map_host(lo), lo};
+}
+
+void* allocate_host(std::size_t bytes) { return take_host(bytes, bytes).data; }
+
 void free_host(void* ptr, std::size_t bytes) noexcept {
   if (ptr == nullptr) return;
-  if (bytes >= kMapThreshold) {
-    ::munmap(ptr, bytes);
-  } else {
+  if (bytes < kMapThreshold) {
     std::free(ptr);
+    return;
   }
+  if (bytes > kHostCacheBytes) {
+    ::munmap(ptr, bytes);
+    return;
+  }
+  std::vector<HostBlock> evicted;  // unmapped outside the lock
+  bool kept = false;
+  {
+    HostCache& c = host_cache();
+    std::lock_guard<std::mutex> lock(c.mu);
+    std::size_t drop = 0;
+    std::size_t dropped = 0;
+    while (drop < c.blocks.size() && c.bytes - dropped + bytes > kHostCacheBytes) {
+      dropped += c.blocks[drop].bytes;
+      ++drop;
+    }
+    const auto first = c.blocks.begin();
+    try {  // the only steps that allocate; nothing has changed if they throw
+      evicted.assign(first, first + static_cast<std::ptrdiff_t>(drop));
+      c.blocks.reserve(c.blocks.size() - drop + 1);
+      kept = true;
+    } catch (...) {
+      evicted.clear();  // no memory for the bookkeeping: the block is unmapped instead
+    }
+    if (kept) {
+      c.blocks.erase(c.blocks.begin(), c.blocks.begin() + static_cast<std::ptrdiff_t>(drop));
+      c.blocks.push_back(HostBlock{ptr, bytes});  // within the reserved capacity: no throw
+      c.bytes = c.bytes - dropped + bytes;
+    }
+  }
+  for (const HostBlock& e : evicted) ::munmap(e.data, e.bytes);
+  if (!kept) ::munmap(ptr, bytes);
+}
+
+std::size_t host_cache_bytes() noexcept {
+  HostCache& c = host_cache();
+  std::lock_guard<std::mutex> lock(c.mu);
+  return c.bytes;
+}
+
+void host_cache_clear() noexcept {
+  std::vector<HostBlock> all;
+  {
+    HostCache& c = host_cache();
+    std::lock_guard<std::mutex> lock(c.mu);
+    all.swap(c.blocks);
+    c.bytes = 0;
+  }
+  for (const HostBlock& b : all) ::munmap(b.data, b.bytes);
 }
 
 void* AlignedHostAllocator::allocate(std::size_t bytes) { return allocate_host(bytes); }

@@ -32,18 +32,47 @@ constexpr std::size_t align_up(std::size_t n, std::size_t align) noexcept {
 constexpr std::size_t kMapThreshold = std::size_t{1} << 20;
 
 /**
+ * @brief Idle host memory the process keeps at most (see allocate_host), 128 MiB: a writer's
+ *        encode and O_DIRECT blocks with 8 threads, or the scratch of 16 threads.
+ */
+constexpr std::size_t kHostCacheBytes = std::size_t{128} << 20;
+
+/**
  * @brief Allocates `bytes` of host memory aligned to kBlockAlign.
- * @note Blocks of kMapThreshold bytes or more are anonymous mappings, so freeing one always
- *       returns it to the system. Through malloc, a freed multi-MiB block may stay in the heap
- *       of whichever thread arena it came from: a process that creates a writer (and so new
- *       worker threads) per checkpoint then grew by a block per arena until every arena held
- *       one.
+ * @note Blocks of kMapThreshold bytes or more are anonymous mappings. Freed, they go to a
+ *       bounded process-wide cache (kHostCacheBytes; the oldest are unmapped to make room) from
+ *       which later allocations of the same size are served. The core's pools and per-thread
+ *       scratch live for one writer, reader or call, and fresh memory costs a page fault per
+ *       4 KiB on first touch (slow on VMs: DESIGN.md); with the cache, a new writer per
+ *       checkpoint starts on the pages the previous one faulted in. Through malloc instead, a
+ *       freed multi-MiB block could stay in the heap of whichever thread arena it came from: a
+ *       process that creates a writer (and so new worker threads) per checkpoint then grew by a
+ *       block per arena until every arena held one. The cache bounds what stays.
  * @throws std::bad_alloc.
  */
 void* allocate_host(std::size_t bytes);
 
-/** @brief Frees memory from allocate_host(ptr's size must be passed again); never throws. */
+/** @brief Frees memory from allocate_host() or take_host() (pass its size again); never throws. */
 void free_host(void* ptr, std::size_t bytes) noexcept;
+
+/** @brief Host memory from take_host(): `bytes` usable bytes at `data`. */
+struct HostBlock {
+  void* data = nullptr;
+  std::size_t bytes = 0;
+};
+
+/**
+ * @brief Like allocate_host(), but any cached block of `lo` to `hi` bytes will do (the smallest
+ *        is taken); a new block has `lo` bytes. Free it with free_host(data, bytes).
+ * @throws std::bad_alloc.
+ */
+HostBlock take_host(std::size_t lo, std::size_t hi);
+
+/** @return the bytes the host cache holds now (for tests and diagnostics). */
+std::size_t host_cache_bytes() noexcept;
+
+/** @brief Unmaps every cached block. */
+void host_cache_clear() noexcept;
 
 /** @brief Allocation policy for pool blocks. */
 class HostAllocator {

@@ -17,6 +17,7 @@
 
 #include "core/chunk_io.hpp"
 #include "core/codec.hpp"
+#include "core/detail/scratch.hpp"
 #include "core/error.hpp"
 #include "core/float_cast.hpp"
 #include "core/posix_storage.hpp"
@@ -135,6 +136,16 @@ struct TaskResult {
   std::uint64_t runs = 0;
 };
 
+// This thread's scratch buffer number `Slot` of at least `n` bytes (uninitialised; its memory
+// comes from and returns to the process-wide scratch cache, so a new pool thread reuses the
+// pages an earlier one faulted in). Slots: 0 gathered output, 1 cast output, 2 a slice or run
+// on its way to the file, 3 a window.
+template <int Slot>
+std::byte* scratch_bytes(std::uint64_t n) {
+  thread_local detail::Scratch s;
+  return reinterpret_cast<std::byte*>(s.get(static_cast<std::size_t>(n)));
+}
+
 // Reads source bytes [src_off, src_off + n) of a part into dst.
 void read_source(const Part& p, std::uint64_t src_off, std::uint64_t n, std::byte* dst,
                  InputMode mode) {
@@ -155,8 +166,7 @@ TaskResult run_task(const Task& t, InputMode mode) {
   // runs (dim-0 shards) are read with one pread each too: an A/B against an in-kernel
   // copy_file_range per run (ext4, 2-core VM, 1-320 MiB) found pread + pwrite as fast or faster
   // (BENCHMARKS.md, "Small and medium exports").
-  thread_local std::vector<std::byte> obuf;
-  if (obuf.size() < out_bytes) obuf.resize(static_cast<std::size_t>(out_bytes));
+  std::byte* const obuf = scratch_bytes<0>(out_bytes);
   std::uint64_t filled = 0;
   for (const Part& p : g.parts) {
     const std::uint64_t a = std::max(p.layout.lower_bound(t.x), p.item->block_lo);
@@ -166,13 +176,13 @@ TaskResult run_task(const Task& t, InputMode mode) {
     const std::uint64_t n = (b - a) * e;
     const std::uint64_t first = p.layout.global_index(a);
     if (p.layout.global_index(b - 1) - first == b - 1 - a) {
-      read_source(p, src_off, n, obuf.data() + (first - t.x) * e, mode);
+      read_source(p, src_off, n, obuf + (first - t.x) * e, mode);
       ++res.runs;
     } else if (mode == InputMode::Mmap) {
       // Scatter the runs straight from the input mapping.
       const std::uint8_t* in = p.in->view_at(src_off, static_cast<std::size_t>(n));
       p.layout.for_each_run(a, b, [&](std::uint64_t k, std::uint64_t gi, std::uint64_t cnt) {
-        std::memcpy(obuf.data() + (gi - t.x) * e, in + (k - a) * e, cnt * e);
+        std::memcpy(obuf + (gi - t.x) * e, in + (k - a) * e, cnt * e);
         ++res.runs;
       });
     } else {
@@ -195,7 +205,7 @@ TaskResult run_task(const Task& t, InputMode mode) {
         iov.clear();
       };
       p.layout.for_each_run(a, b, [&](std::uint64_t, std::uint64_t gi, std::uint64_t cnt) {
-        iov.push_back({obuf.data() + (gi - t.x) * e, static_cast<std::size_t>(cnt * e)});
+        iov.push_back({obuf + (gi - t.x) * e, static_cast<std::size_t>(cnt * e)});
         batch_bytes += cnt * e;
         ++res.runs;
         if (iov.size() == kIovBatch) flush();
@@ -208,14 +218,13 @@ TaskResult run_task(const Task& t, InputMode mode) {
                        "': its shards supply ", filled, " of the ", out_bytes,
                        " bytes of elements [", t.x, ", ", t.y, ")");
   if (g.cast.enabled()) {
-    thread_local std::vector<std::byte> cbuf;
     const std::uint64_t n = (t.y - t.x) * g.out_item_bytes;
-    if (cbuf.size() < n) cbuf.resize(static_cast<std::size_t>(n));
-    convert_floats(g.cast.from, g.cast.to, obuf.data(), cbuf.data(), t.y - t.x);
-    pwrite_output(*g.out, cbuf.data(), n, g.out_offset + t.x * g.out_item_bytes, g.name);
+    std::byte* const cbuf = scratch_bytes<1>(n);
+    convert_floats(g.cast.from, g.cast.to, obuf, cbuf, t.y - t.x);
+    pwrite_output(*g.out, cbuf, n, g.out_offset + t.x * g.out_item_bytes, g.name);
     return res;
   }
-  pwrite_output(*g.out, obuf.data(), out_bytes, g.out_offset + t.x * e, g.name);
+  pwrite_output(*g.out, obuf, out_bytes, g.out_offset + t.x * e, g.name);
   return res;
 }
 
@@ -240,11 +249,9 @@ std::uint64_t run_chunk_task(const ChunkTask& t, std::byte* window) {
     // Convert the wanted elements once into a per-thread buffer; runs below then walk it in
     // output elements.
     const std::uint8_t* raw = load_chunk(*p.in, src.chunk, src.params, nullptr);
-    thread_local std::vector<std::byte> cbuf;
-    const std::uint64_t n = (t.b - t.a) * oe;
-    if (cbuf.size() < n) cbuf.resize(static_cast<std::size_t>(n));
-    convert_floats(g.cast.from, g.cast.to, raw + (t.a - block_lo) * e, cbuf.data(), t.b - t.a);
-    from = cbuf.data();
+    std::byte* const cbuf = scratch_bytes<1>((t.b - t.a) * oe);
+    convert_floats(g.cast.from, g.cast.to, raw + (t.a - block_lo) * e, cbuf, t.b - t.a);
+    from = cbuf;
   } else {
     // A byte-grouped chunk stays as planes and is interleaved straight into each destination:
     // the window, the output mapping, or (written to the file) a small reused slice buffer. No
@@ -269,12 +276,11 @@ std::uint64_t run_chunk_task(const ChunkTask& t, std::byte* window) {
     } else if (from) {
       pwrite_output(*g.out, from, (t.b - t.a) * oe, g.out_offset + first * oe, g.name);
     } else {
-      thread_local std::vector<std::byte> slice;
-      if (slice.size() < kSliceBytes) slice.resize(kSliceBytes);
+      std::byte* const slice = scratch_bytes<2>(kSliceBytes);
       for (std::uint64_t k = t.a; k < t.b;) {
         const std::uint64_t cnt = std::min<std::uint64_t>(t.b - k, kSliceBytes / oe);
-        put(k, cnt, slice.data());
-        pwrite_output(*g.out, slice.data(), cnt * oe, g.out_offset + (first + k - t.a) * oe,
+        put(k, cnt, slice);
+        pwrite_output(*g.out, slice, cnt * oe, g.out_offset + (first + k - t.a) * oe,
                       g.name);
         k += cnt;
       }
@@ -291,10 +297,9 @@ std::uint64_t run_chunk_task(const ChunkTask& t, std::byte* window) {
     } else if (from) {
       pwrite_output(*g.out, from + (k - t.a) * oe, cnt * oe, dst, g.name);
     } else {
-      thread_local std::vector<std::byte> rbuf;
-      if (rbuf.size() < cnt * oe) rbuf.resize(static_cast<std::size_t>(cnt * oe));
-      put(k, cnt, rbuf.data());
-      pwrite_output(*g.out, rbuf.data(), cnt * oe, dst, g.name);
+      std::byte* const rbuf = scratch_bytes<2>(cnt * oe);
+      put(k, cnt, rbuf);
+      pwrite_output(*g.out, rbuf, cnt * oe, dst, g.name);
     }
     ++runs;
   });
@@ -614,13 +619,12 @@ StitchStats stitch(const std::vector<StitchItem>& items, const StitchOptions& op
         const WindowTask& w = window_tasks[i - tasks.size() - chunk_tasks.size()];
         const Group& g = *w.group;
         const std::uint64_t n = (g.hi - g.lo) * g.out_item_bytes;
-        thread_local std::vector<std::byte> window;
-        if (window.size() < n) window.resize(static_cast<std::size_t>(n));
+        std::byte* const window = scratch_bytes<3>(n);
         std::uint64_t r = 0;
         for (std::size_t c = w.begin; c < w.end; ++c) {
-          r += run_chunk_task_named(window_chunks[c], window.data());
+          r += run_chunk_task_named(window_chunks[c], window);
         }
-        pwrite_output(*g.out, window.data(), n, g.out_offset + g.lo * g.out_item_bytes, g.name);
+        pwrite_output(*g.out, window, n, g.out_offset + g.lo * g.out_item_bytes, g.name);
         runs.fetch_add(r, std::memory_order_relaxed);
         done = n;
       }
