@@ -1,5 +1,6 @@
 #include "core/buffer_pool.hpp"
 
+#include <pthread.h>
 #include <sys/mman.h>
 
 #include <algorithm>
@@ -20,9 +21,26 @@ struct HostCache {
   std::size_t bytes = 0;
 };
 
-HostCache& host_cache() {
-  static HostCache* c = new HostCache;
-  return *c;
+HostCache* g_cache = nullptr;
+HostCache* g_before_fork = nullptr;  // keeps a forked child's inherited blocks reachable
+
+// In a forked child only the forking thread exists, and another thread may have been inside the
+// cache at the fork (mutex held, list half updated): the child starts a cache of its own and
+// leaves the inherited one alone.
+void start_child_cache() noexcept {
+  g_before_fork = g_cache;
+  g_cache = new (std::nothrow) HostCache;
+}
+
+// The cache, or null when none could be made (then memory is mapped and unmapped directly).
+HostCache* host_cache() noexcept {
+  static const bool once = [] {
+    g_cache = new (std::nothrow) HostCache;
+    pthread_atfork(nullptr, nullptr, start_child_cache);
+    return true;
+  }();
+  (void)once;
+  return g_cache;
 }
 
 void* map_host(std::size_t bytes) {
@@ -41,8 +59,8 @@ HostBlock take_host(std::size_t lo, std::size_t hi) {
     if (posix_memalign(&p, kBlockAlign, lo) != 0 || p == nullptr) throw std::bad_alloc();
     return HostBlock{p, lo};
   }
-  {
-    HostCache& c = host_cache();
+  if (HostCache* cache = host_cache()) {
+    HostCache& c = *cache;
     std::lock_guard<std::mutex> lock(c.mu);
     auto best = c.blocks.end();
     for (auto it = c.blocks.begin(); it != c.blocks.end(); ++it) {
@@ -68,14 +86,15 @@ void free_host(void* ptr, std::size_t bytes) noexcept {
     std::free(ptr);
     return;
   }
-  if (bytes > kHostCacheBytes) {
+  HostCache* cache = host_cache();
+  if (bytes > kHostCacheBytes || cache == nullptr) {
     ::munmap(ptr, bytes);
     return;
   }
   std::vector<HostBlock> evicted;  // unmapped outside the lock
   bool kept = false;
   {
-    HostCache& c = host_cache();
+    HostCache& c = *cache;
     std::lock_guard<std::mutex> lock(c.mu);
     std::size_t drop = 0;
     std::size_t dropped = 0;
@@ -102,18 +121,18 @@ void free_host(void* ptr, std::size_t bytes) noexcept {
 }
 
 std::size_t host_cache_bytes() noexcept {
-  HostCache& c = host_cache();
-  std::lock_guard<std::mutex> lock(c.mu);
-  return c.bytes;
+  HostCache* c = host_cache();
+  if (c == nullptr) return 0;
+  std::lock_guard<std::mutex> lock(c->mu);
+  return c->bytes;
 }
 
 void host_cache_clear() noexcept {
   std::vector<HostBlock> all;
-  {
-    HostCache& c = host_cache();
-    std::lock_guard<std::mutex> lock(c.mu);
-    all.swap(c.blocks);
-    c.bytes = 0;
+  if (HostCache* c = host_cache()) {
+    std::lock_guard<std::mutex> lock(c->mu);
+    all.swap(c->blocks);
+    c->bytes = 0;
   }
   for (const HostBlock& b : all) ::munmap(b.data, b.bytes);
 }

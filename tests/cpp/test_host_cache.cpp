@@ -2,6 +2,9 @@
 // free_host) and of the per-thread scratch built on it (core/detail/scratch.hpp): memory a pool or
 // a thread gives up is handed to the next one that needs as much, the cache stays within its
 // bound, and a small need does not take a large block.
+#include <sys/wait.h>
+#include <unistd.h>
+
 #include <cstdint>
 #include <thread>
 #include <vector>
@@ -115,6 +118,26 @@ TEST(a_thread_that_ends_leaves_its_scratch_to_the_next_thread) {
   detail::Scratch small;
   CHECK(small.get(0) != nullptr && small.capacity() == (64u << 10));
   CHECK(small.get(70 << 10) != nullptr && small.capacity() == (128u << 10));
+  host_cache_clear();
+}
+
+TEST(a_forked_child_starts_a_cache_of_its_own) {
+  host_cache_clear();
+  free_host(allocate_host(2 * MiB), 2 * MiB);
+  CHECK(host_cache_bytes() == 2 * MiB);
+  const pid_t pid = fork();
+  if (pid == 0) {
+    // Whatever state the parent's cache was in, the child's is empty and usable.
+    const bool empty = host_cache_bytes() == 0;
+    void* p = allocate_host(2 * MiB);
+    free_host(p, 2 * MiB);
+    const bool cached = host_cache_bytes() == 2 * MiB && allocate_host(2 * MiB) == p;
+    _exit(empty && cached ? 0 : 1);
+  }
+  int status = 0;
+  CHECK(pid > 0 && waitpid(pid, &status, 0) == pid);
+  CHECK(WIFEXITED(status) && WEXITSTATUS(status) == 0);
+  CHECK(host_cache_bytes() == 2 * MiB);  // the parent's is untouched
   host_cache_clear();
 }
 
