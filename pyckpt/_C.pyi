@@ -87,6 +87,12 @@ class ThreadPool:
         tb: TracebackType | None,
     ) -> bool: ...
 
+def set_host_cache_limit(bytes: int) -> None:
+    """Bound on the idle pageable host memory the process keeps for reuse; 0 keeps none."""
+
+def host_cache_info() -> dict[str, int]:
+    """The host cache: ``{"bytes": held now, "limit": its bound}``."""
+
 class BufferPool:
     """Bounded pool of 4 KiB-aligned host blocks (block_bytes rounded up to 4096)."""
 

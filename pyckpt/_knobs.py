@@ -32,6 +32,7 @@ __all__ = [
     "local_world_size",
     "node_id",
     "consolidate_input",
+    "host_cache_bytes",
     "progress_interval",
     "peer_timeout",
     "cooperative",
@@ -239,6 +240,17 @@ def pinned_limit() -> int:
 def consolidate_input() -> str:
     """``PYCKPT_CONSOLIDATE_INPUT``: how consolidation reads shards, ``pread`` (default) or ``mmap``."""
     return _choice("consolidate_input", "PYCKPT_CONSOLIDATE_INPUT", "pread", ("pread", "mmap"))
+
+
+#: Default of PYCKPT_HOST_CACHE_BYTES (the native kHostCacheBytes).
+HOST_CACHE_BYTES = 128 << 20
+
+
+def host_cache_bytes() -> int:
+    """``PYCKPT_HOST_CACHE_BYTES``: idle pageable host memory (freed encode, O_DIRECT and copy
+    blocks, native threads' scratch of 1 MiB or more) the process keeps for the next writer,
+    reader or export instead of unmapping it (default 128 MiB; 0 keeps none)."""
+    return _int("host_cache_bytes", "PYCKPT_HOST_CACHE_BYTES", HOST_CACHE_BYTES, 0)
 
 
 def progress_interval() -> float:

@@ -14,7 +14,13 @@ from typing import Any
 from pyckpt import _C, _knobs
 from pyckpt._staging import DeviceStaging
 
-__all__ = ["_Native", "_check_pinned_pool_bytes"]
+__all__ = ["_Native", "_check_pinned_pool_bytes", "apply_host_cache_limit"]
+
+
+def apply_host_cache_limit() -> None:
+    """Sets the native host cache's bound from ``PYCKPT_HOST_CACHE_BYTES`` (read now, as every
+    knob is at the start of the work it governs)."""
+    _C.set_host_cache_limit(_knobs.host_cache_bytes())
 
 
 def _check_pinned_pool_bytes(value: int | None) -> None:
@@ -47,6 +53,7 @@ class _Native:
 
     def pool(self) -> Any:
         if self._pool is None:
+            apply_host_cache_limit()
             self._pool = _C.ThreadPool(self._threads or self._default())
         return self._pool
 

@@ -24,6 +24,19 @@ void bind_pool(py::module_& m) {
           },
           R"pbdoc(Shut the pool down.)pbdoc");
 
+  m.def("set_host_cache_limit", &set_host_cache_limit, py::arg("bytes"),
+        R"pbdoc(Bound on the idle pageable host memory (freed pool blocks and thread scratch of
+1 MiB or more) the process keeps for reuse; 0 keeps none. Unmaps the oldest beyond it.)pbdoc");
+  m.def(
+      "host_cache_info",
+      [] {
+        py::dict d;
+        d["bytes"] = host_cache_bytes();
+        d["limit"] = host_cache_limit();
+        return d;
+      },
+      R"pbdoc(The host cache: {"bytes": held now, "limit": its bound}.)pbdoc");
+
   py::class_<BufferPool, std::shared_ptr<BufferPool>>(
       m, "BufferPool",
       R"pbdoc(Bounded pool of 4 KiB-aligned host blocks, reused across calls.)pbdoc")

@@ -4,6 +4,7 @@
 #include <sys/mman.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdlib>
 #include <new>
 #include <stdexcept>
@@ -22,6 +23,7 @@ struct HostCache {
 };
 
 HostCache* g_cache = nullptr;
+std::atomic<std::size_t> g_limit{kHostCacheBytes};
 HostCache* g_before_fork = nullptr;  // keeps a forked child's inherited blocks reachable
 
 // In a forked child only the forking thread exists, and another thread may have been inside the
@@ -64,7 +66,8 @@ HostBlock take_host(std::size_t lo, std::size_t hi) {
     std::lock_guard<std::mutex> lock(c.mu);
     auto best = c.blocks.end();
     for (auto it = c.blocks.begin(); it != c.blocks.end(); ++it) {
-      if (it->bytes >= lo && it->bytes <= hi && (best == c.blocks.end() || it->bytes < best->bytes)) {
+      if (it->bytes >= lo && it->bytes <= hi &&
+          (best == c.blocks.end() || it->bytes < best->bytes)) {
         best = it;
       }
     }
@@ -87,7 +90,8 @@ void free_host(void* ptr, std::size_t bytes) noexcept {
     return;
   }
   HostCache* cache = host_cache();
-  if (bytes > kHostCacheBytes || cache == nullptr) {
+  const std::size_t limit = g_limit.load(std::memory_order_relaxed);
+  if (bytes > limit || cache == nullptr) {
     ::munmap(ptr, bytes);
     return;
   }
@@ -98,7 +102,7 @@ void free_host(void* ptr, std::size_t bytes) noexcept {
     std::lock_guard<std::mutex> lock(c.mu);
     std::size_t drop = 0;
     std::size_t dropped = 0;
-    while (drop < c.blocks.size() && c.bytes - dropped + bytes > kHostCacheBytes) {
+    while (drop < c.blocks.size() && c.bytes - dropped + bytes > limit) {
       dropped += c.blocks[drop].bytes;
       ++drop;
     }
@@ -228,5 +232,29 @@ PoolStats BufferPool::stats() const {
   return PoolStats{_block_bytes, _max_blocks, _all.size(),         _in_use,
                    _peak,        _acquires,   _allocator->pinned()};
 }
+
+void set_host_cache_limit(std::size_t bytes) noexcept {
+  g_limit.store(bytes, std::memory_order_relaxed);
+  std::vector<HostBlock> evicted;
+  if (HostCache* c = host_cache()) {
+    std::lock_guard<std::mutex> lock(c->mu);
+    std::size_t drop = 0;
+    std::size_t dropped = 0;
+    while (drop < c->blocks.size() && c->bytes - dropped > bytes) {
+      dropped += c->blocks[drop].bytes;
+      ++drop;
+    }
+    try {
+      evicted.assign(c->blocks.begin(), c->blocks.begin() + static_cast<std::ptrdiff_t>(drop));
+    } catch (...) {
+      return;  // no memory for the list: the blocks stay until the next free_host or clear
+    }
+    c->blocks.erase(c->blocks.begin(), c->blocks.begin() + static_cast<std::ptrdiff_t>(drop));
+    c->bytes -= dropped;
+  }
+  for (const HostBlock& e : evicted) ::munmap(e.data, e.bytes);
+}
+
+std::size_t host_cache_limit() noexcept { return g_limit.load(std::memory_order_relaxed); }
 
 }  // namespace pyckpt

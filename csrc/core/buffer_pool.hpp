@@ -32,15 +32,16 @@ constexpr std::size_t align_up(std::size_t n, std::size_t align) noexcept {
 constexpr std::size_t kMapThreshold = std::size_t{1} << 20;
 
 /**
- * @brief Idle host memory the process keeps at most (see allocate_host), 128 MiB: a writer's
- *        encode and O_DIRECT blocks with 8 threads, or the scratch of 16 threads.
+ * @brief Default bound on the idle host memory the process keeps (see allocate_host), 128 MiB:
+ *        a writer's encode and O_DIRECT blocks with 8 threads, or the scratch of 16 threads.
  */
 constexpr std::size_t kHostCacheBytes = std::size_t{128} << 20;
 
 /**
  * @brief Allocates `bytes` of host memory aligned to kBlockAlign.
  * @note Blocks of kMapThreshold bytes or more are anonymous mappings. Freed, they go to a
- *       bounded process-wide cache (kHostCacheBytes; the oldest are unmapped to make room) from
+ *       bounded process-wide cache (set_host_cache_limit(), default kHostCacheBytes; the
+ *       oldest are unmapped to make room) from
  *       which later allocations of the same size are served. The core's pools and per-thread
  *       scratch live for one writer, reader or call, and fresh memory costs a page fault per
  *       4 KiB on first touch (slow on VMs: DESIGN.md); with the cache, a new writer per
@@ -73,6 +74,13 @@ std::size_t host_cache_bytes() noexcept;
 
 /** @brief Unmaps every cached block. */
 void host_cache_clear() noexcept;
+
+/** @brief Sets the bound on cached bytes (0: cache nothing) and unmaps the oldest blocks until
+ *         the cache is within it. */
+void set_host_cache_limit(std::size_t bytes) noexcept;
+
+/** @return the bound on cached bytes. */
+std::size_t host_cache_limit() noexcept;
 
 /** @brief Allocation policy for pool blocks. */
 class HostAllocator {

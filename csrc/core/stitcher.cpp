@@ -280,8 +280,7 @@ std::uint64_t run_chunk_task(const ChunkTask& t, std::byte* window) {
       for (std::uint64_t k = t.a; k < t.b;) {
         const std::uint64_t cnt = std::min<std::uint64_t>(t.b - k, kSliceBytes / oe);
         put(k, cnt, slice);
-        pwrite_output(*g.out, slice, cnt * oe, g.out_offset + (first + k - t.a) * oe,
-                      g.name);
+        pwrite_output(*g.out, slice, cnt * oe, g.out_offset + (first + k - t.a) * oe, g.name);
         k += cnt;
       }
     }

@@ -35,6 +35,7 @@ from pyckpt._consolidate.run import (
 from pyckpt._consolidate.scan import ScannedTensors, _Tensor, is_pyckpt, scan
 from pyckpt._consolidate.staged import consolidate_staged
 from pyckpt._export import AUTO
+from pyckpt._native import apply_host_cache_limit
 from pyckpt.backends import open_backend
 from pyckpt.backends.peer import discover
 
@@ -269,6 +270,7 @@ def consolidate(
             dtype=dtype, dedup_tied=dedup_tied))
     group = group_info(process_group)
     rank, world = group.rank, group.world
+    apply_host_cache_limit()
     nthreads = _knobs.num_threads() if threads is None else int(threads)
     if nthreads < 1:
         raise ValueError(f"threads must be >= 1, got {threads}")

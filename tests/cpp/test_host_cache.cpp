@@ -75,6 +75,26 @@ TEST(the_cache_keeps_at_most_its_bound_and_unmaps_the_oldest_first) {
   CHECK(host_cache_bytes() == 0);
 }
 
+TEST(a_lower_limit_unmaps_the_oldest_blocks_and_zero_caches_nothing) {
+  host_cache_clear();
+  CHECK(host_cache_limit() == kHostCacheBytes);
+  void* a = allocate_host(4 * MiB);
+  void* b = allocate_host(4 * MiB);
+  free_host(a, 4 * MiB);
+  free_host(b, 4 * MiB);
+  set_host_cache_limit(5 * MiB);  // the older block goes
+  CHECK(host_cache_bytes() == 4 * MiB);
+  CHECK(allocate_host(4 * MiB) == b);
+  free_host(b, 4 * MiB);
+  free_host(allocate_host(8 * MiB), 8 * MiB);  // larger than the limit: unmapped at once
+  CHECK(host_cache_bytes() == 4 * MiB);
+  set_host_cache_limit(0);
+  CHECK(host_cache_bytes() == 0);
+  free_host(allocate_host(2 * MiB), 2 * MiB);
+  CHECK(host_cache_bytes() == 0);
+  set_host_cache_limit(kHostCacheBytes);
+}
+
 TEST(a_new_pool_reuses_the_blocks_of_a_destroyed_one) {
   host_cache_clear();
   std::byte* first = nullptr;
