@@ -80,11 +80,11 @@ void check_chunk(ChunkSource& src, const ChunkRecord& rec, const CodecParams& pa
   verify_chunk(stored_bytes(src, rec, nullptr), rec, params);
 }
 
-void trim_chunk_scratch() noexcept {
+void trim_chunk_scratch(std::size_t keep) noexcept {
   ChunkScratch& s = scratch();
-  s.stored.trim(kScratchKeepBytes);
-  s.decoded.trim(kScratchKeepBytes);
-  trim_codec_scratch(kScratchKeepBytes);
+  s.stored.trim(keep);
+  s.decoded.trim(keep);
+  trim_codec_scratch(keep);
 }
 
 std::string chunk_context(const std::string& path, const std::string& item, std::uint64_t offset) {

@@ -80,8 +80,8 @@ void read_stored_chunk(ChunkSource& src, const ChunkRecord& rec, const CodecPara
  */
 void check_chunk(ChunkSource& src, const ChunkRecord& rec, const CodecParams& params);
 
-/** @brief Frees this thread's chunk and codec scratch above kScratchKeepBytes. */
-void trim_chunk_scratch() noexcept;
+/** @brief Gives up this thread's chunk and codec scratch buffers above `keep` bytes. */
+void trim_chunk_scratch(std::size_t keep = kScratchKeepBytes) noexcept;
 
 /**
  * @return "file '<path>', tensor '<item>', chunk at file offset <offset>": the context every

@@ -119,10 +119,10 @@ constexpr std::uint64_t kWindowTasks = 4;
 // the output file (the buffer stays in cache between the interleave and the kernel's copy).
 constexpr std::uint64_t kSliceBytes = 512u << 10;
 
-// A call whose tasks write at most this many bytes in all runs them on the calling thread: a
-// worker would only be started, handed the work and joined (a fixed cost that dominates small
-// exports, and on a busy machine waits for the scheduler). Also bounds what the calling
-// thread's per-thread buffers keep after the call.
+// A call whose tasks write at most this many bytes in all (or that may use one thread) runs them
+// on the calling thread: a worker would only be started, handed the work and joined (a fixed cost
+// that dominates small exports, and on a busy machine waits for the scheduler). Also what the
+// calling thread's per-thread buffers keep after the call.
 constexpr std::uint64_t kInlineBytes = 4u << 20;
 
 /** Output-driven task: the tensor elements [x, y) of one group. */
@@ -136,14 +136,29 @@ struct TaskResult {
   std::uint64_t runs = 0;
 };
 
-// This thread's scratch buffer number `Slot` of at least `n` bytes (uninitialised; its memory
-// comes from and returns to the process-wide scratch cache, so a new pool thread reuses the
-// pages an earlier one faulted in). Slots: 0 gathered output, 1 cast output, 2 a slice or run
-// on its way to the file, 3 a window.
+// This thread's scratch buffer number `Slot`. Its memory comes from and returns to the
+// process-wide host cache (buffer_pool.hpp), so a new pool thread reuses the pages an earlier one
+// faulted in. Slots: 0 gathered output, 1 cast output, 2 a slice or run on its way to the file,
+// 3 a window.
+template <int Slot>
+detail::Scratch& scratch_slot() {
+  thread_local detail::Scratch s;
+  return s;
+}
+
+// Slot `Slot`'s buffer of at least `n` bytes (uninitialised).
 template <int Slot>
 std::byte* scratch_bytes(std::uint64_t n) {
-  thread_local detail::Scratch s;
-  return reinterpret_cast<std::byte*>(s.get(static_cast<std::size_t>(n)));
+  return reinterpret_cast<std::byte*>(scratch_slot<Slot>().get(static_cast<std::size_t>(n)));
+}
+
+// Gives up the calling thread's buffers above `keep` bytes (after work run inline).
+void trim_thread_scratch(std::size_t keep) noexcept {
+  scratch_slot<0>().trim(keep);
+  scratch_slot<1>().trim(keep);
+  scratch_slot<2>().trim(keep);
+  scratch_slot<3>().trim(keep);
+  trim_chunk_scratch(keep);
 }
 
 // Reads source bytes [src_off, src_off + n) of a part into dst.
@@ -632,12 +647,18 @@ StitchStats stitch(const std::vector<StitchItem>& items, const StitchOptions& op
     for (const Task& t : tasks) stats.bytes += (t.y - t.x) * t.group->out_item_bytes;
     for (const ChunkTask& t : chunk_tasks) stats.bytes += (t.b - t.a) * t.group->out_item_bytes;
     for (const ChunkTask& t : window_chunks) stats.bytes += (t.b - t.a) * t.group->out_item_bytes;
-    if (stats.bytes <= kInlineBytes) {
+    if (stats.bytes <= kInlineBytes || options.threads == 1) {
       // On this thread, checking for an interrupt (Ctrl-C) between tasks as run_all does.
-      for (std::size_t i = 0; i < ntasks; ++i) {
-        poll_interrupt();
-        run_one(i);
+      try {
+        for (std::size_t i = 0; i < ntasks; ++i) {
+          poll_interrupt();
+          run_one(i);
+        }
+      } catch (...) {
+        trim_thread_scratch(kInlineBytes);
+        throw;
       }
+      trim_thread_scratch(kInlineBytes);
     } else {
       ThreadPool pool(std::min<std::size_t>(options.threads, ntasks));
       // Every task is drained before the first failure is reported (run_all), so no worker
