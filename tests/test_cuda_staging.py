@@ -259,6 +259,45 @@ def test_asynchronous_failure_surfaces_at_wait(fake) -> None:
     assert st.stats()["pool"]["in_use"] == 0
 
 
+def test_a_block_whose_unregister_failed_is_not_reused(fake) -> None:
+    # Freed host blocks go to the process's host cache; one the driver may still hold
+    # registered must never be handed out again (from the cache, or by the kernel as a new
+    # mapping at the same address), or the next pinned block would fail to register ("already
+    # registered"): it stays mapped and unused.
+    def address(block) -> int:
+        return ctypes.addressof(ctypes.c_char.from_buffer(memoryview(block)))
+
+    rt = _C.CudaRuntime.load(_double_path())
+    _C.set_host_cache_limit(64 << 20)
+    stuck = None
+    try:
+        pool = _C.PinnedPool(rt, 4 << 20, 1)
+        with pool.acquire() as block:
+            stuck = address(block)
+        fake.fake_cudart_fail_on(b"cudaHostUnregister", 0, 1)
+        del pool, block  # a released block's object keeps its pool alive
+        gc.collect()
+        assert _C.host_cache_info()["bytes"] == 0  # not cached
+        again = _C.PinnedPool(rt, 4 << 20, 1)
+        with again.acquire() as block:  # registers a fresh range
+            assert address(block) != stuck
+        # A block whose unregister succeeded is cached, and registers again when reused.
+        del again, block
+        gc.collect()
+        assert _C.host_cache_info()["bytes"] == 4 << 20
+        third = _C.PinnedPool(rt, 4 << 20, 1)
+        third.acquire().release()
+        assert _C.host_cache_info()["bytes"] == 0
+        del third
+        gc.collect()
+    finally:
+        if stuck is not None:  # the double still counts the stuck range as registered
+            fake.cudaHostUnregister.argtypes = [ctypes.c_void_p]
+            fake.cudaHostUnregister(ctypes.c_void_p(stuck))
+        _C.set_host_cache_limit(0)  # empties the cache
+        _C.set_host_cache_limit(_knobs.host_cache_bytes())
+
+
 def test_registration_failure_raises_cuda_error(fake) -> None:
     fake.fake_cudart_fail_on(b"cudaHostRegister", 0, 2)
     st = _staging_obj()
