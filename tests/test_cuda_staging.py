@@ -263,7 +263,10 @@ def test_a_block_whose_unregister_failed_is_not_reused(fake) -> None:
     # Freed host blocks go to the process's host cache; one the driver may still hold
     # registered must never be handed out again (from the cache, or by the kernel as a new
     # mapping at the same address), or the next pinned block would fail to register ("already
-    # registered"): it stays mapped and unused.
+    # registered"): it stays mapped and unused. A block size no other code uses: the cache
+    # serves pool blocks by exact size, whatever earlier tests in this process left in it.
+    size = (4 << 20) + 3 * 4096
+
     def address(block) -> int:
         return ctypes.addressof(ctypes.c_char.from_buffer(memoryview(block)))
 
@@ -271,30 +274,28 @@ def test_a_block_whose_unregister_failed_is_not_reused(fake) -> None:
     _C.set_host_cache_limit(64 << 20)
     stuck = None
     try:
-        pool = _C.PinnedPool(rt, 4 << 20, 1)
+        pool = _C.PinnedPool(rt, size, 1)
         with pool.acquire() as block:
             stuck = address(block)
         fake.fake_cudart_fail_on(b"cudaHostUnregister", 0, 1)
         del pool, block  # a released block's object keeps its pool alive
         gc.collect()
-        assert _C.host_cache_info()["bytes"] == 0  # not cached
-        again = _C.PinnedPool(rt, 4 << 20, 1)
-        with again.acquire() as block:  # registers a fresh range
-            assert address(block) != stuck
+        again = _C.PinnedPool(rt, size, 1)
+        with again.acquire() as block:  # registers a fresh range, not the stuck one
+            fresh = address(block)
+        assert fresh != stuck
         # A block whose unregister succeeded is cached, and registers again when reused.
         del again, block
         gc.collect()
-        assert _C.host_cache_info()["bytes"] == 4 << 20
-        third = _C.PinnedPool(rt, 4 << 20, 1)
-        third.acquire().release()
-        assert _C.host_cache_info()["bytes"] == 0
-        del third
+        third = _C.PinnedPool(rt, size, 1)
+        with third.acquire() as block:
+            assert address(block) == fresh
+        del third, block
         gc.collect()
     finally:
         if stuck is not None:  # the double still counts the stuck range as registered
             fake.cudaHostUnregister.argtypes = [ctypes.c_void_p]
             fake.cudaHostUnregister(ctypes.c_void_p(stuck))
-        _C.set_host_cache_limit(0)  # empties the cache
         _C.set_host_cache_limit(_knobs.host_cache_bytes())
 
 
