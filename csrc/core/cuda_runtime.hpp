@@ -45,12 +45,13 @@ enum MemcpyKind : int {
   kMemcpyDefault = 4,
 };
 
-constexpr Error kSuccess = 0;                  ///< cudaSuccess
-constexpr Error kErrorNotReady = 600;          ///< cudaErrorNotReady (event/stream query)
-constexpr unsigned kHostRegisterDefault = 0;   ///< cudaHostRegisterDefault
-constexpr unsigned kHostRegisterPortable = 1;  ///< cudaHostRegisterPortable
-constexpr unsigned kStreamNonBlocking = 1;     ///< cudaStreamNonBlocking
-constexpr unsigned kEventDisableTiming = 2;    ///< cudaEventDisableTiming
+constexpr Error kSuccess = 0;                         ///< cudaSuccess
+constexpr Error kErrorNotReady = 600;                 ///< cudaErrorNotReady (event/stream query)
+constexpr Error kErrorHostMemoryNotRegistered = 713;  ///< cudaErrorHostMemoryNotRegistered
+constexpr unsigned kHostRegisterDefault = 0;          ///< cudaHostRegisterDefault
+constexpr unsigned kHostRegisterPortable = 1;         ///< cudaHostRegisterPortable
+constexpr unsigned kStreamNonBlocking = 1;            ///< cudaStreamNonBlocking
+constexpr unsigned kEventDisableTiming = 2;           ///< cudaEventDisableTiming
 }  // namespace cuda
 
 /**

@@ -56,11 +56,15 @@ void* PinnedHostAllocator::allocate(std::size_t bytes) {
 
 void PinnedHostAllocator::deallocate(void* ptr, std::size_t bytes) noexcept {
   // Unregister before free: the driver must forget the range before the allocator reuses it.
-  // If it did not, the block is left mapped and never reused: freed, its address range would come
-  // back from the host cache or the next mmap, and registering it again would fail ("already
-  // registered") in some later save. Losing the block is the lesser harm on this error path.
+  // If the driver may still hold it, the block is left mapped and never reused: freed, its
+  // address range would come back from the host cache or the next mmap, and registering it
+  // again would fail ("already registered") in some later save. Losing the block is the lesser
+  // harm on this error path. A range the driver reports as not registered (after a device
+  // reset, say) is free to reuse.
   try {
     _rt->host_unregister(ptr);
+  } catch (const CudaError& e) {
+    if (e.code() != cuda::kErrorHostMemoryNotRegistered) return;
   } catch (...) {  // NOLINT: nothing sensible to do in a noexcept release path
     return;
   }
