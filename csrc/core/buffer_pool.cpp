@@ -45,6 +45,17 @@ HostCache* host_cache() noexcept {
   return g_cache;
 }
 
+// Unmaps the oldest cached blocks until at most `target` bytes stay; `c.mu` must be held (rare:
+// the cache is full, its bound was lowered, or it is cleared).
+void evict_locked(HostCache& c, std::size_t target) noexcept {
+  std::size_t drop = 0;
+  for (; drop < c.blocks.size() && c.bytes > target; ++drop) {
+    ::munmap(c.blocks[drop].data, c.blocks[drop].bytes);
+    c.bytes -= c.blocks[drop].bytes;
+  }
+  c.blocks.erase(c.blocks.begin(), c.blocks.begin() + static_cast<std::ptrdiff_t>(drop));
+}
+
 void* map_host(std::size_t bytes) {
   // Page-aligned (kBlockAlign divides the page size).
   void* p = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
@@ -95,33 +106,15 @@ void free_host(void* ptr, std::size_t bytes) noexcept {
     ::munmap(ptr, bytes);
     return;
   }
-  std::vector<HostBlock> evicted;  // unmapped outside the lock
-  bool kept = false;
-  {
-    HostCache& c = *cache;
-    std::lock_guard<std::mutex> lock(c.mu);
-    std::size_t drop = 0;
-    std::size_t dropped = 0;
-    while (drop < c.blocks.size() && c.bytes - dropped + bytes > limit) {
-      dropped += c.blocks[drop].bytes;
-      ++drop;
-    }
-    const auto first = c.blocks.begin();
-    try {  // the only steps that allocate; nothing has changed if they throw
-      evicted.assign(first, first + static_cast<std::ptrdiff_t>(drop));
-      c.blocks.reserve(c.blocks.size() - drop + 1);
-      kept = true;
-    } catch (...) {
-      evicted.clear();  // no memory for the bookkeeping: the block is unmapped instead
-    }
-    if (kept) {
-      c.blocks.erase(c.blocks.begin(), c.blocks.begin() + static_cast<std::ptrdiff_t>(drop));
-      c.blocks.push_back(HostBlock{ptr, bytes});  // within the reserved capacity: no throw
-      c.bytes = c.bytes - dropped + bytes;
-    }
+  HostCache& c = *cache;
+  std::lock_guard<std::mutex> lock(c.mu);
+  evict_locked(c, limit - bytes);
+  try {
+    c.blocks.push_back(HostBlock{ptr, bytes});
+    c.bytes += bytes;
+  } catch (...) {  // no memory for the bookkeeping: unmapped instead
+    ::munmap(ptr, bytes);
   }
-  for (const HostBlock& e : evicted) ::munmap(e.data, e.bytes);
-  if (!kept) ::munmap(ptr, bytes);
 }
 
 std::size_t host_cache_bytes() noexcept {
@@ -132,13 +125,10 @@ std::size_t host_cache_bytes() noexcept {
 }
 
 void host_cache_clear() noexcept {
-  std::vector<HostBlock> all;
   if (HostCache* c = host_cache()) {
     std::lock_guard<std::mutex> lock(c->mu);
-    all.swap(c->blocks);
-    c->bytes = 0;
+    evict_locked(*c, 0);
   }
-  for (const HostBlock& b : all) ::munmap(b.data, b.bytes);
 }
 
 void* AlignedHostAllocator::allocate(std::size_t bytes) { return allocate_host(bytes); }
@@ -235,24 +225,10 @@ PoolStats BufferPool::stats() const {
 
 void set_host_cache_limit(std::size_t bytes) noexcept {
   g_limit.store(bytes, std::memory_order_relaxed);
-  std::vector<HostBlock> evicted;
   if (HostCache* c = host_cache()) {
     std::lock_guard<std::mutex> lock(c->mu);
-    std::size_t drop = 0;
-    std::size_t dropped = 0;
-    while (drop < c->blocks.size() && c->bytes - dropped > bytes) {
-      dropped += c->blocks[drop].bytes;
-      ++drop;
-    }
-    try {
-      evicted.assign(c->blocks.begin(), c->blocks.begin() + static_cast<std::ptrdiff_t>(drop));
-    } catch (...) {
-      return;  // no memory for the list: the blocks stay until the next free_host or clear
-    }
-    c->blocks.erase(c->blocks.begin(), c->blocks.begin() + static_cast<std::ptrdiff_t>(drop));
-    c->bytes -= dropped;
+    evict_locked(*c, bytes);
   }
-  for (const HostBlock& e : evicted) ::munmap(e.data, e.bytes);
 }
 
 std::size_t host_cache_limit() noexcept { return g_limit.load(std::memory_order_relaxed); }
