@@ -18,6 +18,7 @@ from typing import Any
 __all__ = [
     "MIN_PINNED_POOL_BYTES",
     "num_threads",
+    "shared_threads",
     "read_threads",
     "direct_io",
     "chunk_bytes",
@@ -30,6 +31,7 @@ __all__ = [
     "parse_pinned_limit",
     "host_memory_bytes",
     "local_world_size",
+    "ranks_on_host",
     "node_id",
     "consolidate_input",
     "host_cache_bytes",
@@ -79,6 +81,24 @@ def _choice(name: str, env: str, default: str, choices: tuple[str, ...]) -> str:
 def num_threads() -> int:
     """``PYCKPT_NUM_THREADS``: worker threads per writer/reader (default ``min(8, cpus)``)."""
     return _int("num_threads", "PYCKPT_NUM_THREADS", max(1, min(8, os.cpu_count() or 1)), 1)
+
+
+def shared_threads(ranks_on_host: int) -> int:
+    """Threads per rank for work that ``ranks_on_host`` ranks of this host run at the same time
+    (an export over a process group): ``PYCKPT_NUM_THREADS`` when set; else the host's CPUs
+    divided among those ranks (``min(8, cpus // ranks)``, at least 1). A process pinned to a
+    subset of the CPUs (``taskset``, ``numactl``, a Slurm CPU binding) already has its share:
+    its own CPUs are used, undivided."""
+    raw = _get("num_threads", "PYCKPT_NUM_THREADS")
+    if raw is not None and raw != "":
+        return num_threads()
+    total = os.cpu_count() or 1
+    try:
+        mine = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # not Linux
+        mine = total
+    cpus = mine if mine < total else total // max(1, ranks_on_host)
+    return max(1, min(8, cpus))
 
 
 def read_threads() -> int:
@@ -182,6 +202,16 @@ def host_memory_bytes() -> int:
 def local_world_size() -> int:
     """``LOCAL_WORLD_SIZE`` (set by torchrun): ranks on this node (default 1)."""
     return _int("local_world_size", "LOCAL_WORLD_SIZE", 1, 1)
+
+
+def ranks_on_host(world: int) -> int:
+    """How many of a group of ``world`` ranks run on this host, without a collective: all of
+    them when the rendezvous address (``MASTER_ADDR``) is a loopback address (every rank reached
+    it on this machine), else at most ``LOCAL_WORLD_SIZE`` (torchrun's ranks per node)."""
+    addr = (os.environ.get("MASTER_ADDR") or "").strip().lower()
+    if addr in ("localhost", "::1") or addr.startswith("127."):
+        return max(1, world)
+    return max(1, min(world, local_world_size()))
 
 
 def node_id() -> str:

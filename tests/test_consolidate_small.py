@@ -95,3 +95,76 @@ def test_index_text_is_json_dumps_with_indent_2_sorted(weight_map, ties, total):
         metadata["tied_weights"] = dict(sorted(ties.items()))
     want = json.dumps({"metadata": metadata, "weight_map": weight_map}, indent=2, sort_keys=True)
     assert index_text(metadata, weight_map) == want
+
+
+# --------------------------------------------------------------------- copy threads per rank
+
+@pytest.mark.parametrize("addr, local, world, expected", [
+    ("127.0.0.1", None, 4, 4),     # loopback rendezvous: every rank is on this machine
+    ("localhost", "1", 2, 2),      # ... whatever torchrun's per-node count says
+    ("10.0.0.7", "8", 64, 8),      # a cluster: torchrun's ranks per node
+    ("10.0.0.7", "8", 4, 4),       # a subgroup smaller than a node
+    ("10.0.0.7", None, 16, 1),     # nothing says: assume one rank per host
+])
+def test_ranks_on_host(monkeypatch, addr, local, world, expected):
+    from pyckpt import _knobs
+
+    monkeypatch.setenv("MASTER_ADDR", addr)
+    if local is None:
+        monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    else:
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", local)
+    assert _knobs.ranks_on_host(world) == expected
+
+
+@pytest.mark.parametrize("cpus, affinity, ranks, env, expected", [
+    (2, 2, 2, None, 1),     # 2 ranks on 2 cores: one thread each
+    (16, 16, 2, None, 8),   # at most 8
+    (16, 16, 4, None, 4),
+    (16, 16, 32, None, 1),  # at least 1
+    (96, 12, 8, None, 8),   # pinned to 12 CPUs: those are this rank's share, undivided
+    (16, 4, 2, None, 4),
+    (2, 2, 2, "3", 3),      # PYCKPT_NUM_THREADS wins
+])
+def test_shared_threads_divide_the_host(monkeypatch, cpus, affinity, ranks, env, expected):
+    from pyckpt import _knobs
+
+    monkeypatch.setattr(os, "cpu_count", lambda: cpus)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(affinity)))
+    if env is None:
+        monkeypatch.delenv("PYCKPT_NUM_THREADS", raising=False)
+    else:
+        monkeypatch.setenv("PYCKPT_NUM_THREADS", env)
+    assert _knobs.shared_threads(ranks) == expected
+
+
+def _threads_worker(rank, world, root):
+    from pyckpt import _knobs
+
+    src = os.path.join(root, "src")
+    if rank == 0:
+        write_dcp_shards(src, {"w": torch.arange(64 * 48, dtype=torch.float32).reshape(64, 48)},
+                         {"w": grid_blocks((64, 48), (world, 1))}, world)
+    torch.distributed.barrier()
+    out = {}
+    for label, threads, env in (("default", None, None), ("given", 3, None), ("env", None, 2)):
+        with _knobs.override(num_threads=env):
+            res = pyckpt.consolidate(src, os.path.join(root, label), threads=threads, fsync=False)
+        out[label] = res.threads
+    return out, _knobs.shared_threads(world)
+
+
+@pytest.mark.distributed
+def test_ranks_of_one_host_share_its_cpus_for_an_export(tmp_path):
+    """Two ranks on this machine (loopback rendezvous) each copy with their share of its CPUs
+    unless threads= or PYCKPT_NUM_THREADS says otherwise; the outputs stay bit-exact."""
+    from dist_utils import run_distributed
+
+    results = run_distributed(_threads_worker, 2, str(tmp_path))
+    for out, share in results:
+        assert out == {"default": share, "given": 3, "env": 2}, out
+        assert share == max(1, min(8, (os.cpu_count() or 1) // 2))
+    want = torch.arange(64 * 48, dtype=torch.float32).reshape(64, 48)
+    for label in ("default", "given", "env"):
+        got = load_outputs(str(tmp_path / label / "model.safetensors.index.json"))
+        assert same_bits(got["w"], want), label

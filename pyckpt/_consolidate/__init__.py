@@ -109,6 +109,7 @@ class ConsolidationResult:
         total_bytes: tensor data bytes over all files (the index's ``metadata.total_size``).
         rank_bytes: tensor data bytes this rank copied.
         seconds: wall time of the call on this rank.
+        threads: native copy threads this rank used.
         selection: one line saying what was exported (and, for the automatic model-only
             choice, how to get everything).
         skipped: tensors left out because safetensors cannot hold their dtype.
@@ -123,6 +124,7 @@ class ConsolidationResult:
     selection: str = ""
     skipped: list[str] = field(default_factory=list)
     tied: dict[str, str] = field(default_factory=dict)
+    threads: int = 0
 
 
 # --------------------------------------------------------------------------- public API
@@ -271,9 +273,7 @@ def consolidate(
     group = group_info(process_group)
     rank, world = group.rank, group.world
     apply_host_cache_limit()
-    nthreads = _knobs.num_threads() if threads is None else int(threads)
-    if nthreads < 1:
-        raise ValueError(f"threads must be >= 1, got {threads}")
+    nthreads = _copy_threads(threads, group)
     do_fsync = _knobs.fsync() if fsync is None else bool(fsync)
     mode = _knobs.consolidate_input() if input_mode is None else str(
         _options.choice("input_mode", input_mode, _INPUT_MODES))
@@ -325,7 +325,21 @@ def consolidate(
         selection="" if choice is None else choice.description,
         skipped=[] if choice is None else list(choice.skipped),
         tied=dict(plan.ties),
+        threads=nthreads,
     )
+
+
+def _copy_threads(threads: int | None, group: Group) -> int:
+    """Native copy threads for this rank: ``threads`` when given, else
+    :func:`pyckpt._knobs.shared_threads` for the group's ranks on this host
+    (:func:`pyckpt._knobs.ranks_on_host`). Ranks of one host that each start ``min(8, cpus)``
+    threads only queue for the same cores: on 2 cores, 2 ranks x 2 threads exported 19 MiB from
+    a zstd checkpoint in 18-19 ms, 2 x 1 in 15-16 ms."""
+    if threads is not None:
+        if int(threads) < 1:
+            raise ValueError(f"threads must be >= 1, got {threads}")
+        return int(threads)
+    return _knobs.shared_threads(_knobs.ranks_on_host(group.world))
 
 
 def _consolidate_nodelocal(
@@ -397,4 +411,5 @@ def _consolidate_nodelocal(
         seconds=seconds,
         selection="" if choice is None else choice.description,
         skipped=[] if choice is None else list(choice.skipped),
+        threads=nthreads,
     )
