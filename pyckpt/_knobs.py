@@ -85,20 +85,17 @@ def num_threads() -> int:
 
 def shared_threads(ranks_on_host: int) -> int:
     """Threads per rank for work that ``ranks_on_host`` ranks of this host run at the same time
-    (an export over a process group): ``PYCKPT_NUM_THREADS`` when set; else the host's CPUs
-    divided among those ranks (``min(8, cpus // ranks)``, at least 1). A process pinned to a
-    subset of the CPUs (``taskset``, ``numactl``, a Slurm CPU binding) already has its share:
-    its own CPUs are used, undivided."""
+    (an export over a process group): ``PYCKPT_NUM_THREADS`` when set; else the CPUs this
+    process may run on (its affinity: a container's cpuset, a ``taskset``) divided among those
+    ranks, ``min(8, cpus // ranks)``, at least 1."""
     raw = _get("num_threads", "PYCKPT_NUM_THREADS")
     if raw is not None and raw != "":
         return num_threads()
-    total = os.cpu_count() or 1
     try:
-        mine = len(os.sched_getaffinity(0))
+        cpus = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):  # not Linux
-        mine = total
-    cpus = mine if mine < total else total // max(1, ranks_on_host)
-    return max(1, min(8, cpus))
+        cpus = os.cpu_count() or 1
+    return max(1, min(8, cpus // max(1, ranks_on_host)))
 
 
 def read_threads() -> int:

@@ -195,8 +195,8 @@ def consolidate(
         max_file_bytes: without ``fqn_to_file``, start a new output file (in name order) before
             a tensor that would push the current one past this many data bytes. Default: one file.
         threads: native copy threads per rank. Default: ``PYCKPT_NUM_THREADS`` when set,
-            else the host's CPUs divided among the group's ranks on this host (at most 8, at
-            least 1; see :func:`pyckpt._knobs.shared_threads`).
+            else the CPUs this process may run on divided among the group's ranks on this
+            host (at most 8, at least 1; see :func:`pyckpt._knobs.shared_threads`).
         fsync: fsync outputs before renaming (default ``PYCKPT_FSYNC``, on).
         progress: ``True`` shows the export's progress on stderr (rank 0 only, its share; a bar
             on a terminal, a log line every few seconds otherwise; 100% once the export is
