@@ -672,13 +672,12 @@ def _figure(summary: dict[str, Any]) -> Any:
         a.bar_label(bars, [f"{v:.1f}" for v in values], fontsize=7)
     top = max(ours + plain + theirs + [1e-9])
     for i, (p, d) in enumerate(zip(ours, theirs)):  # the ratio above each group
-        a.text(i, 1.12 * max(p, plain[i], d),
-               f"DCP / manager {d / p:.2f}x" if p > 0 else "-",
+        a.text(i, 1.12 * max(p, plain[i], d), f"{d / p:.2f}x" if p > 0 else "-",
                ha="center", fontsize=8, fontweight="bold")
     a.set_ylim(0, 1.3 * top)
     a.set_xticks(x, [str(s) for s in steps])
     a.set(title=f"training stall per save (max over ranks; {len(steps)} saves, 1 run "
-                "each)", xlabel="checkpoint step", ylabel="ms")
+                "each)\nabove each group: DCP / manager", xlabel="checkpoint step", ylabel="ms")
     a.legend(loc="upper left", fontsize=8)
 
     a = fig.add_subplot(grid[1, :2])
@@ -710,12 +709,14 @@ def _figure(summary: dict[str, Any]) -> Any:
         bars = a.bar(names, values, color=colors)
         a.bar_label(bars, [f"{v:.3f}" for v in values], fontsize=8)
         a.tick_params(axis="x", labelsize=7)
-        ratio = f"{theirs_s / ours_s:.2f}x" if ours_s > 0 else "-"
+        lines = [title, f"{theirs_label} / pyckpt "
+                        + (f"{theirs_s / ours_s:.2f}x" if ours_s > 0 else "-")]
         a.set_ylim(0, 1.25 * max(*values, 1e-9))
         if extra is not None and extra[1] > 0:
-            ratio += f"; from torch's input {theirs_s / extra[1]:.2f}x"
-        runs = "1 run" if extra is None else f"median of {len(summary['export_runs_s']['torch'])}"
-        a.set(title=f"{title}\n{theirs_label} / pyckpt {ratio} ({runs})", ylabel="s")
+            lines.append(f"from torch's input {theirs_s / extra[1]:.2f}x")
+        lines.append("(1 run)" if extra is None else
+                     f"(median of {len(summary['export_runs_s']['torch'])} runs)")
+        a.set(title="\n".join(lines), ylabel="s")
         a.title.set_fontsize(9)
 
     fig.suptitle(f"pyckpt demo: {summary['params'] / 1e6:.2f} M-parameter Llama, FSDP2 on "
