@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -14,7 +16,21 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_scale import PHASES, local_plans, main, model
 
 
-def test_scale_report(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+@pytest.fixture
+def frozen_heap() -> Iterator[None]:
+    """The benchmark collects garbage before every timed phase; inside pytest each collection
+    also walks the test session's own objects (5-8x the script's time in CI's dev mode). Freezing
+    them leaves the collections with what the benchmark allocates."""
+    gc.collect()
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
+
+
+def test_scale_report(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                      frozen_heap: None) -> None:
     out, table = tmp_path / "s.json", tmp_path / "s.md"
     argv = ["--ranks", "2", "8", "--tensors", "6", "--repeats", "2", "--model-gib", "0.01",
             "--max-items", "100", "--dir", str(tmp_path), "--json", str(out),
@@ -46,7 +62,7 @@ def test_scale_report(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> Non
         {"workload": "sharded", "ranks": 8, "tensors": 6}]
 
 
-def test_plot(tmp_path: Path) -> None:
+def test_plot(tmp_path: Path, frozen_heap: None) -> None:
     pytest.importorskip("matplotlib")
     png = tmp_path / "s.png"
     assert main(["--ranks", "2", "4", "--tensors", "4", "--repeats", "1", "--model-gib", "0.01",
