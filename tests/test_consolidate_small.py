@@ -169,3 +169,21 @@ def test_ranks_of_one_host_share_its_cpus_for_an_export(tmp_path):
     for label in ("default", "given", "env"):
         got = load_outputs(str(tmp_path / label / "model.safetensors.index.json"))
         assert same_bits(got["w"], want), label
+
+
+@pytest.mark.parametrize("threads", [0, -2])
+def test_bad_thread_count_is_refused_before_anything_is_written(tmp_path, threads):
+    src, dst = str(tmp_path / "src"), tmp_path / "dst"
+    write_dcp_shards(src, {"w": torch.ones(8, 4)}, {"w": grid_blocks((8, 4), (2, 1))}, 2)
+    with pytest.raises(ValueError, match=f"threads must be >= 1, got {threads}"):
+        pyckpt.consolidate(src, dst, threads=threads, fsync=False)
+    assert not dst.exists() or not any(dst.iterdir())
+
+
+@pytest.mark.parametrize("value, message", [("0", "must be >= 1"), ("two", "not an integer")])
+def test_bad_thread_variable_names_it(monkeypatch, value, message):
+    from pyckpt import _knobs
+
+    monkeypatch.setenv("PYCKPT_NUM_THREADS", value)
+    with pytest.raises(ValueError, match=f"PYCKPT_NUM_THREADS='{value}'.*{message}"):
+        _knobs.shared_threads(2)
