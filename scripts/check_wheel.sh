@@ -43,6 +43,14 @@ if echo "$NEEDED" | grep -q 'libzstd'; then
   echo "FAILED: the extension links libzstd dynamically; distribution wheels must carry it" >&2
   exit 1
 fi
+# Only the module init is exported (csrc/bindings/exports.map): a statically linked libstdc++ or
+# zstd must not leak symbols that the loader could bind against another copy in the process.
+EXPORTED=$(nm -D --defined-only "$SO" | awk '{print $NF}')
+if [ "$EXPORTED" != "PyInit__C" ]; then
+  echo "FAILED: the extension exports more than PyInit__C:" >&2
+  echo "$EXPORTED" | head -20 >&2
+  exit 1
+fi
 if ls "$TMP"/pyckpt/_testing/*.so >/dev/null 2>&1; then
   echo "FAILED: the test-only CUDA runtime double is in the distribution wheel" >&2
   exit 1
@@ -61,4 +69,4 @@ with tempfile.TemporaryDirectory() as d:
 assert torch.equal(back["w"], sd["w"])
 print("zstd", _C.zstd_version, "round trip through", _C.__file__)
 ' "$TMP")
-echo "OK: no libzstd dependency"
+echo "OK: no libzstd dependency; only PyInit__C exported"
