@@ -329,6 +329,11 @@ def _run(group: Group, what: str, options: Any, start: Callable[[Any], Any]) -> 
                 raise _Reported("another rank found the process group broken")
             if time.monotonic() >= deadline:
                 silent = _silent_ranks(group)
+                if work.is_completed():
+                    # It completed during the heartbeat check: a rank that joined meanwhile may
+                    # have left at once and stopped beating (its job ended), which is no loss.
+                    work.wait()
+                    return
                 if silent is None or silent:
                     raise _Silent(silent)
                 deadline = time.monotonic() + bound  # every rank is alive: wait on
