@@ -14,13 +14,14 @@ SECONDS_PER=${1:-60}
 PY=${PYTHON:-.venv/bin/python}
 [ -x "$PY" ] || PY=python3
 status=0
+names=()
+pids=()
 scratch=$(mktemp -d)
-trap 'rm -rf "$scratch"' EXIT
+# On any exit (an interrupted run included), no harness is left running behind.
+trap 'kill "${pids[@]}" 2>/dev/null; rm -rf "$scratch"' EXIT
 # The harnesses run at the same time (each a single-threaded libFuzzer process), so the stage
 # takes SECONDS_PER_HARNESS in all rather than once per harness; on 2 cores each harness then
 # gets fewer executions in its time (CI stage: ~95 s -> ~35 s).
-names=()
-pids=()
 for harness in fuzz/fuzz_*.py; do
   name=$(basename "$harness" .py)
   mkdir -p "$scratch/$name" "fuzz/findings/$name"
