@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import pickle
 import struct
+import sys
 import threading
 import time
 import weakref
@@ -76,6 +77,10 @@ def group_info(process_group: Any) -> Group:
         ValueError: ``process_group`` was given but ``torch.distributed`` is unavailable or not
             initialised, or this process is not a member of it.
     """
+    if process_group is None and "torch.distributed" not in sys.modules:
+        # No group can be initialised before torch.distributed is imported: a single process,
+        # told without importing torch (seconds: a CLI command or a script that never uses it).
+        return Group(None, 0, 1, False)
     try:
         import torch.distributed as dist
     except ImportError:  # torch is optional: a single process then

@@ -9,10 +9,12 @@ inside the backend.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pyckpt import _C, _knobs
-from pyckpt._staging import DeviceStaging
+
+if TYPE_CHECKING:  # imports torch: only when a Writer or Reader stages (consolidate does not)
+    from pyckpt._staging import DeviceStaging
 
 __all__ = ["_Native", "_check_pinned_pool_bytes", "apply_host_cache_limit"]
 
@@ -60,6 +62,8 @@ class _Native:
     def staging(self, block_bytes: int | None = None) -> DeviceStaging:
         """The GPU staging (made on first use with ``block_bytes`` blocks, default 16 MiB)."""
         if self._staging is None:
+            from pyckpt._staging import DeviceStaging
+
             self._staging = DeviceStaging(
                 block_bytes=block_bytes, pool_bytes=self._pinned_pool_bytes
             )

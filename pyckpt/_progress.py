@@ -39,6 +39,8 @@ def _mib(n: float) -> str:
 
 def is_rank0(process_group: Any = None) -> bool:
     """True outside a process group, or on rank 0 of ``process_group`` (default: the world)."""
+    if process_group is None and "torch.distributed" not in sys.modules:
+        return True  # no group can exist yet (see pyckpt._collective.group_info)
     try:
         import torch.distributed as dist
     except ImportError:  # pragma: no cover - torch is a dependency of the callers

@@ -26,8 +26,6 @@ import os
 import re
 from typing import Any
 
-import torch
-
 from pyckpt import _C, _format
 from pyckpt._format import METADATA_FILE
 from pyckpt.errors import CheckpointFormatError
@@ -217,6 +215,7 @@ def check_coverage(plan: Any, planner: Any, path: str, rank: int) -> None:
     Raises:
         CheckpointFormatError: naming the tensor, the rank-local metadata file and the counts.
     """
+    import torch
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
     from torch.distributed.checkpoint.planner import LoadItemType
 
