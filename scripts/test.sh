@@ -77,13 +77,15 @@ if has_stage tests; then
   # Two workers (PYCKPT_TEST_WORKERS; 0 runs in this process), a whole module per worker so
   # module fixtures (a saved checkpoint, an S3 server) are made once: most of the suite waits on
   # child processes, timeouts and servers rather than computing, so two modules at a time on
-  # 2 cores halve its wall time (944 -> 570 s measured on the 2-core VM). The few tests that
+  # 2 cores halve its wall time (944 -> 570 s measured on the 2-core VM). Modules go out in
+  # collection order, longest first (tests/conftest.py, _LONGEST_FIRST), not xdist's default
+  # order by test count, which left a long module of few tests for the end. The few tests that
   # measure CPU scheduling itself (the GIL release checks, SIGINT latency) run after, alone.
   SERIAL="tests/test_gil.py tests/test_interrupt.py"
   ignore=()
   for f in $SERIAL; do ignore+=(--ignore="$f"); done
   run_stage_pytest tests 0 .venv/bin/pytest -p no:cacheprovider --rootdir=. -c pyproject.toml \
-    -n "${PYCKPT_TEST_WORKERS:-2}" --dist loadfile tests "${ignore[@]}" "$@"
+    -n "${PYCKPT_TEST_WORKERS:-2}" --dist loadfile --no-loadscope-reorder tests "${ignore[@]}" "$@"
   # With a selection in "$@" (-k ...), these may hold none of it.
   # shellcheck disable=SC2086
   run_stage_pytest tests-serial "$([ $# -gt 0 ] && echo 1 || echo 0)" .venv/bin/pytest \

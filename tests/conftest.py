@@ -39,7 +39,39 @@ def _cuda_available() -> bool:
     return bool(torch.cuda.is_available())
 
 
+# The longest modules (seconds of each in a 2-worker run of the suite on the 2-core VM,
+# 2026-11-26), longest first. scripts/test.sh hands whole modules to the xdist workers in
+# collection order (--dist loadfile --no-loadscope-reorder); starting with these keeps the run
+# from ending on one worker alone with a long module it picked up last (xdist's default order,
+# by test count, put the 4-test peer-fault module after every module of many quick tests).
+_LONGEST_FIRST = (
+    "test_peer_faults.py",  # 209 s
+    "test_manager.py",  # 200 s
+    "test_cli.py",  # 102 s
+    "test_daemons.py",  # 98 s
+    "test_consolidate_crash.py",  # 91 s
+    "test_cuda_staging.py",  # 74 s
+    "test_replicated_save.py",  # 73 s
+    "test_consolidate.py",  # 73 s
+    "test_nodelocal.py",  # 71 s
+    "test_coop_load.py",  # 67 s
+    "test_s3_retries.py",  # 67 s
+    "test_fuzz_metadata.py",  # 65 s
+    "test_s3.py",  # 63 s
+    "test_attack_harness.py",  # 49 s
+    "test_train_demo.py",  # 42 s
+)
+
+
+def _module_order(item: pytest.Item) -> int:
+    try:
+        return _LONGEST_FIRST.index(item.path.name)
+    except ValueError:
+        return len(_LONGEST_FIRST)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    items.sort(key=_module_order)  # stable: each module's tests, and the other modules, keep order
     skip_gpu = pytest.mark.skip(reason="needs a CUDA device")
     skip_slow = pytest.mark.skip(reason="slow; set PYCKPT_SLOW_TESTS=1 to run")
     has_cuda = _cuda_available()
