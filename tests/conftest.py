@@ -45,21 +45,20 @@ def _cuda_available() -> bool:
 # from ending on one worker alone with a long module it picked up last (xdist's default order,
 # by test count, put the 4-test peer-fault module after every module of many quick tests).
 _LONGEST_FIRST = (
-    "test_peer_faults.py",  # 209 s
-    "test_manager.py",  # 200 s
-    "test_cli.py",  # 102 s
-    "test_daemons.py",  # 98 s
-    "test_consolidate_crash.py",  # 91 s
-    "test_cuda_staging.py",  # 74 s
-    "test_replicated_save.py",  # 73 s
-    "test_consolidate.py",  # 73 s
-    "test_nodelocal.py",  # 71 s
-    "test_coop_load.py",  # 67 s
-    "test_s3_retries.py",  # 67 s
+    "test_manager.py",  # 194 s
+    "test_peer_faults.py",  # 108 s alone (ranks forked from a preloaded server)
+    "test_cuda_staging.py",  # 89 s
+    "test_replicated_save.py",  # 78 s
+    "test_nodelocal.py",  # 69 s
+    "test_consolidate.py",  # 66 s
     "test_fuzz_metadata.py",  # 65 s
-    "test_s3.py",  # 63 s
-    "test_attack_harness.py",  # 49 s
-    "test_train_demo.py",  # 42 s
+    "test_s3_retries.py",  # 63 s
+    "test_s3.py",  # 61 s
+    "test_attack_harness.py",  # 50 s
+    "test_cli.py",  # 44 s
+    "test_train_demo.py",  # 44 s
+    "test_daemons.py",  # 44 s
+    "test_coop_load.py",  # 36 s
 )
 
 

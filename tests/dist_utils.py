@@ -15,6 +15,7 @@ import datetime
 import importlib.util
 import os
 import queue
+import subprocess
 import sys
 import time
 import traceback
@@ -24,7 +25,7 @@ from typing import Any
 import torch.multiprocessing as mp
 from _ports import free_port
 
-__all__ = ["run_distributed", "free_port"]
+__all__ = ["run_distributed", "free_port", "RankProcess"]
 
 _TIMEOUT_S = 300
 
@@ -70,6 +71,69 @@ def _context() -> Any:
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(["torch", "torch.distributed.checkpoint", "pyckpt.storage"])
     return ctx
+
+
+def _load(path: str, name: str) -> Callable[..., Any]:
+    spec = importlib.util.spec_from_file_location(f"_pyckpt_rank_{name}", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    fn: Callable[..., Any] = getattr(module, name)
+    return fn
+
+
+def _redirected(path: str, name: str, args: tuple[Any, ...], env: dict[str, str],
+                out: Any, err: Any) -> None:
+    os.environ.update(env)
+    os.dup2(out.fileno(), 1)
+    os.dup2(err.fileno(), 2)
+    out.close()
+    err.close()
+    _load(path, name)(*args)
+
+
+class RankProcess:
+    """``fn(*args)`` in a child of the forkserver that has already imported torch, with the
+    child's stdout and stderr on pipes read here as text (the parts of ``subprocess.Popen(...,
+    stdout=PIPE, stderr=PIPE, text=True)`` that tests which kill ranks one by one use). A new
+    interpreter per rank imported torch again: seconds of CPU each on 2 cores, for every rank of
+    every kill point. ``fn`` is a module-level function of a file in tests/; ``env`` is added to
+    the child's environment."""
+
+    def __init__(self, fn: Callable[..., Any], *args: Any, env: dict[str, str] | None = None):
+        path = sys.modules[fn.__module__].__file__
+        assert path is not None
+        ctx = _context()
+        out_r, out_w = ctx.Pipe(duplex=False)
+        err_r, err_w = ctx.Pipe(duplex=False)
+        self._proc = ctx.Process(target=_redirected,
+                                 args=(path, fn.__name__, args, dict(env or {}), out_w, err_w))
+        self._proc.start()
+        out_w.close()
+        err_w.close()
+        self.pid = self._proc.pid
+        self.stdout = os.fdopen(os.dup(out_r.fileno()), "r")
+        self.stderr = os.fdopen(os.dup(err_r.fileno()), "r")
+        out_r.close()
+        err_r.close()
+
+    @property
+    def returncode(self) -> int | None:
+        return self._proc.exitcode
+
+    def poll(self) -> int | None:
+        return self._proc.exitcode
+
+    def send_signal(self, sig: int) -> None:
+        if self._proc.exitcode is None:
+            os.kill(self.pid, sig)
+
+    def wait(self, timeout: float | None = None) -> int:
+        self._proc.join(timeout)
+        if self._proc.exitcode is None:
+            raise subprocess.TimeoutExpired(f"rank process {self.pid}", timeout or 0)
+        return self._proc.exitcode
 
 
 def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any) -> list[Any]:

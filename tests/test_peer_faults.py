@@ -18,22 +18,21 @@ import re
 import shutil
 import signal
 import statistics
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
 from typing import Any
 
+import _peer_fault_workers
 import pytest
 from _nodelocal_workers import namespace_refusal
 from _ports import free_port
+from dist_utils import RankProcess
 
 from pyckpt import _collective
 
 pytestmark = pytest.mark.distributed
 
-_WORKER = str(Path(__file__).with_name("_peer_fault_workers.py"))
 PEER_TIMEOUT_S = 8
 # The documented bound on a survivor's wait: PYCKPT_PEER_TIMEOUT, plus the check-in that names
 # the lost rank, plus the same for the one further collective a failing round may have started.
@@ -48,10 +47,10 @@ class _Ranks:
 
     def __init__(self, op: str, world: int, root: Path, env: dict[str, str]) -> None:
         port = free_port()
+        # Forked from a server that has imported torch (a new interpreter per rank spent seconds
+        # of CPU importing it again, for every rank of every kill point).
         self.procs = [
-            subprocess.Popen([sys.executable, _WORKER, op, str(r), str(world), str(port),
-                              str(root)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                             text=True, env=env)
+            RankProcess(_peer_fault_workers.main, op, r, world, port, str(root), env=env)
             for r in range(world)
         ]
         self.results: dict[int, tuple[float, dict[str, Any]]] = {}
