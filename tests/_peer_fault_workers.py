@@ -1,6 +1,7 @@
 """Rank processes for tests/test_peer_faults.py: node-local operations with a rank killed.
 
-Run as a script, one process per rank::
+One process per rank: :func:`main` forked from the tests' preloaded server
+(``dist_utils.RankProcess``), or the script run by hand::
 
     python _peer_fault_workers.py OP RANK WORLD PORT ROOT
 

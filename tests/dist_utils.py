@@ -30,6 +30,17 @@ __all__ = ["run_distributed", "free_port", "RankProcess"]
 _TIMEOUT_S = 300
 
 
+def _load(path: str, name: str) -> Callable[..., Any]:
+    """Function ``name`` of the file ``path``, imported by path (a child of the forkserver)."""
+    spec = importlib.util.spec_from_file_location(f"_pyckpt_rank_{name}", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    fn: Callable[..., Any] = getattr(module, name)
+    return fn
+
+
 def _child(
     rank: int, path: str, name: str, world_size: int, port: int, args: tuple[Any, ...], q: Any
 ) -> None:
@@ -43,11 +54,7 @@ def _child(
         LOCAL_RANK=str(rank),
     )
     try:
-        spec = importlib.util.spec_from_file_location(f"_pyckpt_dist_{name}", path)
-        assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[spec.name] = module
-        spec.loader.exec_module(module)
+        fn = _load(path, name)
         dist.init_process_group(
             "gloo",
             rank=rank,
@@ -55,7 +62,7 @@ def _child(
             timeout=datetime.timedelta(seconds=_TIMEOUT_S),
         )
         try:
-            result = getattr(module, name)(rank, world_size, *args)
+            result = fn(rank, world_size, *args)
             q.put((rank, "ok", result))
         finally:
             dist.destroy_process_group()
@@ -71,16 +78,6 @@ def _context() -> Any:
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(["torch", "torch.distributed.checkpoint", "pyckpt.storage"])
     return ctx
-
-
-def _load(path: str, name: str) -> Callable[..., Any]:
-    spec = importlib.util.spec_from_file_location(f"_pyckpt_rank_{name}", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    fn: Callable[..., Any] = getattr(module, name)
-    return fn
 
 
 def _redirected(path: str, name: str, args: tuple[Any, ...], env: dict[str, str],
