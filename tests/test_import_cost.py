@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 import pyckpt
 
@@ -77,8 +77,6 @@ def test_command_does_not_import_torch(command: str, inputs: tuple[Path, Path],
     res = _probe(*args, cwd=tmp_path)
     assert res.returncode == 0, res.stderr
     if command.startswith(("consolidate", "api")):
-        from safetensors.torch import load_file
-
         got = load_file(str(out / "model-00001-of-00001.safetensors"))
         assert got.keys() == {"w", "b"}
 
