@@ -1,17 +1,20 @@
 """Rank bodies for tests/test_manager.py: a CheckpointManager on several "nodes" of one machine.
 
-Each rank is its own process, started by :func:`launch` the way a real launch would start it:
-torchrun's variables (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``,
-``GROUP_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``) set, so the manager finds its node from
-``GROUP_RANK``. With mount namespaces (the normal test environment: root in a container) each
-rank runs in a private mount namespace where its node's directory ``root/nodes/n<k>`` is bind
+Each rank is its own process, started by :func:`launch` with torchrun's variables (``RANK``,
+``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``GROUP_RANK``, ``MASTER_ADDR``,
+``MASTER_PORT``) set, so the manager finds its node from ``GROUP_RANK``. The ranks are forked
+from the tests' forkserver, which has already imported torch (:class:`dist_utils.RankProcess`):
+a new interpreter per rank imported torch again, seconds of CPU each on 2 cores for each of the
+4 ranks of every launch. With mount namespaces (the normal test environment: root in a
+container) each rank first enters a private mount namespace (:mod:`_mountns`, what ``unshare -m
+--propagation private`` + ``mount`` do) where its node's directory ``root/nodes/n<k>`` is bind
 mounted on ``root/local`` (the same fast-tier path on every node) and ``root/nodes`` is hidden
 under an empty tmpfs, so no rank can reach another node's fast tier by any path. Deleting
 ``root/nodes/n<k>`` between runs loses that node's fast tier; the durable tier
 ``root/durable`` (or an ``s3://`` URL) is shared.
 
-Run as a script: ``python _manager_workers.py <spec.json>``; the result of each rank is written
-to ``<root>/results/<tag>-<rank>.json``.
+Run as a script: ``python _manager_workers.py <spec.json>`` (no namespace); the result of each
+rank is written to ``<root>/results/<tag>-<rank>.json``.
 """
 
 from __future__ import annotations
@@ -19,15 +22,16 @@ from __future__ import annotations
 import datetime
 import json
 import os
-import shutil
 import signal
-import subprocess
 import sys
 import time
 import warnings
 from typing import Any
 
 import torch
+from _mountns import bind_and_hide, namespace_refusal, unshare_mounts
+
+__all__ = ["launch", "log_of", "namespace_refusal", "result", "main"]
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -84,16 +88,13 @@ def check(state: dict[str, Any], step: int, world: int, rank: int) -> list[str]:
 # ----------------------------------------------------------------------------- isolation
 
 
-def namespace_refusal() -> str | None:
-    """Why ``unshare -m`` + bind mounts cannot be used here (None when they can)."""
-    if shutil.which("unshare") is None:
-        return "the unshare command is missing"
-    probe = subprocess.run(
-        ["unshare", "-m", "--propagation", "private", "sh", "-c",
-         "mount -t tmpfs tmpfs /mnt && umount /mnt"], capture_output=True, timeout=60)
-    if probe.returncode != 0:
-        return "unshare -m / mount are refused here (needs CAP_SYS_ADMIN)"
-    return None
+def _rank(spec_path: str, mounts: tuple[str, str, str] | None) -> None:
+    """One rank, in a child of the forkserver (:func:`launch`)."""
+    if mounts is not None:
+        node_dir, local, nodes = mounts
+        unshare_mounts()
+        bind_and_hide([(node_dir, local)], nodes)
+    main(spec_path)
 
 
 def launch(root: str, nnodes: int, per_node: int, spec: dict[str, Any], *,
@@ -105,6 +106,7 @@ def launch(root: str, nnodes: int, per_node: int, spec: dict[str, Any], *,
     """
     from _child_env import child_env
     from _ports import free_port
+    from dist_utils import RankProcess
 
     world = nnodes * per_node
     os.makedirs(os.path.join(root, "local"), exist_ok=True)
@@ -122,18 +124,13 @@ def launch(root: str, nnodes: int, per_node: int, spec: dict[str, Any], *,
         env = dict(env_base, RANK=str(rank), WORLD_SIZE=str(world),
                    LOCAL_RANK=str(rank % per_node), LOCAL_WORLD_SIZE=str(per_node),
                    GROUP_RANK=str(node), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        cmd = [sys.executable, os.path.abspath(__file__), spec_path]
+        mounts = None
         if spec.get("namespace", True):
-            script = ('mount --bind "$1" "$2" && mount -t tmpfs tmpfs "$3" && shift 3 && '
-                      'exec "$@"')
-            cmd = ["unshare", "-m", "--propagation", "private", "sh", "-c", script, "sh",
-                   node_dir, os.path.join(root, "local"), os.path.join(root, "nodes"), *cmd]
+            mounts = (node_dir, os.path.join(root, "local"), os.path.join(root, "nodes"))
         else:
             env["PYCKPT_TEST_LOCAL"] = node_dir
-        log = open(os.path.join(root, "results", f"{spec['tag']}-{rank}.log"), "wb")
-        procs.append(subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                      start_new_session=True))
-        log.close()
+        log = os.path.join(root, "results", f"{spec['tag']}-{rank}.log")
+        procs.append(RankProcess(_rank, spec_path, mounts, env=env, log=log))
     deadline = time.monotonic() + timeout
     first_failure: float | None = None
     while time.monotonic() < deadline:
@@ -147,9 +144,12 @@ def launch(root: str, nnodes: int, per_node: int, spec: dict[str, Any], *,
         time.sleep(0.1)
     for p in procs:
         if p.poll() is None:
-            os.killpg(p.pid, signal.SIGKILL)
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except ProcessLookupError:  # it had not made its own group yet
+                p.send_signal(signal.SIGKILL)
             p.wait()
-    return [p.returncode for p in procs]
+    return [p.wait() for p in procs]
 
 
 def result(root: str, tag: str, rank: int) -> dict[str, Any]:

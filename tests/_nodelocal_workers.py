@@ -17,17 +17,14 @@ that needs the namespace skips with the reason.
 
 from __future__ import annotations
 
-import ctypes
 import os
 import sys
 from typing import Any
 
 import torch
+from _mountns import bind_and_hide, mount_tmpfs, namespace_refusal, unshare_mounts
 
-_CLONE_NEWNS = 0x00020000
-_MS_BIND = 4096
-_MS_REC = 16384
-_MS_PRIVATE = 1 << 18
+__all__ = ["namespace_refusal", "isolate", "foreign_opens", "other_nodes_visible"]
 
 _opened: list[str] = []
 
@@ -35,28 +32,6 @@ _opened: list[str] = []
 def _audit(event: str, args: tuple[Any, ...]) -> None:
     if event == "open" and isinstance(args[0], (str, bytes, os.PathLike)):
         _opened.append(os.path.abspath(os.fsdecode(args[0])))
-
-
-def _libc_call(libc: Any, name: str, *args: Any) -> None:
-    if getattr(libc, name)(*args) != 0:
-        err = ctypes.get_errno()
-        raise OSError(err, f"{name}{args}: {os.strerror(err)}")
-
-
-def namespace_refusal() -> str | None:
-    """Why a private mount namespace cannot be made here (None when it can)."""
-    import subprocess
-
-    code = (
-        "import ctypes, sys\n"
-        "libc = ctypes.CDLL(None, use_errno=True)\n"
-        f"sys.exit(0 if libc.unshare({_CLONE_NEWNS}) == 0 and "
-        f"libc.mount(None, b'/', None, {_MS_REC | _MS_PRIVATE}, None) == 0 else 1)\n"
-    )
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, timeout=60)
-    if proc.returncode != 0:
-        return "unshare(CLONE_NEWNS) + mount are refused here (needs CAP_SYS_ADMIN)"
-    return None
 
 
 def isolate(root: str, node: int, names: tuple[str, ...] = ("ckpt",)) -> tuple[dict[str, str], str]:
@@ -71,19 +46,12 @@ def isolate(root: str, node: int, names: tuple[str, ...] = ("ckpt",)) -> tuple[d
         os.makedirs(path, exist_ok=True)
     if os.environ.get("PYCKPT_TEST_NO_NAMESPACE") == "1":
         return own, "paths"
-    libc = ctypes.CDLL(None, use_errno=True)
     try:
-        _libc_call(libc, "unshare", _CLONE_NEWNS)
+        unshare_mounts()
     except OSError:
         return own, "paths"
-    _libc_call(libc, "mount", None, b"/", None, _MS_REC | _MS_PRIVATE, None)
-    common = {}
-    for n, path in own.items():
-        target = os.path.join(root, n)
-        _libc_call(libc, "mount", os.fsencode(path), os.fsencode(target), None, _MS_BIND, None)
-        common[n] = target
-    _libc_call(libc, "mount", b"tmpfs", os.fsencode(os.path.join(root, "nodes")), b"tmpfs", 0,
-               None)
+    common = {n: os.path.join(root, n) for n in own}
+    bind_and_hide([(own[n], common[n]) for n in own], os.path.join(root, "nodes"))
     return common, "namespace"
 
 
@@ -241,9 +209,7 @@ def failing_save_worker(rank: int, world: int, root: str) -> Any:
     paths, mode = isolate(root, rank)
     assert mode == "namespace"
     if rank == 1:
-        libc = ctypes.CDLL(None, use_errno=True)
-        _libc_call(libc, "mount", b"tmpfs", os.fsencode(paths["ckpt"]), b"tmpfs", 0,
-                   b"size=16k")
+        mount_tmpfs(paths["ckpt"], "size=16k")
     sd = sharded(world, zeros=False)
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor

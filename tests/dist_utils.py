@@ -90,18 +90,39 @@ def _redirected(path: str, name: str, args: tuple[Any, ...], env: dict[str, str]
     _load(path, name)(*args)
 
 
+def _logged(path: str, name: str, args: tuple[Any, ...], env: dict[str, str], log: str) -> None:
+    os.setsid()  # its own process group, as Popen(start_new_session=True): killpg reaches it
+    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    os.environ.update(env)
+    _load(path, name)(*args)
+
+
 class RankProcess:
     """``fn(*args)`` in a child of the forkserver that has already imported torch, with the
     child's stdout and stderr on pipes read here as text (the parts of ``subprocess.Popen(...,
     stdout=PIPE, stderr=PIPE, text=True)`` that tests which kill ranks one by one use). A new
     interpreter per rank imported torch again: seconds of CPU each on 2 cores, for every rank of
     every kill point. ``fn`` is a module-level function of a file in tests/; ``env`` is added to
-    the child's environment."""
+    the child's environment. With ``log`` (a file path) the child's stdout and stderr go to that
+    file instead (``stdout``/``stderr`` are then None) and the child leads a new session (its
+    own process group, as ``Popen(..., start_new_session=True)``)."""
 
-    def __init__(self, fn: Callable[..., Any], *args: Any, env: dict[str, str] | None = None):
+    def __init__(self, fn: Callable[..., Any], *args: Any, env: dict[str, str] | None = None,
+                 log: str | None = None):
         path = sys.modules[fn.__module__].__file__
         assert path is not None
         ctx = _context()
+        self.stdout: Any = None
+        self.stderr: Any = None
+        if log is not None:
+            self._proc = ctx.Process(target=_logged,
+                                     args=(path, fn.__name__, args, dict(env or {}), log))
+            self._proc.start()
+            self.pid = self._proc.pid
+            return
         out_r, out_w = ctx.Pipe(duplex=False)
         err_r, err_w = ctx.Pipe(duplex=False)
         self._proc = ctx.Process(target=_redirected,
