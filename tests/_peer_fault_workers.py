@@ -76,18 +76,24 @@ def _prepare(op: str, rank: int, world: int, root: str) -> Any:
 
 def busy_rank_worker(rank: int, world: int, busy_s: float) -> Any:
     """Rank 1 works ``busy_s`` seconds (longer than the peer timeout) between two collectives;
-    rank 0 waits for it in the second. Returns the seconds rank 0 waited."""
+    rank 0 waits for it in the second. Returns what each rank got, the seconds it spent from the
+    first collective's end to the second's, and the ``time.monotonic()`` (one clock for every
+    process of the machine) at which the second ended, and on rank 1 its work ended."""
     from pyckpt import _knobs
     from pyckpt._collective import all_gather, group_info
 
     group = group_info(None)
+    out: dict[str, Any] = {}
     with _knobs.override(peer_timeout=2):
         all_gather(rank, group)
         t0 = time.monotonic()
         if rank == 1:
             time.sleep(busy_s)  # local work; this rank's heartbeat keeps beating
-        got = all_gather(rank * 10, group)
-    return {"got": got, "waited": time.monotonic() - t0}
+            out["busy_end"] = time.monotonic()
+        out["got"] = all_gather(rank * 10, group)
+    out["end"] = time.monotonic()
+    out["waited"] = out["end"] - t0
+    return out
 
 
 def joins_during_the_check_worker(rank: int, world: int) -> Any:
