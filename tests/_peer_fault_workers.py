@@ -99,11 +99,13 @@ def busy_rank_worker(rank: int, world: int, busy_s: float) -> Any:
 def joins_during_the_check_worker(rank: int, world: int) -> Any:
     """Rank 1 stops beating (as a rank does whose job ends), then joins rank 0's collective
     while rank 0 is checking the heartbeats (it waited past the 2 s peer timeout) and leaves;
-    rank 0 must see the collective complete, not a lost rank."""
+    rank 0 must see the collective complete, not a lost rank. Returns what
+    :func:`busy_rank_worker` returns."""
     from pyckpt import _daemons, _knobs
     from pyckpt._collective import all_gather, group_info
 
     group = group_info(None)
+    out: dict[str, Any] = {}
     with _knobs.override(peer_timeout=2):
         all_gather(rank, group)  # starts this rank's heartbeat
         t0 = time.monotonic()
@@ -112,8 +114,11 @@ def joins_during_the_check_worker(rank: int, world: int) -> Any:
             # Rank 0 polls every second: past the 2 s bound it reads the heartbeats, waits
             # 2.5 beats (5 s) and reads them again; join in the middle of that.
             time.sleep(4.0)
-        got = all_gather(rank * 10, group)
-    return {"got": got, "waited": time.monotonic() - t0}
+            out["busy_end"] = time.monotonic()
+        out["got"] = all_gather(rank * 10, group)
+    out["end"] = time.monotonic()
+    out["waited"] = out["end"] - t0
+    return out
 
 
 def main(op: str, rank: int, world: int, port: int, root: str) -> None:

@@ -204,7 +204,10 @@ def test_a_rank_that_joins_during_the_heartbeat_check_and_leaves_is_not_lost() -
     results = run_distributed(joins_during_the_check_worker, 2)
     for r in results:
         assert r["got"] == [0, 10], r
-    assert results[0]["waited"] >= 4.0
+    # As above: rank 0's collective ended after rank 1 joined it, and rank 0 was past the 2 s
+    # bound (in its heartbeat check) by then.
+    assert results[0]["end"] >= results[1]["busy_end"]
+    assert results[0]["waited"] >= 3.0
 
 
 # ----------------------------------------------------------------------------- checksum names
