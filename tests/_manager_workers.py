@@ -33,8 +33,6 @@ from _mountns import bind_and_hide, namespace_refusal, unshare_mounts
 
 __all__ = ["launch", "log_of", "namespace_refusal", "result", "main"]
 
-_HERE = os.path.dirname(os.path.abspath(__file__))
-
 
 # ----------------------------------------------------------------------------- state
 
@@ -148,7 +146,6 @@ def launch(root: str, nnodes: int, per_node: int, spec: dict[str, Any], *,
                 os.killpg(p.pid, signal.SIGKILL)
             except ProcessLookupError:  # it had not made its own group yet
                 p.send_signal(signal.SIGKILL)
-            p.wait()
     return [p.wait() for p in procs]
 
 
