@@ -233,6 +233,7 @@ def consolidate_worker(rank: int, world: int, root: str, per_node: int, kwargs: 
                              fsync=False, **kwargs)
     return {"mode": mode, "files": [os.path.basename(f) for f in res.files],
             "rank_bytes": res.rank_bytes, "total": res.total_bytes,
+            "phases": res.phases, "seconds": res.seconds,
             "foreign": foreign_opens(root, node)}
 
 

@@ -171,6 +171,53 @@ def test_ranks_of_one_host_share_its_cpus_for_an_export(tmp_path):
         assert same_bits(got["w"], want), label
 
 
+_SLOW_SHARE_S = 1.0
+
+
+def _phases_worker(rank, world, root):
+    import time
+
+    import pyckpt._consolidate as consolidation
+
+    src = os.path.join(root, "src")
+    if rank == 0:
+        write_dcp_shards(src, {"w": torch.arange(64 * 48, dtype=torch.float32).reshape(64, 48)},
+                         {"w": grid_blocks((64, 48), (world, 1))}, world)
+    torch.distributed.barrier()
+    if rank == 1:  # this rank's share takes a second longer: the others wait for it
+        run_share = consolidation.run_share
+
+        def slow_share(*args, **kwargs):
+            time.sleep(_SLOW_SHARE_S)
+            return run_share(*args, **kwargs)
+
+        consolidation.run_share = slow_share
+    res = pyckpt.consolidate(src, os.path.join(root, "dst"), fsync=False)
+    return res.phases, res.seconds
+
+
+@pytest.mark.distributed
+def test_phases_say_which_rank_the_others_waited_for(tmp_path):
+    """``ConsolidationResult.phases``: plan, copy, wait, commit, in that order, adding up to
+    the call's time; a rank whose share is slow shows it as its own ``copy`` and as every other
+    rank's ``wait``."""
+    from dist_utils import run_distributed
+
+    (fast, fast_s), (slow, slow_s) = run_distributed(_phases_worker, 2, str(tmp_path))
+    for phases, seconds in ((fast, fast_s), (slow, slow_s)):
+        assert list(phases) == ["plan", "copy", "wait", "commit"]
+        assert all(v >= 0 for v in phases.values())
+        assert sum(phases.values()) <= seconds
+    assert slow["copy"] >= _SLOW_SHARE_S
+    # Causal (one monotonic clock for both processes): the slow rank starts sleeping after it
+    # received the plan, which the fast rank sent after its call began; the fast rank's wait
+    # ends after the slow rank's share did. Whatever of the second did not overlap the fast
+    # rank's own planning and copying is its wait.
+    assert fast["wait"] >= _SLOW_SHARE_S - fast["plan"] - fast["copy"] - 1e-9
+    assert same_bits(load_outputs(str(tmp_path / "dst" / "model.safetensors.index.json"))["w"],
+                     torch.arange(64 * 48, dtype=torch.float32).reshape(64, 48))
+
+
 @pytest.mark.parametrize("threads", [0, -2])
 def test_bad_thread_count_is_refused_before_anything_is_written(tmp_path, threads):
     src, dst = str(tmp_path / "src"), tmp_path / "dst"

@@ -210,6 +210,9 @@ def test_consolidate_over_the_process_group(tmp_path: Path, world: int) -> None:
         assert r["foreign"] == [], r
     assert sum(r["rank_bytes"] for r in results) == results[0]["total"]
     assert all(r["files"] for r in results)  # every rank wrote some of the files
+    for r in results:  # where each rank's time went (the transfers count as copying)
+        assert list(r["phases"]) == ["plan", "copy", "wait", "commit"], r["phases"]
+        assert sum(r["phases"].values()) <= r["seconds"]
     out = _gather_export(tmp_path, world, tmp_path / "all")
     full = full_state()
     assert sorted(out) == sorted(full)

@@ -114,6 +114,14 @@ class ConsolidationResult:
             choice, how to get everything).
         skipped: tensors left out because safetensors cannot hold their dtype.
         tied: tied weights written once: name left out -> name written.
+        phases: seconds this rank spent in each step of the export, in order (they add up to
+            about ``seconds``): ``"plan"`` (rank 0 reads the input's metadata, plans and
+            creates the temp files; the other ranks wait for the plan), ``"copy"`` (this rank's
+            share), ``"wait"`` (for the slowest rank to finish its share), ``"commit"``
+            (rank 0 syncs, renames and writes the index; the other ranks wait for it). With
+            ``shared_filesystem=False``, ``"copy"`` includes the transfers from other ranks.
+            Where a multi-rank export's time goes: a large ``"wait"`` on most ranks means one
+            rank's share or storage is slow; a large ``"plan"`` means metadata or planning.
     """
 
     files: list[str]
@@ -125,6 +133,7 @@ class ConsolidationResult:
     skipped: list[str] = field(default_factory=list)
     tied: dict[str, str] = field(default_factory=dict)
     threads: int = 0
+    phases: dict[str, float] = field(default_factory=dict)
 
 
 # --------------------------------------------------------------------------- public API
@@ -300,23 +309,30 @@ def consolidate(
         create_outputs(p, dst)
         return p, choice
 
+    clock = _Phases(start)
     planned, _ = agree(plan_and_create, group, ranks="root", what="planning")
     assert planned is not None
     plan, choice = planned
     cleanup = (lambda: remove_temps(plan, dst)) if rank == 0 else None
+    clock.end("plan")
 
-    rank_bytes, _ = agree(
-        lambda: run_share(plan, dst, plan.shares[rank], nthreads, do_fsync, progress, mode),
-        group, on_failure=cleanup, what="consolidation",
-    )
+    def share() -> int:
+        try:
+            return run_share(plan, dst, plan.shares[rank], nthreads, do_fsync, progress, mode)
+        finally:
+            clock.end("copy")
+
+    rank_bytes, _ = agree(share, group, on_failure=cleanup, what="consolidation")
+    clock.end("wait")
     finals, _ = agree(lambda: commit(plan, dst, do_fsync), group, ranks="root",
                       on_failure=cleanup, what="commit")
     if rank != 0:
         finals = [os.path.join(dst, f.name) for f in plan.files]
+    clock.end("commit")
     seconds = time.perf_counter() - start
     logger.info(
-        "rank %d/%d consolidated %d of %d bytes into %d file(s) in %.3f s",
-        rank, world, rank_bytes, plan.total_bytes, len(plan.files), seconds,
+        "rank %d/%d consolidated %d of %d bytes into %d file(s) in %.3f s (%s)",
+        rank, world, rank_bytes, plan.total_bytes, len(plan.files), seconds, clock,
     )
     return ConsolidationResult(
         files=list(finals or []),
@@ -328,7 +344,25 @@ def consolidate(
         skipped=[] if choice is None else list(choice.skipped),
         tied=dict(plan.ties),
         threads=nthreads,
+        phases=clock.seconds,
     )
+
+
+class _Phases:
+    """Wall seconds of the steps of one export on this rank (``ConsolidationResult.phases``):
+    each :meth:`end` closes the step that ran since the previous one."""
+
+    def __init__(self, start: float) -> None:
+        self._last = start
+        self.seconds: dict[str, float] = {}
+
+    def end(self, name: str) -> None:
+        now = time.perf_counter()
+        self.seconds[name] = self.seconds.get(name, 0.0) + now - self._last
+        self._last = now
+
+    def __str__(self) -> str:
+        return ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in self.seconds.items())
 
 
 def _copy_threads(threads: int | None, group: Group) -> int:
@@ -381,12 +415,14 @@ def _consolidate_nodelocal(
             choice,
         )
 
+    clock = _Phases(start)
     planned, _ = agree(plan_only, group, ranks="root", what="planning")
     assert planned is not None
     plan, choice = planned
     mine = [i for i, w in enumerate(plan.writers) if w == rank]
     cleanup = lambda: remove_temps(plan, dst, mine)  # noqa: E731
     agree(lambda: create_outputs(plan, dst, mine), group, on_failure=cleanup, what="creating files")
+    clock.end("plan")
     try:
         with _C.ThreadPool(nthreads) as pool:
             rank_bytes = run_share_nodelocal(
@@ -395,15 +431,19 @@ def _consolidate_nodelocal(
     except Exception:
         cleanup()
         raise
+    clock.end("copy")
     # Every rank's files are written: each commits its own, then (all committed) the index.
     agree(lambda: None, group, on_failure=cleanup, what="consolidation")
+    clock.end("wait")
     finals, _ = agree(lambda: commit_files(plan, dst, do_fsync, mine), group,
                       on_failure=cleanup, what="commit")
     write_index(plan, dst, do_fsync)
+    clock.end("commit")
     seconds = time.perf_counter() - start
     logger.info(
-        "rank %d/%d consolidated %d of %d bytes into %d of %d file(s) in %.3f s (node-local)",
+        "rank %d/%d consolidated %d of %d bytes into %d of %d file(s) in %.3f s (node-local; %s)",
         rank, group.world, rank_bytes, plan.total_bytes, len(mine), len(plan.files), seconds,
+        clock,
     )
     return ConsolidationResult(
         files=list(finals or []),
@@ -414,4 +454,5 @@ def _consolidate_nodelocal(
         selection="" if choice is None else choice.description,
         skipped=[] if choice is None else list(choice.skipped),
         threads=nthreads,
+        phases=clock.seconds,
     )
