@@ -80,3 +80,20 @@ def test_consolidate(benchmark, tmp_path, sd, pyckpt_inputs, dim, impl, source):
     _check(dst, sd)
     if benchmark.stats is not None:
         benchmark.extra_info["bytes_per_s"] = nbytes(sd) / benchmark.stats.stats.median
+
+
+def test_export_ranks_script_runs_and_checks_its_exports(tmp_path):
+    """Smoke run of benchmarks/export_ranks.py (2 gloo ranks, the demo's model, one run of
+    each method): it exits 0 only when both pyckpt exports equal torch's, bit for bit, and
+    prints a row per scale and the phases of each rank."""
+    import subprocess
+
+    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "export_ranks.py")
+    out = subprocess.run([sys.executable, script, "--scales", "1", "--repeats", "1", "--dir",
+                          str(tmp_path), "--json", str(tmp_path / "r.json")],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "| 19 |" in out.stdout
+    assert "19 MiB, pyckpt zstd: rank 0:" in out.stdout
+    assert "19 MiB, pyckpt shards: rank 0:" in out.stdout
+    assert os.listdir(tmp_path) == ["r.json"]  # its work directory is gone

@@ -1,0 +1,230 @@
+"""The demo's export on its ranks, phase by phase: where a small multi-rank export's time goes.
+
+Usage:
+    python benchmarks/export_ranks.py [--scales 1,2,4,8] [--repeats 15] [--dir DIR] [--json F]
+
+For each scale, 2 gloo ranks on this machine (as in ``examples/train.py``) build the demo's
+Llama model (``LlamaForCausalLM``: vocab 4096 x scale, hidden 256, 4 x scale layers, fp32;
+scale 1 is the demo's 19 MiB), shard it with FSDP2 (``fully_shard``), and save its model
+state dict twice: a zstd pyckpt checkpoint and DCP ``HuggingFaceStorageWriter`` shards. Then,
+alternating, the same number of runs each:
+
+* ``pyckpt zstd``: ``pyckpt.consolidate`` on both ranks from the pyckpt checkpoint (every
+  chunk verified and decoded);
+* ``pyckpt shards``: the same from the DCP shards, torch's own input;
+* ``torch``: ``consolidate_safetensors_files`` in rank 0 from the DCP shards (it has no
+  multi-rank mode), the other rank waiting.
+
+Each run starts as the demo's do: previous output removed, ``sync()``, its input read once
+(page cache), a barrier; no fsync on either side. A pyckpt run's time is its slowest rank's.
+Printed: medians [min-max] of the runs, torch / pyckpt, and per rank the medians of
+``ConsolidationResult.phases`` (plan, copy, wait, commit) of the pyckpt runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from typing import Any
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+WORLD = 2
+METHODS = ("pyckpt zstd", "pyckpt shards", "torch")
+
+
+def _model_state(scale: int) -> Any:
+    import torch
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=4096 * scale, hidden_size=256, intermediate_size=688,
+                         num_hidden_layers=4 * scale, num_attention_heads=8,
+                         num_key_value_heads=4, max_position_embeddings=128)
+    model = LlamaForCausalLM(config)
+    mesh = init_device_mesh("cpu", (WORLD,))
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return get_model_state_dict(model)
+
+
+def _warm(src: str) -> None:
+    for name in sorted(os.listdir(src)):
+        path = os.path.join(src, name)
+        if os.path.isfile(path):
+            with open(path, "rb", buffering=0) as fh:
+                while fh.read(16 << 20):
+                    pass
+
+
+def _same_export(files: list[str], torch_dir: str, what: str) -> None:
+    """Raises SystemExit unless the safetensors ``files`` hold exactly the tensors of torch's
+    export in ``torch_dir``, bit for bit."""
+    import torch
+    from safetensors.torch import load_file
+
+    ours: dict[str, Any] = {}
+    for f in files:
+        ours.update(load_file(f))
+    theirs: dict[str, Any] = {}
+    for name in sorted(os.listdir(torch_dir)):
+        if name.endswith(".safetensors"):
+            theirs.update(load_file(os.path.join(torch_dir, name)))
+    if ours.keys() != theirs.keys() or not all(torch.equal(ours[k], theirs[k]) for k in ours):
+        raise SystemExit(f"{what}: the export differs from torch's")
+
+
+def rank_main(spec_path: str) -> None:
+    import torch
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import HuggingFaceStorageWriter
+    from torch.distributed.checkpoint._consolidate_hf_safetensors import (
+        consolidate_safetensors_files,
+    )
+
+    import pyckpt
+
+    with open(spec_path) as f:
+        spec = json.load(f)
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    work, repeats = spec["work"], spec["repeats"]
+    results: dict[str, Any] = {}
+    for scale in spec["scales"]:
+        root = os.path.join(work, f"scale-{scale}")
+        src, shards, out = (os.path.join(root, d) for d in ("pyckpt", "shards", "out"))
+        msd = _model_state(scale)
+        with pyckpt.Writer(src, compression="zstd") as w:
+            dcp.save(msd, storage_writer=w)
+        dcp.save(msd, storage_writer=HuggingFaceStorageWriter(shards, save_distributed=True))
+        names = list(msd)
+        times: dict[str, list[float]] = {m: [] for m in METHODS}
+        phases: dict[str, list[dict[str, float]]] = {"pyckpt zstd": [], "pyckpt shards": []}
+        total = 0
+
+        def slowest(seconds: float) -> float:
+            t = torch.tensor([seconds], dtype=torch.float64)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+            return float(t)
+
+        for i in range(repeats + 1):  # the first round warms the processes up, untimed
+            order = list(METHODS[i % 3:] + METHODS[:i % 3])
+            for method in order:
+                if rank == 0:
+                    shutil.rmtree(out, ignore_errors=True)
+                    os.sync()
+                    _warm(src if method == "pyckpt zstd" else shards)
+                dist.barrier()
+                if method == "torch":
+                    seconds = 0.0
+                    if rank == 0:
+                        t0 = time.perf_counter()
+                        os.makedirs(out)
+                        consolidate_safetensors_files(shards, out, dict.fromkeys(names, 1))
+                        seconds = time.perf_counter() - t0
+                    dist.barrier()
+                else:
+                    t0 = time.perf_counter()
+                    res = pyckpt.consolidate(src if method == "pyckpt zstd" else shards, out,
+                                             fsync=False)
+                    seconds = time.perf_counter() - t0
+                    total = res.total_bytes
+                    if i:
+                        phases[method].append(res.phases)
+                seconds = slowest(seconds)
+                if i:
+                    times[method].append(seconds)
+        # Untimed: both pyckpt exports must equal torch's, tensor for tensor, bit for bit.
+        theirs = os.path.join(root, "check-torch")
+        if rank == 0:
+            os.makedirs(theirs)
+            consolidate_safetensors_files(shards, theirs, dict.fromkeys(names, 1))
+        dist.barrier()
+        for method, inp in (("pyckpt zstd", src), ("pyckpt shards", shards)):
+            mine = os.path.join(root, "check-" + method.split()[1])
+            res = pyckpt.consolidate(inp, mine, fsync=False)
+            if rank == 0:
+                _same_export(res.files, theirs, method)
+        dist.barrier()
+        if rank == 0:
+            shutil.rmtree(root, ignore_errors=True)
+        gathered: list[Any] = [None] * WORLD
+        dist.all_gather_object(gathered, phases)
+        results[str(scale)] = {"bytes": total, "times": times, "phases": gathered}
+        dist.barrier()
+    if rank == 0:
+        with open(spec["result"], "w") as f:
+            json.dump(results, f)
+    dist.destroy_process_group()
+
+
+def _med(values: list[float]) -> str:
+    v = sorted(values)
+    return f"{statistics.median(v) * 1e3:.2f} [{v[0] * 1e3:.2f}-{v[-1] * 1e3:.2f}]"
+
+
+def report(results: dict[str, Any]) -> str:
+    lines = ["| MiB | pyckpt zstd ms | pyckpt shards ms | torch ms | torch / zstd | "
+             "torch / shards |", "|---:|---|---|---|---:|---:|"]
+    for r in results.values():
+        t = r["times"]
+        med = {m: statistics.median(t[m]) for m in METHODS}
+        lines.append(f"| {r['bytes'] / 2**20:.0f} | {_med(t['pyckpt zstd'])} | "
+                     f"{_med(t['pyckpt shards'])} | {_med(t['torch'])} | "
+                     f"{med['torch'] / med['pyckpt zstd']:.2f}x | "
+                     f"{med['torch'] / med['pyckpt shards']:.2f}x |")
+    lines += ["", "Phases of the pyckpt runs, ms, medians per rank (plan / copy / wait / commit):",
+              ""]
+    for r in results.values():
+        for method in ("pyckpt zstd", "pyckpt shards"):
+            cells = []
+            for rank, per_rank in enumerate(r["phases"]):
+                runs = per_rank[method]
+                cells.append(f"rank {rank}: " + " / ".join(
+                    f"{statistics.median(p[k] for p in runs) * 1e3:.2f}"
+                    for k in ("plan", "copy", "wait", "commit")))
+            lines.append(f"- {r['bytes'] / 2**20:.0f} MiB, {method}: " + "; ".join(cells))
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--scales", default="1", help="comma-separated model scales (1: 19 MiB)")
+    ap.add_argument("--repeats", type=int, default=15, help="timed runs of each method")
+    ap.add_argument("--dir", default=None, help="work directory (default: a temp dir)")
+    ap.add_argument("--json", default=None, help="also write the raw figures here")
+    args = ap.parse_args(argv)
+    scales = [int(s) for s in args.scales.split(",")]
+    sys.path.insert(0, HERE)
+    from _ranks import run_ranks
+
+    work = tempfile.mkdtemp(prefix="pyckpt-export-ranks-", dir=args.dir)
+    try:
+        spec = {"work": work, "result": os.path.join(work, "result.json"), "scales": scales,
+                "repeats": args.repeats}
+        results = run_ranks(__file__, spec, WORLD, WORLD, timeout=600 + 120 * sum(scales),
+                            env=dict(os.environ, OMP_NUM_THREADS="1"))
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    print(report(results))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 3 and sys.argv[1] == "--rank-main":
+        rank_main(sys.argv[2])
+    else:
+        sys.exit(main())
