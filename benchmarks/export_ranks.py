@@ -6,11 +6,12 @@ Usage:
 For each scale, 2 gloo ranks on this machine (as in ``examples/train.py``) build the demo's
 Llama model (``LlamaForCausalLM``: vocab 4096 x scale, hidden 256, 4 x scale layers, fp32;
 scale 1 is the demo's 19 MiB), shard it with FSDP2 (``fully_shard``), and save its model
-state dict twice: a zstd pyckpt checkpoint and DCP ``HuggingFaceStorageWriter`` shards. Then,
-alternating, the same number of runs each:
+state dict three times: pyckpt checkpoints with and without zstd and DCP
+``HuggingFaceStorageWriter`` shards. Then, alternating, the same number of runs each:
 
-* ``pyckpt zstd``: ``pyckpt.consolidate`` on both ranks from the pyckpt checkpoint (every
+* ``pyckpt zstd``: ``pyckpt.consolidate`` on both ranks from the zstd pyckpt checkpoint (every
   chunk verified and decoded);
+* ``pyckpt raw``: the same from the uncompressed one (every chunk verified);
 * ``pyckpt shards``: the same from the DCP shards, torch's own input;
 * ``torch``: ``consolidate_safetensors_files`` in rank 0 from the DCP shards (it has no
   multi-rank mode), the other rank waiting.
@@ -35,7 +36,7 @@ from typing import Any
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 WORLD = 2
-METHODS = ("pyckpt zstd", "pyckpt shards", "torch")
+METHODS = ("pyckpt zstd", "pyckpt raw", "pyckpt shards", "torch")
 
 
 def _model_state(scale: int) -> Any:
@@ -102,14 +103,17 @@ def rank_main(spec_path: str) -> None:
     results: dict[str, Any] = {}
     for scale in spec["scales"]:
         root = os.path.join(work, f"scale-{scale}")
-        src, shards, out = (os.path.join(root, d) for d in ("pyckpt", "shards", "out"))
+        src, raw, shards, out = (os.path.join(root, d) for d in ("zstd", "raw", "shards", "out"))
         msd = _model_state(scale)
         with pyckpt.Writer(src, compression="zstd") as w:
+            dcp.save(msd, storage_writer=w)
+        with pyckpt.Writer(raw) as w:
             dcp.save(msd, storage_writer=w)
         dcp.save(msd, storage_writer=HuggingFaceStorageWriter(shards, save_distributed=True))
         names = list(msd)
         times: dict[str, list[float]] = {m: [] for m in METHODS}
-        phases: dict[str, list[dict[str, float]]] = {"pyckpt zstd": [], "pyckpt shards": []}
+        inputs = {"pyckpt zstd": src, "pyckpt raw": raw, "pyckpt shards": shards, "torch": shards}
+        phases: dict[str, list[dict[str, float]]] = {m: [] for m in METHODS if m != "torch"}
         total = 0
 
         def slowest(seconds: float) -> float:
@@ -118,12 +122,13 @@ def rank_main(spec_path: str) -> None:
             return float(t)
 
         for i in range(repeats + 1):  # the first round warms the processes up, untimed
-            order = list(METHODS[i % 3:] + METHODS[:i % 3])
+            k = i % len(METHODS)
+            order = list(METHODS[k:] + METHODS[:k])
             for method in order:
                 if rank == 0:
                     shutil.rmtree(out, ignore_errors=True)
                     os.sync()
-                    _warm(src if method == "pyckpt zstd" else shards)
+                    _warm(inputs[method])
                 dist.barrier()
                 if method == "torch":
                     seconds = 0.0
@@ -135,8 +140,7 @@ def rank_main(spec_path: str) -> None:
                     dist.barrier()
                 else:
                     t0 = time.perf_counter()
-                    res = pyckpt.consolidate(src if method == "pyckpt zstd" else shards, out,
-                                             fsync=False)
+                    res = pyckpt.consolidate(inputs[method], out, fsync=False)
                     seconds = time.perf_counter() - t0
                     total = res.total_bytes
                     if i:
@@ -150,9 +154,9 @@ def rank_main(spec_path: str) -> None:
             os.makedirs(theirs)
             consolidate_safetensors_files(shards, theirs, dict.fromkeys(names, 1))
         dist.barrier()
-        for method, inp in (("pyckpt zstd", src), ("pyckpt shards", shards)):
+        for method in phases:
             mine = os.path.join(root, "check-" + method.split()[1])
-            res = pyckpt.consolidate(inp, mine, fsync=False)
+            res = pyckpt.consolidate(inputs[method], mine, fsync=False)
             if rank == 0:
                 _same_export(res.files, theirs, method)
         dist.barrier()
@@ -174,19 +178,19 @@ def _med(values: list[float]) -> str:
 
 
 def report(results: dict[str, Any]) -> str:
-    lines = ["| MiB | pyckpt zstd ms | pyckpt shards ms | torch ms | torch / zstd | "
-             "torch / shards |", "|---:|---|---|---|---:|---:|"]
+    ours = [m for m in METHODS if m != "torch"]
+    lines = ["| MiB | " + " | ".join(f"{m} ms" for m in METHODS) + " | "
+             + " | ".join(f"torch / {m.split()[1]}" for m in ours) + " |",
+             "|---:|" + "---|" * len(METHODS) + "---:|" * len(ours)]
     for r in results.values():
         t = r["times"]
         med = {m: statistics.median(t[m]) for m in METHODS}
-        lines.append(f"| {r['bytes'] / 2**20:.0f} | {_med(t['pyckpt zstd'])} | "
-                     f"{_med(t['pyckpt shards'])} | {_med(t['torch'])} | "
-                     f"{med['torch'] / med['pyckpt zstd']:.2f}x | "
-                     f"{med['torch'] / med['pyckpt shards']:.2f}x |")
+        lines.append(f"| {r['bytes'] / 2**20:.0f} | " + " | ".join(_med(t[m]) for m in METHODS)
+                     + " | " + " | ".join(f"{med['torch'] / med[m]:.2f}x" for m in ours) + " |")
     lines += ["", "Phases of the pyckpt runs, ms, medians per rank (plan / copy / wait / commit):",
               ""]
     for r in results.values():
-        for method in ("pyckpt zstd", "pyckpt shards"):
+        for method in ours:
             cells = []
             for rank, per_rank in enumerate(r["phases"]):
                 runs = per_rank[method]
