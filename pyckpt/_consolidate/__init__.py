@@ -119,7 +119,8 @@ class ConsolidationResult:
             creates the temp files; the other ranks wait for the plan), ``"copy"`` (this rank's
             share), ``"wait"`` (for the slowest rank to finish its share), ``"commit"``
             (rank 0 syncs, renames and writes the index; the other ranks wait for it). With
-            ``shared_filesystem=False``, ``"copy"`` includes the transfers from other ranks.
+            ``shared_filesystem=False``, ``"plan"`` also covers finding every node's files and
+            each rank creating its own outputs, and ``"copy"`` the transfers from other ranks.
             Where a multi-rank export's time goes: a large ``"wait"`` on most ranks means one
             rank's share or storage is slow; a large ``"plan"`` means metadata or planning.
     """
