@@ -84,7 +84,7 @@ def _same_export(files: list[str], torch_dir: str, what: str) -> None:
         raise SystemExit(f"{what}: the export differs from torch's")
 
 
-def rank_main(spec_path: str) -> None:
+def _rank_main(spec_path: str) -> None:
     import torch
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
@@ -207,7 +207,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=15, help="timed runs of each method")
     ap.add_argument("--dir", default=None, help="work directory (default: a temp dir)")
     ap.add_argument("--json", default=None, help="also write the raw figures here")
+    ap.add_argument("--rank-main", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.rank_main:
+        _rank_main(args.rank_main)
+        return 0
     scales = [int(s) for s in args.scales.split(",")]
     sys.path.insert(0, HERE)
     from _ranks import run_ranks
@@ -228,7 +232,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) == 3 and sys.argv[1] == "--rank-main":
-        rank_main(sys.argv[2])
-    else:
-        sys.exit(main())
+    sys.exit(main())

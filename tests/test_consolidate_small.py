@@ -138,14 +138,24 @@ def test_shared_threads_divide_the_cpus(monkeypatch, affinity, ranks, env, expec
     assert _knobs.shared_threads(ranks) == expected
 
 
+def _arange():
+    return torch.arange(64 * 48, dtype=torch.float32).reshape(64, 48)
+
+
+def _shared_input(rank, world, root):
+    """Rank 0 writes one (64, 48) fp32 tensor as DCP shards along dim 0 (one per rank) under
+    ``root/src``; every rank returns that path once it is written."""
+    src = os.path.join(root, "src")
+    if rank == 0:
+        write_dcp_shards(src, {"w": _arange()}, {"w": grid_blocks((64, 48), (world, 1))}, world)
+    torch.distributed.barrier()
+    return src
+
+
 def _threads_worker(rank, world, root):
     from pyckpt import _knobs
 
-    src = os.path.join(root, "src")
-    if rank == 0:
-        write_dcp_shards(src, {"w": torch.arange(64 * 48, dtype=torch.float32).reshape(64, 48)},
-                         {"w": grid_blocks((64, 48), (world, 1))}, world)
-    torch.distributed.barrier()
+    src = _shared_input(rank, world, root)
     out = {}
     for label, threads, env in (("default", None, None), ("given", 3, None), ("env", None, 2)):
         with _knobs.override(num_threads=env):
@@ -165,7 +175,7 @@ def test_ranks_of_one_host_share_its_cpus_for_an_export(tmp_path):
     for out, share in results:
         assert out == {"default": share, "given": 3, "env": 2}, out
         assert share == max(1, min(8, len(os.sched_getaffinity(0)) // 2))
-    want = torch.arange(64 * 48, dtype=torch.float32).reshape(64, 48)
+    want = _arange()
     for label in ("default", "given", "env"):
         got = load_outputs(str(tmp_path / label / "model.safetensors.index.json"))
         assert same_bits(got["w"], want), label
@@ -179,11 +189,7 @@ def _phases_worker(rank, world, root):
 
     import pyckpt._consolidate as consolidation
 
-    src = os.path.join(root, "src")
-    if rank == 0:
-        write_dcp_shards(src, {"w": torch.arange(64 * 48, dtype=torch.float32).reshape(64, 48)},
-                         {"w": grid_blocks((64, 48), (world, 1))}, world)
-    torch.distributed.barrier()
+    src = _shared_input(rank, world, root)
     if rank == 1:  # this rank's share takes a second longer: the others wait for it
         run_share = consolidation.run_share
 
@@ -215,7 +221,7 @@ def test_phases_say_which_rank_the_others_waited_for(tmp_path):
     # rank's own planning and copying is its wait.
     assert fast["wait"] >= _SLOW_SHARE_S - fast["plan"] - fast["copy"] - 1e-9
     assert same_bits(load_outputs(str(tmp_path / "dst" / "model.safetensors.index.json"))["w"],
-                     torch.arange(64 * 48, dtype=torch.float32).reshape(64, 48))
+                     _arange())
 
 
 @pytest.mark.parametrize("threads", [0, -2])
