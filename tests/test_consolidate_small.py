@@ -213,7 +213,7 @@ def test_phases_say_which_rank_the_others_waited_for(tmp_path):
     for phases, seconds in ((fast, fast_s), (slow, slow_s)):
         assert list(phases) == ["plan", "copy", "wait", "commit"]
         assert all(v >= 0 for v in phases.values())
-        assert sum(phases.values()) <= seconds
+        assert sum(phases.values()) <= seconds + 1e-9  # the same clock readings, summed
     assert slow["copy"] >= _SLOW_SHARE_S
     # Causal (one monotonic clock for both processes): the slow rank starts sleeping after it
     # received the plan, which the fast rank sent after its call began; the fast rank's wait

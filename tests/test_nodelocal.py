@@ -212,7 +212,7 @@ def test_consolidate_over_the_process_group(tmp_path: Path, world: int) -> None:
     assert all(r["files"] for r in results)  # every rank wrote some of the files
     for r in results:  # where each rank's time went (the transfers count as copying)
         assert list(r["phases"]) == ["plan", "copy", "wait", "commit"], r["phases"]
-        assert sum(r["phases"].values()) <= r["seconds"]
+        assert sum(r["phases"].values()) <= r["seconds"] + 1e-9
     out = _gather_export(tmp_path, world, tmp_path / "all")
     full = full_state()
     assert sorted(out) == sorted(full)
