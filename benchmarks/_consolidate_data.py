@@ -14,6 +14,18 @@ import torch
 SHARDING_KEY = "DCP_SHARDING_INFO"
 
 
+def warm(src: str) -> None:
+    """Reads every file of `src` (untimed), so each run starts from a warm page cache: this VM
+    gives file pages back to the host within a minute or two, so inputs written or read a few
+    runs earlier are partly cold again, which otherwise lands in whichever run comes next."""
+    for name in sorted(os.listdir(src)):
+        path = os.path.join(src, name)
+        if os.path.isfile(path):
+            with open(path, "rb", buffering=0) as fh:
+                while fh.read(16 << 20):
+                    pass
+
+
 def scale() -> float:
     return float(os.environ.get("PYCKPT_BENCH_SCALE", "0.03"))
 

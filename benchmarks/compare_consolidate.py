@@ -40,19 +40,10 @@ from _consolidate_data import (
     nbytes,
     scale,
     state_dict,
+    warm,
     write_pyckpt,
     write_shards,
 )
-
-
-def warm(src: str) -> None:
-    """Reads every file of `src` (untimed), so each run starts from a warm page cache: this VM
-    gives file pages back to the host within a minute or two, so inputs written or read a few
-    runs earlier are partly cold again, which otherwise lands in whichever run comes next."""
-    for name in os.listdir(src):
-        with open(os.path.join(src, name), "rb", buffering=0) as fh:
-            while fh.read(16 << 20):
-                pass
 
 
 def run_torch(src: str, dst: str, names: list[str]) -> float:

@@ -58,15 +58,6 @@ def _model_state(scale: int) -> Any:
     return get_model_state_dict(model)
 
 
-def _warm(src: str) -> None:
-    for name in sorted(os.listdir(src)):
-        path = os.path.join(src, name)
-        if os.path.isfile(path):
-            with open(path, "rb", buffering=0) as fh:
-                while fh.read(16 << 20):
-                    pass
-
-
 def _same_export(files: list[str], torch_dir: str, what: str) -> None:
     """Raises SystemExit unless the safetensors ``files`` hold exactly the tensors of torch's
     export in ``torch_dir``, bit for bit."""
@@ -88,6 +79,7 @@ def _rank_main(spec_path: str) -> None:
     import torch
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
+    from _consolidate_data import warm
     from torch.distributed.checkpoint import HuggingFaceStorageWriter
     from torch.distributed.checkpoint._consolidate_hf_safetensors import (
         consolidate_safetensors_files,
@@ -128,7 +120,7 @@ def _rank_main(spec_path: str) -> None:
                 if rank == 0:
                     shutil.rmtree(out, ignore_errors=True)
                     os.sync()
-                    _warm(inputs[method])
+                    warm(inputs[method])
                 dist.barrier()
                 if method == "torch":
                     seconds = 0.0
@@ -148,7 +140,7 @@ def _rank_main(spec_path: str) -> None:
                 seconds = slowest(seconds)
                 if i:
                     times[method].append(seconds)
-        # Untimed: both pyckpt exports must equal torch's, tensor for tensor, bit for bit.
+        # Untimed: every pyckpt export must equal torch's, tensor for tensor, bit for bit.
         theirs = os.path.join(root, "check-torch")
         if rank == 0:
             os.makedirs(theirs)
