@@ -359,7 +359,7 @@ class _Phases:
 
     def end(self, name: str) -> None:
         now = time.perf_counter()
-        self.seconds[name] = self.seconds.get(name, 0.0) + now - self._last
+        self.seconds[name] = now - self._last
         self._last = now
 
     def __str__(self) -> str:
