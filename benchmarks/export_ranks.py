@@ -2,10 +2,14 @@
 
 Usage:
     python benchmarks/export_ranks.py [--scales 1,2,4,8] [--repeats 15] [--dir DIR] [--json F]
+                                      [--layers L] [--hidden H]
 
 For each scale, 2 gloo ranks on this machine (as in ``examples/train.py``) build the demo's
 Llama model (``LlamaForCausalLM``: vocab 4096 x scale, hidden 256, 4 x scale layers, fp32;
-scale 1 is the demo's 19 MiB), shard it with FSDP2 (``fully_shard``), and save its model
+scale 1 is the demo's 19 MiB; ``--layers`` and ``--hidden`` set the depth and width instead,
+e.g. ``--layers 400 --hidden 64`` for a model of 3,603 small tensors, the tensor count of a
+deep model at a size this machine exports in milliseconds), shard it with FSDP2
+(``fully_shard``), and save its model
 state dict three times: pyckpt checkpoints with and without zstd and DCP
 ``HuggingFaceStorageWriter`` shards. Then, alternating, the same number of runs each:
 
@@ -39,7 +43,7 @@ WORLD = 2
 METHODS = ("pyckpt zstd", "pyckpt raw", "pyckpt shards", "torch")
 
 
-def _model_state(scale: int) -> Any:
+def _model_state(scale: int, layers: int | None = None, hidden: int | None = None) -> Any:
     import torch
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
     from torch.distributed.device_mesh import init_device_mesh
@@ -47,8 +51,10 @@ def _model_state(scale: int) -> Any:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=4096 * scale, hidden_size=256, intermediate_size=688,
-                         num_hidden_layers=4 * scale, num_attention_heads=8,
+    width = hidden or 256
+    config = LlamaConfig(vocab_size=4096 * scale, hidden_size=width,
+                         intermediate_size=width * 688 // 256,
+                         num_hidden_layers=layers or 4 * scale, num_attention_heads=8,
                          num_key_value_heads=4, max_position_embeddings=128)
     model = LlamaForCausalLM(config)
     mesh = init_device_mesh("cpu", (WORLD,))
@@ -96,7 +102,7 @@ def _rank_main(spec_path: str) -> None:
     for scale in spec["scales"]:
         root = os.path.join(work, f"scale-{scale}")
         src, raw, shards, out = (os.path.join(root, d) for d in ("zstd", "raw", "shards", "out"))
-        msd = _model_state(scale)
+        msd = _model_state(scale, spec.get("layers"), spec.get("hidden"))
         with pyckpt.Writer(src, compression="zstd") as w:
             dcp.save(msd, storage_writer=w)
         with pyckpt.Writer(raw) as w:
@@ -156,7 +162,8 @@ def _rank_main(spec_path: str) -> None:
             shutil.rmtree(root, ignore_errors=True)
         gathered: list[Any] = [None] * WORLD
         dist.all_gather_object(gathered, phases)
-        results[str(scale)] = {"bytes": total, "times": times, "phases": gathered}
+        results[str(scale)] = {"bytes": total, "tensors": len(names), "times": times,
+                               "phases": gathered}
         dist.barrier()
     if rank == 0:
         with open(spec["result"], "w") as f:
@@ -171,13 +178,14 @@ def _med(values: list[float]) -> str:
 
 def report(results: dict[str, Any]) -> str:
     ours = [m for m in METHODS if m != "torch"]
-    lines = ["| MiB | " + " | ".join(f"{m} ms" for m in METHODS) + " | "
+    lines = ["| MiB (tensors) | " + " | ".join(f"{m} ms" for m in METHODS) + " | "
              + " | ".join(f"torch / {m.split()[1]}" for m in ours) + " |",
              "|---:|" + "---|" * len(METHODS) + "---:|" * len(ours)]
     for r in results.values():
         t = r["times"]
         med = {m: statistics.median(t[m]) for m in METHODS}
-        lines.append(f"| {r['bytes'] / 2**20:.0f} | " + " | ".join(_med(t[m]) for m in METHODS)
+        lines.append(f"| {r['bytes'] / 2**20:.0f} ({r.get('tensors', '?')}) | "
+                     + " | ".join(_med(t[m]) for m in METHODS)
                      + " | " + " | ".join(f"{med['torch'] / med[m]:.2f}x" for m in ours) + " |")
     lines += ["", "Phases of the pyckpt runs, ms, medians per rank (plan / copy / wait / commit):",
               ""]
@@ -199,6 +207,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=15, help="timed runs of each method")
     ap.add_argument("--dir", default=None, help="work directory (default: a temp dir)")
     ap.add_argument("--json", default=None, help="also write the raw figures here")
+    ap.add_argument("--layers", type=int, default=None,
+                    help="decoder layers (default: 4 x scale); 9 tensors each")
+    ap.add_argument("--hidden", type=int, default=None,
+                    help="hidden size (default 256; the MLP is 688/256 of it)")
     ap.add_argument("--rank-main", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.rank_main:
@@ -211,7 +223,7 @@ def main(argv: list[str] | None = None) -> int:
     work = tempfile.mkdtemp(prefix="pyckpt-export-ranks-", dir=args.dir)
     try:
         spec = {"work": work, "result": os.path.join(work, "result.json"), "scales": scales,
-                "repeats": args.repeats}
+                "repeats": args.repeats, "layers": args.layers, "hidden": args.hidden}
         results = run_ranks(__file__, spec, WORLD, WORLD, timeout=600 + 120 * sum(scales),
                             env=dict(os.environ, OMP_NUM_THREADS="1"))
     finally:

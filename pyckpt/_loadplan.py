@@ -34,6 +34,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, ReadIte
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 from torch.distributed.tensor import DTensor
 
+from pyckpt import _gc
 from pyckpt._chunkindex import ChunkIndex
 from pyckpt.errors import CheckpointFormatError
 
@@ -200,6 +201,10 @@ class LoadPlanner(DefaultLoadPlanner):
         self.trusted = trusted
 
     def create_local_plan(self) -> LoadPlan:
+        with _gc.paused():  # read items per tensor and stored chunk, all kept (see pyckpt._gc)
+            return self._create_local_plan()
+
+    def _create_local_plan(self) -> LoadPlan:
         metadata = self.metadata
         if metadata is None:
             raise AssertionError("create_local_plan called before set_up_planner")

@@ -324,6 +324,10 @@ class Reader(StorageReader):
         return piece.segments, lo, hi
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        with _gc.paused():  # a request and a destination per read item (see pyckpt._gc)
+            return self._read_plan(plan, planner)
+
+    def _read_plan(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         pool = self._native.pool()
         if self._rank_local is not None:
             _ranklocal.check_coverage(plan, planner, self.path, self._rank_local)

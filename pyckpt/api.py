@@ -23,7 +23,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata
 
-from pyckpt import _progress
+from pyckpt import _gc, _progress
 from pyckpt._collective import bounded_group, peer_errors
 from pyckpt._loadplan import LoadPlanner
 from pyckpt.planner import SavePlanner
@@ -162,6 +162,20 @@ def save(
             from DCP's ``CheckpointException`` (attached as ``__cause__``), e.g. ``OSError``
             (ENOSPC, EFBIG) from a data file or :class:`pyckpt.UnsupportedDtypeError`.
     """
+    # The save's per-tensor objects (items, plans, results) die with its Writer when _save
+    # returns, before any collection walks them (pyckpt._gc).
+    with _gc.paused():
+        return _save(state_dict, path, process_group, check_replicas, progress, writer_options)
+
+
+def _save(
+    state_dict: dict[str, Any],
+    path: str | os.PathLike[str],
+    process_group: Any,
+    check_replicas: bool | Literal["sample", "full"],
+    progress: _progress.ProgressArg,
+    writer_options: dict[str, Any],
+) -> Metadata:
     totals = [0]  # this rank's planned bytes, known once DCP has planned
     with peer_errors(process_group, "pyckpt.save"), Writer(path, **writer_options) as writer, \
             _single_process_quiet(), _typed_errors(), \
@@ -234,6 +248,18 @@ def load(
     """
     reader_options = {"shared_filesystem": shared_filesystem, "process_group": process_group,
                       "storage_options": storage_options, "cooperative": cooperative}
+    with _gc.paused():  # as in save()
+        _load(state_dict, path, process_group, trusted, reader_options, progress)
+
+
+def _load(
+    state_dict: dict[str, Any],
+    path: str | os.PathLike[str],
+    process_group: Any,
+    trusted: bool,
+    reader_options: dict[str, Any],
+    progress: _progress.ProgressArg,
+) -> None:
     with peer_errors(process_group, "pyckpt.load"), _typed_errors(), \
             Reader(path, **reader_options) as reader, _bounded_if_node_local(reader), \
             _single_process_quiet(), _quiet_missing_metadata(), \

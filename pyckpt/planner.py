@@ -158,6 +158,10 @@ class SavePlanner(DefaultSavePlanner):
             that also carries the content digest of every item that may be replicated (see
             :func:`replica_digests`).
         """
+        with _gc.paused():  # a write item per tensor and shard, all kept (see pyckpt._gc)
+            return self._create_local_plan()
+
+    def _create_local_plan(self) -> SavePlan:
         plan = super().create_local_plan()
         if not self.check_replicas or not (
             dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1

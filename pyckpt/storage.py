@@ -465,7 +465,7 @@ class Writer(StorageWriter):
         try:
             # Saves overlapping through one writer share its encode and direct pools: their
             # writes run one after the other.
-            with self._encode_lock:
+            with self._encode_lock, _gc.paused():  # per item: requests, results (pyckpt._gc)
                 fut = self._write_data(plan, planner, save)
         except BaseException:
             if save.is_coordinator:

@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, cast
 
-from pyckpt import _C, _export, _knobs, _options, _progress
+from pyckpt import _C, _export, _gc, _knobs, _options, _progress
 from pyckpt._collective import Group, agree, group_info
 from pyckpt._consolidate.nodelocal import DEFAULT_BATCH_BYTES, run_share_nodelocal
 from pyckpt._consolidate.plan import INDEX_NAME, _Plan, make_plan
@@ -269,6 +269,36 @@ def consolidate(
                 input_mode=input_mode, select=select, strip_prefix=strip_prefix, rename=rename,
                 dtype=dtype, dedup_tied=dedup_tied, shared_filesystem=shared_filesystem,
                 batch_bytes=batch_bytes)
+    # The scanned metadata, the plan and the stitcher's items (per tensor, chunk and shard) all
+    # live until the call returns: no collection during it frees any of them (pyckpt._gc).
+    with _gc.paused():
+        return _consolidate(
+            src, dst, process_group=process_group, fqn_to_file=fqn_to_file,
+            max_file_bytes=max_file_bytes, threads=threads, fsync=fsync, progress=progress,
+            input_mode=input_mode, select=select, strip_prefix=strip_prefix, rename=rename,
+            dtype=dtype, dedup_tied=dedup_tied, shared_filesystem=shared_filesystem,
+            batch_bytes=batch_bytes)
+
+
+def _consolidate(
+    src: str | os.PathLike[str],
+    dst: str | os.PathLike[str],
+    *,
+    process_group: Any,
+    fqn_to_file: Mapping[str, int | str] | None,
+    max_file_bytes: int | None,
+    threads: int | None,
+    fsync: bool | None,
+    progress: ProgressFn | None,
+    input_mode: str | None,
+    select: Any,
+    strip_prefix: str | list[str] | None,
+    rename: Mapping[str, str] | Callable[[str], str] | None,
+    dtype: Any,
+    dedup_tied: bool | Mapping[str, str],
+    shared_filesystem: bool,
+    batch_bytes: int | None,
+) -> ConsolidationResult:
     start = time.perf_counter()
     src, dst = os.fspath(src), os.fspath(dst)
     # Both refuse foreign URL schemes (gs://...) here; node-local applies to a directory only.

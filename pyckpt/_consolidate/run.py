@@ -16,7 +16,7 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
-from pyckpt import _C, _paths
+from pyckpt import _C, _gc, _paths
 from pyckpt._consolidate.plan import INDEX_NAME, _byte_geometry, _OutFile, _Plan
 from pyckpt._consolidate.scan import _Tensor
 from pyckpt.backends.posix import fsync_dir, fsync_file
@@ -107,6 +107,11 @@ class StitchItem(NamedTuple):
 
 def stitch_items(plan: _Plan, dst: str, share: list[tuple[int, int, int]]) -> list[StitchItem]:
     """Turns this rank's byte ranges into stitcher items (one per overlapping shard)."""
+    with _gc.paused():  # an item per chunk or shard, all kept (see pyckpt._gc)
+        return _stitch_items(plan, dst, share)
+
+
+def _stitch_items(plan: _Plan, dst: str, share: list[tuple[int, int, int]]) -> list[StitchItem]:
     items = []
     for file_index, lo, hi in share:
         f = plan.files[file_index]
