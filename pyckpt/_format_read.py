@@ -13,7 +13,7 @@ import stat
 from collections.abc import Callable
 from typing import Any
 
-from pyckpt import _C
+from pyckpt import _C, _gc
 from pyckpt._format_schema import _describe, _Duplicate, _Validator
 from pyckpt._format_spec import (
     _JUST_INT,
@@ -203,8 +203,9 @@ def read_index(
     root = os.fspath(path)
     meta = os.path.join(root, METADATA_FILE)
     raw = _open_metadata(root, meta) if document is None else bytes(document)
-    doc, version = _parse([raw], meta)
-    return _Validator(root, meta, version, all_files).index(doc)
+    with _gc.paused():  # objects per tensor, piece and chunk, all kept (see pyckpt._gc)
+        doc, version = _parse([raw], meta)
+        return _Validator(root, meta, version, all_files).index(doc)
 
 
 def tensor_index(path: str | os.PathLike[str]) -> dict[str, StoredTensor]:
