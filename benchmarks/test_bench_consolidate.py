@@ -93,7 +93,24 @@ def test_export_ranks_script_runs_and_checks_its_exports(tmp_path):
                           str(tmp_path), "--json", str(tmp_path / "r.json")],
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
-    assert "| 19 |" in out.stdout
+    assert "| 19 (39) |" in out.stdout  # MiB (tensors)
     assert "19 MiB, pyckpt zstd: rank 0:" in out.stdout
     assert "19 MiB, pyckpt shards: rank 0:" in out.stdout
     assert os.listdir(tmp_path) == ["r.json"]  # its work directory is gone
+
+
+def test_many_tensors_script_runs_and_checks_its_results(tmp_path):
+    """Smoke run of benchmarks/many_tensors.py (one process, a few hundred tensors, one run of
+    each method): it exits 0 only when every load and export equals the saved state dict."""
+    import subprocess
+
+    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "many_tensors.py")
+    out = subprocess.run([sys.executable, script, "--tensors", "300", "--shape", "8,8",
+                          "--repeats", "1", "--dir", str(tmp_path)],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.startswith("300 tensors, 0.1 MiB")
+    for method in ("pyckpt save", "dcp load", "pyckpt export zstd",
+                   "torch export, collector paused"):
+        assert f"\n{method} " in out.stdout
+    assert os.listdir(tmp_path) == []  # its work directory is gone
