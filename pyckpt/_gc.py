@@ -11,14 +11,14 @@ that is dropped while paused; the collector runs again from the point it is resu
 The same holds per tensor: a save, load or export of a model with thousands of tensors builds a
 handful of objects per tensor and chunk (write and read items, parsed metadata, stitcher items),
 and the collections they trigger walk every live object of the process, the training job's
-included. With 4,000 tensors of 16 KiB in one process they were about half of
-``pyckpt.consolidate`` (365 -> 179-192 ms: the export went from 0.67x torch's consolidator to
-1.27-1.32x) and of ``pyckpt.load`` (437 -> 240 ms), a third of ``pyckpt.save`` (417 -> 272-284
-ms). The pause is process-wide: cyclic garbage of other threads waits for the call's end. So :func:`pyckpt.save`, :func:`pyckpt.load` and
-:func:`pyckpt.consolidate` pause the collector for the whole call (what they build dies with the
-call, before any collection walks it); the storage hooks DCP calls (local plans, ``write_data``,
-``read_data``, metadata) and every read of ``pyckpt.json`` pause it around their own work.
-``tests/test_gc_pause.py`` counts the collections of each.
+included. With 4,000 tensors of 16 KiB in one process (``benchmarks/many_tensors.py``) they
+were more than half of ``pyckpt.save`` (589-607 -> 260-278 ms), ``pyckpt.load`` (602-612 ->
+236-246 ms) and ``pyckpt.consolidate`` (350-357 -> 168-180 ms from a zstd checkpoint).
+So :func:`pyckpt.save`, :func:`pyckpt.load` and :func:`pyckpt.consolidate` pause the collector
+for the whole call (what they build dies with the call, before any collection walks it); the
+storage hooks DCP calls (local plans, ``write_data``, ``read_data``, metadata) and every read of
+``pyckpt.json`` pause it around their own work. The pause is process-wide: cyclic garbage of
+other threads waits for the call's end. ``tests/test_gc_pause.py`` counts the collections.
 """
 
 from __future__ import annotations
