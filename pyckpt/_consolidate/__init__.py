@@ -261,20 +261,13 @@ def consolidate(
         FileNotFoundError / OSError: I/O failures, with the file name.
         ValueError: bad arguments.
     """
-    if progress is True or progress is False:  # True: one view for the job (see _progress)
-        with _progress.job(progress, "export", process_group) as report:
-            return consolidate(
-                src, dst, process_group=process_group, fqn_to_file=fqn_to_file,
-                max_file_bytes=max_file_bytes, threads=threads, fsync=fsync, progress=report,
-                input_mode=input_mode, select=select, strip_prefix=strip_prefix, rename=rename,
-                dtype=dtype, dedup_tied=dedup_tied, shared_filesystem=shared_filesystem,
-                batch_bytes=batch_bytes)
-    # The scanned metadata, the plan and the stitcher's items (per tensor, chunk and shard) all
-    # live until the call returns: no collection during it frees any of them (pyckpt._gc).
-    with _gc.paused():
+    # progress=True: one view for the job (see _progress). The scanned metadata, the plan and
+    # the stitcher's items (per tensor, chunk and shard) all live until the call returns: no
+    # collection during it frees any of them (pyckpt._gc).
+    with _progress.job(progress, "export", process_group) as report, _gc.paused():
         return _consolidate(
             src, dst, process_group=process_group, fqn_to_file=fqn_to_file,
-            max_file_bytes=max_file_bytes, threads=threads, fsync=fsync, progress=progress,
+            max_file_bytes=max_file_bytes, threads=threads, fsync=fsync, progress=report,
             input_mode=input_mode, select=select, strip_prefix=strip_prefix, rename=rename,
             dtype=dtype, dedup_tied=dedup_tied, shared_filesystem=shared_filesystem,
             batch_bytes=batch_bytes)
