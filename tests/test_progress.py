@@ -166,3 +166,13 @@ def test_progress_true_is_one_view_per_job_drawn_by_rank_0(tmp_path: Path) -> No
     lines = [ln for ln in outs[0].splitlines() if _LINE.match(ln)]
     assert [(_LINE.match(ln).group(1), _percent(ln)) for ln in lines] == [
         ("save", 100), ("export", 100)], outs[0]
+
+
+def test_export_refuses_a_progress_that_is_neither_bool_nor_callable(tmp_path: Path) -> None:
+    pyckpt.save({"a": torch.randn(3, 4)}, tmp_path / "c")
+    with pytest.raises(TypeError, match="progress must be a bool or a callable"):
+        pyckpt.consolidate(tmp_path / "c", tmp_path / "out", progress="yes")  # type: ignore[arg-type]
+    assert not (tmp_path / "out").exists()  # refused before any work
+    seen: list[tuple[int, int]] = []
+    pyckpt.consolidate(tmp_path / "c", tmp_path / "out", progress=lambda d, t: seen.append((d, t)))
+    assert seen[-1] == (48, 48)
