@@ -17,8 +17,9 @@ were more than half of ``pyckpt.save`` (589-607 -> 260-278 ms), ``pyckpt.load`` 
 So :func:`pyckpt.save`, :func:`pyckpt.load` and :func:`pyckpt.consolidate` pause the collector
 for the whole call (what they build dies with the call, before any collection walks it); the
 storage hooks DCP calls (local plans, ``write_data``, ``read_data``, metadata) and every read of
-``pyckpt.json`` pause it around their own work. The pause is process-wide: cyclic garbage of
-other threads waits for the call's end. ``tests/test_gc_pause.py`` counts the collections.
+``pyckpt.json`` pause it around their own work (``write_data`` around its per-item loops only,
+not the write: under ``dcp.async_save`` that runs for seconds beside training). The pause is
+process-wide: cyclic garbage of other threads waits for its end. ``tests/test_gc_pause.py`` counts the collections.
 """
 
 from __future__ import annotations

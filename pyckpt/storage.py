@@ -465,7 +465,7 @@ class Writer(StorageWriter):
         try:
             # Saves overlapping through one writer share its encode and direct pools: their
             # writes run one after the other.
-            with self._encode_lock, _gc.paused():  # per item: requests, results (pyckpt._gc)
+            with self._encode_lock:
                 fut = self._write_data(plan, planner, save)
         except BaseException:
             if save.is_coordinator:
@@ -495,37 +495,41 @@ class Writer(StorageWriter):
         starts: list[int] = []
         owners: list[int] = []  # plan item of each request
         on_device: list[tuple[int, str, torch.Tensor, int, CodecParams]] = []
-        for idx, item in enumerate(plan.items):
-            fqn = item.index.fqn
-            data = planner.resolve_data(item)
-            if item.type == WriteItemType.BYTE_IO:
-                raw = data.getbuffer() if isinstance(data, io.BytesIO) else memoryview(cast(Any, data))
-                arr = np.frombuffer(raw, dtype=np.uint8)
-                keepalive.append(arr)
-                base, nbytes, dtype_name = arr.ctypes.data, arr.nbytes, "uint8"
-            elif is_device_tensor(data) and self._staging().available:
-                data = cast(torch.Tensor, data)
-                flat = _device_bytes(data, fqn)
-                start, end = rank_plan.ranges.get(item.index, (0, flat.numel()))
-                if not 0 <= start <= end <= flat.numel():
-                    raise ValueError(
-                        f"tensor {fqn!r}: byte range [{start}, {end}) outside {flat.numel()}"
+        # Per item: a request (and its bookkeeping), all kept until the write returns. The
+        # collector is paused for this loop and for the results below, not for the write
+        # itself: under dcp.async_save that runs beside training (see pyckpt._gc).
+        with _gc.paused():
+            for idx, item in enumerate(plan.items):
+                fqn = item.index.fqn
+                data = planner.resolve_data(item)
+                if item.type == WriteItemType.BYTE_IO:
+                    raw = data.getbuffer() if isinstance(data, io.BytesIO) else memoryview(cast(Any, data))
+                    arr = np.frombuffer(raw, dtype=np.uint8)
+                    keepalive.append(arr)
+                    base, nbytes, dtype_name = arr.ctypes.data, arr.nbytes, "uint8"
+                elif is_device_tensor(data) and self._staging().available:
+                    data = cast(torch.Tensor, data)
+                    flat = _device_bytes(data, fqn)
+                    start, end = rank_plan.ranges.get(item.index, (0, flat.numel()))
+                    if not 0 <= start <= end <= flat.numel():
+                        raise ValueError(
+                            f"tensor {fqn!r}: byte range [{start}, {end}) outside {flat.numel()}"
+                        )
+                    params = self._params(_dtype_name(data.dtype))
+                    on_device.append((idx, fqn, flat[start:end], start, params))
+                    continue
+                else:
+                    t = _host_bytes(cast(torch.Tensor, data), fqn)
+                    keepalive.append(t)
+                    base, nbytes, dtype_name = t.data_ptr(), t.numel() * t.element_size(), _dtype_name(
+                        t.dtype
                     )
-                params = self._params(_dtype_name(data.dtype))
-                on_device.append((idx, fqn, flat[start:end], start, params))
-                continue
-            else:
-                t = _host_bytes(cast(torch.Tensor, data), fqn)
-                keepalive.append(t)
-                base, nbytes, dtype_name = t.data_ptr(), t.numel() * t.element_size(), _dtype_name(
-                    t.dtype
-                )
-            start, end = rank_plan.ranges.get(item.index, (0, nbytes))
-            if not 0 <= start <= end <= nbytes:
-                raise ValueError(f"tensor {fqn!r}: byte range [{start}, {end}) outside {nbytes}")
-            requests.append((fqn, base + start, end - start, self._params(dtype_name)))
-            starts.append(start)
-            owners.append(idx)
+                start, end = rank_plan.ranges.get(item.index, (0, nbytes))
+                if not 0 <= start <= end <= nbytes:
+                    raise ValueError(f"tensor {fqn!r}: byte range [{start}, {end}) outside {nbytes}")
+                requests.append((fqn, base + start, end - start, self._params(dtype_name)))
+                starts.append(start)
+                owners.append(idx)
 
         name = _format.data_file_name(rank_plan.rank, 0, rank_plan.save_id or save.save_id)
         with backend.data_sink(name, {}) as fw:
@@ -543,14 +547,15 @@ class Writer(StorageWriter):
             file_size = fw.size
         del keepalive
 
-        results = [
-            WriteResult(
-                index=item.index,
-                size_in_bytes=stored_bytes[idx],
-                storage_data=_Written(segments[idx], name, file_size),
-            )
-            for idx, item in enumerate(plan.items)
-        ]
+        with _gc.paused():
+            results = [
+                WriteResult(
+                    index=item.index,
+                    size_in_bytes=stored_bytes[idx],
+                    storage_data=_Written(segments[idx], name, file_size),
+                )
+                for idx, item in enumerate(plan.items)
+            ]
         fut.set_result(results)
         return fut
 
