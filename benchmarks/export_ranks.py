@@ -8,7 +8,7 @@ For each scale, 2 gloo ranks on this machine (as in ``examples/train.py``) build
 Llama model (``LlamaForCausalLM``: vocab 4096 x scale, hidden 256, 4 x scale layers, fp32;
 scale 1 is the demo's 19 MiB; ``--layers`` and ``--hidden`` set the depth and width instead,
 e.g. ``--layers 400 --hidden 64`` for a model of 3,603 small tensors, the tensor count of a
-deep model at a size this machine exports in milliseconds), shard it with FSDP2
+deep model at a size this machine exports in a fraction of a second), shard it with FSDP2
 (``fully_shard``), and save its model
 state dict three times: pyckpt checkpoints with and without zstd and DCP
 ``HuggingFaceStorageWriter`` shards. Then, alternating, the same number of runs each:
@@ -21,7 +21,7 @@ state dict three times: pyckpt checkpoints with and without zstd and DCP
   multi-rank mode), the other rank waiting;
 * ``torch nogc``: the same with Python's cyclic collector paused around it. With thousands of
   tensors ``torch`` often pays for a full collection that the runs before it left due (pyckpt
-  pauses the collector during its calls), ``torch nogc`` is torch's own cost; the ratios use the
+  pauses the collector during its calls); ``torch nogc`` is torch's own cost. The ratios use the
   faster of the two medians.
 
 Each run starts as the demo's do: previous output removed, ``sync()``, its input read once

@@ -18,8 +18,10 @@ So :func:`pyckpt.save`, :func:`pyckpt.load` and :func:`pyckpt.consolidate` pause
 for the whole call (what they build dies with the call, before any collection walks it); the
 storage hooks DCP calls (local plans, ``write_data``, ``read_data``, metadata) and every read of
 ``pyckpt.json`` pause it around their own work (``write_data`` around its per-item loops only,
-not the write: under ``dcp.async_save`` that runs for seconds beside training). The pause is
-process-wide: cyclic garbage of other threads waits for its end. ``tests/test_gc_pause.py`` counts the collections.
+not the write: under ``dcp.async_save`` that runs for seconds beside training; ``read_data``
+around its reads too, which block the caller of a load anyway). The pause is process-wide:
+cyclic garbage of other threads waits for its end. ``tests/test_gc_pause.py`` counts the
+collections.
 """
 
 from __future__ import annotations

@@ -503,7 +503,8 @@ class Writer(StorageWriter):
                 fqn = item.index.fqn
                 data = planner.resolve_data(item)
                 if item.type == WriteItemType.BYTE_IO:
-                    raw = data.getbuffer() if isinstance(data, io.BytesIO) else memoryview(cast(Any, data))
+                    raw = (data.getbuffer() if isinstance(data, io.BytesIO)
+                           else memoryview(cast(Any, data)))
                     arr = np.frombuffer(raw, dtype=np.uint8)
                     keepalive.append(arr)
                     base, nbytes, dtype_name = arr.ctypes.data, arr.nbytes, "uint8"
@@ -521,12 +522,13 @@ class Writer(StorageWriter):
                 else:
                     t = _host_bytes(cast(torch.Tensor, data), fqn)
                     keepalive.append(t)
-                    base, nbytes, dtype_name = t.data_ptr(), t.numel() * t.element_size(), _dtype_name(
-                        t.dtype
-                    )
+                    base, nbytes = t.data_ptr(), t.numel() * t.element_size()
+                    dtype_name = _dtype_name(t.dtype)
                 start, end = rank_plan.ranges.get(item.index, (0, nbytes))
                 if not 0 <= start <= end <= nbytes:
-                    raise ValueError(f"tensor {fqn!r}: byte range [{start}, {end}) outside {nbytes}")
+                    raise ValueError(
+                        f"tensor {fqn!r}: byte range [{start}, {end}) outside {nbytes}"
+                    )
                 requests.append((fqn, base + start, end - start, self._params(dtype_name)))
                 starts.append(start)
                 owners.append(idx)
