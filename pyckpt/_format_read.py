@@ -9,11 +9,12 @@ from __future__ import annotations
 import errno
 import json
 import os
+import re
 import stat
 from collections.abc import Callable
 from typing import Any
 
-from pyckpt import _C, _gc
+from pyckpt import _C, _gc, _knobs
 from pyckpt._format_schema import _describe, _Duplicate, _Validator
 from pyckpt._format_spec import (
     _JUST_INT,
@@ -117,12 +118,8 @@ def _open_metadata(root: str, meta: str) -> bytes:
     return parts[0] if len(parts) == 1 else b"".join(parts)
 
 
-def _parse(holder: list[bytes], meta: str) -> tuple[dict[str, Any], int]:
-    """Checks the metadata checksum, then parses strict UTF-8 JSON; returns (doc, version).
-
-    ``holder`` holds the file's bytes; they are released once decoded, before the parse.
-    """
-    raw = holder.pop()
+def _check_seal(raw: bytes, meta: str) -> re.Match[bytes] | None:
+    """The metadata checksum member at the end of ``raw``, verified; None when there is none."""
     seal = _SEAL_RE.fullmatch(raw, len(raw) - _SEAL_LEN) if len(raw) > _SEAL_LEN else None
     if seal is not None:
         recorded = int(seal.group(1), 16)
@@ -132,6 +129,30 @@ def _parse(holder: list[bytes], meta: str) -> tuple[dict[str, Any], int]:
                 f"{meta}: metadata checksum mismatch (recorded xxh64:{recorded:016x}, computed "
                 f"xxh64:{actual:016x}): the file is damaged"
             )
+    return seal
+
+
+def _native(raw: bytes, meta: str) -> _C.PyckptIndex | None:
+    """``raw`` read by the native reader (``csrc/core/pyckpt_index.hpp``): a document of the
+    current version as this pyckpt writes it, parsed and checked in one pass outside Python.
+    None for every other document (older versions, other spellings, damaged or hostile files),
+    which the Python validator then reads: it accepts the rest of the format and names what is
+    wrong. A damaged checksum is reported here, as the Python path would."""
+    if not _knobs.native_index() or _check_seal(raw, meta) is None:
+        return None
+    try:
+        return _C.parse_pyckpt_index(raw, meta)
+    except CheckpointFormatError:
+        return None
+
+
+def _parse(holder: list[bytes], meta: str) -> tuple[dict[str, Any], int]:
+    """Checks the metadata checksum, then parses strict UTF-8 JSON; returns (doc, version).
+
+    ``holder`` holds the file's bytes; they are released once decoded, before the parse.
+    """
+    raw = holder.pop()
+    seal = _check_seal(raw, meta)
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
@@ -204,6 +225,9 @@ def read_index(
     meta = os.path.join(root, METADATA_FILE)
     raw = _open_metadata(root, meta) if document is None else bytes(document)
     with _gc.paused():  # objects per tensor, piece and chunk, all kept (see pyckpt._gc)
+        native = _native(raw, meta)
+        if native is not None:
+            return _Validator(root, meta, native.version, all_files).from_native(native, raw)
         doc, version = _parse([raw], meta)
         return _Validator(root, meta, version, all_files).index(doc)
 

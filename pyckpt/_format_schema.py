@@ -7,6 +7,7 @@ Imported through :mod:`pyckpt._format`; :func:`pyckpt._format.read_index` drives
 from __future__ import annotations
 
 import errno
+import json
 import math
 import os
 import stat
@@ -89,6 +90,12 @@ def _dims_ok(dims: list[Any]) -> bool:
     C-level loops (the validator's per-entry loop then only runs to report a failure)."""
     return not dims or (set(map(type, dims)) == _JUST_INT and min(dims) >= 0
                         and max(dims) <= MAX_NUMEL)
+
+
+def _untuple(obj: dict[str, Any]) -> Any:
+    """``json.loads`` object hook: a tagged tuple ``{"__tuple__": [...]}`` becomes a tuple (the
+    native reader checked that such objects have that key alone, holding a list)."""
+    return tuple(obj["__tuple__"]) if "__tuple__" in obj else obj
 
 
 class _Path:
@@ -260,6 +267,36 @@ class _Validator:
                 raise self.fail(f"{ip}.type", f"unknown item type {_describe(kind)}")
         self.check_packing(index)
         return index
+
+    def from_native(self, x: _C.PyckptIndex, raw: bytes) -> CheckpointIndex:
+        """The index of a document the native reader validated (``x``, from the bytes ``raw``):
+        only the data files on disk are left to check, as :meth:`read_files` checks them."""
+        paths = []
+        for name, size in x.files:
+            full = self.check_file(name, size)
+            self.files[name] = size
+            path = os.path.join(self.root, name) if full is None else full
+            self.paths[name] = path
+            paths.append(path)
+            if full is not None:  # None: node-local, held by another node
+                self.local_files.add(name)
+        begin, end = x.planner_span
+        planner_data = json.loads(raw[begin:end], object_hook=_untuple)
+        tensors, bytes_items = x.materialize(paths, StoredTensor, StoredPiece, StoredBytes,
+                                             _C.CodecParams)
+        return CheckpointIndex(
+            path=self.root,
+            tensors=tensors,
+            bytes_items=bytes_items,
+            files=self.files,
+            save_id=x.save_id,
+            dcp_version=x.dcp_version,
+            planner_data=planner_data,
+            storage_meta={"modules": list(x.modules)},
+            created_by=x.created_by,
+            version=x.version,
+            local_files=self.local_files,
+        )
 
     def read_files(self, raw: Any) -> None:
         files = self.obj(raw, "files")

@@ -31,6 +31,31 @@ settings.register_profile("thorough", max_examples=1000, deadline=None,
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _native_index_checked() -> Iterator[None]:
+    """Every checkpoint index the native metadata reader builds in this process is compared with
+    the Python validator's index of the same bytes: the whole suite is a differential test of the
+    two readers (the native one may refuse more documents, never accept more or read them
+    differently)."""
+    from _index_compare import plain, python_index
+
+    from pyckpt import _format_schema
+
+    native = _format_schema._Validator.from_native
+
+    def checked(self: _format_schema._Validator, x: object, raw: bytes) -> object:
+        index = native(self, x, raw)
+        reference = python_index(self.root, raw, all_files=self.all_files)
+        assert plain(index) == plain(reference), f"{self.meta}: the two readers disagree"
+        return index
+
+    _format_schema._Validator.from_native = checked  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        _format_schema._Validator.from_native = native  # type: ignore[method-assign]
+
+
 def _cuda_available() -> bool:
     try:
         import torch

@@ -13,6 +13,7 @@ void bind_codec(py::module_& m);
 void bind_io(py::module_& m);
 void bind_objstore(py::module_& m);
 void bind_safetensors(py::module_& m);
+void bind_index(py::module_& m);
 void bind_cuda(py::module_& m);
 
 /** @return a BufferPool's counters as a dict keyed by the PoolStats field names. */

@@ -82,6 +82,7 @@ PYBIND11_MODULE(_C, m) {
   pyckpt::bindings::bind_io(m);
   pyckpt::bindings::bind_objstore(m);
   pyckpt::bindings::bind_safetensors(m);
+  pyckpt::bindings::bind_index(m);
   pyckpt::bindings::bind_cuda(m);
   pyckpt::bindings::bind_interrupt(m);
 }

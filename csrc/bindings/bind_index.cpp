@@ -1,0 +1,231 @@
+// Bindings of the native metadata reader (core/pyckpt_index.hpp): the parse runs without the GIL;
+// materialize() turns its flat tables into the Python objects of pyckpt._format's index.
+#include <Python.h>
+#include <pybind11/stl.h>
+
+#include <string>
+#include <unordered_map>
+
+#include "bindings/bindings.hpp"
+#include "core/pyckpt_index.hpp"
+
+namespace pyckpt::bindings {
+
+namespace {
+
+py::object steal(PyObject* o) {
+  if (o == nullptr) throw py::error_already_set();
+  return py::reinterpret_steal<py::object>(o);
+}
+
+py::object u64(std::uint64_t v) { return steal(PyLong_FromUnsignedLongLong(v)); }
+
+py::object dims_tuple(const std::vector<std::uint64_t>& dims, std::size_t at, std::size_t n) {
+  py::object t = steal(PyTuple_New(static_cast<Py_ssize_t>(n)));
+  for (std::size_t i = 0; i < n; ++i) {
+    PyTuple_SET_ITEM(t.ptr(), static_cast<Py_ssize_t>(i), u64(dims[at + i]).release().ptr());
+  }
+  return t;
+}
+
+py::object call(const py::object& f, std::initializer_list<PyObject*> args) {
+  return steal(PyObject_Vectorcall(f.ptr(), args.begin(), args.size(), nullptr));
+}
+
+/** Builds the Python values of one index; shares repeated strings and plane tuples. */
+class Builder {
+ public:
+  Builder(const PyckptIndex& x, const py::list& paths, py::object piece_cls,
+          py::object codec_cls)
+      : _x(x), _paths(paths), _piece_cls(std::move(piece_cls)) {
+    for (const IdxCodec& c : x.codecs) {
+      _codecs.push_back(codec_cls(c.codec, c.level, c.elem_size, c.transform));
+    }
+  }
+
+  py::object str(const std::string& s) {
+    auto it = _strings.find(s);
+    if (it == _strings.end()) it = _strings.emplace(s, py::str(s)).first;
+    return it->second;
+  }
+
+  py::object segments(std::size_t begin, std::size_t end) {
+    py::object list = steal(PyList_New(static_cast<Py_ssize_t>(end - begin)));
+    for (std::size_t s = begin; s < end; ++s) {
+      const IdxSegment& seg = _x.segments[s];
+      py::object chunks = steal(PyList_New(static_cast<Py_ssize_t>(seg.chunks_end -
+                                                                   seg.chunks_begin)));
+      for (std::size_t c = seg.chunks_begin; c < seg.chunks_end; ++c) {
+        PyList_SET_ITEM(chunks.ptr(), static_cast<Py_ssize_t>(c - seg.chunks_begin),
+                        chunk(_x.chunks[c]).release().ptr());
+      }
+      py::object t = steal(PyTuple_New(4));
+      PyObject* path = PyList_GET_ITEM(_paths.ptr(), static_cast<Py_ssize_t>(seg.file));
+      Py_INCREF(path);
+      PyTuple_SET_ITEM(t.ptr(), 0, path);
+      PyTuple_SET_ITEM(t.ptr(), 1, u64(seg.raw_begin).release().ptr());
+      PyTuple_SET_ITEM(t.ptr(), 2, py::object(_codecs[seg.codec]).release().ptr());
+      PyTuple_SET_ITEM(t.ptr(), 3, chunks.release().ptr());
+      PyList_SET_ITEM(list.ptr(), static_cast<Py_ssize_t>(s - begin), t.release().ptr());
+    }
+    return list;
+  }
+
+  py::object piece(const IdxItem& t, const IdxPiece& p) {
+    py::object offsets = dims_tuple(_x.dims, p.dims_at, t.ndim);
+    py::object sizes = dims_tuple(_x.dims, p.dims_at + t.ndim, t.ndim);
+    py::object nbytes = u64(p.nbytes);
+    py::object segs = segments(p.segments_begin, p.segments_end);
+    return call(_piece_cls, {offsets.ptr(), sizes.ptr(), nbytes.ptr(), segs.ptr()});
+  }
+
+ private:
+  // (file_offset, raw_len, xxh64, transform, (mode, length, ...)); raw lengths and all-raw plane
+  // tuples are shared, as the Python validator shares them.
+  py::object chunk(const IdxChunk& c) {
+    const std::size_t n = 2 * std::size_t{c.nplanes};
+    bool raw = true;
+    for (std::size_t i = 0; i < n; i += 2) raw = raw && _x.planes[c.planes_at + i] == 0;
+    py::object planes;
+    if (raw) {
+      const std::string key(reinterpret_cast<const char*>(&_x.planes[c.planes_at]),
+                            n * sizeof(std::uint64_t));
+      auto it = _raw_planes.find(key);
+      if (it == _raw_planes.end()) {
+        it = _raw_planes.emplace(key, dims_tuple(_x.planes, c.planes_at, n)).first;
+      }
+      planes = it->second;
+    } else {
+      planes = dims_tuple(_x.planes, c.planes_at, n);
+    }
+    py::object t = steal(PyTuple_New(5));
+    PyTuple_SET_ITEM(t.ptr(), 0, u64(c.file_offset).release().ptr());
+    auto len = _ints.find(c.raw_len);  // most chunks have the same raw length
+    if (len == _ints.end()) len = _ints.emplace(c.raw_len, u64(c.raw_len)).first;
+    PyTuple_SET_ITEM(t.ptr(), 1, py::object(len->second).release().ptr());
+    PyTuple_SET_ITEM(t.ptr(), 2, u64(c.xxh64).release().ptr());
+    PyTuple_SET_ITEM(t.ptr(), 3, u64(c.transform).release().ptr());
+    PyTuple_SET_ITEM(t.ptr(), 4, planes.release().ptr());
+    return t;
+  }
+
+  const PyckptIndex& _x;
+  const py::list& _paths;
+  py::object _piece_cls;
+  std::vector<py::object> _codecs;
+  std::unordered_map<std::string, py::object> _strings;
+  std::unordered_map<std::string, py::object> _raw_planes;
+  std::unordered_map<std::uint64_t, py::object> _ints;
+};
+
+}  // namespace
+
+void bind_index(py::module_& m) {
+  py::class_<PyckptIndex>(m, "PyckptIndex",
+                          "A pyckpt.json validated by the native reader (parse_pyckpt_index).")
+      .def_readonly("version", &PyckptIndex::version)
+      .def_readonly("created_by", &PyckptIndex::created_by)
+      .def_readonly("save_id", &PyckptIndex::save_id)
+      .def_property_readonly("dcp_version",
+                             [](const PyckptIndex& x) -> py::object {
+                               if (!x.has_dcp_version) return py::none();
+                               return py::str(x.dcp_version);
+                             })
+      .def_readonly("modules", &PyckptIndex::modules)
+      .def_property_readonly(
+          "planner_span",
+          [](const PyckptIndex& x) { return py::make_tuple(x.planner_begin, x.planner_end); },
+          "(begin, end): planner_data's JSON text in the document's bytes")
+      .def_property_readonly(
+          "files",
+          [](const PyckptIndex& x) {
+            py::list out;
+            for (std::size_t i = 0; i < x.file_names.size(); ++i) {
+              out.append(py::make_tuple(py::str(x.file_names[i]), x.file_sizes[i]));
+            }
+            return out;
+          },
+          "[(data file name, size)] in the document's order")
+      .def(
+          "materialize",
+          [](const PyckptIndex& x, const py::list& paths, const py::object& tensor_cls,
+             const py::object& piece_cls, const py::object& bytes_cls,
+             const py::object& codec_cls) {
+            if (paths.size() != x.file_names.size()) {
+              throw std::invalid_argument("materialize needs one path per data file");
+            }
+            Builder b(x, paths, piece_cls, codec_cls);
+            py::dict tensors, bytes_items;
+            for (const IdxItem& item : x.items) {
+              py::object fqn = py::str(item.fqn);
+              if (!item.tensor) {
+                py::object nbytes = u64(item.nbytes);
+                py::object segs = b.segments(item.segments_begin, item.segments_end);
+                bytes_items[fqn] = call(bytes_cls, {fqn.ptr(), nbytes.ptr(), segs.ptr()});
+                continue;
+              }
+              py::object pieces = steal(PyList_New(
+                  static_cast<Py_ssize_t>(item.pieces_end - item.pieces_begin)));
+              for (std::size_t p = item.pieces_begin; p < item.pieces_end; ++p) {
+                PyList_SET_ITEM(pieces.ptr(), static_cast<Py_ssize_t>(p - item.pieces_begin),
+                                b.piece(item, x.pieces[p]).release().ptr());
+              }
+              py::object dtype = b.str(item.dtype);
+              py::object shape = dims_tuple(x.dims, item.shape_at, item.ndim);
+              py::object grad = py::bool_(item.requires_grad);
+              py::object mf = b.str(item.memory_format);
+              tensors[fqn] = call(tensor_cls, {fqn.ptr(), dtype.ptr(), shape.ptr(), pieces.ptr(),
+                                               grad.ptr(), mf.ptr()});
+            }
+            return py::make_tuple(tensors, bytes_items);
+          },
+          py::arg("paths"), py::arg("tensor_cls"), py::arg("piece_cls"), py::arg("bytes_cls"),
+          py::arg("codec_cls"),
+          "(tensors, bytes_items): dicts of tensor_cls(fqn, dtype, shape, pieces, requires_grad, "
+          "memory_format) and bytes_cls(fqn, nbytes, segments) in the document's order; a piece "
+          "is piece_cls(offsets, sizes, nbytes, segments), a segment (paths[file], raw_begin, "
+          "codec_cls(codec, level, elem_size, transform), [chunk records]).");
+
+  m.def(
+      "parse_pyckpt_index",
+      [](const py::buffer& doc, const std::string& origin) {
+        const py::buffer_info info = doc.request();
+        if (info.ndim != 1 || info.itemsize != 1) {
+          throw std::invalid_argument("parse_pyckpt_index needs a contiguous bytes-like object");
+        }
+        const std::string_view text(static_cast<const char*>(info.ptr),
+                                    static_cast<std::size_t>(info.size));
+        py::gil_scoped_release nogil;
+        return parse_pyckpt_index(text, origin);
+      },
+      py::arg("doc"), py::arg("origin"),
+      "Parses and validates pyckpt.json (its checksum already verified) natively; raises "
+      "CheckpointFormatError for any document outside the reader's subset (see "
+      "core/pyckpt_index.hpp), which the Python validator then reads.");
+
+  m.def("pyckpt_index_tables", [] {
+    const PyckptIndexLimits l = pyckpt_index_limits();
+    py::dict limits;
+    limits["MAX_ITEMS"] = l.max_items;
+    limits["MAX_FILES"] = l.max_files;
+    limits["MAX_PIECES"] = l.max_pieces;
+    limits["MAX_SEGMENTS"] = l.max_segments;
+    limits["MAX_CHUNKS"] = l.max_chunks;
+    limits["MAX_CHUNK_BYTES"] = l.max_chunk_bytes;
+    limits["MAX_NDIM"] = l.max_ndim;
+    limits["MAX_NUMEL"] = l.max_numel;
+    limits["MAX_ITEM_BYTES"] = l.max_item_bytes;
+    limits["_MAX_FILE_BYTES"] = l.max_file_bytes;
+    limits["MAX_PLANNER_DEPTH"] = l.max_planner_depth;
+    limits["_MAX_IRREGULAR_PIECES"] = l.max_irregular_pieces;
+    limits["_ZSTD_MAX_RATIO"] = l.zstd_max_ratio;
+    limits["_ZSTD_LEVELS"] = py::make_tuple(l.zstd_min_level, l.zstd_max_level);
+    py::dict dtypes;
+    for (const PyckptDtype& d : pyckpt_dtypes()) {
+      dtypes[py::str(d.name)] = py::make_tuple(d.size, d.planes, d.transform);
+    }
+    return py::make_tuple(limits, dtypes);
+  }, "(limits, {dtype: (size, planes, transform)}) the native reader enforces (for tests).");
+}
+
+}  // namespace pyckpt::bindings
