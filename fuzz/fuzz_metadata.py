@@ -6,7 +6,9 @@ When the format under test seals its metadata with a checksum member, an input e
 gets a valid checksum (an existing checksum member is replaced first, and a ``"version":1`` seed
 is relabelled as the current version), so mutations reach the
 parser and the schema checks behind the checksum instead of all dying at it.
-Every input must be accepted or refused with a typed error (pyckpt.PyckptError / OSError).
+Every input must be accepted or refused with a typed error (pyckpt.PyckptError / OSError), and
+where the native metadata reader accepts an input, the Python validator must read it alike
+(tests/_index_compare.py; a difference is raised as an AssertionError, i.e. a finding).
 """
 
 from __future__ import annotations
@@ -21,6 +23,9 @@ import atheris
 with atheris.instrument_imports(include=["pyckpt"]):  # not torch: minutes of start-up
     from pyckpt import _C, _format
     from pyckpt.errors import PyckptError
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+from _index_compare import both_readers
 
 _SEALS = int(_format.FORMAT_VERSION) >= 2
 _SEAL_RE = re.compile(rb',"checksum":"xxh64:[0-9a-f]{16}"\}$')
@@ -42,8 +47,13 @@ _META = os.path.join(_DIR, "pyckpt.json")
 
 @atheris.instrument_func
 def test_one_input(data: bytes) -> None:
+    sealed = _seal(data)
     with open(_META, "wb") as f:
-        f.write(_seal(data))
+        f.write(sealed)
+    native, reference = both_readers(_DIR, sealed)
+    if native is not None and native != reference:
+        raise AssertionError(f"the native reader gave {native!r:.300}, the Python validator "
+                             f"{reference!r:.300}")
     try:
         _format.read_index(_DIR)
     except (PyckptError, OSError):

@@ -33,3 +33,26 @@ def python_index(root: str, raw: bytes, *, all_files: bool = True) -> _format.Ch
     meta = f"{root}/{_format.METADATA_FILE}"
     doc, version = _format_read._parse([raw], meta)
     return _format._Validator(root, meta, version, all_files).index(doc)
+
+
+def outcome(read: Any) -> tuple[Any, ...]:
+    """("index", plain values) of ``read()``, or ("error", type, message) of what it raised."""
+    try:
+        return ("index", plain(read()))
+    except Exception as e:  # compared, not hidden: both readers must fail alike
+        return ("error", type(e).__name__, str(e))
+
+
+def both_readers(root: str, raw: bytes) -> tuple[tuple[Any, ...] | None, tuple[Any, ...]]:
+    """(the native reader's outcome, or None when it refuses the document; the Python
+    validator's outcome) for the metadata bytes ``raw`` of checkpoint ``root``. Where the native
+    reader accepts, the two outcomes must be equal (the data files on disk are checked by the
+    same code either way, so a missing file fails both alike)."""
+    from pyckpt import _format_read
+
+    meta = f"{root}/{_format.METADATA_FILE}"
+    x = _format_read._native(raw, meta)
+    reference = outcome(lambda: python_index(root, raw))
+    if x is None:
+        return None, reference
+    return outcome(lambda: _format._Validator(root, meta, x.version).from_native(x, raw)), reference

@@ -35,8 +35,7 @@ py::object call(const py::object& f, std::initializer_list<PyObject*> args) {
 /** Builds the Python values of one index; shares repeated strings and plane tuples. */
 class Builder {
  public:
-  Builder(const PyckptIndex& x, const py::list& paths, py::object piece_cls,
-          py::object codec_cls)
+  Builder(const PyckptIndex& x, const py::list& paths, py::object piece_cls, py::object codec_cls)
       : _x(x), _paths(paths), _piece_cls(std::move(piece_cls)) {
     for (const IdxCodec& c : x.codecs) {
       _codecs.push_back(codec_cls(c.codec, c.level, c.elem_size, c.transform));
@@ -53,8 +52,8 @@ class Builder {
     py::object list = steal(PyList_New(static_cast<Py_ssize_t>(end - begin)));
     for (std::size_t s = begin; s < end; ++s) {
       const IdxSegment& seg = _x.segments[s];
-      py::object chunks = steal(PyList_New(static_cast<Py_ssize_t>(seg.chunks_end -
-                                                                   seg.chunks_begin)));
+      py::object chunks =
+          steal(PyList_New(static_cast<Py_ssize_t>(seg.chunks_end - seg.chunks_begin)));
       for (std::size_t c = seg.chunks_begin; c < seg.chunks_end; ++c) {
         PyList_SET_ITEM(chunks.ptr(), static_cast<Py_ssize_t>(c - seg.chunks_begin),
                         chunk(_x.chunks[c]).release().ptr());
@@ -164,8 +163,8 @@ void bind_index(py::module_& m) {
                 bytes_items[fqn] = call(bytes_cls, {fqn.ptr(), nbytes.ptr(), segs.ptr()});
                 continue;
               }
-              py::object pieces = steal(PyList_New(
-                  static_cast<Py_ssize_t>(item.pieces_end - item.pieces_begin)));
+              py::object pieces =
+                  steal(PyList_New(static_cast<Py_ssize_t>(item.pieces_end - item.pieces_begin)));
               for (std::size_t p = item.pieces_begin; p < item.pieces_end; ++p) {
                 PyList_SET_ITEM(pieces.ptr(), static_cast<Py_ssize_t>(p - item.pieces_begin),
                                 b.piece(item, x.pieces[p]).release().ptr());
@@ -203,29 +202,32 @@ void bind_index(py::module_& m) {
       "CheckpointFormatError for any document outside the reader's subset (see "
       "core/pyckpt_index.hpp), which the Python validator then reads.");
 
-  m.def("pyckpt_index_tables", [] {
-    const PyckptIndexLimits l = pyckpt_index_limits();
-    py::dict limits;
-    limits["MAX_ITEMS"] = l.max_items;
-    limits["MAX_FILES"] = l.max_files;
-    limits["MAX_PIECES"] = l.max_pieces;
-    limits["MAX_SEGMENTS"] = l.max_segments;
-    limits["MAX_CHUNKS"] = l.max_chunks;
-    limits["MAX_CHUNK_BYTES"] = l.max_chunk_bytes;
-    limits["MAX_NDIM"] = l.max_ndim;
-    limits["MAX_NUMEL"] = l.max_numel;
-    limits["MAX_ITEM_BYTES"] = l.max_item_bytes;
-    limits["_MAX_FILE_BYTES"] = l.max_file_bytes;
-    limits["MAX_PLANNER_DEPTH"] = l.max_planner_depth;
-    limits["_MAX_IRREGULAR_PIECES"] = l.max_irregular_pieces;
-    limits["_ZSTD_MAX_RATIO"] = l.zstd_max_ratio;
-    limits["_ZSTD_LEVELS"] = py::make_tuple(l.zstd_min_level, l.zstd_max_level);
-    py::dict dtypes;
-    for (const PyckptDtype& d : pyckpt_dtypes()) {
-      dtypes[py::str(d.name)] = py::make_tuple(d.size, d.planes, d.transform);
-    }
-    return py::make_tuple(limits, dtypes);
-  }, "(limits, {dtype: (size, planes, transform)}) the native reader enforces (for tests).");
+  m.def(
+      "pyckpt_index_tables",
+      [] {
+        const PyckptIndexLimits l = pyckpt_index_limits();
+        py::dict limits;
+        limits["MAX_ITEMS"] = l.max_items;
+        limits["MAX_FILES"] = l.max_files;
+        limits["MAX_PIECES"] = l.max_pieces;
+        limits["MAX_SEGMENTS"] = l.max_segments;
+        limits["MAX_CHUNKS"] = l.max_chunks;
+        limits["MAX_CHUNK_BYTES"] = l.max_chunk_bytes;
+        limits["MAX_NDIM"] = l.max_ndim;
+        limits["MAX_NUMEL"] = l.max_numel;
+        limits["MAX_ITEM_BYTES"] = l.max_item_bytes;
+        limits["_MAX_FILE_BYTES"] = l.max_file_bytes;
+        limits["MAX_PLANNER_DEPTH"] = l.max_planner_depth;
+        limits["_MAX_IRREGULAR_PIECES"] = l.max_irregular_pieces;
+        limits["_ZSTD_MAX_RATIO"] = l.zstd_max_ratio;
+        limits["_ZSTD_LEVELS"] = py::make_tuple(l.zstd_min_level, l.zstd_max_level);
+        py::dict dtypes;
+        for (const PyckptDtype& d : pyckpt_dtypes()) {
+          dtypes[py::str(d.name)] = py::make_tuple(d.size, d.planes, d.transform);
+        }
+        return py::make_tuple(limits, dtypes);
+      },
+      "(limits, {dtype: (size, planes, transform)}) the native reader enforces (for tests).");
 }
 
 }  // namespace pyckpt::bindings

@@ -88,10 +88,9 @@ class Parser {
   PyckptIndex run() {
     if (!detail::valid_utf8(_doc)) refuse("not UTF-8");
     if (_doc.empty() || _doc[0] != '{') refuse("does not start with '{'");
-    static const char* const kTop[] = {"format",      "version",      "created_by",
-                                       "save_id",     "dcp_version",  "storage_meta",
-                                       "planner_data", "files",       "items",
-                                       "checksum"};
+    static const char* const kTop[] = {"format",      "version",      "created_by",   "save_id",
+                                       "dcp_version", "storage_meta", "planner_data", "files",
+                                       "items",       "checksum"};
     members(0, kTop, [&](std::size_t k) {
       switch (k) {
         case 0:
@@ -198,7 +197,8 @@ class Parser {
     const JsonValue v = _r.parse_scalar(depth);
     std::int64_t value = 0;
     if (v.is_uint) {
-      if (v.uint_value > static_cast<std::uint64_t>(hi < 0 ? 0 : hi)) refuse("integer out of range");
+      if (v.uint_value > static_cast<std::uint64_t>(hi < 0 ? 0 : hi))
+        refuse("integer out of range");
       value = static_cast<std::int64_t>(v.uint_value);
     } else {
       // A negative integer: "-" and 1-18 digits (no fraction or exponent).
@@ -273,8 +273,8 @@ class Parser {
           if (type != "tensor" && type != "bytes") refuse("item type");
           item.tensor = type == "tensor";
         } else if (item.tensor) {
-          static const char* const kTensor[] = {"dtype", "shape", "requires_grad",
-                                                "memory_format", "pieces"};
+          static const char* const kTensor[] = {"dtype", "shape", "requires_grad", "memory_format",
+                                                "pieces"};
           if (k > 5 || key != kTensor[k - 1]) refuse("tensor keys");
           tensor_member(item, k);
         } else {
@@ -371,8 +371,7 @@ class Parser {
       }
       p.nbytes = nbytes;
       p.segments_begin = _x.segments.size();
-      segments(t.fqn, t.dtype, _esize, nbytes,
-               place_seed(t.fqn, &_x.dims[p.dims_at], t.ndim), 5);
+      segments(t.fqn, t.dtype, _esize, nbytes, place_seed(t.fqn, &_x.dims[p.dims_at], t.ndim), 5);
       p.segments_end = _x.segments.size();
     });
     _x.pieces.push_back(p);
@@ -465,8 +464,8 @@ class Parser {
     } else {
       refuse("codec");
     }
-    std::string key = detail::concat(dtype, '\0', c.codec, '\0', c.level, '\0', c.elem_size,
-                                     '\0', c.transform);
+    std::string key =
+        detail::concat(dtype, '\0', c.codec, '\0', c.level, '\0', c.elem_size, '\0', c.transform);
     const auto found = _codec_index.find(key);
     if (found != _codec_index.end()) return found->second;
     const auto index = static_cast<std::uint32_t>(_x.codecs.size());
@@ -549,9 +548,9 @@ class Parser {
       return;
     }
     if (count > kMaxIrregularPieces) refuse("many pieces");  // the Python validator decides
-    std::vector<std::uint64_t> shape(_x.dims.begin() + static_cast<std::ptrdiff_t>(t.shape_at),
-                                     _x.dims.begin() +
-                                         static_cast<std::ptrdiff_t>(t.shape_at + t.ndim));
+    std::vector<std::uint64_t> shape(
+        _x.dims.begin() + static_cast<std::ptrdiff_t>(t.shape_at),
+        _x.dims.begin() + static_cast<std::ptrdiff_t>(t.shape_at + t.ndim));
     std::vector<TileBlock> blocks;
     blocks.reserve(count);
     for (std::size_t i = t.pieces_begin; i < t.pieces_end; ++i) {
@@ -597,26 +596,36 @@ class Parser {
 }  // namespace
 
 PyckptIndexLimits pyckpt_index_limits() noexcept {
-  return PyckptIndexLimits{kMaxItems,      kMaxFiles,     kMaxPieces,
-                           kMaxSegments,   kMaxChunks,    kMaxChunkBytes,
-                           kMaxNdim,       kMaxNumel,     kMaxItemBytes,
-                           kMaxFileBytes,  static_cast<std::uint64_t>(kMaxPlannerDepth),
-                           kMaxIrregularPieces, kZstdMaxRatio, kZstdMinLevel, kZstdMaxLevel};
+  return PyckptIndexLimits{kMaxItems,
+                           kMaxFiles,
+                           kMaxPieces,
+                           kMaxSegments,
+                           kMaxChunks,
+                           kMaxChunkBytes,
+                           kMaxNdim,
+                           kMaxNumel,
+                           kMaxItemBytes,
+                           kMaxFileBytes,
+                           static_cast<std::uint64_t>(kMaxPlannerDepth),
+                           kMaxIrregularPieces,
+                           kZstdMaxRatio,
+                           kZstdMinLevel,
+                           kZstdMaxLevel};
 }
 
 const std::vector<PyckptDtype>& pyckpt_dtypes() {
   static const std::vector<PyckptDtype> table = {
-      {"float64", 8, 8, "group"},          {"float32", 4, 4, "group_rotl1"},
-      {"float16", 2, 2, "group"},          {"bfloat16", 2, 2, "group_rotl1"},
-      {"float8_e4m3fn", 1, 1, "none"},     {"float8_e4m3fnuz", 1, 1, "none"},
-      {"float8_e5m2", 1, 1, "none"},       {"float8_e5m2fnuz", 1, 1, "none"},
-      {"float8_e8m0fnu", 1, 1, "none"},    {"float4_e2m1fn_x2", 1, 1, "none"},
-      {"complex128", 16, 8, "group"},      {"complex64", 8, 4, "group_rotl1"},
-      {"complex32", 4, 2, "group"},        {"int64", 8, 8, "group"},
-      {"int32", 4, 4, "group"},            {"int16", 2, 2, "group"},
-      {"int8", 1, 1, "none"},              {"uint64", 8, 8, "group"},
-      {"uint32", 4, 4, "group"},           {"uint16", 2, 2, "group"},
-      {"uint8", 1, 1, "none"},             {"bool", 1, 1, "none"},
+      {"float64", 8, 8, "group"},       {"float32", 4, 4, "group_rotl1"},
+      {"float16", 2, 2, "group"},       {"bfloat16", 2, 2, "group_rotl1"},
+      {"float8_e4m3fn", 1, 1, "none"},  {"float8_e4m3fnuz", 1, 1, "none"},
+      {"float8_e5m2", 1, 1, "none"},    {"float8_e5m2fnuz", 1, 1, "none"},
+      {"float8_e8m0fnu", 1, 1, "none"}, {"float4_e2m1fn_x2", 1, 1, "none"},
+      {"complex128", 16, 8, "group"},   {"complex64", 8, 4, "group_rotl1"},
+      {"complex32", 4, 2, "group"},     {"int64", 8, 8, "group"},
+      {"int32", 4, 4, "group"},         {"int16", 2, 2, "group"},
+      {"int8", 1, 1, "none"},           {"uint64", 8, 8, "group"},
+      {"uint32", 4, 4, "group"},        {"uint16", 2, 2, "group"},
+      {"uint8", 1, 1, "none"},          {"bool", 1, 1, "none"},
   };
   return table;
 }

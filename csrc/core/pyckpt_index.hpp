@@ -29,8 +29,8 @@ namespace pyckpt {
 
 /** @brief Codec fields of segments, one entry per distinct (dtype, fields) of a document. */
 struct IdxCodec {
-  std::string dtype;      ///< the pyckpt dtype name of the items using it ("uint8" for bytes)
-  std::string codec;      ///< "none" or "zstd"
+  std::string dtype;  ///< the pyckpt dtype name of the items using it ("uint8" for bytes)
+  std::string codec;  ///< "none" or "zstd"
   std::int64_t level = 0;
   std::uint32_t elem_size = 1;
   std::string transform;  ///< "none", "group" or "group_rotl1"
@@ -65,8 +65,8 @@ struct IdxPiece {
 struct IdxItem {
   std::string fqn;
   bool tensor = true;
-  std::string dtype;            ///< tensor only
-  std::uint32_t ndim = 0;       ///< tensor only; the shape is `dims[shape_at...]`
+  std::string dtype;       ///< tensor only
+  std::uint32_t ndim = 0;  ///< tensor only; the shape is `dims[shape_at...]`
   std::size_t shape_at = 0;
   bool requires_grad = false;
   std::string memory_format;
@@ -110,8 +110,8 @@ PyckptIndexLimits pyckpt_index_limits() noexcept;
 struct PyckptDtype {
   const char* name;
   std::uint32_t size;
-  std::uint32_t planes;     ///< byte planes when grouped (1: never grouped)
-  const char* transform;    ///< grouping transform ("none" when never grouped)
+  std::uint32_t planes;   ///< byte planes when grouped (1: never grouped)
+  const char* transform;  ///< grouping transform ("none" when never grouped)
 };
 const std::vector<PyckptDtype>& pyckpt_dtypes();
 

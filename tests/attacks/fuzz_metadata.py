@@ -11,6 +11,8 @@ a different value, in either order), retype a value -- writes it with a valid ch
 (``generate.write_metadata``), and runs the readers:
 
 * ``_format.read_index`` must return or raise a typed error (PyckptError / OSError);
+* where the native metadata reader accepts the document, the Python validator must read it
+  alike (the same index, or the same error from the data files);
 * when it returns, ``pyckpt.load`` must either raise a typed error or load values bit-identical to
   the original (never a silently different result).
 
@@ -34,6 +36,7 @@ import warnings
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/
 
 import generate
 
@@ -128,6 +131,7 @@ def main(argv: list[str]) -> int:
         import resource
 
         resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+    from _index_compare import both_readers
     from harness import _same, _typed
 
     import pyckpt
@@ -155,6 +159,11 @@ def main(argv: list[str]) -> int:
         faulthandler.dump_traceback_later(20, exit=True)
         problem = None
         try:
+            with open(os.path.join(ckpt, _format.METADATA_FILE), "rb") as f:
+                native, reference = both_readers(ckpt, f.read())
+            if native is not None and native != reference:
+                problem = f"the native reader gave {native[:3]!r:.200}, the Python validator " \
+                          f"{reference[:3]!r:.200}"
             try:
                 _format.read_index(ckpt)
             except Exception as e:
