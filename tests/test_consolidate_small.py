@@ -240,3 +240,24 @@ def test_bad_thread_variable_names_it(monkeypatch, value, message):
     monkeypatch.setenv("PYCKPT_NUM_THREADS", value)
     with pytest.raises(ValueError, match=f"PYCKPT_NUM_THREADS='{value}'.*{message}"):
         _knobs.shared_threads(2)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_plan_pickles_what_the_other_ranks_stitch(tmp_path, world):
+    """Rank 0 sends its plan to the others as a pickle carrying only the tensors of their shares,
+    as plain tuples: each of them builds the same stitcher items from it as from the whole plan."""
+    import importlib
+    import pickle
+
+    plan_mod = importlib.import_module("pyckpt._consolidate.plan")
+    run = importlib.import_module("pyckpt._consolidate.run")
+    scan = importlib.import_module("pyckpt._consolidate.scan")
+    sd = {f"l{i:02d}.w": torch.randn(60 + i, 16) for i in range(24)}
+    pyckpt.save(sd, tmp_path / "ck", compression="zstd", fsync=False)
+    plan = plan_mod.make_plan(scan.scan(str(tmp_path / "ck")), world, None, None)
+    sent = pickle.loads(pickle.dumps(plan))
+    assert sent.files == plan.files and sent.shares == plan.shares and sent.ties == plan.ties
+    assert set(sent.tensors) < set(plan.tensors)  # rank 0's own tensors stay home
+    for rank in range(1, world):
+        assert run.stitch_items(sent, str(tmp_path), sent.shares[rank]) == run.stitch_items(
+            plan, str(tmp_path), plan.shares[rank])

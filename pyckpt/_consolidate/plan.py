@@ -11,6 +11,7 @@ import os
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from pyckpt import _C
 from pyckpt._consolidate.scan import ScannedTensors, _Block, _Tensor
@@ -45,6 +46,30 @@ class _Plan:
     @property
     def total_bytes(self) -> int:
         return sum(f.size - f.data_start for f in self.files)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        """Pickles what the other ranks need: a plan is pickled only when rank 0 sends it to them
+        (``agree(ranks="root")`` hands rank 0 its own object), and a rank reads ``tensors`` only
+        for the names in its share. So the tensors of no other rank's share are left out, and
+        the rest travel as plain tuples: at thousands of tensors, pickling dataclasses per tensor
+        and piece was a good part of the export's planning, and unpickling them the other ranks'
+        wait."""
+        needed = {name for share in self.shares[1:] for file_index, lo, hi in share
+                  for name, begin, end in self.files[file_index].tensors
+                  if max(lo, begin) < min(hi, end)}
+        tensors = [(t.name, t.dtype, t.shape, t.bits, [tuple(b) for b in t.blocks], t.encoded,
+                    t.cast_to, t.unsupported)
+                   for name, t in self.tensors.items() if name in needed]
+        return _unpickle_plan, (tensors, self.files, self.shares, self.index_tmp, self.writers,
+                                self.ties)
+
+
+def _unpickle_plan(tensors: list[tuple[Any, ...]], files: list[_OutFile],
+                   shares: list[list[tuple[int, int, int]]], index_tmp: str, writers: list[int],
+                   ties: dict[str, str]) -> _Plan:
+    table = {t[0]: _Tensor(t[0], t[1], t[2], t[3], [_Block._make(b) for b in t[4]], *t[5:])
+             for t in tensors}
+    return _Plan(table, files, shares, index_tmp, writers, ties)
 
 
 
@@ -182,11 +207,9 @@ def make_plan(
                 tensors=[(n, b, e) for n, b, e in layout],
             )
         )
-    work = [
-        [(e - b, max(1, tensors[n].out_bits // 8) if tensors[n].out_bits % 8 == 0 else 1)
-         for n, b, e in f.tensors]
-        for f in files
-    ]
+    unit = {n: max(1, bits // 8) if bits % 8 == 0 else 1
+            for n, bits in ((n, t.out_bits) for n, t in tensors.items())}
+    work = [[(e - b, unit[n]) for n, b, e in f.tensors] for f in files]
     shares = partition(work, nranks, whole_files=whole_files)
     writers = [0] * len(files)  # the rank that creates and commits each file (whole_files)
     for r, share in enumerate(shares):
