@@ -328,7 +328,12 @@ class PyckptIndex:
     @property
     def files(self) -> list[tuple[str, int]]: ...
     def materialize(
-        self, paths: list[str], tensor_cls: Any, piece_cls: Any, bytes_cls: Any, codec_cls: Any
+        self,
+        paths: list[str],
+        tensor_cls: tuple[type, tuple[str, ...]],
+        piece_cls: tuple[type, tuple[str, ...]],
+        bytes_cls: Any,
+        codec_cls: Any,
     ) -> tuple[dict[str, Any], dict[str, Any]]: ...
 
 def parse_pyckpt_index(doc: bytes | bytearray | memoryview, origin: str) -> PyckptIndex: ...

@@ -6,6 +6,7 @@ Imported through :mod:`pyckpt._format`; :func:`pyckpt._format.read_index` drives
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import json
 import math
@@ -90,6 +91,17 @@ def _dims_ok(dims: list[Any]) -> bool:
     C-level loops (the validator's per-entry loop then only runs to report a failure)."""
     return not dims or (set(map(type, dims)) == _JUST_INT and min(dims) >= 0
                         and max(dims) <= MAX_NUMEL)
+
+
+def _fields(cls: type) -> tuple[type, tuple[str, ...]]:
+    """(cls, its field names in order): how the native reader makes instances without __init__
+    (see ``_C.PyckptIndex.materialize``), which only holds for a plain slots dataclass."""
+    assert "__post_init__" not in vars(cls) and hasattr(cls, "__slots__"), cls
+    return cls, tuple(f.name for f in dataclasses.fields(cls))
+
+
+_TENSOR_FIELDS = _fields(StoredTensor)
+_PIECE_FIELDS = _fields(StoredPiece)
 
 
 def _untuple(obj: dict[str, Any]) -> Any:
@@ -282,7 +294,7 @@ class _Validator:
                 self.local_files.add(name)
         begin, end = x.planner_span
         planner_data = json.loads(raw[begin:end], object_hook=_untuple)
-        tensors, bytes_items = x.materialize(paths, StoredTensor, StoredPiece, StoredBytes,
+        tensors, bytes_items = x.materialize(paths, _TENSOR_FIELDS, _PIECE_FIELDS, StoredBytes,
                                              _C.CodecParams)
         return CheckpointIndex(
             path=self.root,

@@ -32,11 +32,46 @@ py::object call(const py::object& f, std::initializer_list<PyObject*> args) {
   return steal(PyObject_Vectorcall(f.ptr(), args.begin(), args.size(), nullptr));
 }
 
+/**
+ * Makes instances of a slots dataclass without running its __init__ (a frozen dataclass sets
+ * each field through object.__setattr__ there, a good part of the cost per piece): the object
+ * is allocated by object.__new__ and each slot set by the generic setter, in `fields` order
+ * (dataclasses.fields(cls), passed by the caller, who checks that the class has no
+ * __post_init__).
+ */
+class Maker {
+ public:
+  Maker(py::object cls, const py::tuple& fields) : _cls(std::move(cls)) {
+    for (const auto& f : fields) _fields.push_back(py::reinterpret_borrow<py::object>(f));
+    if (!PyType_Check(_cls.ptr())) throw std::invalid_argument("materialize needs classes");
+  }
+
+  py::object operator()(std::initializer_list<PyObject*> values) const {
+    if (values.size() != _fields.size()) {
+      throw std::invalid_argument("materialize: a class's fields do not match its values");
+    }
+    auto* type = reinterpret_cast<PyTypeObject*>(_cls.ptr());
+    py::object empty = steal(PyTuple_New(0));
+    py::object o = steal(PyBaseObject_Type.tp_new(type, empty.ptr(), nullptr));
+    std::size_t i = 0;
+    for (PyObject* v : values) {
+      if (PyObject_GenericSetAttr(o.ptr(), _fields[i++].ptr(), v) != 0) {
+        throw py::error_already_set();
+      }
+    }
+    return o;
+  }
+
+ private:
+  py::object _cls;
+  std::vector<py::object> _fields;
+};
+
 /** Builds the Python values of one index; shares repeated strings and plane tuples. */
 class Builder {
  public:
-  Builder(const PyckptIndex& x, const py::list& paths, py::object piece_cls, py::object codec_cls)
-      : _x(x), _paths(paths), _piece_cls(std::move(piece_cls)) {
+  Builder(const PyckptIndex& x, const py::list& paths, Maker piece, const py::object& codec_cls)
+      : _x(x), _paths(paths), _piece(std::move(piece)) {
     for (const IdxCodec& c : x.codecs) {
       _codecs.push_back(codec_cls(c.codec, c.level, c.elem_size, c.transform));
     }
@@ -75,7 +110,7 @@ class Builder {
     py::object sizes = dims_tuple(_x.dims, p.dims_at + t.ndim, t.ndim);
     py::object nbytes = u64(p.nbytes);
     py::object segs = segments(p.segments_begin, p.segments_end);
-    return call(_piece_cls, {offsets.ptr(), sizes.ptr(), nbytes.ptr(), segs.ptr()});
+    return _piece({offsets.ptr(), sizes.ptr(), nbytes.ptr(), segs.ptr()});
   }
 
  private:
@@ -110,7 +145,7 @@ class Builder {
 
   const PyckptIndex& _x;
   const py::list& _paths;
-  py::object _piece_cls;
+  Maker _piece;
   std::vector<py::object> _codecs;
   std::unordered_map<std::string, py::object> _strings;
   std::unordered_map<std::string, py::object> _raw_planes;
@@ -147,13 +182,13 @@ void bind_index(py::module_& m) {
           "[(data file name, size)] in the document's order")
       .def(
           "materialize",
-          [](const PyckptIndex& x, const py::list& paths, const py::object& tensor_cls,
-             const py::object& piece_cls, const py::object& bytes_cls,
-             const py::object& codec_cls) {
+          [](const PyckptIndex& x, const py::list& paths, const py::tuple& tensor_cls,
+             const py::tuple& piece_cls, const py::object& bytes_cls, const py::object& codec_cls) {
             if (paths.size() != x.file_names.size()) {
               throw std::invalid_argument("materialize needs one path per data file");
             }
-            Builder b(x, paths, piece_cls, codec_cls);
+            const Maker tensor(tensor_cls[0], tensor_cls[1]);
+            Builder b(x, paths, Maker(piece_cls[0], piece_cls[1]), codec_cls);
             py::dict tensors, bytes_items;
             for (const IdxItem& item : x.items) {
               py::object fqn = py::str(item.fqn);
@@ -173,17 +208,19 @@ void bind_index(py::module_& m) {
               py::object shape = dims_tuple(x.dims, item.shape_at, item.ndim);
               py::object grad = py::bool_(item.requires_grad);
               py::object mf = b.str(item.memory_format);
-              tensors[fqn] = call(tensor_cls, {fqn.ptr(), dtype.ptr(), shape.ptr(), pieces.ptr(),
-                                               grad.ptr(), mf.ptr()});
+              tensors[fqn] =
+                  tensor({fqn.ptr(), dtype.ptr(), shape.ptr(), pieces.ptr(), grad.ptr(), mf.ptr()});
             }
             return py::make_tuple(tensors, bytes_items);
           },
           py::arg("paths"), py::arg("tensor_cls"), py::arg("piece_cls"), py::arg("bytes_cls"),
           py::arg("codec_cls"),
-          "(tensors, bytes_items): dicts of tensor_cls(fqn, dtype, shape, pieces, requires_grad, "
+          "(tensors, bytes_items): dicts of tensors (fqn, dtype, shape, pieces, requires_grad, "
           "memory_format) and bytes_cls(fqn, nbytes, segments) in the document's order; a piece "
-          "is piece_cls(offsets, sizes, nbytes, segments), a segment (paths[file], raw_begin, "
-          "codec_cls(codec, level, elem_size, transform), [chunk records]).");
+          "is (offsets, sizes, nbytes, segments), a segment (paths[file], raw_begin, "
+          "codec_cls(codec, level, elem_size, transform), [chunk records]). tensor_cls and "
+          "piece_cls are (slots dataclass, its field names): their instances are made without "
+          "__init__, each field set in that order.");
 
   m.def(
       "parse_pyckpt_index",

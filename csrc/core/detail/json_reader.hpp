@@ -28,7 +28,7 @@ struct JsonValue {
   Kind kind = Kind::Null;
   bool is_uint = false;          // Number: a non-negative integer that fits in 64 bits
   std::uint64_t uint_value = 0;  // valid when is_uint
-  std::string str;               // String contents (decoded); Number text
+  std::string str;               // String contents (decoded); Number text unless is_uint
 };
 
 constexpr int kMaxDepth = 64;
@@ -210,9 +210,9 @@ class JsonReader {
       if (at_end() || !(peek() >= '0' && peek() <= '9')) fail("malformed number");
       while (!at_end() && peek() >= '0' && peek() <= '9') ++_pos;
     }
-    v.str.assign(_s.substr(start, _pos - start));
     v.is_uint = integral && !overflow && (!negative || value == 0);
     v.uint_value = v.is_uint ? value : 0;
+    if (!v.is_uint) v.str.assign(_s.substr(start, _pos - start));  // only kept where needed
   }
 
   static void append_utf8(std::string& out, std::uint32_t cp) {
