@@ -96,7 +96,8 @@ def _dims_ok(dims: list[Any]) -> bool:
 def _fields(cls: type) -> tuple[type, tuple[str, ...]]:
     """(cls, its field names in order): how the native reader makes instances without __init__
     (see ``_C.PyckptIndex.materialize``), which only holds for a plain slots dataclass."""
-    assert "__post_init__" not in vars(cls) and hasattr(cls, "__slots__"), cls
+    if "__post_init__" in vars(cls) or not hasattr(cls, "__slots__"):
+        raise TypeError(f"{cls.__name__} must stay a plain slots dataclass")
     return cls, tuple(f.name for f in dataclasses.fields(cls))
 
 
