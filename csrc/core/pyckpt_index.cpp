@@ -464,13 +464,18 @@ class Parser {
     } else {
       refuse("codec");
     }
-    std::string key =
-        detail::concat(dtype, '\0', c.codec, '\0', c.level, '\0', c.elem_size, '\0', c.transform);
+    // One entry per distinct (dtype, fields): a key built without a stream (once per segment).
+    std::string& key = _codec_key;
+    key.assign(dtype).push_back('\0');
+    key.append(c.codec).push_back('\0');
+    key.append(std::to_string(c.level)).push_back('\0');
+    key.append(std::to_string(c.elem_size)).push_back('\0');
+    key.append(c.transform);
     const auto found = _codec_index.find(key);
     if (found != _codec_index.end()) return found->second;
     const auto index = static_cast<std::uint32_t>(_x.codecs.size());
     _x.codecs.push_back(std::move(c));
-    _codec_index.emplace(std::move(key), index);
+    _codec_index.emplace(key, index);
     return index;
   }
 
@@ -589,6 +594,7 @@ class Parser {
   std::unordered_map<std::string, std::uint32_t> _codec_index;
   std::vector<std::vector<std::pair<std::uint64_t, std::uint64_t>>> _ranges;  // per file
   std::string _seed_buf;
+  std::string _codec_key;
   std::uint32_t _esize = 1;  // of the tensor being read
   std::uint64_t _numel = 1;
 };

@@ -257,14 +257,18 @@ class JsonReader {
     expect('"');
     std::string out;
     for (;;) {
+      // The run up to the next quote, backslash or control character is copied at once.
+      const std::size_t run = _pos;
+      while (_pos < _s.size()) {
+        const auto u = static_cast<unsigned char>(_s[_pos]);
+        if (u == '"' || u == '\\' || u < 0x20) break;
+        ++_pos;
+      }
+      out.append(_s.data() + run, _pos - run);
       if (at_end()) fail("unterminated string");
       const char c = _s[_pos++];
       if (c == '"') return out;
       if (static_cast<unsigned char>(c) < 0x20) fail("control character in string");
-      if (c != '\\') {
-        out.push_back(c);
-        continue;
-      }
       if (at_end()) fail("unterminated escape");
       const char e = _s[_pos++];
       switch (e) {
