@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from _docwalk import paths
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -723,21 +724,10 @@ _VALUES: list[Any] = [None, True, False, 0, 1, -1, 2, 3, 4096, 1 << 63, 1 << 64,
                       "../evil", [], [0], [0, 0], {}, {"__tuple__": 5}, {"__tuple__": []}]
 
 
-def _paths(node: Any, path: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
-    out = [path]
-    if isinstance(node, dict):
-        for k, v in node.items():
-            out += _paths(v, path + (k,))
-    elif isinstance(node, list):
-        for i, v in enumerate(node):
-            out += _paths(v, path + (i,))
-    return out
-
-
 def _mutate(doc: dict[str, Any], rng: np.random.Generator) -> dict[str, Any]:
     doc = copy.deepcopy(doc)
-    paths = _paths(doc)[1:]
-    path = paths[int(rng.integers(len(paths)))]
+    where = paths(doc)[1:]
+    path = where[int(rng.integers(len(where)))]
     parent: Any = doc
     for k in path[:-1]:
         parent = parent[k]

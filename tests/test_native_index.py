@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from _docwalk import get, paths
 from _index_compare import both_readers, plain, python_index
 
 import pyckpt
@@ -134,23 +135,6 @@ def _seal(doc: Any) -> bytes:
 # ---------------------------------------------------------------- mutations: never more lenient
 
 
-def _paths(value: Any, at: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
-    out = [at]
-    if isinstance(value, dict):
-        for k, v in value.items():
-            out += _paths(v, at + (k,))
-    elif isinstance(value, list):
-        for i, v in enumerate(value):
-            out += _paths(v, at + (i,))
-    return out
-
-
-def _get(doc: Any, path: tuple[Any, ...]) -> Any:
-    for k in path:
-        doc = doc[k]
-    return doc
-
-
 _VALUES = [0, 1, -1, 2, 3, 4, 7, 8, 4095, 4096, 4097, 2**31, 2**60, 2**60 + 1, 2**62, 2**63 - 1,
            2**63, 2**64 - 1, 2**64, -(2**17), 23, True, False, None, 1.0, "", "zstd", "none",
            "group", "group_rotl1", "float32", "bfloat16", "uint8", "channels_last", [], {}, [0], [1, 2],
@@ -160,9 +144,9 @@ _VALUES = [0, 1, -1, 2, 3, 4, 7, 8, 4095, 4096, 4097, 2**31, 2**60, 2**60 + 1, 2
 def _mutate(doc: dict[str, Any], rng: random.Random) -> None:
     """One random change: a value replaced, a key dropped or added, a list entry dropped,
     duplicated or swapped, or a number nudged."""
-    paths = [p for p in _paths(doc) if p and p[-1] != "checksum"]
-    path = rng.choice(paths)
-    parent, key = _get(doc, path[:-1]), path[-1]
+    where = [p for p in paths(doc) if p and p[-1] != "checksum"]
+    path = rng.choice(where)
+    parent, key = get(doc, path[:-1]), path[-1]
     value = parent[key]
     kind = rng.randrange(6)
     if kind == 0:

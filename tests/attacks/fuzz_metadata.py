@@ -39,6 +39,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/
 
 import generate
+from _docwalk import get, paths
 
 _INTS = [0, 1, -1, 2, 3, 7, 8, 255, 4096, 2**31, 2**32, 2**53 + 1, 2**63 - 1, 2**63, 2**64 - 1,
          2**64, 2**100]
@@ -46,23 +47,6 @@ _ATOMS: list[Any] = [0.0, 1.0, 0.5, -0.0, 1e308, True, False, None, "", "x", "..
                      "/etc/passwd", "\u0660", "zstd", "none", "group", "group_rotl1", "float32",
                      "uint8", "tensor", "bytes", [], {}, [0], [0, 0], {"__tuple__": 1},
                      {"__tuple__": []}]
-
-
-def _paths(node: Any, prefix: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
-    out = [prefix]
-    if isinstance(node, dict):
-        for k, v in node.items():
-            out += _paths(v, prefix + (k,))
-    elif isinstance(node, list):
-        for i, v in enumerate(node):
-            out += _paths(v, prefix + (i,))
-    return out
-
-
-def _get(doc: Any, path: tuple[Any, ...]) -> Any:
-    for p in path:
-        doc = doc[p]
-    return doc
 
 
 def _value(rng: random.Random, old: Any) -> Any:
@@ -82,9 +66,9 @@ def mutate(doc: dict[str, Any], rng: random.Random) -> tuple[dict[str, Any], lis
     desc: list[str] = []
     dup = None
     for _ in range(rng.randint(1, 3)):
-        paths = [p for p in _paths(doc) if p]
-        path = rng.choice(paths)
-        parent, key = _get(doc, path[:-1]), path[-1]
+        where = [p for p in paths(doc) if p]
+        path = rng.choice(where)
+        parent, key = get(doc, path[:-1]), path[-1]
         kind = rng.choice(["set", "set", "set", "delete", "duplicate", "retype"])
         if kind == "set":
             new = _value(rng, parent[key])
