@@ -122,6 +122,22 @@ def _stitch_items(plan: _Plan, dst: str, share: list[tuple[int, int, int]]) -> l
                 continue
             t = plan.tensors[name]
             cast = None if t.cast_to is None else (t.dtype, t.cast_to)
+            if cast is None and len(t.blocks) == 1 and t.blocks[0].segments is not None:
+                # A pyckpt tensor stored whole (the common case): byte k of the piece is byte k
+                # of the tensor, so each chunk's bytes are its place; no walk over dimensions.
+                blk = t.blocks[0]
+                shape, offsets, sizes, _ = _byte_geometry(t, blk)
+                lo_b, hi_b, out_offset = a - begin, b - begin, f.data_start + begin
+                for path, raw_begin, params, chunks in blk.segments:
+                    p = raw_begin
+                    for rec in chunks:
+                        q = p + rec[1]
+                        if lo_b < q and p < hi_b:
+                            items.append(StitchItem(name, shape, offsets, sizes, 1, path,
+                                                    (rec, params), out_path, out_offset, lo_b,
+                                                    hi_b, p, q, None))
+                        p = q
+                continue
             for blk in t.blocks:
                 shape, offsets, sizes, item = _byte_geometry(t, blk)
                 out_item = item if cast is None else t.out_bits // 8  # output bytes per element
