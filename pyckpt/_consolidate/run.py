@@ -122,13 +122,13 @@ def _stitch_items(plan: _Plan, dst: str, share: list[tuple[int, int, int]]) -> l
                 continue
             t = plan.tensors[name]
             cast = None if t.cast_to is None else (t.dtype, t.cast_to)
-            if cast is None and len(t.blocks) == 1 and t.blocks[0].segments is not None:
+            whole = t.blocks[0].segments if cast is None and len(t.blocks) == 1 else None
+            if whole is not None:
                 # A pyckpt tensor stored whole (the common case): byte k of the piece is byte k
                 # of the tensor, so each chunk's bytes are its place; no walk over dimensions.
-                blk = t.blocks[0]
-                shape, offsets, sizes, _ = _byte_geometry(t, blk)
+                shape, offsets, sizes, _ = _byte_geometry(t, t.blocks[0])
                 lo_b, hi_b, out_offset = a - begin, b - begin, f.data_start + begin
-                for path, raw_begin, params, chunks in blk.segments:
+                for path, raw_begin, params, chunks in whole:
                     p = raw_begin
                     for rec in chunks:
                         q = p + rec[1]
