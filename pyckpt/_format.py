@@ -37,6 +37,7 @@ from pyckpt._format_read import (  # noqa: F401 (_open_metadata, _parse)
     _parse,
     read_index,
     tensor_index,
+    validate,
 )
 from pyckpt._format_schema import _Validator  # noqa: F401 (subclassed by other backends)
 from pyckpt._format_spec import (
@@ -115,6 +116,7 @@ __all__ = [
     "data_file_rank",
     "read_index",
     "tensor_index",
+    "validate",
     "build_metadata",
     "encode_metadata",
     "encode_planner_data",

@@ -224,12 +224,19 @@ def read_index(
     root = os.fspath(path)
     meta = os.path.join(root, METADATA_FILE)
     raw = _open_metadata(root, meta) if document is None else bytes(document)
+    return validate(raw, meta, lambda version: _Validator(root, meta, version, all_files))
+
+
+def validate(raw: bytes, meta: str, validator: Callable[[int], _Validator]) -> CheckpointIndex:
+    """The index of the metadata bytes ``raw`` (of ``meta``, for messages): read by the native
+    reader when it accepts them, else by the Python validator. ``validator(version)`` makes the
+    validator whose ``check_file`` checks the data files where the backend keeps them."""
     with _gc.paused():  # objects per tensor, piece and chunk, all kept (see pyckpt._gc)
         native = _native(raw, meta)
         if native is not None:
-            return _Validator(root, meta, native.version, all_files).from_native(native, raw)
+            return validator(native.version).from_native(native, raw)
         doc, version = _parse([raw], meta)
-        return _Validator(root, meta, version, all_files).index(doc)
+        return validator(version).index(doc)
 
 
 def tensor_index(path: str | os.PathLike[str]) -> dict[str, StoredTensor]:

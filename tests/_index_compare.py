@@ -26,13 +26,17 @@ def plain(index: _format.CheckpointIndex) -> tuple[Any, ...]:
             index.version, sorted(index.local_files))
 
 
-def python_index(root: str, raw: bytes, *, all_files: bool = True) -> _format.CheckpointIndex:
-    """The Python validator's index of the metadata bytes ``raw`` of checkpoint ``root``."""
+def python_index(root: str, raw: bytes, *, all_files: bool = True,
+                 validator: Any = None) -> _format.CheckpointIndex:
+    """The Python validator's index of the metadata bytes ``raw`` of checkpoint ``root``
+    (``validator``: a fresh one of a backend's own class, else the directory's)."""
     from pyckpt import _format_read
 
-    meta = f"{root}/{_format.METADATA_FILE}"
+    meta = f"{root}/{_format.METADATA_FILE}" if validator is None else validator.meta
     doc, version = _format_read._parse([raw], meta)
-    return _format._Validator(root, meta, version, all_files).index(doc)
+    if validator is None:
+        validator = _format._Validator(root, meta, version, all_files)
+    return validator.index(doc)
 
 
 def outcome(read: Any) -> tuple[Any, ...]:

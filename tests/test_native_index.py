@@ -305,3 +305,29 @@ def test_limits_are_enforced_natively(tmp_path: Path) -> None:
     doc["items"]["w"]["shape"] = [2**61]
     with pytest.raises(CheckpointFormatError, match="subset"):
         _C.parse_pyckpt_index(_seal(doc), "m")
+
+
+def test_backends_read_through_the_native_reader_too(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The in-memory backend (the manager's fast tier) validates pyckpt.json through the same
+    two readers as a directory, with its own data-file checks (the S3 backend shares the path:
+    tests/test_s3.py runs under the conftest's comparison)."""
+    from pyckpt.backends import memory
+
+    url = "memory://native-index-test"
+    sd = _state()
+    pyckpt.save(sd, url, compression="zstd")
+    try:
+        outcomes = _native_outcomes(monkeypatch)
+        into: dict[str, Any] = {k: torch.zeros_like(v) for k, v in sd.items()
+                                if isinstance(v, torch.Tensor)}
+        into.update(step=0, extra={"lr": 0.0, "names": None, "t": None})
+        pyckpt.load(into, url)
+        assert outcomes and all(outcomes)
+        assert torch.equal(into["w"], sd["w"]) and into["step"] == 7
+        backend = memory.MemoryBackend(url)
+        del backend.files[next(n for n in backend.files if n.endswith(".pyckpt"))]
+        with pytest.raises(FileNotFoundError, match="data file of checkpoint"):
+            pyckpt.load(into, url)  # the backend's own check, after the native reader accepted
+        assert outcomes[-1] is True
+    finally:
+        memory.drop(url)

@@ -143,8 +143,8 @@ class MemoryBackend:
         if raw is None:
             raise FileNotFoundError(errno.ENOENT, "not a complete pyckpt checkpoint: "
                                     f"{METADATA_FILE} is missing", meta)
-        doc, version = _format._parse([raw], meta)  # the one validator, files looked up here
-        return _Validator(self, meta, version).index(doc)
+        # The one validation path, data files looked up here.
+        return _format.validate(raw, meta, lambda version: _Validator(self, meta, version))
 
     def _sources(self, segments: Iterable[Any]) -> dict[str, Any]:  # the bytes, lent as is
         data = {seg[0]: self.files.get(seg[0].rsplit("/", 1)[-1], b"") for seg in segments}

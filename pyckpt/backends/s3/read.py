@@ -67,8 +67,7 @@ def read_index(loc: Location) -> _format.CheckpointIndex:
     """
     meta = loc.url_of(METADATA_FILE)
     raw = loc.get(METADATA_FILE, _format.MAX_METADATA_BYTES)
-    doc, version = _format._parse([raw], meta)
-    return _Validator(loc, meta, version).index(doc)
+    return _format.validate(raw, meta, lambda version: _Validator(loc, meta, version))
 
 
 def _needed(request: Any) -> list[tuple[int, int, str, int, int]]:
