@@ -132,13 +132,13 @@ def _check_seal(raw: bytes, meta: str) -> re.Match[bytes] | None:
     return seal
 
 
-def _native(raw: bytes, meta: str) -> _C.PyckptIndex | None:
+def _native(raw: bytes, meta: str, seal: re.Match[bytes] | None) -> _C.PyckptIndex | None:
     """``raw`` read by the native reader (``csrc/core/pyckpt_index.hpp``): a document of the
     current version as this pyckpt writes it, parsed and checked in one pass outside Python.
     None for every other document (older versions, other spellings, damaged or hostile files),
     which the Python validator then reads: it accepts the rest of the format and names what is
-    wrong. A damaged checksum is reported here, as the Python path would."""
-    if not _knobs.native_index() or _check_seal(raw, meta) is None:
+    wrong. ``seal``: :func:`_check_seal` of ``raw`` (a version 3 document has one)."""
+    if not _knobs.native_index() or seal is None:
         return None
     try:
         return _C.parse_pyckpt_index(raw, meta)
@@ -146,13 +146,19 @@ def _native(raw: bytes, meta: str) -> _C.PyckptIndex | None:
         return None
 
 
-def _parse(holder: list[bytes], meta: str) -> tuple[dict[str, Any], int]:
+_UNCHECKED: Any = object()
+
+
+def _parse(holder: list[bytes], meta: str,
+           seal: re.Match[bytes] | None = _UNCHECKED) -> tuple[dict[str, Any], int]:
     """Checks the metadata checksum, then parses strict UTF-8 JSON; returns (doc, version).
 
     ``holder`` holds the file's bytes; they are released once decoded, before the parse.
+    ``seal``: the caller's :func:`_check_seal` of them, when it has checked them already.
     """
     raw = holder.pop()
-    seal = _check_seal(raw, meta)
+    if seal is _UNCHECKED:
+        seal = _check_seal(raw, meta)
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
@@ -232,10 +238,11 @@ def validate(raw: bytes, meta: str, validator: Callable[[int], _Validator]) -> C
     reader when it accepts them, else by the Python validator. ``validator(version)`` makes the
     validator whose ``check_file`` checks the data files where the backend keeps them."""
     with _gc.paused():  # objects per tensor, piece and chunk, all kept (see pyckpt._gc)
-        native = _native(raw, meta)
+        seal = _check_seal(raw, meta)  # once, for either reader
+        native = _native(raw, meta, seal)
         if native is not None:
             return validator(native.version).from_native(native, raw)
-        doc, version = _parse([raw], meta)
+        doc, version = _parse([raw], meta, seal)
         return validator(version).index(doc)
 
 

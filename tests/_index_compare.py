@@ -55,7 +55,7 @@ def both_readers(root: str, raw: bytes) -> tuple[tuple[Any, ...] | None, tuple[A
     from pyckpt import _format_read
 
     meta = f"{root}/{_format.METADATA_FILE}"
-    x = _format_read._native(raw, meta)
+    x = _format_read._native(raw, meta, _format_read._check_seal(raw, meta))
     reference = outcome(lambda: python_index(root, raw))
     if x is None:
         return None, reference

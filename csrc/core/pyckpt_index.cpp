@@ -94,15 +94,15 @@ class Parser {
     members(0, kTop, [&](std::size_t k) {
       switch (k) {
         case 0:
-          if (string(1) != "pyckpt") refuse("not a pyckpt document");
+          if (string() != "pyckpt") refuse("not a pyckpt document");
           break;
         case 1:
           if (uint(1, kVersion, kVersion) != kVersion) refuse("version");
           _x.version = kVersion;
           break;
-        case 2: _x.created_by = string(1); break;
+        case 2: _x.created_by = string(); break;
         case 3:
-          _x.save_id = string(1);
+          _x.save_id = string();
           if (!lower_hex(_x.save_id, 12)) refuse("save_id");
           break;
         case 4:
@@ -110,14 +110,14 @@ class Parser {
             null(1);
           } else {
             _x.has_dcp_version = true;
-            _x.dcp_version = string(1);
+            _x.dcp_version = string();
           }
           break;
         case 5: {
           static const char* const kMeta[] = {"modules"};
           members(1, kMeta, [&](std::size_t) {
             expect_next('[');
-            _r.parse_array(2, [&] { _x.modules.push_back(string(3)); });
+            _r.parse_array(2, [&] { _x.modules.push_back(string()); });
           });
           break;
         }
@@ -128,7 +128,7 @@ class Parser {
           break;
         case 7: files(); break;
         case 8: items(); break;
-        case 9: (void)string(1); break;  // the seal, verified by the caller
+        case 9: (void)string(); break;  // the seal, verified by the caller
         default: break;
       }
     });
@@ -165,9 +165,8 @@ class Parser {
     if (k != N) refuse("missing key");
   }
 
-  std::string string(int depth) {
+  std::string string() {
     expect_next('"');
-    (void)depth;
     return _r.parse_string();
   }
 
@@ -269,7 +268,7 @@ class Parser {
       _r.parse_object(2, [&](std::string key) {
         if (k == 0) {
           if (key != "type") refuse("item keys");
-          const std::string type = string(3);
+          const std::string type = string();
           if (type != "tensor" && type != "bytes") refuse("item type");
           item.tensor = type == "tensor";
         } else if (item.tensor) {
@@ -284,7 +283,7 @@ class Parser {
             item.nbytes = uint(3, 0, kMaxItemBytes);
           } else {
             item.segments_begin = _x.segments.size();
-            segments(item.fqn, "uint8", 1, item.nbytes, place_seed(item.fqn, nullptr, 0), 3);
+            segments("uint8", item.nbytes, place_seed(item.fqn, nullptr, 0), 3);
             item.segments_end = _x.segments.size();
           }
         }
@@ -298,7 +297,7 @@ class Parser {
   void tensor_member(IdxItem& t, std::size_t k) {
     switch (k) {
       case 1: {
-        t.dtype = string(3);
+        t.dtype = string();
         const auto& table = pyckpt_dtypes();
         const auto it = std::find_if(table.begin(), table.end(),
                                      [&](const PyckptDtype& d) { return t.dtype == d.name; });
@@ -326,7 +325,7 @@ class Parser {
       }
       case 3: t.requires_grad = boolean(3); break;
       case 4: {
-        t.memory_format = string(3);
+        t.memory_format = string();
         if (std::none_of(std::begin(kMemoryFormats), std::end(kMemoryFormats),
                          [&](const char* m) { return t.memory_format == m; })) {
           refuse("memory_format");
@@ -371,7 +370,7 @@ class Parser {
       }
       p.nbytes = nbytes;
       p.segments_begin = _x.segments.size();
-      segments(t.fqn, t.dtype, _esize, nbytes, place_seed(t.fqn, &_x.dims[p.dims_at], t.ndim), 5);
+      segments(t.dtype, nbytes, place_seed(t.fqn, &_x.dims[p.dims_at], t.ndim), 5);
       p.segments_end = _x.segments.size();
     });
     _x.pieces.push_back(p);
@@ -396,10 +395,7 @@ class Parser {
     return xxh64(le, 8, seed);
   }
 
-  void segments(const std::string& fqn, const std::string& dtype, std::uint32_t esize,
-                std::uint64_t nbytes, std::uint64_t seed, int depth) {
-    (void)fqn;
-    (void)esize;
+  void segments(const std::string& dtype, std::uint64_t nbytes, std::uint64_t seed, int depth) {
     expect_next('[');
     std::uint64_t expect = 0;
     _r.parse_array(depth, [&] {
@@ -409,7 +405,7 @@ class Parser {
       members(depth + 1, kSegment, [&](std::size_t k) {
         switch (k) {
           case 0: {
-            const auto it = _file_index.find(string(depth + 2));
+            const auto it = _file_index.find(string());
             if (it == _file_index.end()) refuse("segment file not listed");
             seg.file = it->second;
             break;
@@ -439,10 +435,10 @@ class Parser {
     std::size_t k = 0;
     _r.parse_array(depth, [&] {
       switch (k++) {
-        case 0: c.codec = string(depth + 1); break;
+        case 0: c.codec = string(); break;
         case 1: c.level = int64(depth + 1, kZstdMinLevel, kZstdMaxLevel); break;
         case 2: c.elem_size = static_cast<std::uint32_t>(uint(depth + 1, 1, 8)); break;
-        case 3: c.transform = string(depth + 1); break;
+        case 3: c.transform = string(); break;
         default: refuse("codec has more than 4 fields");
       }
     });
