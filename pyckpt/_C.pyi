@@ -312,7 +312,7 @@ def safetensors_header(
     tensors: list[tuple[str, str, list[int]]], metadata: list[tuple[str, str]]
 ) -> tuple[bytes, list[tuple[str, int, int]], int]: ...
 def check_tiling(
-    name: str, shape: list[int], blocks: list[tuple[list[int], list[int], str]]
+    name: str, shape: Sequence[int], blocks: Sequence[tuple[Sequence[int], Sequence[int], str]]
 ) -> None: ...
 
 # --- native metadata reader (core/pyckpt_index.hpp) ---

@@ -6,9 +6,9 @@
 #                  time CPU scheduling, alone (tests-serial)
 #   2. benchmarks  a smoke run of the benchmarks (timings disabled)
 #   3. fuzz        every atheris harness in fuzz/ for PYCKPT_FUZZ_SECONDS_PER_HARNESS (default 30)
-#   4. sanitize    scripts/sanitize.sh: the C++-heavy tests, the attack corpus and the native
-#                  metadata reader's differential tests against an
-#                  ASan+UBSan build of the extension
+#   4. sanitize    scripts/sanitize.sh: the C++-heavy tests, the attack corpus, the native
+#                  metadata reader's differential tests and the export's stitcher tests
+#                  against an ASan+UBSan build of the extension
 #   5. cpp         the C++ unit tests (tests/cpp) under ctest, warnings as errors, in the
 #                  sanitizer build (ASan+UBSan)
 #   6. lint        ruff, mypy on pyckpt/, clang-format on csrc/ and tests/cpp/
@@ -114,7 +114,8 @@ if has_stage sanitize; then
     PYCKPT_ATTACK_TIMEOUT=${PYCKPT_ATTACK_TIMEOUT:-40} PYCKPT_FUZZ_SECONDS=20 \
       run_stage_pytest sanitize 0 bash scripts/sanitize.sh -q \
       tests/test_file_io.py tests/test_codec.py tests/test_safetensors_header.py \
-      tests/test_attacks.py tests/test_fuzz_metadata.py tests/test_native_index.py
+      tests/test_attacks.py tests/test_fuzz_metadata.py tests/test_native_index.py \
+      tests/test_consolidate_small.py tests/test_consolidate_pyckpt.py
   fi
 fi
 if has_stage cpp; then

@@ -239,6 +239,14 @@ def test_coverage_hole_names_tensor(tmp_path):
     _expect_format_error(src, str(tmp_path / "dst"), r"tensor 'w'.*cover 24 of 36 elements")
 
 
+def test_a_lone_shard_away_from_the_origin_is_a_coverage_hole(tmp_path):
+    # One shard per tensor is taken as the whole tensor only when it starts at the origin.
+    full = {"w": sample_tensor((9, 4), torch.float32, 1), "v": sample_tensor((5,), torch.int8, 2)}
+    src = str(tmp_path / "src")
+    write_dcp_shards(src, full, {"w": [grid_blocks((9, 4), [3, 1])[1]], "v": [((0,), (5,))]}, 1)
+    _expect_format_error(src, str(tmp_path / "dst"), r"tensor 'w'.*cover 12 of 24 elements")
+
+
 def test_overlapping_shards(tmp_path):
     full = {"w": sample_tensor((8, 4), torch.float32, 1)}
     src = str(tmp_path / "src")
@@ -273,9 +281,14 @@ def test_inconsistent_dtype_and_rank(tmp_path):
         json.dumps({"a": {"saved_offsets": [2**64, 0]}}),
         json.dumps({"a": {"saved_offsets": [2**64 - 1, 0]}}),
         json.dumps({"a": {"saved_offsets": [0, -1]}}),
+        json.dumps({"a": {"saved_offsets": [True, 0]}}),
+        json.dumps({"a": {"saved_offsets": [0, 1.0]}}),
+        json.dumps({"a": {"saved_offsets": "0,0"}}),
+        json.dumps({"a": {"saved_offsets": [0, [0]]}}),
         "[" * 100000 + "]" * 100000,
     ],
-    ids=["offset-2**64", "offset-2**64-1", "negative", "deeply-nested"],
+    ids=["offset-2**64", "offset-2**64-1", "negative", "bool", "float", "string", "nested",
+         "deeply-nested"],
 )
 def test_hostile_sharding_info_is_a_format_error_naming_the_file(tmp_path, sharding):
     from safetensors.torch import save_file

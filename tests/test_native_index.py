@@ -100,6 +100,26 @@ def test_checkpoints_this_pyckpt_writes_take_the_native_path(
     assert outcomes and all(outcomes)  # the load read it natively too
 
 
+@pytest.mark.parametrize("compression", ["zstd", None])
+@pytest.mark.parametrize("state", ["scalar-only", "scalar-first"])
+def test_a_scalar_read_first_is_read_natively(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                             compression: str | None, state: str) -> None:
+    # The reader's tables are empty when the first tensor (a scalar: no dimensions) is read:
+    # nothing may index into them then (the sanitizer stage runs this file).
+    sd = {"a": torch.tensor(1.5)}
+    if state == "scalar-first":
+        sd["b"] = torch.randn(40)
+    path = tmp_path / "ck"
+    pyckpt.save(sd, path, compression=compression, fsync=False)
+    raw = (path / _format.METADATA_FILE).read_bytes()
+    reference = python_index(str(path), raw)
+    outcomes = _native_outcomes(monkeypatch)
+    assert plain(_format.read_index(path)) == plain(reference) and outcomes == [True]
+    into = {k: torch.zeros_like(v) for k, v in sd.items()}
+    pyckpt.load(into, path)
+    assert all(torch.equal(into[k], v) for k, v in sd.items())
+
+
 def test_knob_off_reads_with_the_python_validator(ckpt: Path,
                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(_C, "parse_pyckpt_index", None)  # would fail if called

@@ -122,7 +122,7 @@ class Builder {
     for (std::size_t i = 0; i < n; i += 2) raw = raw && _x.planes[c.planes_at + i] == 0;
     py::object planes;
     if (raw) {
-      const std::string key(reinterpret_cast<const char*>(&_x.planes[c.planes_at]),
+      const std::string key(reinterpret_cast<const char*>(_x.planes.data() + c.planes_at),
                             n * sizeof(std::uint64_t));
       auto it = _raw_planes.find(key);
       if (it == _raw_planes.end()) {

@@ -370,7 +370,7 @@ class Parser {
       }
       p.nbytes = nbytes;
       p.segments_begin = _x.segments.size();
-      segments(t.dtype, nbytes, place_seed(t.fqn, &_x.dims[p.dims_at], t.ndim), 5);
+      segments(t.dtype, nbytes, place_seed(t.fqn, _x.dims.data() + p.dims_at, t.ndim), 5);
       p.segments_end = _x.segments.size();
     });
     _x.pieces.push_back(p);

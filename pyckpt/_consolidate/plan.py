@@ -111,13 +111,15 @@ def _assign_files(
                 fname = v
             groups.setdefault(fname, []).append(n)
         return dict(sorted(groups.items()))
-    if max_file_bytes is not None and max_file_bytes < 1:
+    if max_file_bytes is None:
+        return {_hf_name(1, 1): names}
+    if max_file_bytes < 1:
         raise ValueError(f"max_file_bytes must be positive, got {max_file_bytes}")
     buckets: list[list[str]] = [[]]
     used = 0
     for n in names:
         size = tensors[n].nbytes
-        if max_file_bytes is not None and buckets[-1] and used + size > max_file_bytes:
+        if buckets[-1] and used + size > max_file_bytes:
             buckets.append([])
             used = 0
         buckets[-1].append(n)

@@ -80,14 +80,21 @@ ScannedTensors = dict[str, _Tensor]
 _MAX_OFFSET = 1 << 60
 
 
-def _int_tuple(value: Any, what: str) -> tuple[int, ...]:
-    if not isinstance(value, list) or not all(
-        isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= _MAX_OFFSET for v in value
-    ):
+_INT_ONLY = {int}
+
+
+def _int_tuple(value: Any, path: str, name: str) -> tuple[int, ...]:
+    """``value`` (the ``saved_offsets`` of tensor ``name`` in shard ``path``) as a tuple."""
+    # Every element's exact type is int (bool is not), all in range: checked with C-level loops
+    # (one call per tensor per shard; a generator over the elements cost more than the rest).
+    if type(value) is not list or (value and (
+        not set(map(type, value)) <= _INT_ONLY or min(value) < 0 or max(value) > _MAX_OFFSET
+    )):
         shown = repr(value)
         shown = shown if len(shown) <= 80 else shown[:77] + "..."
         raise CheckpointFormatError(
-            f"{what} must be a list of integers in [0, 2**60], got {shown}"
+            f"{path}: saved_offsets of {name!r} must be a list of integers in [0, 2**60], "
+            f"got {shown}"
         )
     return tuple(value)
 
@@ -111,8 +118,11 @@ def _scan_safetensors(src: str) -> dict[str, _Tensor]:
         raise CheckpointFormatError(f"{src}: no *.safetensors files to consolidate")
     tensors: dict[str, _Tensor] = {}
     origin: dict[str, str] = {}
+    base_of: dict[str, str] = {}  # shard path -> its name in src (for messages)
+    bits_of: dict[str, int] = {}
     for fname in names:
         path = os.path.join(src, fname)
+        base_of[path] = fname
         # Shards are plain files inside src: a symlink could point anywhere (another user's
         # file, a device), so it is refused before anything is opened.
         if not regular[fname]:
@@ -134,6 +144,7 @@ def _scan_safetensors(src: str) -> dict[str, _Tensor]:
                 ) from None
             if not isinstance(sharding, dict):
                 raise CheckpointFormatError(f"{path}: {_SHARDING_KEY} is not a JSON object")
+        data_start = header["data_start"]
         for name, dtype, shape, begin, _end in cast("list[Any]", header["tensors"]):
             if sharding is None:
                 offsets = (0,) * len(shape)
@@ -143,7 +154,7 @@ def _scan_safetensors(src: str) -> dict[str, _Tensor]:
                     raise CheckpointFormatError(
                         f"{path}: tensor {name!r} has no saved_offsets in {_SHARDING_KEY}"
                     )
-                offsets = _int_tuple(entry["saved_offsets"], f"{path}: saved_offsets of {name!r}")
+                offsets = _int_tuple(entry["saved_offsets"], path, name)
                 if len(offsets) != len(shape):
                     raise CheckpointFormatError(
                         f"{path}: tensor {name!r} has shape {list(shape)} but saved_offsets "
@@ -151,9 +162,10 @@ def _scan_safetensors(src: str) -> dict[str, _Tensor]:
                     )
             t = tensors.get(name)
             if t is None:
-                t = tensors[name] = _Tensor(
-                    name, dtype, (), _C.safetensors_dtype_bits(dtype)
-                )
+                bits = bits_of.get(dtype)
+                if bits is None:
+                    bits = bits_of[dtype] = _C.safetensors_dtype_bits(dtype)
+                t = tensors[name] = _Tensor(name, dtype, (), bits)
                 origin[name] = fname
             elif t.dtype != dtype:
                 raise CheckpointFormatError(
@@ -164,15 +176,19 @@ def _scan_safetensors(src: str) -> dict[str, _Tensor]:
                     f"tensor {name!r} has rank {len(t.blocks[0].sizes)} in {origin[name]} "
                     f"but rank {len(shape)} in {fname}"
                 )
-            t.blocks.append(_Block(path, header["data_start"] + begin, offsets, tuple(shape)))
+            t.blocks.append(_Block(path, data_start + begin, offsets, tuple(shape)))
     for t in tensors.values():
-        ndim = len(t.blocks[0].sizes)
-        t.shape = tuple(max(b.offsets[d] + b.sizes[d] for b in t.blocks) for d in range(ndim))
-        _C.check_tiling(
-            t.name,
-            list(t.shape),
-            [(list(b.offsets), list(b.sizes), os.path.basename(b.path)) for b in t.blocks],
-        )
+        blocks = t.blocks
+        if len(blocks) == 1:
+            b = blocks[0]
+            if not any(b.offsets):  # the whole tensor in one shard: nothing else to tile
+                t.shape = b.sizes
+                continue
+            t.shape = tuple(o + n for o, n in zip(b.offsets, b.sizes))
+        else:
+            t.shape = tuple(max(b.offsets[d] + b.sizes[d] for b in blocks)
+                            for d in range(len(blocks[0].sizes)))
+        _C.check_tiling(t.name, t.shape, [(b.offsets, b.sizes, base_of[b.path]) for b in blocks])
     return tensors
 
 
