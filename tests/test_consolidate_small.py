@@ -342,8 +342,10 @@ def test_small_tensors_are_written_in_batches(tmp_path, source, world):
 
 
 def test_a_partial_stitch_writes_only_what_it_is_given(tmp_path):
-    """With ``partial`` (chunks arriving from peers in rounds), small tensors are never batched:
-    a call writes exactly the chunks it holds, and bytes outside them stay as they were."""
+    """With ``partial`` (node-local exports: chunks arrive from peers in rounds), a call writes
+    exactly the chunks it holds: tensors whose chunks all arrived are batched (one write for
+    neighbours), a tensor with chunks still missing is not, and its other bytes stay as they
+    were."""
     import importlib
 
     import numpy as np
@@ -351,7 +353,7 @@ def test_a_partial_stitch_writes_only_what_it_is_given(tmp_path):
     plan_mod = importlib.import_module("pyckpt._consolidate.plan")
     run = importlib.import_module("pyckpt._consolidate.run")
     scan = importlib.import_module("pyckpt._consolidate.scan")
-    sd = {f"t{i:02d}": sample_tensor((40, 9), torch.float32, i) for i in range(20)}
+    sd = {f"t{i:02d}": sample_tensor((40, 90), torch.float32, i) for i in range(20)}
     src = str(tmp_path / "in")
     dcp.save(sd, storage_writer=pyckpt.Writer(src, compression="zstd", chunk_bytes=4096,
                                               fsync=False))
@@ -364,7 +366,9 @@ def test_a_partial_stitch_writes_only_what_it_is_given(tmp_path):
         fh.seek(f.data_start)
         fh.write(b"\xab" * (f.size - f.data_start))
     items = run.stitch_items(plan, dst, plan.shares[0])
-    given_items = items[::2]  # every other chunk: the rest "has not arrived"
+    # t00-t09: every chunk has arrived; t10-t19: every other chunk (4 chunks per tensor).
+    given_items = [it for it in items if it.name < "t10"]
+    given_items += [it for it in items if it.name >= "t10"][::2]
     stats = pyckpt._C.stitch(given_items, 1, 16 << 20, "pread", False, partial=True)
     data = np.fromfile(path, dtype=np.uint8)
     expect = np.full(f.size, 0xAB, dtype=np.uint8)
@@ -375,3 +379,5 @@ def test_a_partial_stitch_writes_only_what_it_is_given(tmp_path):
         expect[it.out_offset + a:it.out_offset + b] = full[a:b]
     assert np.array_equal(data, expect)
     assert stats["bytes"] == sum(min(it.q, it.hi) - max(it.p, it.lo) for it in given_items)
+    # The ten complete tensors (14 KiB each) in one batch; each chunk of the others a task.
+    assert stats["tasks"] == 1 + (len(given_items) - 40)

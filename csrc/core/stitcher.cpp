@@ -628,11 +628,13 @@ StitchStats stitch(const std::vector<StitchItem>& items, const StitchOptions& op
     b.end = batch_units.size();
   };
   for (auto& [key, g] : groups) {
-    // A small range (not of a partial call: its other calls write the rest) goes into a batch.
+    // A small range goes into a batch: a whole RawFile range, or an encoded one whose chunks
+    // this call supplies in full (in a partial call, other calls may write the rest of a range:
+    // a batch would overwrite it).
     const std::uint64_t out_n = (g.hi - g.lo) * g.out_item_bytes;
-    const bool batched = !options.partial && out_n > 0 && out_n <= batch_item &&
-                         (g.hi - g.lo) * g.item_bytes <= options.task_bytes;
-    if (!g.encoded && batched) {
+    const bool small =
+        out_n > 0 && out_n <= batch_item && (g.hi - g.lo) * g.item_bytes <= options.task_bytes;
+    if (!g.encoded && small) {
       batch_tasks.push_back(Task{&g, g.lo, g.hi});
       batch_add(g, false, batch_tasks.size() - 1, batch_tasks.size(), out_n);
       continue;
@@ -664,7 +666,7 @@ StitchStats stitch(const std::vector<StitchItem>& items, const StitchOptions& op
     }
     const bool windowed = short_runs && !options.partial &&
                           (g.hi - g.lo) * g.out_item_bytes <= kWindowTasks * options.task_bytes;
-    if (batched) {
+    if (small && supplied == g.hi - g.lo) {
       batch_add(g, true, batch_chunks.size(), batch_chunks.size() + mine.size(), out_n);
       batch_chunks.insert(batch_chunks.end(), mine.begin(), mine.end());
     } else if (windowed) {

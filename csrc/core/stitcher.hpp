@@ -202,12 +202,12 @@ struct StitchStats {
  * MAP_SHARED mapping of the output. Small ranges (at most 256 KiB of output, either source
  * kind) that lie back to back in one output file form batches of at most 2 MiB (both bounds
  * also at most task_bytes): a batch is one task, assembled in the per-thread window and written
- * with one pwrite (not with `partial`), so a model of thousands of small tensors costs a write
- * per batch, not per tensor. A byte-grouped chunk's planes are interleaved straight into
- * each run (DecodedChunk::copy_out). Memory use is bounded by threads x (4 x task_bytes + 3 x
- * the largest chunk) plus the mappings. Items with an
- * enabled StitchItem::cast are converted in memory after reading or decoding, with one more
- * per-thread buffer of the converted bytes.
+ * with one pwrite (with `partial`, only ranges whose chunks the call supplies in full), so a
+ * model of thousands of small tensors costs a write per batch, not per tensor. A byte-grouped
+ * chunk's planes are interleaved straight into each run (DecodedChunk::copy_out). Memory use
+ * is bounded by threads x (4 x task_bytes + 3 x the largest chunk) plus the mappings. Items
+ * with an enabled StitchItem::cast are converted in memory after reading or decoding, with one
+ * more per-thread buffer of the converted bytes.
  * @param items the copies; items may share inputs and outputs; their destinations must not overlap.
  * @param options see StitchOptions.
  * @return counters.
