@@ -381,3 +381,44 @@ def test_a_partial_stitch_writes_only_what_it_is_given(tmp_path):
     assert stats["bytes"] == sum(min(it.q, it.hi) - max(it.p, it.lo) for it in given_items)
     # The ten complete tensors (14 KiB each) in one batch; each chunk of the others a task.
     assert stats["tasks"] == 1 + (len(given_items) - 40)
+
+
+_BATCH_EFBIG = """
+import importlib, resource, signal, sys
+import pyckpt
+plan_mod = importlib.import_module("pyckpt._consolidate.plan")
+run = importlib.import_module("pyckpt._consolidate.run")
+scan = importlib.import_module("pyckpt._consolidate.scan")
+src, dst = sys.argv[1], sys.argv[2]
+plan = plan_mod.make_plan(scan.scan(src), 1, None, None)
+run.create_outputs(plan, dst)  # sized before the limit: the writes into it are what fail
+items = run.stitch_items(plan, dst, plan.shares[0])
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+limit = plan.files[0].data_start + 10000
+resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+try:
+    pyckpt._C.stitch(items, 1, 16 << 20, "pread", False)
+except OSError as e:
+    print("ERROR", e.errno, e.filename, "|", e)
+    sys.exit(3)
+"""
+
+
+def test_a_batch_that_cannot_be_written_names_its_tensors(tmp_path):
+    """A batch's failed write (here EFBIG under RLIMIT_FSIZE) is an OSError with the errno,
+    naming the output file and the tensors the batch held."""
+    import errno
+    import subprocess
+    import sys
+
+    src, dst = tmp_path / "in", tmp_path / "out"
+    pyckpt.save({f"t{i:02d}": torch.randn(32, 32) for i in range(40)}, src, compression="zstd",
+                fsync=False)
+    proc = subprocess.run([sys.executable, "-c", _BATCH_EFBIG, str(src), str(dst)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 3, proc.stdout + proc.stderr
+    code, filename, message = proc.stdout.split("ERROR ", 1)[1].split(" ", 2)
+    assert int(code) == errno.EFBIG
+    assert os.path.dirname(filename) == str(dst) and filename.endswith(".tmp-" + filename[-12:])
+    assert "40 tensors, 't00' to 't39'" in message and "pwrite" in message, message
+

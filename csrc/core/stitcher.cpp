@@ -718,10 +718,9 @@ StitchStats stitch(const std::vector<StitchItem>& items, const StitchOptions& op
         const Group& first = *batch_units[b.begin].group;
         const Group& last = *batch_units[b.end - 1].group;
         pwrite_to(*b.out, buf, b.bytes, b.offset,
-                  b.end - b.begin == 1
-                      ? "tensor '" + first.name + "'"
-                      : detail::concat("tensors '", first.name, "' to '", last.name, "' (",
-                                       b.end - b.begin, " tensors)"));
+                  b.end - b.begin == 1 ? "tensor '" + first.name + "'"
+                                       : detail::concat(b.end - b.begin, " tensors, '", first.name,
+                                                        "' to '", last.name, "'"));
         runs.fetch_add(r, std::memory_order_relaxed);
         done = b.bytes;
       } else {
