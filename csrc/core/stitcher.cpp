@@ -103,15 +103,7 @@ struct ChunkTask {
   bool map_out;  // scattered short runs: memcpy into the output mapping instead of pwrite
 };
 
-/** All chunk tasks of one group whose output range fits a window: assembled in memory, then
- *  one pwrite (no output mapping, no page faults on it). */
-struct WindowTask {
-  const Group* group;
-  std::size_t begin;  // its chunk tasks: window_chunks[begin, end)
-  std::size_t end;
-};
-
-/** A small tensor range in a Batch: a whole RawFile task, or the chunk tasks of an encoded group
+/** A tensor range in a Batch: a whole RawFile task, or the chunk tasks of an encoded group
  *  (batch_chunks[begin, end)); `at` is where its range [lo, hi) starts in the batch's buffer. */
 struct BatchUnit {
   const Group* group;
@@ -121,9 +113,11 @@ struct BatchUnit {
   std::uint64_t at;
 };
 
-/** Small tensor ranges that lie back to back in one output file: assembled in one per-thread
- *  buffer, then written with one pwrite (a model of thousands of small tensors otherwise costs a
- *  write system call per tensor, which took twice the time of 1 MiB writes on ext4). */
+/** Tensor ranges that lie back to back in one output file, assembled in one per-thread buffer
+ *  (the window) and written with one pwrite: small ranges (a model of thousands of small tensors
+ *  otherwise costs a write system call per tensor, which took twice the time of 1 MiB writes on
+ *  ext4), or one range whose chunks land in short scattered runs (no syscall per run, no output
+ *  mapping). */
 struct Batch {
   PosixFile* out;
   std::uint64_t offset;  // in the output file
@@ -604,8 +598,6 @@ StitchStats stitch(const std::vector<StitchItem>& items, const StitchOptions& op
 
   std::vector<Task> tasks;
   std::vector<ChunkTask> chunk_tasks;
-  std::vector<WindowTask> window_tasks;
-  std::vector<ChunkTask> window_chunks;
   std::vector<Batch> batches;
   std::vector<BatchUnit> batch_units;
   std::vector<Task> batch_tasks;
@@ -613,7 +605,8 @@ StitchStats stitch(const std::vector<StitchItem>& items, const StitchOptions& op
   const std::uint64_t batch_cap = std::min<std::uint64_t>(kBatchBytes, options.task_bytes);
   const std::uint64_t batch_item = std::min<std::uint64_t>(kBatchItemBytes, options.task_bytes);
   // Adds group g's range (n output bytes) to the open batch when it continues it in the same
-  // file and fits, else opens a new one. Groups come in (file, offset) order (the map's).
+  // file and fits, else opens a new one (a window over batch_cap gets a batch of its own).
+  // Groups come in (file, offset) order (the map's).
   const auto batch_add = [&](const Group& g, bool encoded, std::size_t begin, std::size_t end,
                              std::uint64_t n) {
     const std::uint64_t at = g.out_offset + g.lo * g.out_item_bytes;
@@ -648,9 +641,10 @@ StitchStats stitch(const std::vector<StitchItem>& items, const StitchOptions& op
       continue;
     }
     // One task per chunk that overlaps [lo, hi): its block elements [a, b) land there. When
-    // some land in short scattered runs, the chunks of a range that fits a window are run as one
-    // WindowTask (assembled in memory, one pwrite; not for a partial call, whose other calls
-    // write the rest of the range); otherwise short runs go through the output mapping.
+    // some land in short scattered runs, the chunks of a range that fits a window are assembled
+    // in one (a batch of their own, or joining small neighbours; not for a partial call, whose
+    // other calls write the rest of the range); otherwise short runs go through the output
+    // mapping.
     std::vector<ChunkTask> mine;
     std::uint64_t supplied = 0;
     bool short_runs = false;
@@ -666,13 +660,9 @@ StitchStats stitch(const std::vector<StitchItem>& items, const StitchOptions& op
     }
     const bool windowed = short_runs && !options.partial &&
                           (g.hi - g.lo) * g.out_item_bytes <= kWindowTasks * options.task_bytes;
-    if (small && supplied == g.hi - g.lo) {
+    if ((small || windowed) && supplied == g.hi - g.lo) {
       batch_add(g, true, batch_chunks.size(), batch_chunks.size() + mine.size(), out_n);
       batch_chunks.insert(batch_chunks.end(), mine.begin(), mine.end());
-    } else if (windowed) {
-      window_tasks.push_back(
-          WindowTask{&g, window_chunks.size(), window_chunks.size() + mine.size()});
-      window_chunks.insert(window_chunks.end(), mine.begin(), mine.end());
     } else {
       if (short_runs) g.out->map(false);  // before any task runs: map() is not thread-safe
       chunk_tasks.insert(chunk_tasks.end(), mine.begin(), mine.end());
@@ -687,7 +677,7 @@ StitchStats stitch(const std::vector<StitchItem>& items, const StitchOptions& op
   StitchStats stats;
   std::atomic<std::uint64_t> runs{0};
   {
-    const std::size_t nsingle = tasks.size() + chunk_tasks.size() + window_tasks.size();
+    const std::size_t nsingle = tasks.size() + chunk_tasks.size();
     const std::size_t ntasks = nsingle + batches.size();
     const InputMode mode = options.input;
     std::atomic<std::uint64_t>* progress = options.progress;
@@ -701,7 +691,7 @@ StitchStats stitch(const std::vector<StitchItem>& items, const StitchOptions& op
         const ChunkTask& t = chunk_tasks[i - tasks.size()];
         runs.fetch_add(run_chunk_task_named(t, nullptr), std::memory_order_relaxed);
         done = (t.b - t.a) * t.group->out_item_bytes;
-      } else if (i >= nsingle) {
+      } else {
         const Batch& b = batches[i - nsingle];
         std::byte* const buf = scratch_bytes<3>(b.bytes);
         std::uint64_t r = 0;
@@ -723,24 +713,11 @@ StitchStats stitch(const std::vector<StitchItem>& items, const StitchOptions& op
                                                         "' to '", last.name, "'"));
         runs.fetch_add(r, std::memory_order_relaxed);
         done = b.bytes;
-      } else {
-        const WindowTask& w = window_tasks[i - tasks.size() - chunk_tasks.size()];
-        const Group& g = *w.group;
-        const std::uint64_t n = (g.hi - g.lo) * g.out_item_bytes;
-        std::byte* const window = scratch_bytes<3>(n);
-        std::uint64_t r = 0;
-        for (std::size_t c = w.begin; c < w.end; ++c) {
-          r += run_chunk_task_named(window_chunks[c], window);
-        }
-        pwrite_output(*g.out, window, n, g.out_offset + g.lo * g.out_item_bytes, g.name);
-        runs.fetch_add(r, std::memory_order_relaxed);
-        done = n;
       }
       if (progress) progress->fetch_add(done, std::memory_order_relaxed);
     };
     for (const Task& t : tasks) stats.bytes += (t.y - t.x) * t.group->out_item_bytes;
     for (const ChunkTask& t : chunk_tasks) stats.bytes += (t.b - t.a) * t.group->out_item_bytes;
-    for (const ChunkTask& t : window_chunks) stats.bytes += (t.b - t.a) * t.group->out_item_bytes;
     for (const Batch& b : batches) stats.bytes += b.bytes;
     if (stats.bytes <= kInlineBytes || options.threads == 1) {
       // On this thread, checking for an interrupt (Ctrl-C) between tasks as run_all does.
@@ -761,7 +738,7 @@ StitchStats stitch(const std::vector<StitchItem>& items, const StitchOptions& op
       run_all(pool, ntasks, run_one);
     }
   }
-  stats.tasks = tasks.size() + chunk_tasks.size() + window_tasks.size() + batches.size();
+  stats.tasks = tasks.size() + chunk_tasks.size() + batches.size();
   stats.runs = runs.load();
   if (options.fsync) {
     for (auto& [path, out] : outputs) out->sync();
