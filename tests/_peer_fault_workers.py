@@ -121,6 +121,58 @@ def joins_during_the_check_worker(rank: int, world: int) -> Any:
     return out
 
 
+def report_busy_worker(rank: int, world: int, busy_s: float) -> Any:
+    """agree_then_root (an export's copy, then its commit) where rank 1's step works
+    ``busy_s`` seconds, longer than the peer timeout: rank 0 waits for its report. Returns what
+    each rank got, the seconds the call took and, on rank 1, when its work ended."""
+    from pyckpt import _knobs
+    from pyckpt._collective import agree_then_root, all_gather, group_info
+
+    group = group_info(None)
+    out: dict[str, Any] = {}
+
+    def step() -> int:
+        if rank == 1:
+            time.sleep(busy_s)  # local work; this rank's heartbeat keeps beating
+            out["busy_end"] = time.monotonic()
+        return rank * 10
+
+    with _knobs.override(peer_timeout=2):
+        all_gather(rank, group)
+        t0 = time.monotonic()
+        value, root_value, _ = agree_then_root(step, lambda: "committed", group)
+    out["end"] = time.monotonic()
+    out["waited"] = out["end"] - t0
+    out["got"] = (value, root_value)
+    return out
+
+
+def report_silent_worker(rank: int, world: int) -> Any:
+    """Rank 1 stops beating (as a stopped or wedged process does) and never reports; rank 0,
+    waiting for its report in agree_then_root, must raise PeerLostError naming it, within the
+    peer timeout and the checks after it. Returns rank 0's error and how long it waited."""
+    from pyckpt import _daemons, _knobs
+    from pyckpt._collective import agree_then_root, all_gather, group_info
+    from pyckpt.errors import PeerLostError
+
+    group = group_info(None)
+    out: dict[str, Any] = {}
+    with _knobs.override(peer_timeout=2):
+        all_gather(rank, group)  # starts both heartbeats
+        if rank == 1:
+            _daemons.stopping.set()  # its heartbeat ends: silent from now on
+            time.sleep(15.0)  # past rank 0's bound (2 s), beat check (5 s) and check-in (5 s)
+            return out
+        t0 = time.monotonic()
+        try:
+            agree_then_root(lambda: 0, lambda: "committed", group, what="consolidation")
+            out["error"] = None
+        except PeerLostError as e:
+            out["error"] = (str(e), e.rank, e.operation)
+        out["waited"] = time.monotonic() - t0
+    return out
+
+
 def main(op: str, rank: int, world: int, port: int, root: str) -> None:
     import torch.distributed as dist
 

@@ -101,3 +101,90 @@ def small_inline_worker(rank: int, world: int) -> list[Any]:
 def test_all_gather_with_the_smallest_inline_bytes() -> None:
     for r in run_distributed(small_inline_worker, 3):
         assert r == ["", "r" * 100, "r" * 200]
+
+
+def report_worker(rank: int, world: int) -> dict[str, Any]:
+    """agree_then_root on 3 ranks: successes, failures of a rank's step (short and past the
+    inline bytes, one rank and two), failures of the root's step (likewise), each followed by a
+    round that shows the group still in step."""
+    group = group_info(None)
+    out: dict[str, Any] = {"cleaned": [], "root_ran": []}
+    long = "y" * (3 * coll.REPORT_INLINE)
+
+    def root(tag: str, fail: BaseException | None = None) -> Any:
+        def run() -> Any:
+            out["root_ran"].append(tag)
+            if fail is not None:
+                raise fail
+            return {"committed": tag}
+        return run
+
+    def cleanup(tag: str) -> Any:
+        return lambda: out["cleaned"].append(tag)
+
+    out["ok"] = coll.agree_then_root(lambda: rank * 10, root("ok"), group, what="step")
+    cases: list[tuple[str, Any, Any]] = [
+        ("one rank", {2}, None),
+        ("one rank, long", {2}, long),
+        ("two ranks", {1, 2}, None),
+        ("root", set(), ZeroDivisionError("commit broke")),
+        ("root, long", set(), ZeroDivisionError(long)),
+    ]
+    for tag, failing, root_error in cases:
+        def step(tag: str = tag, failing: set[int] = failing) -> int:
+            if rank in failing:
+                raise KeyError(f"{tag} on rank {rank} " + ("y" * 3 * coll.REPORT_INLINE
+                                                          if "long" in tag else ""))
+            return rank
+        try:
+            coll.agree_then_root(step, root(tag, root_error), group, on_failure=cleanup(tag),
+                                 what="step", root_what="commit")
+            out[tag] = "no error"
+        except (KeyError, ZeroDivisionError) as e:
+            out[tag] = (type(e).__name__, str(e)[:40], len(str(e)),
+                        list(getattr(e, "__notes__", [])))
+        _, out[f"after {tag}"] = coll.agree(lambda: rank, group)
+    out["again"] = coll.agree_then_root(lambda: rank, root("again"), group)
+    return out
+
+
+def test_agree_then_root_has_agree_s_outcomes_on_every_rank() -> None:
+    results = run_distributed(report_worker, 3)
+    tags = ["one rank", "one rank, long", "two ranks", "root", "root, long"]
+    for rank, r in enumerate(results):
+        value, root_value, seconds = r["ok"]
+        assert value == rank * 10
+        assert root_value == ({"committed": "ok"} if rank == 0 else None)
+        assert seconds >= 0 and seconds == results[0]["ok"][2]  # rank 0's, on every rank
+        # root_fn ran on rank 0 only, and only when every rank's step succeeded.
+        assert r["root_ran"] == (["ok", "root", "root, long", "again"] if rank == 0 else [])
+        assert r["cleaned"] == tags  # every failure cleaned up on every rank
+        for tag in tags:
+            assert r[f"after {tag}"] == [0, 1, 2]
+        assert r["again"][0] == rank
+        # A failing rank raises its own error as it was; the others the lowest failing rank's,
+        # with a note naming it and the step.
+        for tag in ("one rank", "one rank, long"):
+            kind, text, size, notes = r[tag]
+            assert kind == "KeyError" and text.startswith(f"'{tag} on rank 2"), r[tag]
+            assert size > 3 * coll.REPORT_INLINE if "long" in tag else size < 100
+            assert notes == ([] if rank == 2 else ["pyckpt: step failed on rank 2"])
+        kind, text, _, notes = r["two ranks"]
+        assert text.startswith(f"'two ranks on rank {1 if rank != 2 else 2}"), r["two ranks"]
+        assert notes == ([] if rank in (1, 2) else ["pyckpt: step failed on rank 1"])
+        for tag in ("root", "root, long"):
+            kind, text, size, notes = r[tag]
+            assert kind == "ZeroDivisionError", r[tag]
+            assert size == (3 * coll.REPORT_INLINE if "long" in tag else len("commit broke"))
+            assert notes == ([] if rank == 0 else ["pyckpt: commit failed on rank 0"])
+
+
+def test_agree_then_root_in_one_process() -> None:
+    group = group_info(None)
+    value, root_value, seconds = coll.agree_then_root(lambda: 5, lambda: "done", group)
+    assert (value, root_value) == (5, "done") and seconds >= 0
+    cleaned: list[int] = []
+    with pytest.raises(KeyError):
+        coll.agree_then_root(lambda: {}["k"], lambda: cleaned.append(2), group,
+                             on_failure=lambda: cleaned.append(1))
+    assert cleaned == [1]  # the root step did not run

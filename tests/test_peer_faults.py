@@ -210,6 +210,33 @@ def test_a_rank_that_joins_during_the_heartbeat_check_and_leaves_is_not_lost() -
     assert results[0]["waited"] >= 3.0
 
 
+def test_a_rank_busy_longer_than_the_timeout_before_its_report_is_not_lost() -> None:
+    """The same for agree_then_root (an export's copy and commit): rank 0 waits for the report
+    of a rank that works 9 s (timeout 2 s) and still beats, then both get the outcome."""
+    from _peer_fault_workers import report_busy_worker
+    from dist_utils import run_distributed
+
+    results = run_distributed(report_busy_worker, 2, 9.0)
+    assert results[0]["got"] == (0, "committed") and results[1]["got"] == (10, None), results
+    assert results[0]["end"] >= results[1]["busy_end"]
+    assert results[0]["waited"] >= 3 * 2.0
+
+
+def test_a_silent_rank_that_never_reports_is_lost_in_time() -> None:
+    """A rank that stops beating and never sends its report: rank 0 raises PeerLostError
+    naming it within the bound, though the receive of that report stays posted (a timed wait
+    on it would close the group's connections)."""
+    from _peer_fault_workers import report_silent_worker
+    from dist_utils import run_distributed
+
+    results = run_distributed(report_silent_worker, 2)
+    message, lost, operation = results[0]["error"]
+    assert lost == 1 and operation == "consolidation", results[0]
+    assert "lost rank 1 of 2 during consolidation on rank 0" in message, message
+    # The 2 s bound, 2.5 beats (5 s) to see the silence, slack for 2 loaded cores.
+    assert results[0]["waited"] <= 2.0 + 5.0 + 10.0, results[0]
+
+
 # ----------------------------------------------------------------------------- checksum names
 
 

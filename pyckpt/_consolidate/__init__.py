@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any, cast
 
 from pyckpt import _C, _export, _gc, _knobs, _options, _progress
-from pyckpt._collective import Group, agree, group_info
+from pyckpt._collective import Group, agree, agree_then_root, group_info
 from pyckpt._consolidate.nodelocal import DEFAULT_BATCH_BYTES, run_share_nodelocal
 from pyckpt._consolidate.plan import INDEX_NAME, _Plan, make_plan
 from pyckpt._consolidate.run import (
@@ -118,7 +118,8 @@ class ConsolidationResult:
             about ``seconds``): ``"plan"`` (rank 0 reads the input's metadata, plans and
             creates the temp files; the other ranks wait for the plan), ``"copy"`` (this rank's
             share), ``"wait"`` (for the slowest rank to finish its share), ``"commit"``
-            (rank 0 syncs, renames and writes the index; the other ranks wait for it). With
+            (rank 0 syncs, renames and writes the index; the other ranks wait for it: rank 0's
+            time, which its answer carries, while the rest of their wait is ``"wait"``). With
             ``shared_filesystem=False``, ``"plan"`` also covers finding every node's files and
             each rank creating its own outputs, and ``"copy"`` the transfers from other ranks.
             Where a multi-rank export's time goes: a large ``"wait"`` on most ranks means one
@@ -346,13 +347,14 @@ def _consolidate(
         finally:
             clock.end("copy")
 
-    rank_bytes, _ = agree(share, group, on_failure=cleanup, what="consolidation")
-    clock.end("wait")
-    finals, _ = agree(lambda: commit(plan, dst, do_fsync), group, ranks="root",
-                      on_failure=cleanup, what="commit")
+    # Each rank reports its share to rank 0, which commits once every share is in and answers
+    # every rank (two messages per rank; see agree_then_root).
+    rank_bytes, finals, commit_s = agree_then_root(
+        share, lambda: commit(plan, dst, do_fsync), group, on_failure=cleanup,
+        what="consolidation", root_what="commit")
     if rank != 0:
         finals = [os.path.join(dst, f.name) for f in plan.files]
-    clock.end("commit")
+    clock.split("wait", "commit", commit_s)
     seconds = time.perf_counter() - start
     logger.info(
         "rank %d/%d consolidated %d of %d bytes into %d file(s) in %.3f s (%s)",
@@ -383,6 +385,16 @@ class _Phases:
     def end(self, name: str) -> None:
         now = time.perf_counter()
         self.seconds[name] = now - self._last
+        self._last = now
+
+    def split(self, name: str, last: str, last_seconds: float) -> None:
+        """Closes two steps that ran as one wait here: ``last`` took ``last_seconds`` (as
+        another rank measured them), ``name`` the rest."""
+        now = time.perf_counter()
+        total = now - self._last
+        tail = min(max(last_seconds, 0.0), total)
+        self.seconds[name] = total - tail
+        self.seconds[last] = tail
         self._last = now
 
     def __str__(self) -> str:
