@@ -145,6 +145,17 @@ def report_worker(rank: int, world: int) -> dict[str, Any]:
                         list(getattr(e, "__notes__", [])))
         _, out[f"after {tag}"] = coll.agree(lambda: rank, group)
     out["again"] = coll.agree_then_root(lambda: rank, root("again"), group)
+    # Every call above reused one waiting thread, parked between calls; the exit handler's
+    # close ends it (else the interpreter's exit would wait for it).
+    import threading
+
+    waiting = [t for t in threading.enumerate() if t.name == "pyckpt-report-wait"]
+    out["waiting threads"] = len(waiting)
+    out["exit handler"] = coll._Waiter._exit_registered
+    coll._Waiter._close_parked()
+    for t in waiting:
+        t.join(5.0)
+    out["ended"] = not any(t.is_alive() for t in waiting)
     return out
 
 
@@ -162,6 +173,7 @@ def test_agree_then_root_has_agree_s_outcomes_on_every_rank() -> None:
         for tag in tags:
             assert r[f"after {tag}"] == [0, 1, 2]
         assert r["again"][0] == rank
+        assert r["waiting threads"] == 1 and r["exit handler"] and r["ended"], r
         # A failing rank raises its own error as it was; the others the lowest failing rank's,
         # with a note naming it and the step.
         for tag in ("one rank", "one rank, long"):

@@ -225,6 +225,43 @@ def test_phases_say_which_rank_the_others_waited_for(tmp_path):
                      _arange())
 
 
+def _late_failure_worker(rank, world, root):
+    import pyckpt._consolidate as consolidation
+
+    src = _shared_input(rank, world, root)
+    if rank == world - 1:  # the last rank's share fails after it copied; the others succeed
+        run_share = consolidation.run_share
+
+        def failing_share(*args, **kwargs):
+            run_share(*args, **kwargs)
+            raise OSError(28, "No space left on device (injected)")
+
+        consolidation.run_share = failing_share
+    dst = os.path.join(root, "dst")
+    try:
+        pyckpt.consolidate(src, dst, fsync=False)
+        out = None
+    except OSError as e:
+        out = (type(e).__name__, str(e), list(getattr(e, "__notes__", [])))
+    torch.distributed.barrier()
+    return out, sorted(os.listdir(dst))
+
+
+@pytest.mark.distributed
+def test_a_share_that_fails_after_rank_0_finished_leaves_nothing(tmp_path):
+    """Rank 0 finishes its share (and writes the index under its temp name while it waits);
+    the last rank's fails: every rank raises that error, and no file is left in ``dst``, the
+    index's temp file included."""
+    from dist_utils import run_distributed
+
+    results = run_distributed(_late_failure_worker, 3, str(tmp_path))
+    for rank, (raised, left) in enumerate(results):
+        assert raised is not None and raised[0] == "OSError", raised
+        assert "injected" in raised[1]
+        assert raised[2] == ([] if rank == 2 else ["pyckpt: consolidation failed on rank 2"])
+        assert left == [], left
+
+
 @pytest.mark.parametrize("threads", [0, -2])
 def test_bad_thread_count_is_refused_before_anything_is_written(tmp_path, threads):
     src, dst = str(tmp_path / "src"), tmp_path / "dst"

@@ -27,6 +27,7 @@ from pyckpt._consolidate.run import (
     commit,
     commit_files,
     create_outputs,
+    prepare_index,
     remove_temps,
     run_share,
     tensor_digest,
@@ -343,15 +344,18 @@ def _consolidate(
 
     def share() -> int:
         try:
-            return run_share(plan, dst, plan.shares[rank], nthreads, do_fsync, progress, mode)
+            copied = run_share(plan, dst, plan.shares[rank], nthreads, do_fsync, progress, mode)
         finally:
             clock.end("copy")
+        if rank == 0:  # while the other ranks finish: the commit then only renames it
+            prepare_index(plan, dst, do_fsync)
+        return copied
 
     # Each rank reports its share to rank 0, which commits once every share is in and answers
     # every rank (two messages per rank; see agree_then_root).
     rank_bytes, finals, commit_s = agree_then_root(
-        share, lambda: commit(plan, dst, do_fsync), group, on_failure=cleanup,
-        what="consolidation", root_what="commit")
+        share, lambda: commit(plan, dst, do_fsync, index_ready=True), group,
+        on_failure=cleanup, what="consolidation", root_what="commit")
     if rank != 0:
         finals = [os.path.join(dst, f.name) for f in plan.files]
     clock.split("wait", "commit", commit_s)

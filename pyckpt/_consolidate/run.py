@@ -24,7 +24,8 @@ from pyckpt.errors import PyckptError, UnsupportedDtypeError
 
 __all__ = [
     "ProgressFn", "create_outputs", "remove_temps", "stitch_items", "run_share", "commit",
-    "tensor_digest", "commit_files", "write_index", "index_text", "stitch",
+    "tensor_digest", "commit_files", "write_index", "prepare_index", "publish_index",
+    "index_text", "stitch",
 ]
 
 _TASK_BYTES = 16 << 20
@@ -311,11 +312,16 @@ def tensor_digest(t: _Tensor, scratch_dir: str, threads: int, input_mode: str = 
         _unlink_quiet(path)
 
 
-def commit(plan: _Plan, dst: str, fsync: bool) -> list[str]:
+def commit(plan: _Plan, dst: str, fsync: bool, index_ready: bool = False) -> list[str]:
     """fsyncs every file, withdraws an earlier export's index, renames the files into place,
-    then writes the index last (rank 0): a crash leaves either no index or a complete export."""
+    then writes the index last (rank 0): a crash leaves either no index or a complete export.
+    ``index_ready``: :func:`prepare_index` already wrote it under ``plan.index_tmp`` (while the
+    other ranks finished their shares); it is only renamed into place."""
     finals = commit_files(plan, dst, fsync)
-    write_index(plan, dst, fsync)
+    if index_ready:
+        publish_index(dst, os.path.join(dst, plan.index_tmp), fsync)
+    else:
+        write_index(plan, dst, fsync)
     return finals
 
 
@@ -357,12 +363,23 @@ def index_text(metadata: dict[str, Any], weight_map: dict[str, str]) -> str:
 
 def write_index(plan: _Plan, dst: str, fsync: bool) -> None:
     """Writes ``model.safetensors.index.json`` atomically (the last step of an export)."""
+    # One temp name per process: node-local ranks that share ``dst`` all write the same index.
+    tmp = prepare_index(plan, dst, fsync, f"{plan.index_tmp}.{os.getpid()}")
+    try:
+        publish_index(dst, tmp, fsync)
+    except BaseException:
+        _unlink_quiet(tmp)
+        raise
+
+
+def prepare_index(plan: _Plan, dst: str, fsync: bool, name: str | None = None) -> str:
+    """Writes the index under a temp name in ``dst`` (default ``plan.index_tmp``), fsynced when
+    ``fsync``; returns its path. Nothing is left behind on failure."""
     metadata: dict[str, Any] = {"total_size": plan.total_bytes}
     if plan.ties:  # written once: the index records which name each left-out copy equals
         metadata["tied_weights"] = dict(sorted(plan.ties.items()))
     weight_map = {n: f.name for f in plan.files for n, _, _ in f.tensors}
-    # One temp name per process: node-local ranks that share ``dst`` all write the same index.
-    tmp = os.path.join(dst, f"{plan.index_tmp}.{os.getpid()}")
+    tmp = os.path.join(dst, plan.index_tmp if name is None else name)
     # Encoded once and written with plain os calls (no buffered text file for a few kilobytes).
     data = memoryview((index_text(metadata, weight_map) + "\n").encode("utf-8"))
     try:
@@ -374,10 +391,14 @@ def write_index(plan: _Plan, dst: str, fsync: bool) -> None:
                 os.fsync(fd)
         finally:
             os.close(fd)
-        os.replace(tmp, os.path.join(dst, INDEX_NAME))
     except BaseException:
         _unlink_quiet(tmp)
         raise
+    return tmp
+
+
+def publish_index(dst: str, tmp: str, fsync: bool) -> None:
+    """Renames the index written by :func:`prepare_index` into place (the export's last step)."""
+    os.replace(tmp, os.path.join(dst, INDEX_NAME))
     if fsync:
         fsync_dir(dst)
-
