@@ -262,6 +262,72 @@ def test_a_share_that_fails_after_rank_0_finished_leaves_nothing(tmp_path):
         assert left == [], left
 
 
+def _pyckpt_input(rank, world, root):
+    """A pyckpt checkpoint of two replicated tensors, saved by every rank under ``root/ckpt``."""
+    src = os.path.join(root, "ckpt")
+    pyckpt.save({"w": _arange(), "b": _arange()[0]}, src)
+    return src
+
+
+def _plan_disagreement_worker(rank, world, root, case):
+    import shutil
+
+    import pyckpt._consolidate as consolidation
+
+    src = _pyckpt_input(rank, world, root)
+    kwargs = {}
+    if case == "arguments" and rank == 1:
+        kwargs["select"] = "w"  # rank 0 exports both tensors, this rank plans one
+    if case == "saved again" and rank == 1:
+        scan = consolidation.scan
+
+        def scan_then_replace(path, **kw):
+            out = scan(path, **kw)
+            meta = os.path.join(path, "pyckpt.json")  # the same bytes, a new file
+            shutil.copyfile(meta, meta + ".new")
+            os.replace(meta + ".new", meta)
+            return out
+
+        consolidation.scan = scan_then_replace
+    if case == "rank 0 fails":
+        kwargs["select"] = "nothing-matches-this"
+    dst = os.path.join(root, "dst")
+    try:
+        pyckpt.consolidate(src, dst, fsync=False, **kwargs)
+        raised = None
+    except Exception as e:
+        raised = (type(e).__name__, str(e), list(getattr(e, "__notes__", [])))
+    torch.distributed.barrier()
+    return raised, sorted(os.listdir(dst)) if os.path.isdir(dst) else []
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("case", ["arguments", "saved again", "rank 0 fails"])
+def test_ranks_that_plan_an_export_differently_refuse_it(tmp_path, case):
+    """On one host every rank plans the export itself (no plan is sent): a rank whose plan
+    differs from rank 0's (other arguments, or the checkpoint saved again between their reads)
+    fails the export on every rank, and nothing is left in ``dst``; a failure of rank 0's own
+    planning reaches every rank."""
+    from dist_utils import run_distributed
+
+    results = run_distributed(_plan_disagreement_worker, 2, str(tmp_path), case)
+    for rank, (raised, left) in enumerate(results):
+        assert raised is not None, (case, rank)
+        assert left == [], left
+        kind, message, notes = raised
+        if case == "rank 0 fails":
+            assert kind == results[0][0][0] and message == results[0][0][1]
+            assert notes == ([] if rank == 0 else ["pyckpt: planning failed on rank 0"])
+            continue
+        assert kind == "CheckpointFormatError", raised
+        assert notes == ([] if rank == 1 else ["pyckpt: consolidation failed on rank 1"])
+        if case == "arguments":
+            assert "rank 1 planned this export differently from rank 0" in message
+        else:
+            assert ("changed while the export was being planned" in message
+                    or "planned this export differently" in message), message
+
+
 @pytest.mark.parametrize("threads", [0, -2])
 def test_bad_thread_count_is_refused_before_anything_is_written(tmp_path, threads):
     src, dst = str(tmp_path / "src"), tmp_path / "dst"
