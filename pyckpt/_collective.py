@@ -39,8 +39,7 @@ from pyckpt import _daemons, _knobs
 from pyckpt.errors import PeerLostError, PyckptError
 
 __all__ = ["Group", "group_info", "broadcast", "all_gather", "all_to_all_single", "bound_s",
-           "peer_errors", "bounded_group", "portable", "add_note", "agree", "agree_then_root",
-           "RootMessage"]
+           "peer_errors", "bounded_group", "portable", "add_note", "agree", "agree_then_root"]
 
 T = TypeVar("T")
 
@@ -877,17 +876,16 @@ class _Waiter:
         self._queue.put(None)
 
 
-def _post_report(pg: Any, waiter: _Waiter, src: int, tag: int = REPORT_TAG) -> tuple[Any, Any]:
+def _post_report(pg: Any, waiter: _Waiter, src: int) -> tuple[Any, Any]:
     """Posts the receive of the first message of a report from group rank ``src``: (buffer,
     ticket of ``waiter``)."""
     import torch
 
     buf = torch.empty(_LEN.size + REPORT_INLINE, dtype=torch.uint8)
-    return buf, waiter.add(pg.recv([buf], src, tag))
+    return buf, waiter.add(pg.recv([buf], src, REPORT_TAG))
 
 
-def _send_report(group: Group, waiter: _Waiter, obj: Any, dst: int,
-                 tag: int = REPORT_TAG) -> list[Any]:
+def _send_report(group: Group, waiter: _Waiter, obj: Any, dst: int) -> list[Any]:
     """Sends ``obj`` to group rank ``dst``, whose receive of the first message is posted;
     returns the tickets of the sends (the tensors must live until they complete)."""
     import torch
@@ -895,15 +893,15 @@ def _send_report(group: Group, waiter: _Waiter, obj: Any, dst: int,
     pg = _pg(group)
     data = pickle.dumps(obj)
     frame = _frame(data, REPORT_INLINE, torch.device("cpu"))
-    tickets = [waiter.add(pg.send([frame], dst, tag))]
+    tickets = [waiter.add(pg.send([frame], dst, REPORT_TAG))]
     if len(data) > REPORT_INLINE:
         rest = torch.frombuffer(bytearray(data[REPORT_INLINE:]), dtype=torch.uint8)
-        tickets.append(waiter.add(pg.send([rest], dst, tag)))
+        tickets.append(waiter.add(pg.send([rest], dst, REPORT_TAG)))
     return tickets
 
 
 def _receive_report(group: Group, waiter: _Waiter, posted: tuple[Any, Any], src: int,
-                    what: str, tag: int = REPORT_TAG) -> Any:
+                    what: str) -> Any:
     """Waits for the report posted by :func:`_post_report` (and its second message, if any)."""
     import torch
 
@@ -912,70 +910,6 @@ def _receive_report(group: Group, waiter: _Waiter, posted: tuple[Any, Any], src:
     length, head = _unframe(buf, REPORT_INLINE)
     if length > REPORT_INLINE:
         rest = torch.empty(length - REPORT_INLINE, dtype=torch.uint8)
-        waiter.wait(group, waiter.add(_pg(group).recv([rest], src, tag)), what)
+        waiter.wait(group, waiter.add(_pg(group).recv([rest], src, REPORT_TAG)), what)
         head += _to_bytes(rest, length - REPORT_INLINE)
     return pickle.loads(head)
-
-
-#: Tag of :class:`RootMessage`'s messages.
-ROOT_MESSAGE_TAG = REPORT_TAG + 1
-
-
-class RootMessage:
-    """One object from rank 0 to every other rank, whose receive is posted when this is made,
-    before the work that precedes it: what rank 0 sends after it planned arrives in a posted
-    buffer while the other ranks planned the same export themselves (one point-to-point
-    message per rank instead of a broadcast). Waits are bounded as every collective's here.
-
-    Every rank makes one at the same point (a context manager: leaving it frees its waiting
-    thread however the block ends); rank 0 then calls :meth:`send`, the others :meth:`receive`,
-    exactly once. Point-to-point messages need gloo (:meth:`usable`).
-    """
-
-    def __init__(self, group: Group) -> None:
-        self._group = group
-        pg = _pg(group)
-        if id(pg) in _lost:
-            _raise_lost(group, "a message from rank 0", None, None, 0.0)
-        _start_heartbeat(group)
-        self._waiter = _Waiter.acquire()
-        self._posted = None if group.rank == 0 else _post_report(pg, self._waiter, 0,
-                                                                  ROOT_MESSAGE_TAG)
-        self._open = True
-
-    def __enter__(self) -> RootMessage:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._release()
-
-    def _release(self) -> None:
-        if self._open:
-            self._open = False
-            self._waiter.release()
-
-    @staticmethod
-    def usable(group: Group) -> bool:
-        """Whether ``group`` can carry it: several ranks whose collectives travel as CPU
-        tensors (gloo)."""
-        return group.distributed and group.world > 1 and _device(_pg(group)).type == "cpu"
-
-    def send(self, obj: Any, what: str) -> None:
-        """Rank 0: sends ``obj`` to every other rank and waits until each has it in its
-        buffer."""
-        try:
-            sent = [t for r in range(1, self._group.world)
-                    for t in _send_report(self._group, self._waiter, obj, r, ROOT_MESSAGE_TAG)]
-            for ticket in sent:
-                self._waiter.wait(self._group, ticket, what)
-        finally:
-            self._release()
-
-    def receive(self, what: str) -> Any:
-        """The other ranks: rank 0's object."""
-        assert self._posted is not None
-        try:
-            return _receive_report(self._group, self._waiter, self._posted, 0, what,
-                                   ROOT_MESSAGE_TAG)
-        finally:
-            self._release()

@@ -19,24 +19,9 @@ from dataclasses import dataclass, field
 from typing import Any, cast
 
 from pyckpt import _C, _export, _gc, _knobs, _options, _progress
-from pyckpt._collective import (
-    Group,
-    RootMessage,
-    add_note,
-    agree,
-    agree_then_root,
-    group_info,
-    portable,
-)
+from pyckpt._collective import Group, agree, agree_then_root, group_info
 from pyckpt._consolidate.nodelocal import DEFAULT_BATCH_BYTES, run_share_nodelocal
-from pyckpt._consolidate.plan import (
-    INDEX_NAME,
-    _Plan,
-    make_plan,
-    plan_digest,
-    plan_token,
-    retoken,
-)
+from pyckpt._consolidate.plan import INDEX_NAME, _Plan, make_plan
 from pyckpt._consolidate.run import (
     ProgressFn,
     commit,
@@ -54,7 +39,6 @@ from pyckpt._export import AUTO
 from pyckpt._native import apply_host_cache_limit
 from pyckpt.backends import open_backend
 from pyckpt.backends.peer import discover
-from pyckpt.errors import CheckpointFormatError
 
 __all__ = ["consolidate", "ConsolidationResult", "INDEX_NAME", "select_tensors"]
 
@@ -352,21 +336,13 @@ def _consolidate(
         return p, choice
 
     clock = _Phases(start)
-    own_error: BaseException | None = None
-    if spec.dedup_tied is False and _knobs.ranks_on_host(world) == world and \
-            RootMessage.usable(group):
-        plan, choice, own_error = _plan_on_every_rank(src, dst, group, spec, fqn_to_file,
-                                                      max_file_bytes)
-    else:
-        planned, _ = agree(plan_and_create, group, ranks="root", what="planning")
-        assert planned is not None
-        plan, choice = planned
+    planned, _ = agree(plan_and_create, group, ranks="root", what="planning")
+    assert planned is not None
+    plan, choice = planned
     cleanup = (lambda: remove_temps(plan, dst)) if rank == 0 else None
     clock.end("plan")
 
     def share() -> int:
-        if own_error is not None:  # this rank's planning failed: every rank learns it
-            raise own_error
         try:
             copied = run_share(plan, dst, plan.shares[rank], nthreads, do_fsync, progress, mode)
         finally:
@@ -400,87 +376,6 @@ def _consolidate(
         threads=nthreads,
         phases=clock.seconds,
     )
-
-
-def _input_identity(src: str) -> list[tuple[str, int, int, int]]:
-    """The metadata files an export's plan is read from (``pyckpt.json``, or every
-    ``*.safetensors`` file), as (name, inode, size, mtime in ns): a checkpoint saved again under
-    the same directory replaces them."""
-    from pyckpt._format import METADATA_FILE
-
-    names = [METADATA_FILE] if is_pyckpt(src) else sorted(
-        n for n in os.listdir(src) if n.endswith(".safetensors"))
-    out = []
-    for name in names:
-        st = os.stat(os.path.join(src, name))
-        out.append((name, st.st_ino, st.st_size, st.st_mtime_ns))
-    return out
-
-
-def _plan_on_every_rank(
-    src: str,
-    dst: str,
-    group: Group,
-    spec: _export.ExportSpec,
-    fqn_to_file: Mapping[str, int | str] | None,
-    max_file_bytes: int | None,
-) -> tuple[Any, _export.ExportChoice | None, BaseException | None]:
-    """Every rank of a one-host group reads the metadata and plans at once (the same page
-    cache: no storm of reads), instead of waiting for rank 0's plan; rank 0 creates the temp
-    files and sends each rank one message: the temp names' token and what its plan must agree
-    with (:class:`~pyckpt._collective.RootMessage`, received in a buffer posted before the
-    planning). On the 2-core VM a 19 MiB export's second rank started copying 0.6 ms sooner.
-
-    Returns ``(plan, choice, error)``: ``error`` is this rank's own failure to plan (or a plan
-    that disagrees with rank 0's: the checkpoint was saved again between their reads, or the
-    ranks were given different arguments), raised in its share so that every rank learns it.
-    A failure on rank 0 raises on every rank here.
-    """
-    import warnings
-
-    plan: Any = None
-    choice: _export.ExportChoice | None = None
-    error: BaseException | None = None
-    with RootMessage(group) as message:
-        try:
-            with warnings.catch_warnings():
-                if group.rank != 0:  # rank 0 says what was skipped, once for the job
-                    warnings.simplefilter("ignore")
-                before = _input_identity(src)
-                others: list[str] = []
-                tensors, choice = select_tensors(scan(src, others=others), spec, others=others)
-                plan = make_plan(tensors, group.world, fqn_to_file, max_file_bytes)
-                if _input_identity(src) != before:
-                    raise CheckpointFormatError(
-                        f"{src}: the checkpoint changed while the export was being planned")
-            mine = (before, plan_digest(plan))
-        except Exception as e:
-            error = e
-        if group.rank == 0:
-            if error is None:
-                try:
-                    create_outputs(plan, dst)
-                except Exception as e:
-                    error = e
-            message.send(((plan_token(plan), mine), None) if error is None
-                         else (None, portable(error)), "planning")
-            if error is not None:
-                raise error
-            return plan, choice, None
-        payload, remote = message.receive("planning")
-    if remote is not None:
-        add_note(remote, "pyckpt: planning failed on rank 0")
-        raise remote
-    if error is None:
-        token, theirs = payload
-        if theirs != mine:
-            error = CheckpointFormatError(
-                f"{src}: rank {group.rank} planned this export differently from rank 0 (the "
-                "checkpoint was saved again between their reads, or the ranks were given "
-                "different arguments)")
-        else:
-            retoken(plan, token)
-    return plan, choice, error
 
 
 class _Phases:

@@ -174,7 +174,6 @@ def make_plan(
     max_file_bytes: int | None,
     *,
     whole_files: bool = False,
-    token: str | None = None,
 ) -> _Plan:
     """Lays out the output files and cuts the work into one share per rank.
 
@@ -185,7 +184,6 @@ def make_plan(
         max_file_bytes: bound on a file's data bytes without ``fqn_to_file``.
         whole_files: give every output file to exactly one rank (never split a file between
             ranks), as needed when each rank writes into its own local directory.
-        token: the temp names' token (default: a new random one; see :func:`retoken`).
     """
     bad = sorted(n for n, t in tensors.items() if t.unsupported)
     if bad:
@@ -194,7 +192,7 @@ def make_plan(
             "represent"
         )
     groups = _assign_files(tensors, fqn_to_file, max_file_bytes)
-    token = uuid.uuid4().hex[:12] if token is None else token
+    token = uuid.uuid4().hex[:12]
     files: list[_OutFile] = []
     for fname, members in groups.items():
         header, layout, data_bytes = _C.safetensors_header(
@@ -221,26 +219,3 @@ def make_plan(
             writers[file_index] = r
     return _Plan(tensors, files, shares, index_tmp=f".{INDEX_NAME}.tmp-{token}", writers=writers)
 
-
-
-def plan_token(plan: _Plan) -> str:
-    """The token in the temp names of ``plan``."""
-    return plan.index_tmp.rsplit("-", 1)[1]
-
-
-def retoken(plan: _Plan, token: str) -> None:
-    """Gives ``plan``'s temp names ``token`` (a plan made on every rank takes rank 0's)."""
-    old = "-" + plan_token(plan)
-    for f in plan.files:
-        f.tmp = f.tmp[: -len(old)] + "-" + token
-    plan.index_tmp = plan.index_tmp[: -len(old)] + "-" + token
-
-
-def plan_digest(plan: _Plan) -> bytes:
-    """What every rank's plan of one export must agree on: the output files (names and headers:
-    every tensor's name, dtype, shape and place), the shares and the ties."""
-    import hashlib
-    import pickle
-
-    layout = ([(f.name, f.header) for f in plan.files], plan.shares, sorted(plan.ties.items()))
-    return hashlib.blake2b(pickle.dumps(layout), digest_size=16).digest()
