@@ -725,6 +725,9 @@ def _agree_then_root_messages(
         value = fn()
     except Exception as e:
         error = e
+    except BaseException as e:  # Ctrl-C, exit: leave at once, after telling the others
+        _tell_interrupted(group, waiter, e, what)
+        raise
     status = None if error is None else portable(error)
     # The answer: None, or (failing rank, its exception, the step that failed there).
     failed: tuple[int, BaseException, str] | None
@@ -761,6 +764,24 @@ def _agree_then_root_messages(
     bad_rank, remote, step = failed
     add_note(remote, f"pyckpt: {step} failed on rank {bad_rank}")
     raise remote
+
+
+def _tell_interrupted(group: Group, waiter: _Waiter, exc: BaseException, what: str) -> None:
+    """A rank interrupted in :func:`agree_then_root`'s step (``KeyboardInterrupt``,
+    ``SystemExit``) sends what it owes without waiting: the others fail the step at once, with
+    a PyckptError naming it, instead of waiting for a rank that is gone or has moved on, and
+    every receive posted for this call is still matched (the group stays in step). Rank 0
+    answers every rank; another rank reports to rank 0. Its waiting thread is then retired and
+    ends once those messages have gone and the answer has come."""
+    failure = PyckptError(f"{type(exc).__name__} on rank {group.rank} during {what}")
+    try:
+        if group.rank == 0:
+            for r in range(1, group.world):
+                _send_report(group, waiter, ((0, failure, what), 0.0), r)
+        else:
+            _send_report(group, waiter, failure, 0)
+    except Exception:  # the group is broken too: the interrupt is what this rank raises
+        pass
 
 
 def _agree_then_root_rounds(

@@ -11,6 +11,7 @@ from dist_utils import run_distributed
 
 from pyckpt import _collective as coll
 from pyckpt._collective import group_info
+from pyckpt.errors import PyckptError
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
@@ -200,3 +201,52 @@ def test_agree_then_root_in_one_process() -> None:
         coll.agree_then_root(lambda: {}["k"], lambda: cleaned.append(2), group,
                              on_failure=lambda: cleaned.append(1))
     assert cleaned == [1]  # the root step did not run
+
+
+def interrupted_worker(rank: int, world: int, victim: int) -> dict[str, Any]:
+    """agree_then_root on 3 ranks where rank ``victim``'s step is interrupted (Ctrl-C)."""
+    import threading
+    import time
+
+    group = group_info(None)
+    out: dict[str, Any] = {}
+
+    def step() -> int:
+        if rank == victim:
+            raise KeyboardInterrupt
+        return rank
+
+    t0 = time.monotonic()
+    try:
+        coll.agree_then_root(step, lambda: "committed", group, what="consolidation")
+        out["raised"] = None
+    except KeyboardInterrupt:
+        out["raised"] = "KeyboardInterrupt"
+    except PyckptError as e:
+        out["raised"] = ("PyckptError", str(e), list(getattr(e, "__notes__", [])))
+    out["seconds"] = time.monotonic() - t0
+    # Every message of the call was matched: the group is still in step, and no thread is left
+    # waiting for one.
+    _, out["after"] = coll.agree(lambda: rank, group)
+    waiting = [t for t in threading.enumerate() if t.name == "pyckpt-report-wait"]
+    coll._Waiter._close_parked()
+    for t in waiting:
+        t.join(5.0)
+    out["threads left"] = sum(t.is_alive() for t in waiting)
+    return out
+
+
+@pytest.mark.parametrize("victim", [0, 1])
+def test_an_interrupted_rank_fails_the_step_on_the_others_at_once(victim: int) -> None:
+    results = run_distributed(interrupted_worker, 3, victim)
+    for rank, r in enumerate(results):
+        if rank == victim:
+            assert r["raised"] == "KeyboardInterrupt", r
+        else:
+            kind, message, notes = r["raised"]
+            assert kind == "PyckptError", r
+            assert f"KeyboardInterrupt on rank {victim} during consolidation" in message
+            assert notes == [f"pyckpt: consolidation failed on rank {victim}"], notes
+        assert r["seconds"] < 30, r  # not a peer timeout: told, not detected
+        assert r["after"] == [0, 1, 2]
+        assert r["threads left"] == 0, r
