@@ -119,8 +119,9 @@ class ConsolidationResult:
             about ``seconds``): ``"plan"`` (rank 0 reads the input's metadata, plans and
             creates the temp files; the other ranks wait for the plan), ``"copy"`` (this rank's
             share), ``"wait"`` (for the slowest rank to finish its share), ``"commit"``
-            (rank 0 syncs, renames and writes the index; the other ranks wait for it: rank 0's
-            time, which its answer carries, while the rest of their wait is ``"wait"``). With
+            (rank 0 syncs and renames the files, then the index, which it wrote during its
+            ``"wait"``; the other ranks wait for it: rank 0's time, which its answer carries,
+            while the rest of their wait is ``"wait"``). With
             ``shared_filesystem=False``, ``"plan"`` also covers finding every node's files and
             each rank creating its own outputs, and ``"copy"`` the transfers from other ranks.
             Where a multi-rank export's time goes: a large ``"wait"`` on most ranks means one
