@@ -104,11 +104,18 @@ def test_all_gather_with_the_smallest_inline_bytes() -> None:
         assert r == ["", "r" * 100, "r" * 200]
 
 
-def report_worker(rank: int, world: int) -> dict[str, Any]:
+def report_worker(rank: int, world: int, via: str) -> dict[str, Any]:
     """agree_then_root on 3 ranks: successes, failures of a rank's step (short and past the
     inline bytes, one rank and two), failures of the root's step (likewise), each followed by a
-    round that shows the group still in step."""
+    round that shows the group still in step. ``via``: "messages" (gloo's path) or "rounds"
+    (the two rounds of collectives NCCL groups take, run here on gloo)."""
     group = group_info(None)
+    if via == "rounds":
+        def agree_then_root(fn: Any, root_fn: Any, group: Any, *, on_failure: Any = None,
+                            what: str = "operation", root_what: str = "commit") -> Any:
+            return coll._agree_then_root_rounds(fn, root_fn, group, on_failure, what, root_what)
+    else:
+        agree_then_root = coll.agree_then_root
     out: dict[str, Any] = {"cleaned": [], "root_ran": []}
     long = "y" * (3 * coll.REPORT_INLINE)
 
@@ -123,7 +130,7 @@ def report_worker(rank: int, world: int) -> dict[str, Any]:
     def cleanup(tag: str) -> Any:
         return lambda: out["cleaned"].append(tag)
 
-    out["ok"] = coll.agree_then_root(lambda: rank * 10, root("ok"), group, what="step")
+    out["ok"] = agree_then_root(lambda: rank * 10, root("ok"), group, what="step")
     cases: list[tuple[str, Any, Any]] = [
         ("one rank", {2}, None),
         ("one rank, long", {2}, long),
@@ -138,14 +145,14 @@ def report_worker(rank: int, world: int) -> dict[str, Any]:
                                                           if "long" in tag else ""))
             return rank
         try:
-            coll.agree_then_root(step, root(tag, root_error), group, on_failure=cleanup(tag),
-                                 what="step", root_what="commit")
+            agree_then_root(step, root(tag, root_error), group, on_failure=cleanup(tag),
+                            what="step", root_what="commit")
             out[tag] = "no error"
         except (KeyError, ZeroDivisionError) as e:
             out[tag] = (type(e).__name__, str(e)[:40], len(str(e)),
                         list(getattr(e, "__notes__", [])))
         _, out[f"after {tag}"] = coll.agree(lambda: rank, group)
-    out["again"] = coll.agree_then_root(lambda: rank, root("again"), group)
+    out["again"] = agree_then_root(lambda: rank, root("again"), group)
     # Every call above reused one waiting thread, parked between calls; the exit handler's
     # close ends it (else the interpreter's exit would wait for it).
     import threading
@@ -160,8 +167,9 @@ def report_worker(rank: int, world: int) -> dict[str, Any]:
     return out
 
 
-def test_agree_then_root_has_agree_s_outcomes_on_every_rank() -> None:
-    results = run_distributed(report_worker, 3)
+@pytest.mark.parametrize("via", ["messages", "rounds"])
+def test_agree_then_root_has_agree_s_outcomes_on_every_rank(via: str) -> None:
+    results = run_distributed(report_worker, 3, via)
     tags = ["one rank", "one rank, long", "two ranks", "root", "root, long"]
     for rank, r in enumerate(results):
         value, root_value, seconds = r["ok"]
@@ -174,7 +182,10 @@ def test_agree_then_root_has_agree_s_outcomes_on_every_rank() -> None:
         for tag in tags:
             assert r[f"after {tag}"] == [0, 1, 2]
         assert r["again"][0] == rank
-        assert r["waiting threads"] == 1 and r["exit handler"] and r["ended"], r
+        if via == "messages":
+            assert r["waiting threads"] == 1 and r["exit handler"] and r["ended"], r
+        else:
+            assert r["waiting threads"] == 0, r
         # A failing rank raises its own error as it was; the others the lowest failing rank's,
         # with a note naming it and the step.
         for tag in ("one rank", "one rank, long"):
