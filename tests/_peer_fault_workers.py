@@ -161,7 +161,7 @@ def report_silent_worker(rank: int, world: int) -> Any:
         all_gather(rank, group)  # starts both heartbeats
         if rank == 1:
             _daemons.stopping.set()  # its heartbeat ends: silent from now on
-            time.sleep(15.0)  # past rank 0's bound (2 s), beat check (5 s) and check-in (5 s)
+            time.sleep(25.0)  # past rank 0's bound (2 s), beat check (5 s) and check-in (5 s)
             return out
         t0 = time.monotonic()
         try:
