@@ -99,6 +99,20 @@ def test_export_ranks_script_runs_and_checks_its_exports(tmp_path):
     assert os.listdir(tmp_path) == ["r.json"]  # its work directory is gone
 
 
+def test_export_tail_script_runs_and_checks_its_export(tmp_path):
+    """Smoke run of benchmarks/export_tail.py (2 gloo ranks, the demo's model, 4 exports): it
+    exits 0 only when the last export equals the saved tensors, and prints the three medians."""
+    import subprocess
+
+    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "export_tail.py")
+    out = subprocess.run([sys.executable, script, "--repeats", "4", "--dir", str(tmp_path)],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.startswith("19 MiB from zstd on 2 ranks, 1 runs:")
+    assert "last copy's end -> return" in out.stdout
+    assert os.listdir(tmp_path) == []  # its work directory is gone
+
+
 def test_many_tensors_script_runs_and_checks_its_results(tmp_path):
     """Smoke run of benchmarks/many_tensors.py (one process, a few hundred tensors, one run of
     each method): it exits 0 only when every load and export equals the saved state dict."""
