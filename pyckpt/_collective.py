@@ -675,7 +675,8 @@ def agree_then_root(
     without waiting on another rank in between. An all-gather after ``fn`` waits on the idle
     ranks too: with gloo its last rank to arrive needs a message back from each rank that was
     already waiting (and asleep), and on the 2-core VM the two rounds after a 19 MiB export's
-    copies took 1.1-1.4 ms against 0.6-0.7 ms for these messages (medians; BENCHMARKS.md).
+    copies took 1.2-1.6 ms against 0.56-0.63 ms for these messages (medians;
+    ``benchmarks/export_tail.py``, BENCHMARKS.md).
 
     Failures follow :func:`agree`: when any rank's ``fn`` failed, ``root_fn`` does not run,
     ``on_failure`` runs on every rank, a failing rank raises its own exception and the others
