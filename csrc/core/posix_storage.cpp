@@ -62,6 +62,9 @@ int open_regular_file(const std::string& path, OpenFor mode, std::uint64_t& size
 
 // At most this many buffers per preadv call (the kernel's UIO_MAXIOV on Linux).
 constexpr int kMaxIovPerCall = 1024;
+// Bytes per read call: small sequential reads keep the kernel's readahead ahead of the reader
+// and fill the page cache with large folios (see preadv_full() in the header).
+constexpr std::uint64_t kReadPieceBytes = 128 << 10;
 
 void preadv_full(int fd, struct iovec* iov, int count, std::uint64_t off, const std::string& path) {
   std::uint64_t want = 0;
@@ -73,7 +76,21 @@ void preadv_full(int fd, struct iovec* iov, int count, std::uint64_t off, const 
       --count;
       continue;
     }
-    const ssize_t r = ::preadv(fd, iov, std::min(count, kMaxIovPerCall), static_cast<off_t>(off));
+    // At most kReadPieceBytes per call: whole buffers while they fit, else a first part.
+    int n = 0;
+    std::uint64_t piece = 0;
+    while (n < std::min(count, kMaxIovPerCall) && piece + iov[n].iov_len <= kReadPieceBytes) {
+      piece += iov[n].iov_len;
+      ++n;
+    }
+    struct iovec first{};
+    const struct iovec* call = iov;
+    if (n == 0) {
+      first = {iov->iov_base, static_cast<std::size_t>(kReadPieceBytes)};
+      call = &first;
+      n = 1;
+    }
+    const ssize_t r = ::preadv(fd, call, n, static_cast<off_t>(off));
     if (r < 0) {
       if (errno == EINTR) continue;
       throw SysError(errno, "pread", path);

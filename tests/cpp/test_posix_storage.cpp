@@ -4,6 +4,7 @@
 
 #include <cstdint>
 #include <cstdlib>
+#include <cstring>
 #include <string>
 #include <vector>
 
@@ -62,6 +63,35 @@ TEST(preadv_full_scatters_more_runs_than_one_call_takes) {
     src += len;
   }
   CHECK(src == 100 + total);
+}
+
+TEST(preadv_full_splits_reads_into_pieces_across_and_within_buffers) {
+  // Reads go out in calls of at most 128 KiB: buffers smaller than that are grouped, a larger
+  // one is read in parts, and one ending exactly at a piece's end starts no empty call.
+  const std::vector<std::uint8_t> file = random_bytes(3 << 20, 7);
+  TempFile f(file);
+  const std::vector<std::size_t> lens{100 << 10, 50 << 10,        300 << 10, 10, 128 << 10,
+                                      1,         (128 << 10) - 1, 700 << 10, 3};
+  std::vector<std::uint8_t> dst(4 << 20, 0xEE);
+  std::vector<struct iovec> iov;
+  std::vector<std::size_t> at;
+  std::size_t pos = 0;
+  for (const std::size_t len : lens) {
+    iov.push_back({dst.data() + pos, len});
+    at.push_back(pos);
+    pos += len + 5;  // a gap that must stay untouched
+  }
+  preadv_full(f.fd, iov.data(), static_cast<int>(iov.size()), 4097, f.path);
+  std::size_t src = 4097;
+  for (std::size_t i = 0; i < lens.size(); ++i) {
+    CHECK(std::memcmp(dst.data() + at[i], file.data() + src, lens[i]) == 0);
+    for (std::size_t k = 0; k < 5; ++k) CHECK(dst[at[i] + lens[i] + k] == 0xEE);
+    src += lens[i];
+  }
+  // One buffer of several pieces, not a multiple of the piece size.
+  std::vector<std::uint8_t> one((1 << 20) + 12345, 0);
+  pread_full(f.fd, one.data(), one.size(), 99, f.path);
+  CHECK(std::memcmp(one.data(), file.data() + 99, one.size()) == 0);
 }
 
 TEST(preadv_full_past_the_end_is_truncated_naming_the_file) {
