@@ -17,13 +17,32 @@ SHARDING_KEY = "DCP_SHARDING_INFO"
 def warm(src: str) -> None:
     """Reads every file of `src` (untimed), so each run starts from a warm page cache: this VM
     gives file pages back to the host within a minute or two, so inputs written or read a few
-    runs earlier are partly cold again, which otherwise lands in whichever run comes next."""
+    runs earlier are partly cold again, which otherwise lands in whichever run comes next.
+
+    In 128 KiB reads, as ``cat`` and pyckpt's own reads do: the page cache a first read leaves
+    depends on its size (Linux 6.18, ext4 with large folios). 16 MiB reads left pages that read
+    back at 26-27 GB/s, 128 KiB reads large folios at 49-51 GB/s, as a buffered write (torch's
+    shards) leaves them; an export from the first was 15-20% slower (BENCHMARKS.md, "Reads in
+    128 KiB pieces")."""
     for name in sorted(os.listdir(src)):
         path = os.path.join(src, name)
         if os.path.isfile(path):
             with open(path, "rb", buffering=0) as fh:
-                while fh.read(16 << 20):
+                while fh.read(128 << 10):
                     pass
+
+
+def drop(src: str) -> None:
+    """Drops every file of `src` from the page cache (``POSIX_FADV_DONTNEED``; the files are
+    clean): the state an O_DIRECT save (pyckpt's) leaves its files in."""
+    for name in sorted(os.listdir(src)):
+        path = os.path.join(src, name)
+        if os.path.isfile(path):
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
 
 
 def scale() -> float:

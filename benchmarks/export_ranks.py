@@ -2,7 +2,7 @@
 
 Usage:
     python benchmarks/export_ranks.py [--scales 1,2,4,8] [--repeats 15] [--dir DIR] [--json F]
-                                      [--layers L] [--hidden H]
+                                      [--layers L] [--hidden H] [--input warm|after-save]
 
 For each scale, 2 gloo ranks on this machine (as in ``examples/train.py``) build the demo's
 Llama model (``LlamaForCausalLM``: vocab 4096 x scale, hidden 256, 4 x scale layers, fp32;
@@ -25,7 +25,10 @@ state dict three times: pyckpt checkpoints with and without zstd and DCP
   faster of the two medians.
 
 Each run starts as the demo's do: previous output removed, ``sync()``, its input read once
-(page cache), a barrier; no fsync on either side. A pyckpt run's time is its slowest rank's.
+(page cache), a barrier; no fsync on either side. With ``--input after-save``, each run starts
+instead as a job's export right after its save does: the pyckpt checkpoints' files dropped from
+the page cache (pyckpt saves with O_DIRECT, which leaves none there), the DCP shards read once
+(DCP writes through the page cache). A pyckpt run's time is its slowest rank's.
 Printed: medians [min-max] of the runs, torch / pyckpt, and per rank the medians of
 ``ConsolidationResult.phases`` (plan, copy, wait, commit) of the pyckpt runs.
 """
@@ -91,7 +94,7 @@ def _rank_main(spec_path: str) -> None:
     import torch
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
-    from _consolidate_data import warm
+    from _consolidate_data import drop, warm
     from torch.distributed.checkpoint import HuggingFaceStorageWriter
     from torch.distributed.checkpoint._consolidate_hf_safetensors import (
         consolidate_safetensors_files,
@@ -134,7 +137,11 @@ def _rank_main(spec_path: str) -> None:
                 if rank == 0:
                     shutil.rmtree(out, ignore_errors=True)
                     os.sync()
-                    warm(inputs[method])
+                    if spec.get("input") == "after-save" and method in ("pyckpt zstd",
+                                                                        "pyckpt raw"):
+                        drop(inputs[method])
+                    else:
+                        warm(inputs[method])
                 dist.barrier()
                 if method in TORCH:
                     seconds = 0.0
@@ -225,6 +232,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="decoder layers (default: 4 x scale); 9 tensors each")
     ap.add_argument("--hidden", type=int, default=None,
                     help="hidden size (default 256; the MLP is 688/256 of it)")
+    ap.add_argument("--input", choices=("warm", "after-save"), default="warm",
+                    help="warm: every input read once before each run; after-save: pyckpt's "
+                         "checkpoints out of the page cache, as its O_DIRECT save leaves them")
     ap.add_argument("--rank-main", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.rank_main:
@@ -237,7 +247,8 @@ def main(argv: list[str] | None = None) -> int:
     work = tempfile.mkdtemp(prefix="pyckpt-export-ranks-", dir=args.dir)
     try:
         spec = {"work": work, "result": os.path.join(work, "result.json"), "scales": scales,
-                "repeats": args.repeats, "layers": args.layers, "hidden": args.hidden}
+                "repeats": args.repeats, "layers": args.layers, "hidden": args.hidden,
+                "input": args.input}
         results = run_ranks(__file__, spec, WORLD, WORLD, timeout=600 + 120 * sum(scales),
                             env=dict(os.environ, OMP_NUM_THREADS="1"))
     finally:

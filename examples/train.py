@@ -340,6 +340,16 @@ def _worker(cfg: dict[str, Any]) -> int:
     return 0
 
 
+def _read_through(path: Path) -> None:
+    """Reads a file into the page cache in 128 KiB reads, as ``cat`` and pyckpt do. One read of
+    the whole file (``read_bytes()``) leaves pages it brings in as 4 KiB pages on Linux 6.18,
+    which read back at half the speed of the large folios that smaller reads or a buffered
+    write (torch's shards) leave (BENCHMARKS.md, "Reads in 128 KiB pieces")."""
+    with open(path, "rb", buffering=0) as fh:
+        while fh.read(128 << 10):
+            pass
+
+
 def _export(cfg: dict[str, Any], config: Any, model: Any, batch: Any, rank: int, show: bool,
             say: Any) -> dict[str, Any]:
     """Exports the FSDP model with pyckpt.consolidate (and, for comparison, torch's
@@ -440,7 +450,7 @@ def _export(cfg: dict[str, Any], config: Any, model: Any, batch: Any, rank: int,
                 os.sync()
                 for f in sorted(input_dir.iterdir()):
                     if f.is_file():
-                        f.read_bytes()
+                        _read_through(f)
             dist.barrier()
             times[name].append(run(scratch))
     if rank == 0:

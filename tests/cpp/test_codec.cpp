@@ -107,6 +107,37 @@ TEST(random_bytes_are_stored_raw) {
   CHECK(e.stored == data);
 }
 
+TEST(ungroup_bytes_matches_a_scalar_interleave_at_every_length) {
+  // Lengths around the vector width (16 elements) and long ones, so the SSE2 loop and the scalar
+  // tail each write their part, and nothing past the end.
+  for (const std::uint32_t e : {2u, 4u}) {
+    for (const bool rotl : {false, true}) {
+      for (std::size_t n = 0; n < 100; n += (n < 70 ? 1 : 13)) {
+        for (const std::size_t big : {std::size_t{0}, std::size_t{100003}}) {
+          const std::size_t count = n + big;
+          const std::vector<std::uint8_t> planes = random_bytes(e * count, count + e);
+          const std::uint8_t* pp[4];
+          for (std::uint32_t p = 0; p < e; ++p) pp[p] = planes.data() + p * count;
+          std::vector<std::uint8_t> got(e * count + 64, 0xEE);
+          ungroup_bytes(pp, count, e, rotl, got.data());
+          for (std::size_t i = 0; i < count; ++i) {
+            std::uint32_t v = 0;
+            for (std::uint32_t p = 0; p < e; ++p) v |= std::uint32_t{pp[p][i]} << (8 * p);
+            if (rotl) {
+              const std::uint32_t bits = 8 * e;
+              v = ((v >> 1) | (v << (bits - 1))) & (e == 4 ? 0xFFFFFFFFu : 0xFFFFu);
+            }
+            for (std::uint32_t p = 0; p < e; ++p) {
+              CHECK(got[e * i + p] == static_cast<std::uint8_t>(v >> (8 * p)));
+            }
+          }
+          for (std::size_t k = e * count; k < got.size(); ++k) CHECK(got[k] == 0xEE);
+        }
+      }
+    }
+  }
+}
+
 TEST(group_bytes_layout_and_inverse) {
   // Element i = bytes (4i, 4i+1, 4i+2, 4i+3) -> plane p holds byte p of every element.
   std::vector<std::uint8_t> src(4 * 37);
