@@ -93,6 +93,12 @@ def set_host_cache_limit(bytes: int) -> None:
 def host_cache_info() -> dict[str, int]:
     """The host cache: ``{"bytes": held now, "limit": its bound}``."""
 
+def set_read_piece_bytes(bytes: int) -> None:
+    """Bytes per read call of every native file read (process-wide; at least 4096)."""
+
+def read_piece_bytes() -> int:
+    """Bytes per read call of every native file read."""
+
 class BufferPool:
     """Bounded pool of 4 KiB-aligned host blocks (block_bytes rounded up to 4096)."""
 

@@ -35,6 +35,7 @@ __all__ = [
     "node_id",
     "consolidate_input",
     "host_cache_bytes",
+    "read_bytes",
     "progress_interval",
     "peer_timeout",
     "cooperative",
@@ -272,6 +273,8 @@ def consolidate_input() -> str:
 
 #: Default of PYCKPT_HOST_CACHE_BYTES (the native kHostCacheBytes).
 HOST_CACHE_BYTES = 128 << 20
+#: Default of PYCKPT_READ_BYTES (the native kDefaultReadPieceBytes).
+READ_BYTES = 128 << 10
 
 
 def host_cache_bytes() -> int:
@@ -279,6 +282,14 @@ def host_cache_bytes() -> int:
     blocks, native threads' scratch of 1 MiB or more) the process keeps for the next writer,
     reader or export instead of unmapping it (default 128 MiB; 0 keeps none)."""
     return _int("host_cache_bytes", "PYCKPT_HOST_CACHE_BYTES", HOST_CACHE_BYTES, 0)
+
+
+def read_bytes() -> int:
+    """``PYCKPT_READ_BYTES``: bytes per read call of pyckpt's native file reads (default 128
+    KiB, at least 4096). Small sequential reads let Linux read a cold local file ahead of the
+    reader into large page-cache folios; a network file system whose client wants larger
+    requests may read faster with a chunk's size (4 MiB)."""
+    return _int("read_bytes", "PYCKPT_READ_BYTES", READ_BYTES, 4096)
 
 
 def progress_interval() -> float:

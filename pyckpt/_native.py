@@ -16,13 +16,15 @@ from pyckpt import _C, _knobs
 if TYPE_CHECKING:  # imports torch: only when a Writer or Reader stages (consolidate does not)
     from pyckpt._staging import DeviceStaging
 
-__all__ = ["_Native", "_check_pinned_pool_bytes", "apply_host_cache_limit"]
+__all__ = ["_Native", "_check_pinned_pool_bytes", "apply_native_settings"]
 
 
-def apply_host_cache_limit() -> None:
-    """Sets the native host cache's bound from ``PYCKPT_HOST_CACHE_BYTES`` (read now, as every
-    knob is at the start of the work it governs)."""
+def apply_native_settings() -> None:
+    """Sets the process-wide native settings from their knobs, read now, as every knob is at
+    the start of the work it governs: the host cache's bound (``PYCKPT_HOST_CACHE_BYTES``) and
+    the bytes per file read call (``PYCKPT_READ_BYTES``)."""
     _C.set_host_cache_limit(_knobs.host_cache_bytes())
+    _C.set_read_piece_bytes(_knobs.read_bytes())
 
 
 def _check_pinned_pool_bytes(value: int | None) -> None:
@@ -55,7 +57,7 @@ class _Native:
 
     def pool(self) -> Any:
         if self._pool is None:
-            apply_host_cache_limit()
+            apply_native_settings()
             self._pool = _C.ThreadPool(self._threads or self._default())
         return self._pool
 

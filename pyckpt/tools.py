@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pyckpt import _C, _format, _knobs, _progress
+from pyckpt._native import apply_native_settings
 from pyckpt._options import choice
 from pyckpt._progress import Progress  # the progress view, for the CLI and callers
 from pyckpt.backends import Backend, open_backend
@@ -139,6 +140,7 @@ def verify(path: str | os.PathLike[str], threads: int | None = None,
     """
     backend = open_backend(path)
     index = backend.read_index()
+    apply_native_settings()
     pool = _C.ThreadPool(threads or _knobs.read_threads())
     report = VerifyReport()
     try:

@@ -195,6 +195,12 @@ void bind_io(py::module_& m) {
           },
           R"pbdoc(Abort unless committed.)pbdoc");
 
+  m.def("set_read_piece_bytes", &set_read_piece_bytes, py::arg("bytes"),
+        R"pbdoc(Bytes per read call of every native file read (process-wide; default 128 KiB,
+at least 4096).)pbdoc");
+  m.def("read_piece_bytes", &read_piece_bytes,
+        R"pbdoc(Bytes per read call of every native file read.)pbdoc");
+
   m.def(
       "read_requests",
       [](py::handle requests, ThreadPool& pool, py::handle sources) {

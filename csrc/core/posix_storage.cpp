@@ -64,9 +64,23 @@ int open_regular_file(const std::string& path, OpenFor mode, std::uint64_t& size
 constexpr int kMaxIovPerCall = 1024;
 // Bytes per read call: small sequential reads keep the kernel's readahead ahead of the reader
 // and fill the page cache with large folios (see preadv_full() in the header).
-constexpr std::uint64_t kReadPieceBytes = 128 << 10;
+namespace {
+std::atomic<std::uint64_t> g_read_piece_bytes{kDefaultReadPieceBytes};
+}  // namespace
+
+void set_read_piece_bytes(std::uint64_t bytes) {
+  if (bytes < 4096) {
+    throw std::invalid_argument(detail::concat("read piece of ", bytes, " bytes: at least 4096"));
+  }
+  g_read_piece_bytes.store(bytes, std::memory_order_relaxed);
+}
+
+std::uint64_t read_piece_bytes() noexcept {
+  return g_read_piece_bytes.load(std::memory_order_relaxed);
+}
 
 void preadv_full(int fd, struct iovec* iov, int count, std::uint64_t off, const std::string& path) {
+  const std::uint64_t max_piece = read_piece_bytes();
   std::uint64_t want = 0;
   for (int i = 0; i < count; ++i) want += iov[i].iov_len;
   const std::uint64_t start = off;
@@ -76,17 +90,17 @@ void preadv_full(int fd, struct iovec* iov, int count, std::uint64_t off, const 
       --count;
       continue;
     }
-    // At most kReadPieceBytes per call: whole buffers while they fit, else a first part.
+    // At most max_piece bytes per call: whole buffers while they fit, else a first part.
     int n = 0;
     std::uint64_t piece = 0;
-    while (n < std::min(count, kMaxIovPerCall) && piece + iov[n].iov_len <= kReadPieceBytes) {
+    while (n < std::min(count, kMaxIovPerCall) && piece + iov[n].iov_len <= max_piece) {
       piece += iov[n].iov_len;
       ++n;
     }
     struct iovec first{};
     const struct iovec* call = iov;
     if (n == 0) {
-      first = {iov->iov_base, static_cast<std::size_t>(kReadPieceBytes)};
+      first = {iov->iov_base, static_cast<std::size_t>(max_piece)};
       call = &first;
       n = 1;
     }

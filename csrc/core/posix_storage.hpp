@@ -43,9 +43,22 @@ enum class OpenFor : std::uint8_t {
  */
 int open_regular_file(const std::string& path, OpenFor mode, std::uint64_t& size);
 
+/** @brief Default bytes per read call of preadv_full() (see there). */
+inline constexpr std::uint64_t kDefaultReadPieceBytes = 128 << 10;
+
 /**
- * @brief Reads exactly `n` bytes at `off` in calls of at most 128 KiB, looping on short reads
- *        and EINTR: preadv_full() with one buffer.
+ * @brief Sets the bytes per read call of preadv_full(), process-wide (a network file system's
+ *        client may want larger requests than the local kernel's readahead).
+ * @throws std::invalid_argument when `bytes` is below 4096.
+ */
+void set_read_piece_bytes(std::uint64_t bytes);
+
+/** @return the bytes per read call of preadv_full(). */
+std::uint64_t read_piece_bytes() noexcept;
+
+/**
+ * @brief Reads exactly `n` bytes at `off` in calls of at most read_piece_bytes(), looping on
+ *        short reads and EINTR: preadv_full() with one buffer.
  * @throws SysError(op "pread") naming `path`; FormatError(Truncated) naming `path` and the byte
  *         range when the file ends first.
  */
@@ -56,12 +69,12 @@ void pread_full(int fd, void* dst, std::uint64_t n, std::uint64_t off, const std
  *        `iov` in order (the kernel scatters them: no user-space copy), looping on short reads
  *        and EINTR. `iov` is consumed (advanced in place).
  *
- * Each call reads at most 128 KiB (whole buffers while they fit, else part of one). Linux
- * (6.18, ext4) serves a cold file's small sequential reads by asynchronous readahead into large
- * folios, and a read of several MiB synchronously into 4 KiB pages: on a 2-core VM, 8 MiB of a
- * cold checkpoint file read in 3.0 ms in 128 KiB calls against 8.3 ms in 4 MiB calls, and the
- * cached pages then read back at ~50 GB/s against ~27 GB/s. Cached data costs one call per
- * 128 KiB (about a microsecond each).
+ * Each call reads at most read_piece_bytes() (default 128 KiB; whole buffers while they fit,
+ * else part of one). Linux (6.18, ext4) serves a cold file's small sequential reads by
+ * asynchronous readahead into large folios, and a read of several MiB synchronously into 4 KiB
+ * pages: on a 2-core VM, 8 MiB of a cold checkpoint file read in 3.0 ms in 128 KiB calls against
+ * 8.3 ms in 4 MiB calls, and the cached pages then read back at ~50 GB/s against ~27 GB/s.
+ * Cached data costs one call per 128 KiB (about a microsecond each).
  * @throws as pread_full().
  */
 void preadv_full(int fd, struct iovec* iov, int count, std::uint64_t off, const std::string& path);

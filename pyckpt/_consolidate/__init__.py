@@ -36,7 +36,7 @@ from pyckpt._consolidate.run import (
 from pyckpt._consolidate.scan import ScannedTensors, _Tensor, is_pyckpt, scan
 from pyckpt._consolidate.staged import consolidate_staged
 from pyckpt._export import AUTO
-from pyckpt._native import apply_host_cache_limit
+from pyckpt._native import apply_native_settings
 from pyckpt.backends import open_backend
 from pyckpt.backends.peer import discover
 
@@ -310,7 +310,7 @@ def _consolidate(
             dtype=dtype, dedup_tied=dedup_tied))
     group = group_info(process_group)
     rank, world = group.rank, group.world
-    apply_host_cache_limit()
+    apply_native_settings()
     nthreads = _copy_threads(threads, group)
     do_fsync = _knobs.fsync() if fsync is None else bool(fsync)
     mode = _knobs.consolidate_input() if input_mode is None else str(
