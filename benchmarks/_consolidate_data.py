@@ -22,7 +22,7 @@ def warm(src: str) -> None:
     In 128 KiB reads, as ``cat`` and pyckpt's own reads do: the page cache a first read leaves
     depends on its size (Linux 6.18, ext4 with large folios). 16 MiB reads left pages that read
     back at 26-27 GB/s, 128 KiB reads large folios at 49-51 GB/s, as a buffered write (torch's
-    shards) leaves them; an export from the first was 15-20% slower (BENCHMARKS.md, "Reads in
+    shards) leaves them; an export from the first was 15-25% slower (BENCHMARKS.md, "Reads in
     128 KiB pieces")."""
     for name in sorted(os.listdir(src)):
         path = os.path.join(src, name)

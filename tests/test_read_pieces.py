@@ -60,7 +60,7 @@ def test_an_export_reads_in_pieces_and_matches(tmp_path: Path) -> None:
     assert all(torch.equal(got[k], sd[k]) for k in sd)
 
 
-def test_a_bad_value_is_refused_before_any_read(tmp_path: Path) -> None:
+def test_a_bad_value_is_refused_with_the_variables_name(tmp_path: Path) -> None:
     pyckpt.save({"w": torch.ones(4)}, tmp_path / "ck")
     with _knobs.override(read_bytes=100), pytest.raises(
         ValueError, match=r"PYCKPT_READ_BYTES='100' must be >= 4096"
