@@ -594,8 +594,10 @@ def agree(
     ranks: str = "all",
     on_failure: Callable[[], None] | None = None,
     what: str = "operation",
+    root: int = 0,
 ) -> tuple[T | None, list[Any]]:
-    """Runs ``fn`` on every rank (or only rank 0), agrees on success, re-raises the first failure.
+    """Runs ``fn`` on every rank (or only ``root``), agrees on success, re-raises the first
+    failure.
 
     Every rank of ``group`` must call this at the same point. ``fn``'s exceptions (``Exception``
     only: a ``KeyboardInterrupt`` propagates at once) are caught; then every rank learns every
@@ -607,18 +609,19 @@ def agree(
     Args:
         fn: the work of this rank.
         group: from :func:`group_info`.
-        ranks: ``"all"`` (every rank runs ``fn``) or ``"root"`` (only rank 0 does; its result is
-            returned on every rank, so it must be picklable).
+        ranks: ``"all"`` (every rank runs ``fn``) or ``"root"`` (only group rank ``root``
+            does; its result is returned on every rank, so it must be picklable).
         on_failure: cleanup run on every rank when any rank failed, before raising.
         what: names the step in the note added to a re-raised remote failure.
+        root: the rank that runs ``fn`` with ``ranks="root"`` (default 0).
 
     Returns:
-        ``(value, values)``: this rank's result (rank 0's for ``ranks="root"``) and the list of
-        every rank's result (``[value]`` for ``ranks="root"``).
+        ``(value, values)``: this rank's result (``root``'s for ``ranks="root"``) and the list
+        of every rank's result (``[value]`` for ``ranks="root"``).
     """
     if ranks not in ("all", "root"):
         raise ValueError(f"ranks must be 'all' or 'root', got {ranks!r}")
-    runs = ranks == "all" or group.rank == 0
+    runs = ranks == "all" or group.rank == root
     value: T | None = None
     error: BaseException | None = None
     if runs:
@@ -628,15 +631,14 @@ def agree(
             error = e
     status = None if error is None else portable(error)
     if ranks == "root":
-        value, status = broadcast((value, status), group, what=what)
-        outcomes = [status]
+        value, status = broadcast((value, status), group, src=root, what=what)
+        failed = [] if status is None else [(root, status)]
         values: list[Any] = [value]
     else:
         gathered = all_gather((value, status) if group.distributed else (None, status), group,
                               what=what)
-        outcomes = [s for _, s in gathered]
+        failed = [(r, s) for r, (_, s) in enumerate(gathered) if s is not None]
         values = [v for v, _ in gathered] if group.distributed else [value]
-    failed = [(r, e) for r, e in enumerate(outcomes) if e is not None]
     if not failed:
         return value, values
     if on_failure is not None:
@@ -664,34 +666,42 @@ def agree_then_root(
     on_failure: Callable[[], None] | None = None,
     what: str = "operation",
     root_what: str = "commit",
+    root: int = 0,
 ) -> tuple[T | None, Any, float]:
     """``agree(fn, group)`` then, when every rank succeeded, ``agree(root_fn, group,
-    ranks="root")``: the same outcomes on every rank, in two messages per rank instead of two
-    rounds of collectives.
+    ranks="root", root=root)``: the same outcomes on every rank, in two messages per rank
+    instead of two rounds of collectives.
 
-    Each rank reports its outcome to rank 0, and rank 0 answers every rank once it has run
+    Each rank reports its outcome to ``root``, and ``root`` answers every rank once it has run
     ``root_fn`` (an export's commit). Every receive is posted before ``fn`` runs, so the rank
-    that finishes last sends its report straight into rank 0's waiting buffer and is answered
+    that finishes last sends its report straight into the root's waiting buffer and is answered
     without waiting on another rank in between. An all-gather after ``fn`` waits on the idle
     ranks too: with gloo its last rank to arrive needs a message back from each rank that was
     already waiting (and asleep), and on the 2-core VM the two rounds after a 19 MiB export's
     copies took 1.2-1.6 ms against 0.56-0.63 ms for these messages (medians;
     ``benchmarks/export_tail.py``, BENCHMARKS.md).
 
+    When the root itself finishes ``fn`` last, the reports are already in when it does, and
+    only its answer is on the way to the end: one message instead of two. A caller that knows
+    which rank usually finishes last (an export's last rank, which starts copying after rank 0
+    has planned) makes it the root.
+
     Failures follow :func:`agree`: when any rank's ``fn`` failed, ``root_fn`` does not run,
     ``on_failure`` runs on every rank, a failing rank raises its own exception and the others
     the lowest failing rank's (with a note naming it); when ``root_fn`` fails, the same with
-    rank 0's exception. Waits are bounded as every collective's here (a lost rank raises
+    the root's exception. Waits are bounded as every collective's here (a lost rank raises
     :class:`~pyckpt.errors.PeerLostError`). A group whose collectives travel as CUDA tensors
     (NCCL) takes the two rounds of collectives instead.
 
     Returns:
         ``(value, root_value, root_seconds)``: this rank's ``fn`` result, ``root_fn``'s result
-        on rank 0 (None on the others), and the seconds rank 0 spent in ``root_fn`` (on every
-        rank).
+        on ``root`` (None on the others), and the seconds the root spent in ``root_fn`` (on
+        every rank).
     """
+    if not 0 <= root < max(group.world, 1):
+        raise ValueError(f"root must be a rank of the group (0..{group.world - 1}), got {root}")
     if not group.distributed or group.world == 1 or _device(_pg(group)).type != "cpu":
-        return _agree_then_root_rounds(fn, root_fn, group, on_failure, what, root_what)
+        return _agree_then_root_rounds(fn, root_fn, group, on_failure, what, root_what, root)
     pg = _pg(group)
     if id(pg) in _lost:
         _raise_lost(group, what, None, None, 0.0)
@@ -699,7 +709,7 @@ def agree_then_root(
     waiter = _Waiter.acquire()
     try:
         return _agree_then_root_messages(fn, root_fn, group, waiter, on_failure, what,
-                                         root_what)
+                                         root_what, root)
     finally:
         waiter.release()
 
@@ -712,13 +722,15 @@ def _agree_then_root_messages(
     on_failure: Callable[[], None] | None,
     what: str,
     root_what: str,
+    root: int,
 ) -> tuple[T | None, Any, float]:
     """:func:`agree_then_root` in point-to-point messages (gloo)."""
     pg = _pg(group)
-    if group.rank == 0:
-        posted = {r: _post_report(pg, waiter, r) for r in range(1, group.world)}
+    others = [r for r in range(group.world) if r != root]
+    if group.rank == root:
+        posted = {r: _post_report(pg, waiter, r) for r in others}
     else:
-        answer = _post_report(pg, waiter, 0)
+        answer = _post_report(pg, waiter, root)
     value: T | None = None
     root_value: Any = None
     error: BaseException | None = None
@@ -727,20 +739,20 @@ def _agree_then_root_messages(
     except Exception as e:
         error = e
     except BaseException as e:  # Ctrl-C, exit: leave at once, after telling the others
-        _tell_interrupted(group, waiter, e, what)
+        _tell_interrupted(group, waiter, e, what, root)
         raise
     status = None if error is None else portable(error)
     # The answer: None, or (failing rank, its exception, the step that failed there).
     failed: tuple[int, BaseException, str] | None
-    if group.rank != 0:
-        sent = _send_report(group, waiter, status, 0)
-        failed, root_seconds = _receive_report(group, waiter, answer, 0, root_what)
+    if group.rank != root:
+        sent = _send_report(group, waiter, status, root)
+        failed, root_seconds = _receive_report(group, waiter, answer, root, root_what)
         for ticket in sent:  # answered, so received: these return at once
             waiter.wait(group, ticket, what)
     else:
-        failed = None if status is None else (0, status, what)
-        for r in range(1, group.world):
-            remote = _receive_report(group, waiter, posted[r], r, what)
+        failed = None
+        for r in range(group.world):  # the lowest failing rank's outcome is the one raised
+            remote = status if r == root else _receive_report(group, waiter, posted[r], r, what)
             if remote is not None and failed is None:
                 failed = (r, remote, what)
         root_seconds = 0.0
@@ -750,10 +762,9 @@ def _agree_then_root_messages(
                 root_value = root_fn()
             except Exception as e:
                 error = e
-                failed = (0, portable(e), root_what)
+                failed = (root, portable(e), root_what)
             root_seconds = time.perf_counter() - t0
-        sent = [t for r in range(1, group.world)
-                for t in _send_report(group, waiter, (failed, root_seconds), r)]
+        sent = [t for r in others for t in _send_report(group, waiter, (failed, root_seconds), r)]
         for ticket in sent:
             waiter.wait(group, ticket, root_what)
     if failed is None:
@@ -767,20 +778,22 @@ def _agree_then_root_messages(
     raise remote
 
 
-def _tell_interrupted(group: Group, waiter: _Waiter, exc: BaseException, what: str) -> None:
+def _tell_interrupted(group: Group, waiter: _Waiter, exc: BaseException, what: str,
+                      root: int) -> None:
     """A rank interrupted in :func:`agree_then_root`'s step (``KeyboardInterrupt``,
     ``SystemExit``) sends what it owes without waiting: the others fail the step at once, with
     a PyckptError naming it, instead of waiting for a rank that is gone or has moved on, and
-    every receive posted for this call is still matched (the group stays in step). Rank 0
-    answers every rank; another rank reports to rank 0. Its waiting thread is then retired and
+    every receive posted for this call is still matched (the group stays in step). The root
+    answers every rank; another rank reports to the root. Its waiting thread is then retired and
     ends once those messages have gone and the answer has come."""
     failure = PyckptError(f"{type(exc).__name__} on rank {group.rank} during {what}")
     try:
-        if group.rank == 0:
-            for r in range(1, group.world):
-                _send_report(group, waiter, ((0, failure, what), 0.0), r)
+        if group.rank == root:
+            for r in range(group.world):
+                if r != root:
+                    _send_report(group, waiter, ((root, failure, what), 0.0), r)
         else:
-            _send_report(group, waiter, failure, 0)
+            _send_report(group, waiter, failure, root)
     except Exception:  # the group is broken too: the interrupt is what this rank raises
         pass
 
@@ -792,6 +805,7 @@ def _agree_then_root_rounds(
     on_failure: Callable[[], None] | None,
     what: str,
     root_what: str,
+    root: int = 0,
 ) -> tuple[T | None, Any, float]:
     """:func:`agree_then_root` as two rounds of collectives (one process, or NCCL)."""
     def timed() -> tuple[Any, float]:
@@ -799,9 +813,10 @@ def _agree_then_root_rounds(
         return root_fn(), time.perf_counter() - t0
 
     value, _ = agree(fn, group, on_failure=on_failure, what=what)
-    done, _ = agree(timed, group, ranks="root", on_failure=on_failure, what=root_what)
+    done, _ = agree(timed, group, ranks="root", on_failure=on_failure, what=root_what,
+                    root=root)
     assert done is not None
-    return value, done[0] if group.rank == 0 else None, done[1]
+    return value, done[0] if group.rank == root else None, done[1]
 
 
 class _Waiter:

@@ -104,18 +104,23 @@ def test_all_gather_with_the_smallest_inline_bytes() -> None:
         assert r == ["", "r" * 100, "r" * 200]
 
 
-def report_worker(rank: int, world: int, via: str) -> dict[str, Any]:
-    """agree_then_root on 3 ranks: successes, failures of a rank's step (short and past the
-    inline bytes, one rank and two), failures of the root's step (likewise), each followed by a
-    round that shows the group still in step. ``via``: "messages" (gloo's path) or "rounds"
-    (the two rounds of collectives NCCL groups take, run here on gloo)."""
+def report_worker(rank: int, world: int, via: str, root_rank: int) -> dict[str, Any]:
+    """agree_then_root on 3 ranks with ``root_rank`` as the root: successes, failures of a
+    rank's step (short and past the inline bytes, one rank and two), failures of the root's
+    step (likewise), each followed by a round that shows the group still in step. ``via``:
+    "messages" (gloo's path) or "rounds" (the two rounds of collectives NCCL groups take, run
+    here on gloo)."""
     group = group_info(None)
     if via == "rounds":
         def agree_then_root(fn: Any, root_fn: Any, group: Any, *, on_failure: Any = None,
                             what: str = "operation", root_what: str = "commit") -> Any:
-            return coll._agree_then_root_rounds(fn, root_fn, group, on_failure, what, root_what)
+            return coll._agree_then_root_rounds(fn, root_fn, group, on_failure, what, root_what,
+                                                root_rank)
     else:
-        agree_then_root = coll.agree_then_root
+        def agree_then_root(fn: Any, root_fn: Any, group: Any, *, on_failure: Any = None,
+                            what: str = "operation", root_what: str = "commit") -> Any:
+            return coll.agree_then_root(fn, root_fn, group, on_failure=on_failure, what=what,
+                                        root_what=root_what, root=root_rank)
     out: dict[str, Any] = {"cleaned": [], "root_ran": []}
     long = "y" * (3 * coll.REPORT_INLINE)
 
@@ -168,16 +173,17 @@ def report_worker(rank: int, world: int, via: str) -> dict[str, Any]:
 
 
 @pytest.mark.parametrize("via", ["messages", "rounds"])
-def test_agree_then_root_has_agree_s_outcomes_on_every_rank(via: str) -> None:
-    results = run_distributed(report_worker, 3, via)
+@pytest.mark.parametrize("root", [0, 2])  # an export's root is its last rank
+def test_agree_then_root_has_agree_s_outcomes_on_every_rank(via: str, root: int) -> None:
+    results = run_distributed(report_worker, 3, via, root)
     tags = ["one rank", "one rank, long", "two ranks", "root", "root, long"]
     for rank, r in enumerate(results):
         value, root_value, seconds = r["ok"]
         assert value == rank * 10
-        assert root_value == ({"committed": "ok"} if rank == 0 else None)
-        assert seconds >= 0 and seconds == results[0]["ok"][2]  # rank 0's, on every rank
-        # root_fn ran on rank 0 only, and only when every rank's step succeeded.
-        assert r["root_ran"] == (["ok", "root", "root, long", "again"] if rank == 0 else [])
+        assert root_value == ({"committed": "ok"} if rank == root else None)
+        assert seconds >= 0 and seconds == results[root]["ok"][2]  # the root's, on every rank
+        # root_fn ran on the root only, and only when every rank's step succeeded.
+        assert r["root_ran"] == (["ok", "root", "root, long", "again"] if rank == root else [])
         assert r["cleaned"] == tags  # every failure cleaned up on every rank
         for tag in tags:
             assert r[f"after {tag}"] == [0, 1, 2]
@@ -200,7 +206,12 @@ def test_agree_then_root_has_agree_s_outcomes_on_every_rank(via: str) -> None:
             kind, text, size, notes = r[tag]
             assert kind == "ZeroDivisionError", r[tag]
             assert size == (3 * coll.REPORT_INLINE if "long" in tag else len("commit broke"))
-            assert notes == ([] if rank == 0 else ["pyckpt: commit failed on rank 0"])
+            assert notes == ([] if rank == root else [f"pyckpt: commit failed on rank {root}"])
+
+
+def test_agree_then_root_refuses_a_root_outside_the_group() -> None:
+    with pytest.raises(ValueError, match=r"root must be a rank of the group \(0\.\.0\), got 1"):
+        coll.agree_then_root(lambda: 5, lambda: "done", group_info(None), root=1)
 
 
 def test_agree_then_root_in_one_process() -> None:
@@ -214,8 +225,9 @@ def test_agree_then_root_in_one_process() -> None:
     assert cleaned == [1]  # the root step did not run
 
 
-def interrupted_worker(rank: int, world: int, victim: int) -> dict[str, Any]:
-    """agree_then_root on 3 ranks where rank ``victim``'s step is interrupted (Ctrl-C)."""
+def interrupted_worker(rank: int, world: int, victim: int, root: int) -> dict[str, Any]:
+    """agree_then_root on 3 ranks, rooted at ``root``, where rank ``victim``'s step is
+    interrupted (Ctrl-C)."""
     import threading
     import time
 
@@ -229,7 +241,7 @@ def interrupted_worker(rank: int, world: int, victim: int) -> dict[str, Any]:
 
     t0 = time.monotonic()
     try:
-        coll.agree_then_root(step, lambda: "committed", group, what="consolidation")
+        coll.agree_then_root(step, lambda: "committed", group, what="consolidation", root=root)
         out["raised"] = None
     except KeyboardInterrupt:
         out["raised"] = "KeyboardInterrupt"
@@ -247,9 +259,9 @@ def interrupted_worker(rank: int, world: int, victim: int) -> dict[str, Any]:
     return out
 
 
-@pytest.mark.parametrize("victim", [0, 1])
-def test_an_interrupted_rank_fails_the_step_on_the_others_at_once(victim: int) -> None:
-    results = run_distributed(interrupted_worker, 3, victim)
+@pytest.mark.parametrize(("victim", "root"), [(0, 0), (1, 0), (2, 2), (0, 2)])
+def test_an_interrupted_rank_fails_the_step_on_the_others_at_once(victim: int, root: int) -> None:
+    results = run_distributed(interrupted_worker, 3, victim, root)
     for rank, r in enumerate(results):
         if rank == victim:
             assert r["raised"] == "KeyboardInterrupt", r

@@ -262,6 +262,60 @@ def test_a_share_that_fails_after_rank_0_finished_leaves_nothing(tmp_path):
         assert left == [], left
 
 
+def _commit_worker(rank, world, root, fail):
+    import pyckpt._consolidate as consolidation
+
+    src = _shared_input(rank, world, root)
+    ran = []
+    commit = consolidation.commit
+
+    def recorded_commit(*args, **kwargs):
+        ran.append(rank)
+        if fail:
+            raise OSError(5, "Input/output error (injected)")
+        return commit(*args, **kwargs)
+
+    consolidation.commit = recorded_commit
+    dst = os.path.join(root, "dst")
+    try:
+        res = pyckpt.consolidate(src, dst, fsync=False)
+        out = [os.path.basename(f) for f in res.files]
+    except OSError as e:
+        out = (type(e).__name__, str(e), list(getattr(e, "__notes__", [])))
+    torch.distributed.barrier()
+    return ran, out, sorted(os.listdir(dst))
+
+
+@pytest.mark.distributed
+def test_the_last_rank_commits_and_every_rank_returns_the_files(tmp_path):
+    """The last rank, which starts copying after rank 0 has planned, is the one that commits
+    (it usually finishes last: the commit then follows its copy without a message between);
+    every rank returns the final files."""
+    from dist_utils import run_distributed
+
+    results = run_distributed(_commit_worker, 3, str(tmp_path), False)
+    for rank, (ran, files, left) in enumerate(results):
+        assert ran == ([2] if rank == 2 else []), (rank, ran)
+        assert files == ["model-00001-of-00001.safetensors"], files
+        assert left == ["model-00001-of-00001.safetensors", "model.safetensors.index.json"]
+    assert same_bits(load_outputs(str(tmp_path / "dst" / "model.safetensors.index.json"))["w"],
+                     _arange())
+
+
+@pytest.mark.distributed
+def test_a_commit_that_fails_on_the_last_rank_leaves_nothing(tmp_path):
+    """The commit fails on the rank that runs it (the last): every rank raises its error, the
+    others with a note naming that rank, and rank 0 removes every temp file, the index's too."""
+    from dist_utils import run_distributed
+
+    results = run_distributed(_commit_worker, 3, str(tmp_path), True)
+    for rank, (ran, raised, left) in enumerate(results):
+        assert ran == ([2] if rank == 2 else []), (rank, ran)
+        assert raised[0] == "OSError" and "injected" in raised[1], raised
+        assert raised[2] == ([] if rank == 2 else ["pyckpt: commit failed on rank 2"])
+        assert left == [], left
+
+
 @pytest.mark.parametrize("threads", [0, -2])
 def test_bad_thread_count_is_refused_before_anything_is_written(tmp_path, threads):
     src, dst = str(tmp_path / "src"), tmp_path / "dst"

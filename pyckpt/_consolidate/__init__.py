@@ -193,7 +193,9 @@ def consolidate(
     that may split a file or a tensor). Rank 0 reads the headers or metadata, plans, creates
     and sizes the temp files; all ranks write their ranges (native threads, GIL released, memory
     bounded by ``threads`` x 2 x 16 MiB, or ``threads`` x 2 chunks for pyckpt inputs); rank 0
-    fsyncs, renames and writes the index. Processes outside the group must not call it. After ``dcp.async_save``, wait for the returned future
+    writes the index under a temp name while the others finish, and the last rank, once every
+    share is in, fsyncs, renames and publishes the index. Processes outside the group must not
+    call it. After ``dcp.async_save``, wait for the returned future
     (``fut.result()``) on every rank before consolidating its output.
 
     Args:
@@ -352,12 +354,16 @@ def _consolidate(
             prepare_index(plan, dst, do_fsync)
         return copied
 
-    # Each rank reports its share to rank 0, which commits once every share is in and answers
-    # every rank (two messages per rank; see agree_then_root).
+    # Each rank reports its share to the last rank, which commits once every share is in and
+    # answers every rank (two messages per rank; see agree_then_root). The last rank is the root
+    # because it is the likeliest to finish last: rank 0 starts copying first (the others wait
+    # for its plan) and, with the index written while the others copy, has the least left to do.
+    # The commit then follows the last copy without a message in between.
+    root = world - 1
     rank_bytes, finals, commit_s = agree_then_root(
         share, lambda: commit(plan, dst, do_fsync, index_ready=True), group,
-        on_failure=cleanup, what="consolidation", root_what="commit")
-    if rank != 0:
+        on_failure=cleanup, what="consolidation", root_what="commit", root=root)
+    if rank != root:
         finals = [os.path.join(dst, f.name) for f in plan.files]
     clock.split("wait", "commit", commit_s)
     seconds = time.perf_counter() - start
