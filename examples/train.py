@@ -63,7 +63,7 @@ from typing import Any
 WORLD_SIZE = 2  # two "nodes" of one rank each
 VICTIM_RANK = 1  # the node lost in the middle of the run (its rank is its node id)
 WRITERS = ("manager", "pyckpt", "dcp")  # the saves compared in the reference run
-EXPORT_REPEATS = 5  # timed runs of each export after the first
+EXPORT_REPEATS = 15  # timed runs of each export after the first (a run is ~10 ms: the medians need many)
 
 
 @dataclasses.dataclass(frozen=True)
