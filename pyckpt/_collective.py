@@ -621,6 +621,8 @@ def agree(
     """
     if ranks not in ("all", "root"):
         raise ValueError(f"ranks must be 'all' or 'root', got {ranks!r}")
+    if not 0 <= root < max(group.world, 1):
+        raise ValueError(f"root must be a rank of the group (0..{group.world - 1}), got {root}")
     runs = ranks == "all" or group.rank == root
     value: T | None = None
     error: BaseException | None = None

@@ -209,9 +209,15 @@ def test_agree_then_root_has_agree_s_outcomes_on_every_rank(via: str, root: int)
             assert notes == ([] if rank == root else [f"pyckpt: commit failed on rank {root}"])
 
 
-def test_agree_then_root_refuses_a_root_outside_the_group() -> None:
-    with pytest.raises(ValueError, match=r"root must be a rank of the group \(0\.\.0\), got 1"):
-        coll.agree_then_root(lambda: 5, lambda: "done", group_info(None), root=1)
+def test_a_root_outside_the_group_is_refused() -> None:
+    ran: list[str] = []
+    for call in (lambda: coll.agree_then_root(lambda: ran.append("fn"), lambda: "done",
+                                              group_info(None), root=1),
+                 lambda: coll.agree(lambda: ran.append("fn"), group_info(None), ranks="root",
+                                    root=-1)):
+        with pytest.raises(ValueError, match=r"root must be a rank of the group \(0\.\.0\)"):
+            call()
+    assert ran == []  # refused before any step ran
 
 
 def test_agree_then_root_in_one_process() -> None:
