@@ -147,10 +147,11 @@ def report_busy_worker(rank: int, world: int, busy_s: float) -> Any:
     return out
 
 
-def report_silent_worker(rank: int, world: int) -> Any:
-    """Rank 1 stops beating (as a stopped or wedged process does) and never reports; rank 0,
-    waiting for its report in agree_then_root, must raise PeerLostError naming it, within the
-    peer timeout and the checks after it. Returns rank 0's error and how long it waited."""
+def report_silent_worker(rank: int, world: int, root: int = 0) -> Any:
+    """The rank that is not ``root`` stops beating (as a stopped or wedged process does) and
+    never reports; the root, waiting for its report in agree_then_root, must raise
+    PeerLostError naming it, within the peer timeout and the checks after it. Returns the
+    root's error and how long it waited (an export roots at its last rank, rank 1 here)."""
     from pyckpt import _daemons, _knobs
     from pyckpt._collective import agree_then_root, all_gather, group_info
     from pyckpt.errors import PeerLostError
@@ -159,13 +160,14 @@ def report_silent_worker(rank: int, world: int) -> Any:
     out: dict[str, Any] = {}
     with _knobs.override(peer_timeout=2):
         all_gather(rank, group)  # starts both heartbeats
-        if rank == 1:
+        if rank != root:
             _daemons.stopping.set()  # its heartbeat ends: silent from now on
-            time.sleep(25.0)  # past rank 0's bound (2 s), beat check (5 s) and check-in (5 s)
+            time.sleep(25.0)  # past the root's bound (2 s), beat check (5 s) and check-in (5 s)
             return out
         t0 = time.monotonic()
         try:
-            agree_then_root(lambda: 0, lambda: "committed", group, what="consolidation")
+            agree_then_root(lambda: 0, lambda: "committed", group, what="consolidation",
+                            root=root)
             out["error"] = None
         except PeerLostError as e:
             out["error"] = (str(e), e.rank, e.operation)

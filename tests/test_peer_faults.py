@@ -222,21 +222,23 @@ def test_a_rank_busy_longer_than_the_timeout_before_its_report_is_not_lost() -> 
     assert results[0]["waited"] >= 3 * 2.0
 
 
-def test_a_silent_rank_that_never_reports_is_lost_in_time() -> None:
-    """A rank that stops beating and never sends its report: rank 0 raises PeerLostError
+@pytest.mark.parametrize("root", [0, 1])  # an export's root is its last rank
+def test_a_silent_rank_that_never_reports_is_lost_in_time(root: int) -> None:
+    """A rank that stops beating and never sends its report: the root raises PeerLostError
     naming it within the bound, though the receive of that report stays posted (a timed wait
     on it would close the group's connections)."""
     from _peer_fault_workers import report_silent_worker
     from dist_utils import run_distributed
 
-    results = run_distributed(report_silent_worker, 2)
-    message, lost, operation = results[0]["error"]
-    assert lost == 1 and operation == "consolidation", results[0]
-    assert "lost rank 1 of 2 during consolidation on rank 0" in message, message
+    results = run_distributed(report_silent_worker, 2, root)
+    silent = 1 - root
+    message, lost, operation = results[root]["error"]
+    assert lost == silent and operation == "consolidation", results[root]
+    assert f"lost rank {silent} of 2 during consolidation on rank {root}" in message, message
     # The 2 s bound, 2.5 beats to see the silence, the check-in that names the rank, and slack
     # for 2 loaded cores (rank 1 stays silent for 25 s, past all of it).
     bound = 2.0 + 2.5 * _collective.HEARTBEAT_S + _collective.CHECK_IN_S + 10.0
-    assert results[0]["waited"] <= bound, results[0]
+    assert results[root]["waited"] <= bound, results[root]
 
 
 # ----------------------------------------------------------------------------- checksum names
