@@ -587,6 +587,12 @@ def add_note(exc: BaseException, text: str) -> None:
         method(text)
 
 
+def _check_root(group: Group, root: int) -> None:
+    """Refuses a root that is not a rank of ``group`` (before any step runs)."""
+    if not 0 <= root < max(group.world, 1):
+        raise ValueError(f"root must be a rank of the group (0..{group.world - 1}), got {root}")
+
+
 def agree(
     fn: Callable[[], T],
     group: Group,
@@ -621,8 +627,7 @@ def agree(
     """
     if ranks not in ("all", "root"):
         raise ValueError(f"ranks must be 'all' or 'root', got {ranks!r}")
-    if not 0 <= root < max(group.world, 1):
-        raise ValueError(f"root must be a rank of the group (0..{group.world - 1}), got {root}")
+    _check_root(group, root)
     runs = ranks == "all" or group.rank == root
     value: T | None = None
     error: BaseException | None = None
@@ -700,8 +705,7 @@ def agree_then_root(
         on ``root`` (None on the others), and the seconds the root spent in ``root_fn`` (on
         every rank).
     """
-    if not 0 <= root < max(group.world, 1):
-        raise ValueError(f"root must be a rank of the group (0..{group.world - 1}), got {root}")
+    _check_root(group, root)
     if not group.distributed or group.world == 1 or _device(_pg(group)).type != "cpu":
         return _agree_then_root_rounds(fn, root_fn, group, on_failure, what, root_what, root)
     pg = _pg(group)
