@@ -12,6 +12,7 @@ import io
 import logging
 import os
 import uuid
+import warnings
 from collections.abc import Callable
 from typing import Any, Literal
 
@@ -28,7 +29,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
-from pyckpt import _format, _gc, _knobs, _ranklocal
+from pyckpt import _format, _gc, _knobs, _partial, _ranklocal
 from pyckpt._collective import group_info
 from pyckpt._format import DTYPE_SIZES, METADATA_FILE
 from pyckpt._loadplan import indexed_tensor_metadata
@@ -46,6 +47,7 @@ from pyckpt.backends.coop import (
     holders_of,
     pays_off,
 )
+from pyckpt.errors import PartialLoadError, PartialLoadWarning
 
 __all__ = ["Reader"]
 
@@ -91,6 +93,14 @@ class Reader(StorageReader):
             one node and reads a file system (its page cache already reads each byte from
             storage about once; exchanging costs more there). Applies to ``dcp.load`` with
             several ranks; a single process, or ``use_collectives=False``, reads alone.
+        allow_partial: what a load does when it would leave stored entries unloaded under a
+            key the state dict holds (a fresh optimizer's empty ``state``, see
+            :mod:`pyckpt._partial`): None (default) warns (:class:`pyckpt.PartialLoadWarning`,
+            naming the keys and the fix) and loads what was asked; False raises
+            :class:`pyckpt.PartialLoadError` on every rank before loading anything
+            (:func:`pyckpt.load` and ``CheckpointManager.restore`` use False); True loads what
+            was asked, silently. Checked once per load, on the coordinator, over every rank's
+            plan.
 
     Raises (from :meth:`read_metadata`, i.e. when a load starts; making a Reader reads nothing):
         FileNotFoundError: ``path`` has no ``pyckpt.json`` (not a complete checkpoint) or a data
@@ -125,6 +135,7 @@ class Reader(StorageReader):
         shared_filesystem: bool | Literal["auto"] = True,
         process_group: Any = None,
         cooperative: bool | None = None,
+        allow_partial: bool | None = None,
     ) -> None:
         super().__init__()
         _check_pinned_pool_bytes(pinned_pool_bytes)
@@ -144,6 +155,8 @@ class Reader(StorageReader):
         self._storage: dict[MetadataIndex, Any] = {}
         self._metadata_error: Exception | None = None
         self._rank_local: int | None = None  # loading this rank's part of a rank-local save
+        self.allow_partial = allow_partial
+        self._stored_keys: list[str] = []  # keys a load may read (for the partial-load check)
 
     def close(self) -> None:
         """Stops the native worker threads (pinned staging memory belongs to the process:
@@ -255,6 +268,8 @@ class Reader(StorageReader):
             sd_md[fqn] = BytesStorageMetadata()
             storage[MetadataIndex(fqn)] = sb
         self._storage = storage
+        self._stored_keys = [fqn for fqn, st in index.tensors.items()
+                             if all(n > 0 for n in st.shape)] + list(index.bytes_items)
         return Metadata(
             state_dict_metadata=sd_md,
             planner_data=index.planner_data,
@@ -285,6 +300,7 @@ class Reader(StorageReader):
         :func:`pyckpt.backends.coop.pays_off`): chooses the one reader of each stored chunk that
         several ranks want (:func:`pyckpt.backends.coop.assign`) and hands each rank its part
         in ``LoadPlan.storage_data`` (None on every rank when the load is not cooperative)."""
+        self._check_partial(plans)
         nodes = [p.storage_data.node if isinstance(p.storage_data, LoadNode) else None
                  for p in plans]
         plans = [dataclasses.replace(p, storage_data=None)
@@ -311,6 +327,21 @@ class Reader(StorageReader):
         if coop is None:
             return plans
         return [dataclasses.replace(p, storage_data=c) for p, c in zip(plans, coop)]
+
+    def _check_partial(self, plans: list[LoadPlan]) -> None:
+        """Warns or raises (``allow_partial``) when the ranks' plans leave stored entries
+        behind under keys their state dicts hold (:func:`pyckpt._partial.left_behind`)."""
+        if self.allow_partial or self._rank_local is not None:
+            return  # a rank-local part names only this rank's items
+        requested = {item.dest_index.fqn for p in plans for item in p.items}
+        groups = _partial.left_behind(self._stored_keys, requested)
+        if not groups:
+            return
+        if self.allow_partial is False:
+            raise PartialLoadError(_partial.message(self.path, groups, raising=True),
+                                   self.path, groups)
+        warnings.warn(PartialLoadWarning(_partial.message(self.path, groups, raising=False)),
+                      stacklevel=2)
 
     def _span(self, req: ReadItem) -> tuple[Any, int, int]:
         """``(segments, lo, hi)``: the stored raw bytes ``req`` reads."""

@@ -23,7 +23,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata
 
-from pyckpt import _gc, _progress
+from pyckpt import _gc, _progress, _stateful
 from pyckpt._collective import bounded_group, peer_errors
 from pyckpt._loadplan import LoadPlanner
 from pyckpt.planner import SavePlanner
@@ -139,7 +139,10 @@ def save(
     ranges by all the ranks that hold it.
 
     Args:
-        state_dict: The (possibly nested) state dict, as for ``dcp.save``.
+        state_dict: The (possibly nested) state dict, as for ``dcp.save``. Top-level values
+            may be modules and optimizers themselves (``{"model": model, "optim": optim}``):
+            they are saved through ``torch.distributed.checkpoint.state_dict`` (the optimizer
+            keyed by parameter name), and other ``Stateful`` values through ``state_dict()``.
         path: Checkpoint directory; created if missing.
         process_group: Process group of the save (default: the default group, if any).
         check_replicas: Refuse (:class:`pyckpt.ReplicaMismatchError`, before anything is
@@ -165,7 +168,8 @@ def save(
     # The save's per-tensor objects (items, plans, results) die with its Writer when _save
     # returns, before any collection walks them (pyckpt._gc).
     with _gc.paused():
-        return _save(state_dict, path, process_group, check_replicas, progress, writer_options)
+        return _save(_stateful.to_save(state_dict), path, process_group, check_replicas, progress,
+                     writer_options)
 
 
 def _save(
@@ -201,6 +205,7 @@ def load(
     shared_filesystem: bool | Literal["auto"] = True,
     progress: _progress.ProgressArg = False,
     cooperative: bool | None = None,
+    allow_partial: bool = False,
 ) -> None:
     """Loads the checkpoint at ``path`` into ``state_dict`` in place with DCP.
 
@@ -216,7 +221,9 @@ def load(
 
     Args:
         state_dict: The state dict to fill; its tensors (or DTensors) give the shapes and the
-            placement to load into.
+            placement to load into. Top-level modules, optimizers and other ``Stateful``
+            values are loaded into and updated in place (see :func:`save`); a fresh
+            optimizer's state is created first, so its moments are loaded.
         path: Checkpoint directory written by :func:`save` or ``dcp.save`` with
             :class:`pyckpt.Writer`.
         process_group: Process group of the load (default: the default group, if any).
@@ -235,6 +242,13 @@ def load(
             ``PYCKPT_COOPERATIVE``, else decided per load: on for ``s3://``, node-local
             checkpoints and ranks on several nodes loading the same bytes; off when every rank
             is on one node reading a directory (docs/REPLICATED.md).
+        allow_partial: load what ``state_dict`` asks for even when that leaves stored entries
+            behind under a key it holds. By default such a load raises
+            :class:`pyckpt.PartialLoadError` before loading anything: the usual cause is a
+            fresh optimizer's ``state_dict()``, whose empty ``state`` asks for no moments
+            (build the state with ``torch.distributed.checkpoint.state_dict.get_state_dict``
+            instead). Keys ``state_dict`` does not hold at all (loading only ``"model"``) are
+            never an error.
 
     Raises:
         FileNotFoundError: ``path`` holds no complete checkpoint or a data file is missing.
@@ -243,13 +257,17 @@ def load(
         pyckpt.CheckpointFormatError: also when a non-tensor value's pickle holds types outside
             torch's weights-only allowlist and ``trusted`` is false (names the item).
         RuntimeError: a key of ``state_dict`` is missing from the checkpoint (DCP's error).
+        pyckpt.PartialLoadError: stored entries would be left behind (see ``allow_partial``).
         Errors are the lowest failing rank's own exception, re-raised from DCP's
         ``CheckpointException`` (attached as ``__cause__``).
     """
     reader_options = {"shared_filesystem": shared_filesystem, "process_group": process_group,
-                      "storage_options": storage_options, "cooperative": cooperative}
+                      "storage_options": storage_options, "cooperative": cooperative,
+                      "allow_partial": allow_partial}
+    dest, apply = _stateful.to_load(state_dict)
     with _gc.paused():  # as in save()
-        _load(state_dict, path, process_group, trusted, reader_options, progress)
+        _load(dest, path, process_group, trusted, reader_options, progress)
+    apply()
 
 
 def _load(

@@ -27,6 +27,8 @@ __all__ = [
     "TierWarning",
     "PinnedMemoryWarning",
     "PeerLostError",
+    "PartialLoadError",
+    "PartialLoadWarning",
 ]
 
 
@@ -231,3 +233,30 @@ class PeerLostError(PyckptError, RuntimeError):
 
     def __reduce__(self) -> tuple[type[PeerLostError], tuple[str, int | None, str]]:
         return type(self), (str(self), self.rank, self.operation)
+
+
+class PartialLoadError(PyckptError, RuntimeError):
+    """A load would leave stored entries unloaded under a key the state dict being loaded holds
+    (e.g. ``optim.state`` of a fresh optimizer's ``state_dict()``, which has no entries yet):
+    raised by :func:`pyckpt.load` and :meth:`pyckpt.CheckpointManager.restore` unless
+    ``allow_partial=True``, before any byte is loaded. The message names the keys and the fix.
+
+    Attributes:
+        path: the checkpoint.
+        unloaded: key the state dict holds -> the stored entries under it that it does not ask
+            for (sorted).
+    """
+
+    def __init__(self, message: str, path: str = "",
+                 unloaded: dict[str, list[str]] | None = None) -> None:
+        super().__init__(message)
+        self.path = path
+        self.unloaded = dict(unloaded or {})
+
+    def __reduce__(self) -> tuple[type[PartialLoadError], tuple[str, str, dict[str, list[str]]]]:
+        return type(self), (str(self), self.path, self.unloaded)
+
+
+class PartialLoadWarning(UserWarning):
+    """``dcp.load`` with :class:`pyckpt.Reader` leaves stored entries unloaded under a key the
+    state dict holds (see :class:`PartialLoadError`, which :func:`pyckpt.load` raises instead)."""

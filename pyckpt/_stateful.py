@@ -1,0 +1,93 @@
+"""Modules, optimizers and other ``Stateful`` objects in a state to save or restore.
+
+DCP calls ``state_dict()`` / ``load_state_dict()`` on the ``Stateful`` values of a state. For an
+optimizer that is the wrong pair: its ``state_dict()`` is keyed by parameter number and, before
+the first step, has no ``state`` at all, so a resume through it loads no moments (see
+:mod:`pyckpt._partial`). Here models and optimizers go through
+``torch.distributed.checkpoint.state_dict`` instead, which keys the optimizer's state by
+parameter name (so it reshards with the model) and creates a fresh optimizer's state before it
+is loaded into: :func:`to_save` gives what to save, :func:`to_load` what to load into and the
+call that applies it afterwards.
+
+Every optimizer is paired with the module of the state that holds all its parameters.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.checkpoint.stateful import Stateful
+
+__all__ = ["has_objects", "to_save", "to_load"]
+
+
+def has_objects(state: Any) -> bool:
+    """Whether ``state`` (a mapping) holds a module, an optimizer or another ``Stateful``."""
+    return isinstance(state, Mapping) and any(
+        isinstance(v, (torch.nn.Module, torch.optim.Optimizer, Stateful)) for v in state.values())
+
+
+def _owner(key: str, optim: torch.optim.Optimizer,
+           modules: Mapping[str, torch.nn.Module]) -> torch.nn.Module:
+    params = {id(p) for group in optim.param_groups for p in group["params"]}
+    owners = [m for m in modules.values() if params <= {id(p) for p in m.parameters()}]
+    if len(owners) != 1:
+        raise ValueError(
+            f"state[{key!r}] is an optimizer, and {len(owners)} of the state's modules "
+            f"({sorted(modules)}) hold all its parameters: pass exactly one model with it, or "
+            "pass state dicts made with torch.distributed.checkpoint.state_dict.get_state_dict")
+    return owners[0]
+
+
+def to_save(state: Any) -> Any:
+    """``state`` with every module, optimizer and ``Stateful`` value replaced by its state dict
+    (models and optimizers through ``get_model_state_dict`` / ``get_optimizer_state_dict``);
+    ``state`` itself when it holds none."""
+    if not has_objects(state):
+        return state
+    modules = {k: v for k, v in state.items() if isinstance(v, torch.nn.Module)}
+    out: dict[str, Any] = {}
+    for key, value in state.items():
+        if isinstance(value, torch.nn.Module):
+            out[key] = get_model_state_dict(value)
+        elif isinstance(value, torch.optim.Optimizer):
+            out[key] = get_optimizer_state_dict(_owner(key, value, modules), value)
+        elif isinstance(value, Stateful):
+            out[key] = value.state_dict()
+        else:
+            out[key] = value
+    return out
+
+
+def to_load(state: Any) -> tuple[Any, Callable[[], None]]:
+    """What to load ``state`` into, and the call that applies the loaded values to its modules,
+    optimizers and ``Stateful`` objects and puts its other top-level values back into
+    ``state`` (call it after the load). A fresh optimizer's state is
+    created here (by ``get_optimizer_state_dict``), so the load asks for every moment."""
+    if not has_objects(state):
+        return state, lambda: None
+    dest = to_save(state)
+
+    def apply() -> None:
+        modules = {k: v for k, v in state.items() if isinstance(v, torch.nn.Module)}
+        # Models first: an optimizer's state is set by the names of its model's parameters.
+        for key, value in state.items():
+            if isinstance(value, torch.nn.Module):
+                set_model_state_dict(value, dest[key])
+        for key, value in state.items():
+            if isinstance(value, torch.optim.Optimizer):
+                set_optimizer_state_dict(_owner(key, value, modules), value, dest[key])
+            elif isinstance(value, Stateful) and not isinstance(value, torch.nn.Module):
+                value.load_state_dict(dest[key])
+            elif not isinstance(value, torch.nn.Module):
+                state[key] = dest[key]  # a value DCP replaced (an int, a string)
+
+    return dest, apply

@@ -1,0 +1,191 @@
+"""A resume never drops stored state silently (issue: the Quickstart's state lost the optimizer).
+
+A fresh optimizer's ``state_dict()`` has no ``state`` entries, so ``{"model": ...,
+"optim": optim.state_dict()}`` asks for no Adam moment: DCP loads the rest and the resumed run
+diverges. pyckpt raises (``pyckpt.load``, ``CheckpointManager.restore``) or warns (``dcp.load``
+with ``pyckpt.Reader``), and the patterns the README shows resume bit-identically.
+"""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from dist_utils import run_distributed
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+import pyckpt
+from pyckpt._partial import left_behind
+
+BATCH = torch.linspace(-1, 1, 24).reshape(6, 4)
+
+
+def _make() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    return model, torch.optim.Adam(model.parameters(), lr=0.05)
+
+
+def _train(model: torch.nn.Module, optim: torch.optim.Optimizer, steps: int) -> list[float]:
+    losses = []
+    for _ in range(steps):
+        optim.zero_grad()
+        loss = (model(BATCH) ** 2).mean()
+        loss.backward()
+        optim.step()
+        losses.append(loss.item())
+    return losses
+
+
+def _trained(steps: int = 3) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    model, optim = _make()
+    _train(model, optim, steps)
+    return model, optim
+
+
+def _quickstart_ckpt(path: Path) -> None:
+    model, optim = _trained()
+    state = {"model": model.state_dict(), "optim": optim.state_dict()}
+    dcp.save(state, storage_writer=pyckpt.Writer(str(path), compression="zstd"))
+
+
+# -- the rule ----------------------------------------------------------------------------------
+
+
+def test_left_behind_groups_entries_under_keys_the_destination_holds() -> None:
+    stored = ["model.w", "optim.state.0.exp_avg", "optim.state.1.step",
+              "optim.param_groups.0.lr", "extra.rng"]
+    fresh = ["model.w", "optim.param_groups.0.lr"]
+    assert left_behind(stored, fresh) == {
+        "optim.state": ["optim.state.0.exp_avg", "optim.state.1.step"]}
+    # keys the destination does not hold at all: a deliberate selection
+    assert left_behind(stored, ["model.w"]) == {}
+    assert left_behind(stored, stored) == {}
+    # a smaller model: the layer it lacks is named
+    assert left_behind(["m.0.w", "m.1.w", "m.2.w"], ["m.0.w", "m.1.w"]) == {"m.2": ["m.2.w"]}
+
+
+# -- single process ----------------------------------------------------------------------------
+
+
+def test_pyckpt_load_of_a_fresh_optimizer_raises_and_loads_nothing(tmp_path: Path) -> None:
+    _quickstart_ckpt(tmp_path / "ck")
+    model, optim = _make()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    state = {"model": model.state_dict(), "optim": optim.state_dict()}
+    with pytest.raises(pyckpt.PartialLoadError) as info:
+        pyckpt.load(state, tmp_path / "ck")
+    err = info.value
+    assert "'optim.state'" in str(err) and "get_state_dict" in str(err)
+    assert "allow_partial=True" in str(err) and str(tmp_path / "ck") in str(err)
+    assert err.path == str(tmp_path / "ck")
+    assert list(err.unloaded) == ["optim.state"]
+    assert "optim.state.0.exp_avg" in err.unloaded["optim.state"]
+    for k, v in model.state_dict().items():  # nothing was loaded
+        assert torch.equal(v, before[k]), k
+
+
+def test_allow_partial_loads_what_was_asked(tmp_path: Path) -> None:
+    _quickstart_ckpt(tmp_path / "ck")
+    trained, _ = _trained()
+    model, optim = _make()
+    state = {"model": model.state_dict(), "optim": optim.state_dict()}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", pyckpt.PartialLoadWarning)
+        pyckpt.load(state, tmp_path / "ck", allow_partial=True)
+    for k, v in trained.state_dict().items():
+        assert torch.equal(model.state_dict()[k], v), k
+
+
+def test_loading_only_the_model_is_not_partial(tmp_path: Path) -> None:
+    _quickstart_ckpt(tmp_path / "ck")
+    trained, _ = _trained()
+    model, _ = _make()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", pyckpt.PartialLoadWarning)
+        pyckpt.load({"model": model.state_dict()}, tmp_path / "ck")
+        dcp.load({"model": model.state_dict()}, storage_reader=pyckpt.Reader(tmp_path / "ck"))
+    for k, v in trained.state_dict().items():
+        assert torch.equal(model.state_dict()[k], v), k
+
+
+@pytest.mark.parametrize("planner", ["dcp", "pyckpt"])
+def test_dcp_load_with_pyckpt_reader_warns(tmp_path: Path, planner: str) -> None:
+    _quickstart_ckpt(tmp_path / "ck")
+    model, optim = _make()
+    state = {"model": model.state_dict(), "optim": optim.state_dict()}
+    kwargs = {"planner": pyckpt.LoadPlanner()} if planner == "pyckpt" else {}
+    with pytest.warns(pyckpt.PartialLoadWarning, match=r"'optim\.state'.*get_state_dict"):
+        dcp.load(state, storage_reader=pyckpt.Reader(tmp_path / "ck"), **kwargs)
+    with pytest.raises(CheckpointException) as info:
+        dcp.load(state, storage_reader=pyckpt.Reader(tmp_path / "ck", allow_partial=False))
+    assert isinstance(pyckpt.find_error(info.value, pyckpt.PartialLoadError),
+                      pyckpt.PartialLoadError)
+
+
+def test_the_get_state_dict_pattern_resumes_bit_identically(tmp_path: Path) -> None:
+    """The README's pattern: get_state_dict before save and load, set_state_dict after."""
+    model, optim = _make()
+    expected = _train(model, optim, 6)
+
+    model, optim = _make()
+    _train(model, optim, 3)
+    msd, osd = get_state_dict(model, optim)
+    dcp.save({"model": msd, "optim": osd},
+             storage_writer=pyckpt.Writer(tmp_path / "ck", compression="zstd"))
+
+    model, optim = _make()  # a new process's objects
+    msd, osd = get_state_dict(model, optim)
+    state = {"model": msd, "optim": osd}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", pyckpt.PartialLoadWarning)
+        dcp.load(state, storage_reader=pyckpt.Reader(tmp_path / "ck"))
+    set_state_dict(model, optim, model_state_dict=state["model"],
+                   optim_state_dict=state["optim"])
+    assert _train(model, optim, 3) == expected[3:]
+
+
+def test_modules_and_optimizers_resume_bit_identically(tmp_path: Path) -> None:
+    model, optim = _make()
+    expected = _train(model, optim, 6)
+
+    model, optim = _make()
+    _train(model, optim, 3)
+    pyckpt.save({"model": model, "optim": optim, "step": 3}, tmp_path / "ck")
+    model, optim = _make()
+    state = {"model": model, "optim": optim, "step": 0}
+    pyckpt.load(state, tmp_path / "ck")
+    assert state["step"] == 3
+    assert _train(model, optim, 3) == expected[3:]
+
+
+def test_an_optimizer_without_its_model_is_refused(tmp_path: Path) -> None:
+    model, optim = _make()
+    wrapper = torch.nn.Sequential(model)  # two modules hold the optimizer's parameters
+    with pytest.raises(ValueError, match=r"state\['optim'\] is an optimizer"):
+        pyckpt.save({"a": model, "b": wrapper, "optim": optim}, tmp_path / "ck")
+    with pytest.raises(ValueError, match=r"state\['optim'\] is an optimizer"):
+        pyckpt.save({"optim": optim}, tmp_path / "ck")
+
+
+# -- several ranks -----------------------------------------------------------------------------
+
+
+def _fresh_optimizer_on_every_rank(rank: int, world: int, path: str) -> str:
+    model, optim = _trained()
+    pyckpt.save({"model": model.state_dict(), "optim": optim.state_dict()}, path)
+    model, optim = _make()
+    try:
+        pyckpt.load({"model": model.state_dict(), "optim": optim.state_dict()}, path)
+    except pyckpt.PartialLoadError as e:
+        return sorted(e.unloaded)[0]
+    return "loaded"
+
+
+def test_every_rank_raises(tmp_path: Path) -> None:
+    assert run_distributed(_fresh_optimizer_on_every_rank, 2, str(tmp_path / "ck")) == [
+        "optim.state", "optim.state"]
