@@ -264,10 +264,10 @@ def load(
     reader_options = {"shared_filesystem": shared_filesystem, "process_group": process_group,
                       "storage_options": storage_options, "cooperative": cooperative,
                       "allow_partial": allow_partial}
-    dest, apply = _stateful.to_load(state_dict)
     with _gc.paused():  # as in save()
+        dest, apply = _stateful.to_load(state_dict)
         _load(dest, path, process_group, trusted, reader_options, progress)
-    apply()
+        apply()
 
 
 def _load(
