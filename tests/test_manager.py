@@ -210,6 +210,123 @@ def test_failed_persistence_commits_nothing(tmp_path: Path,
         assert _marked(tmp_path) == [6, 8]  # the fast tier is unaffected
 
 
+def test_every_failed_persistence_is_reported_and_names_the_step_not_saved(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Persisting steps 2 and 4 fails (a plain file where the durable step's directory goes: a
+    real ``NotADirectoryError`` of the file system; step 2's persistence is held until step
+    4's save is done, so both fail before the next save): that save raises one exception
+    naming both steps and that its own step was not saved; a later failure is raised by
+    close(), which does not return normally."""
+    import concurrent.futures
+    import threading
+    import time
+
+    durable = tmp_path / "durable"
+    durable.mkdir()
+    for s in (2, 4, 10):
+        (durable / f"step-{s}").write_bytes(b"in the way")
+    gate = threading.Event()
+    real_begin = _tier_io.DurableTier.begin
+
+    def begin(self: Any, step: int, is_coordinator: bool) -> Any:
+        if step == 2:
+            gate.wait(60)
+        return real_begin(self, step, is_coordinator)
+
+    monkeypatch.setattr(_tier_io.DurableTier, "begin", begin)
+
+    def save(mgr: pyckpt.CheckpointManager, s: int) -> None:
+        fut = mgr.save(s, _state(s))
+        assert fut is not None and fut.result(timeout=30) == s
+
+    def persisted(mgr: pyckpt.CheckpointManager) -> None:
+        assert mgr._persist_future is not None
+        concurrent.futures.wait([mgr._persist_future], timeout=60)
+
+    mgr = _mgr(tmp_path, persist_every=2, keep_durable=3)
+    try:
+        save(mgr, 0)
+        persisted(mgr)
+        save(mgr, 2)
+        deadline = time.monotonic() + 30
+        while mgr._in_flight != 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        save(mgr, 4)  # does not wait for step 2's persistence
+    finally:
+        gate.set()
+    persisted(mgr)
+    with pytest.raises(NotADirectoryError) as ei:
+        mgr.save(6, _state(6))
+    notes = "\n".join(getattr(ei.value, "__notes__", []))
+    assert "persisting step 2" in notes and "persisting step 4" in notes, notes
+    assert "step 6 was not saved" in notes
+    assert _marked(tmp_path) == [2, 4] and mgr.last_persisted == 0
+    for s in (6, 8):
+        save(mgr, s)
+        persisted(mgr)
+    save(mgr, 10)
+    with pytest.raises(NotADirectoryError) as ei:
+        mgr.close()
+    notes = "\n".join(getattr(ei.value, "__notes__", []))
+    assert "persisting step 10" in notes and "persisting step 2" not in notes, notes
+    assert mgr.last_persisted == 8
+    assert _committed(tmp_path) == [0, 6, 8]
+    mgr.close()  # closed: raises nothing more
+
+
+def test_replicas_above_the_nodes_names_the_fixes(tmp_path: Path) -> None:
+    with pytest.raises(ValueError) as ei:
+        _mgr(tmp_path, replicas=1, node="host-a")
+    assert str(ei.value) == (
+        "replicas=1 needs at least 2 nodes; the group spans 1 (node ids ['host-a']): use "
+        "replicas=0 (no copies on other nodes), or, for several processes on one machine "
+        "standing for several nodes, give each its own node id with node= (e.g. "
+        "node=os.environ['LOCAL_RANK']) and its own fast-tier directory with {node} in local "
+        "(e.g. local='/dev/shm/pyckpt/node-{node}')")
+
+
+def test_a_stuck_persistence_never_holds_the_fast_tier_saves(
+    tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
+    """A real SeaweedFS frozen (SIGSTOP) while step 2 is persisted: the saves after it return
+    at once and their fast-tier steps complete; step 4's persistence waits, step 6 supersedes
+    it (a TierWarning names both); once the store answers again, steps 2 and 6 are durable."""
+    import signal
+    import time
+
+    from _s3server import started
+
+    srv = started("stall")
+    request.addfinalizer(srv.close)
+    assert srv.proc is not None
+    pgid = srv.proc.pid
+    kw = dict(persist_every=2, save_every=1, keep_local=2, keep_durable=3)
+    mgr = pyckpt.CheckpointManager("s3://stall/run", local=tmp_path / "local", replicas=0,
+                                   fsync=False, storage_options=srv.storage_options(), **kw)
+    try:
+        assert mgr.save(1, _state(1)).result(timeout=60) == 1  # type: ignore[union-attr]
+        os.killpg(pgid, signal.SIGSTOP)
+        try:
+            for s in range(2, 7):
+                t0 = time.monotonic()
+                fut = mgr.save(s, _state(s))
+                assert fut is not None and fut.result(timeout=10) == s
+                assert time.monotonic() - t0 < 10
+            assert mgr._in_flight == 2  # still stuck on the frozen store
+            assert _marked(tmp_path)[-2:] == [5, 6]
+            assert (tmp_path / "local" / "step-2" / MARKER_FILE).is_file()  # being persisted
+        finally:
+            os.killpg(pgid, signal.SIGCONT)
+        with pytest.warns(pyckpt.TierWarning, match=r"step 4 was not persisted .*step 6 "
+                                                    r"supersedes it"):
+            mgr.wait()
+        assert mgr.last_persisted == 6
+        assert sorted(s for s, done in mgr.store.list_steps().items() if done) == [2, 6]
+    finally:
+        mgr.close()
+
+
 def test_durable_only_manager(tmp_path: Path) -> None:
     with pyckpt.CheckpointManager(tmp_path / "durable", save_every=3, keep_durable=2,
                                   fsync=False) as mgr:
