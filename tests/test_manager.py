@@ -630,6 +630,89 @@ def test_crash_during_persistence_never_commits_the_durable_step(tmp_path: Path)
         assert "step 2" in res["warnings"][0][1]
 
 
+def _run_pair(root: Path, tag: str, action: str, *, ok: bool = True, **spec: Any) -> list[int]:
+    """Two nodes x one rank (the save-side cases need no more)."""
+    spec = dict({"namespace": _REFUSAL is None}, **spec, tag=tag, action=action)
+    codes = launch(str(root), 2, 1, spec, grace=20.0)
+    if ok:
+        assert codes == [0, 0], "\n".join(
+            f"rank {r} (exit {c}):\n{log_of(str(root), tag, r)}" for r, c in enumerate(codes))
+    return codes
+
+
+@multinode
+@pytest.mark.parametrize("fast", [True, False], ids=["fast", "durable_only"])
+def test_ranks_saving_different_steps_commit_nothing(tmp_path: Path, fast: bool) -> None:
+    """Rank 0 saves step 4 while rank 1 saves step 5: every rank raises StepMismatchError
+    naming both, no tier holds a complete step 4 or 5, and a restore returns step 2 bit
+    for bit."""
+    spec = {"manager": dict(_FAST, persist_every=1), "fast": fast}
+    _run_pair(tmp_path, "save", "mismatch", entry="_manager_save_workers", good=2,
+              steps=[4, 5], **spec)
+    for r in range(2):
+        res = result(str(tmp_path), "save", r)
+        assert res["future_failed"], res
+        [err] = res["errors"]
+        assert err["type"] == "StepMismatchError", err
+        assert "step 4 on rank 0; step 5 on rank 1" in err["message"], err
+        assert err["steps"] == {"0": 4, "1": 5}
+    for s in (4, 5):
+        assert not (tmp_path / "durable" / f"step-{s}" / METADATA_FILE).exists()
+        for k in range(2):
+            assert not (_node_dir(tmp_path, k, s) / MARKER_FILE).exists()
+    assert (tmp_path / "durable" / "step-2" / METADATA_FILE).is_file()
+    _run_pair(tmp_path, "restore", "restore", **spec)
+    for r in range(2):
+        res = result(str(tmp_path), "restore", r)
+        assert res["step"] == 2 and res["bad"] == [], res
+
+
+@multinode
+def test_a_crash_while_saving_a_complete_step_again_keeps_the_old_copy(tmp_path: Path) -> None:
+    """Step 5 is complete; saving it again, rank 1 is killed in the middle of the replication:
+    the old copy of step 5 is still in place on both nodes and is restored."""
+    spec = {"manager": dict(_FAST, persist_every=100)}
+    _run_pair(tmp_path, "train", "train", steps=[4, 5], **spec)
+    old = [_files(_node_dir(tmp_path, k, 5)) for k in range(2)]
+    codes = _run_pair(tmp_path, "again", "train", ok=False, steps=[5],
+                      crash={"at": "replicate", "step": 5, "rank": 1}, **spec)
+    assert codes[1] == 17
+    for k in range(2):
+        assert (_node_dir(tmp_path, k, 5) / MARKER_FILE).is_file()
+        assert _files(_node_dir(tmp_path, k, 5)) == old[k]
+    _run_pair(tmp_path, "restore", "restore", **spec)
+    for r in range(2):
+        res = result(str(tmp_path), "restore", r)
+        assert res["step"] == 5 and res["bad"] == [] and res["info"]["tier"] == "fast", res
+    # Saved again to completion, the new copy replaces the old one (and .resave is emptied).
+    _run_pair(tmp_path, "third", "train", steps=[5, 6], **spec)
+    for k in range(2):
+        assert (_node_dir(tmp_path, k, 5) / MARKER_FILE).is_file()
+        assert _files(_node_dir(tmp_path, k, 5)).isdisjoint(old[k])
+        assert os.listdir(tmp_path / "nodes" / f"n{k}" / ".resave") == []
+
+
+@multinode
+def test_a_marker_on_one_node_only_keeps_every_copy_through_retention(tmp_path: Path) -> None:
+    """Step 3's completion marker reaches node 0 only (writing it on node 1 fails): every node
+    keeps the same steps afterwards, so step 3 keeps both copies (before, node 1 deleted its
+    copy while node 0 deleted step 2's: both steps were left with one copy each)."""
+    spec = {"manager": dict(_FAST, persist_every=100)}
+    _run_pair(tmp_path, "train", "partial_marker", entry="_manager_save_workers",
+              steps=[1, 2, 3, 4], fail_rank=1, fail_step=3, **spec)
+    for r in range(2):
+        errors = result(str(tmp_path), "train", r)["errors"]
+        assert [e["step"] for e in errors] == [3], errors
+    assert (_node_dir(tmp_path, 0, 3) / MARKER_FILE).is_file()
+    assert not (_node_dir(tmp_path, 1, 3) / MARKER_FILE).exists()
+    both = _files(_node_dir(tmp_path, 0, 3))
+    assert {data_file_rank(n) for n in both} == {0, 1}
+    for k in range(2):
+        assert sorted(int(p.name[5:]) for p in (tmp_path / "nodes" / f"n{k}").iterdir()
+                      if p.name.startswith("step-")) == [3, 4]
+        assert _files(_node_dir(tmp_path, k, 3)) == both
+
+
 @pytest.mark.gpu
 def test_gpu_state_saved_and_restored_into_cuda_tensors(tmp_path: Path) -> None:
     dev = torch.device("cuda")
