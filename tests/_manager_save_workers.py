@@ -4,7 +4,8 @@ module). Each rank writes ``<root>/results/<tag>-<rank>.json``.
 
 Actions:
     ``mismatch``: every rank saves ``spec["good"]``, then saves its own ``spec["steps"][rank]``
-        and records what ``wait()`` raised.
+        (its shards of that step; the replicated tensor the same on every rank, so only the
+        steps differ) and records what ``wait()`` raised.
     ``partial_marker``: saves ``spec["steps"]``; on rank ``spec["fail_rank"]`` writing the
         completion marker of ``spec["fail_step"]`` fails (a full disk); records the failures.
 """
@@ -56,7 +57,9 @@ def main(spec_path: str) -> None:
         mgr.save(spec["good"], make_state(spec["good"], world))
         mgr.wait()
         mine = spec["steps"][rank]
-        fut = mgr.save(mine, make_state(mine, world))
+        state = make_state(mine, world)
+        state["r"] = make_state(spec["good"], world)["r"]  # replicated: the same on every rank
+        fut = mgr.save(mine, state)
         assert fut is not None
         try:
             mgr.wait()
