@@ -19,6 +19,8 @@ Layout (``<N>`` is the training step, in decimal)::
     <local>/step-<N>/               a node-local pyckpt checkpoint: this node's data files, the
                                     replicas of other nodes' files, pyckpt.json, and
                                     pyckpt.tier.json (the completion marker, written last)
+    <local>/.resave/step-<N>/       a step already complete here, being saved again (moved
+                                    over <local>/step-<N> once its marker is written)
     <durable>/step-<N>              a plain pyckpt checkpoint (loadable with pyckpt.load)
 
 Commit rule (the same as everywhere in pyckpt): data files first, each written to a temp name,
@@ -57,6 +59,7 @@ __all__ = [
 
 MARKER_FILE = "pyckpt.tier.json"
 MARKER_VERSION = 1
+RESAVE_DIR = ".resave"  # under the fast tier's root: steps being saved again (LocalTier.resave_tier)
 _STEP_RE = re.compile(r"step-(0|[1-9][0-9]{0,18})")
 _MAX_MARKER_BYTES = 16 << 20
 
@@ -211,6 +214,31 @@ class LocalTier:
         d = self.step_dir(step)
         os.makedirs(d, exist_ok=True)
         return d
+
+    def resave_tier(self) -> LocalTier:
+        """Where a step that is already complete here is saved again: ``root/.resave``, a tier
+        of its own (``root/.resave/step-<N>``) that :meth:`steps` never lists, so the complete
+        copy stays in place until :meth:`replace` puts the new one there."""
+        return LocalTier(os.path.join(self.root, RESAVE_DIR), self.fsync)
+
+    def replace(self, step: int, work: LocalTier) -> None:
+        """Puts ``work``'s complete copy of ``step`` (marker written) in place of this tier's:
+        the old directory is renamed aside, the new one renamed in, then the old one deleted.
+        Until the first rename the old copy is the step; from the second on, the new one."""
+        new, here = work.step_dir(step), self.step_dir(step)
+        old = os.path.join(work.root, f"old-{step_name(step)}")
+        shutil.rmtree(old, ignore_errors=True)
+        if os.path.isdir(here):
+            os.rename(here, old)
+        os.rename(new, here)
+        if self.fsync:
+            fsync_dir(self.root)
+        for name in (MARKER_FILE, METADATA_FILE):  # as remove(): never looks complete half-gone
+            try:
+                os.unlink(os.path.join(old, name))
+            except FileNotFoundError:
+                pass
+        shutil.rmtree(old, ignore_errors=True)
 
     def ensure(self, step: int) -> str:
         d = self.step_dir(step)

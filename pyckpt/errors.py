@@ -19,6 +19,7 @@ __all__ = [
     "CudaError",
     "UnsupportedDtypeError",
     "ReplicaMismatchError",
+    "StepMismatchError",
     "ObjectStoreError",
     "NoCredentialsError",
     "ConcurrentSaveError",
@@ -74,6 +75,24 @@ class ReplicaMismatchError(PyckptError, ValueError):
     ) -> tuple[type[ReplicaMismatchError], tuple[str, dict[str, list[list[int]]]]]:
         # Pickled by DCP to reach every rank: keep the attribute, not only the message.
         return type(self), (str(self), self.mismatches)
+
+
+class StepMismatchError(PyckptError, ValueError):
+    """The ranks of a :class:`pyckpt.CheckpointManager` passed different steps to one collective
+    :meth:`~pyckpt.CheckpointManager.save` (an off-by-one in one rank's loop). Raised on every
+    rank before anything of the save is written or committed in any tier; the steps already
+    complete stay as they were. A ``ValueError``: the calls' arguments disagree.
+
+    Attributes:
+        steps: group rank -> the step that rank passed.
+    """
+
+    def __init__(self, message: str, steps: dict[int, int] | None = None) -> None:
+        super().__init__(message)
+        self.steps = dict(steps or {})
+
+    def __reduce__(self) -> tuple[type[StepMismatchError], tuple[str, dict[int, int]]]:
+        return type(self), (str(self), self.steps)
 
 
 class ObjectStoreError(PyckptError, OSError):
@@ -207,7 +226,9 @@ class TierBudgetError(PyckptError):
 
 class TierWarning(UserWarning):
     """A :class:`pyckpt.CheckpointManager` restore came from the durable tier although a fast
-    tier is configured (the message names the step and what the fast tier lacked)."""
+    tier is configured (the message names the step and what the fast tier lacked), or a step
+    due for the durable tier was not persisted because a newer one superseded it while the
+    durable tier was busy (the message names both steps)."""
 class PinnedMemoryWarning(UserWarning):
     """A state to stage does not fit in the process's pinned staging memory: the part that does
     not fit is copied into pageable memory and the save blocks for that copy (see

@@ -16,6 +16,7 @@ import warnings
 import weakref
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,7 +31,7 @@ from pyckpt._tensors import local_view
 from pyckpt._tier_io import DurableTier, LocalTier, StepView
 from pyckpt.api import _single_process_quiet, _typed_errors, load_planner
 from pyckpt.backends import SaveState
-from pyckpt.errors import PyckptError, TierBudgetError, TierWarning
+from pyckpt.errors import PyckptError, StepMismatchError, TierBudgetError, TierWarning
 from pyckpt.planner import SavePlanner
 from pyckpt.storage import Reader, Writer
 
@@ -237,7 +238,15 @@ class CheckpointManager:
         self.nodes: list[str] = all_gather(self.node, self._group)
         self.replicas = replicas if self.tier is not None else 0
         if self.tier is not None:
-            ring_targets(self.nodes, self.replicas)  # same ValueError on every rank
+            try:
+                ring_targets(self.nodes, self.replicas)  # same ValueError on every rank
+            except ValueError as e:
+                raise ValueError(
+                    f"{e} (node ids {node_order(self.nodes)}): use replicas=0 (no copies on "
+                    "other nodes), or, for several processes on one machine standing for "
+                    "several nodes, give each its own node id with node= (e.g. "
+                    "node=os.environ['LOCAL_RANK']) and its own fast-tier directory with "
+                    "{node} in local (e.g. local='/dev/shm/pyckpt/node-{node}')") from None
         me = self._group.rank
         self._leader = me == min(r for r, n in enumerate(self.nodes) if n == self.node)
         options = dict(writer_options or {})
@@ -252,10 +261,15 @@ class CheckpointManager:
         self._save_ex = ThreadPoolExecutor(1, thread_name_prefix="pyckpt-manager-save")
         self._persist_ex = ThreadPoolExecutor(1, thread_name_prefix="pyckpt-manager-persist")
         self._fast_future: Future[int] | None = None
-        self._persist_future: Future[int] | None = None
-        self._failure: BaseException | None = None
-        self._pinned: set[int] = set()  # fast-tier steps being persisted (not to be deleted)
-        self._pinned_lock = threading.Lock()
+        self._persist_future: Future[int | None] | None = None  # the newest persistence task
+        self._pinned_lock = threading.Lock()  # guards the fields below (several threads)
+        self._failures: list[BaseException] = []  # background failures not raised yet
+        self._notices: list[str] = []  # TierWarnings of background work, for the caller
+        # Fast-tier steps due for the durable tier and not started: (step, files, holders).
+        # At most one (a newer due step supersedes it), so a stuck persistence never holds
+        # more than two fast-tier steps (its own and the pending one) from retention.
+        self._pending: list[tuple[int, dict[str, int], dict[str, list[str]]]] = []
+        self._in_flight: int | None = None  # the step being persisted
         self._closed = False
         self.last_save: SaveInfo | None = None
         self.last_restore: RestoreInfo | None = None
@@ -269,8 +283,23 @@ class CheckpointManager:
         that completes (with ``step``) when the step is complete in the fast tier (or, without
         one, in the durable tier). Returns None for a step that is not due.
 
-        A save first waits for the previous one's fast-tier work. A failure of earlier
-        background work is raised here (once) or by :meth:`wait`.
+        A save first waits for the previous one's fast-tier work, never for the durable tier:
+        when a persistence is still running (a slow or unreachable store) as a newer step
+        becomes due, that step waits as the one pending persistence, and a newer due step
+        supersedes a pending one (a :class:`pyckpt.TierWarning` names both; ``last_persisted``
+        is the newest step committed there). Failures of earlier background work (fast-tier
+        saves and persistences) are raised here or by :meth:`wait` (see :meth:`wait`); a
+        save that raises them has saved nothing: a note on the exception says "step N was not
+        saved".
+
+        Every rank must pass the same ``step``: the ranks compare their steps in the first
+        exchange of the background work, and on disagreement every rank's future fails with
+        :class:`pyckpt.StepMismatchError` (naming each rank's step) before anything is written
+        in any tier; a step complete before stays as it was.
+
+        Saving a step that is already complete in the fast tier again writes the new copy aside
+        (``<local>/.resave``) and puts it in place only once it is complete on every node, so
+        a failure or crash during the new save leaves the old copy restorable.
 
         The only work done before returning is the staging copy (no collective): the ranks
         exchange their staging outcome as the first step of the background work. A staging
@@ -289,7 +318,9 @@ class CheckpointManager:
             return None
         t0 = time.perf_counter()
         self._settle(self._fast_future)
-        self._raise_failure()
+        self._warn_notices()
+        self._raise_failure(f"pyckpt: step {step} was not saved (this save() raised a failure "
+                            "of earlier background work instead; call save() again)")
         info = SaveInfo(step)
         if self.tier is not None:
             assert self._fast_writer is not None
@@ -362,14 +393,21 @@ class CheckpointManager:
         return info.step
 
     def wait(self) -> None:
-        """Waits for every save and persistence in flight; raises the first failure of any."""
+        """Waits for every save and persistence in flight, then raises the failures of
+        background work not raised yet, every one: the first (its own type) with a note naming
+        each later one (e.g. two failed persistences: both steps are named). Each failed
+        persistence's note names its step and the newest durable step, ``last_persisted``.
+        A failure is raised once (by this, :meth:`save` or :meth:`close`)."""
         self._settle(self._fast_future)
-        self._settle(self._persist_future)
+        fut = self._persist_future  # the newest: the tasks run one at a time, in order
+        if fut is not None:
+            wait_futures([fut])
+        self._warn_notices()
         self._raise_failure()
 
     def close(self) -> None:
-        """Waits for the work in flight (raising its failure), then releases the threads and
-        buffers. Idempotent. (The manager's gloo groups stay for later managers over the same
+        """Waits for the work in flight (raising the failures not raised yet, as :meth:`wait`),
+        then releases the threads and buffers. Idempotent. (The manager's gloo groups stay for later managers over the same
         ranks; they end with the default process group.)"""
         if self._closed:
             return
@@ -409,15 +447,21 @@ class CheckpointManager:
         assert tier is not None and self._fast_writer is not None
         t0 = time.perf_counter()
 
-        def prepare() -> None:
+        def check() -> tuple[int, bool]:
             if staging_error is not None:
                 raise staging_error
-            if self._leader:
-                tier.prepare(step)
+            return step, self._leader and tier.read_marker(step) is not None
 
-        agree(prepare, g, what=f"staging the state or preparing fast-tier step {step}")
-        path = tier.step_dir(step)
-        agree(lambda: tier.ensure(step), g, what=f"preparing fast-tier step {step}")
+        # The first exchange: staging outcomes, the step of every rank (nothing is written
+        # before they agree), and whether some node already holds this step complete.
+        _, seen = agree(check, g, what=f"staging the state for fast-tier step {step}")
+        _check_steps([s for s, _ in seen])
+        resave = any(done for _, done in seen)
+        # A step complete somewhere is saved again aside and moved in place at the commit.
+        work = tier.resave_tier() if resave else tier
+        agree(lambda: work.prepare(step) if self._leader else None, g,
+              what=f"preparing fast-tier step {step}")
+        path = work.ensure(step)  # the node's leader made it: this only checks
         with _single_process_quiet(), _typed_errors():
             dcp.save(staged, storage_writer=self._fast_writer, checkpoint_id=path,
                      planner=SavePlanner(check_replicas=self.check_replicas),  # type: ignore[arg-type]
@@ -427,37 +471,36 @@ class CheckpointManager:
         index = _format.read_index(path, all_files=False)
         own = [(n, os.path.join(path, n)) for n in sorted(index.local_files)
                if _format.data_file_rank(n) == g.rank]
-        stats = replicate(g, tier, step, own, self.nodes, self.replicas,
+        stats = replicate(g, work, step, own, self.nodes, self.replicas,
                           self.replication_window_bytes)
         info.bytes_sent, info.bytes_received = stats.bytes_sent, stats.bytes_received
-        holders = self._confirm_copies(step, index)
+        holders = self._confirm_copies(step, index, work)
         record = {"save_id": index.save_id, "replicas": self.replicas,
                   "nodes": node_order(self.nodes), "holders": holders}
-        agree(lambda: tier.write_marker(step, record) if self._leader else None, g,
-              what=f"committing fast-tier step {step}")
+
+        def commit() -> list[int] | None:
+            if not self._leader:
+                return None
+            work.write_marker(step, record)
+            if resave:
+                tier.replace(step, work)
+            return [s for s in tier.steps() if tier.read_marker(s) is not None]
+
+        _, marked = agree(commit, g, what=f"committing fast-tier step {step}")
         info.replication_s = time.perf_counter() - t1
         if step % self.persist_every == 0:
-            self._settle(self._persist_future)
-            with self._pinned_lock:
-                self._pinned.add(step)
-            try:
-                self._persist_future = self._persist_ex.submit(
-                    self._persist, step, dict(index.files), holders)
-            except BaseException:
-                with self._pinned_lock:
-                    self._pinned.discard(step)
-                raise
-        agree(lambda: self._retain_local(step) if self._leader else None, g,
-              what="deleting old fast-tier steps")
+            self._queue_persist(step, dict(index.files), holders)
+        agree(lambda: self._retain_local(step, [m for m in marked if m is not None])
+              if self._leader else None, g, what="deleting old fast-tier steps")
         info.footprint_bytes = tier.footprint()
         self.last_save = info
         return step
 
-    def _confirm_copies(self, step: int, index: _format.CheckpointIndex) -> dict[str, list[str]]:
+    def _confirm_copies(self, step: int, index: _format.CheckpointIndex,
+                        work: LocalTier) -> dict[str, list[str]]:
         """Every data file of ``step`` held by ``1 + replicas`` nodes (one all-gather), else a
         PyckptError on every rank; returns file -> nodes holding it."""
-        assert self.tier is not None
-        view = self.tier.view(step)
+        view = work.view(step)
         gathered = all_gather((view.save_id, view.present), self._group)
         holders: dict[str, set[str]] = {n: set() for n in index.files}
         for r, (_, present) in enumerate(gathered):
@@ -468,11 +511,63 @@ class CheckpointManager:
         others = sorted({sid for sid, _ in gathered if sid != index.save_id}, key=str)
         if short or others:
             raise PyckptError(
-                f"fast-tier step {step} ({self.tier.step_dir(step)}) is not complete: "
+                f"fast-tier step {step} ({work.step_dir(step)}) is not complete: "
                 + (f"data files with fewer than {1 + self.replicas} copies: {short}; "
                    if short else "")
                 + (f"nodes holding metadata of other saves: {others}" if others else ""))
         return {n: sorted(h) for n, h in holders.items()}
+
+    # -- persistence -------------------------------------------------------------------------
+
+    def _queue_persist(self, step: int, files: dict[str, int],
+                       holders: dict[str, list[str]]) -> None:
+        """Makes committed fast-tier step ``step`` the pending persistence (superseding an
+        older pending one) and queues a persistence task; never waits for the durable tier."""
+        with self._pinned_lock:
+            dropped = [s for s, _, _ in self._pending if s != step]
+            self._pending = [(step, files, holders)]
+            busy = self._in_flight
+        for s in dropped:
+            self._notice(f"pyckpt: fast-tier step {s} was not persisted to {self.store.url}: "
+                         f"step {step} supersedes it (the durable tier was still busy"
+                         + (f" persisting step {busy})" if busy is not None else ")"))
+        self._persist_future = self._persist_ex.submit(self._persist_next, step)
+
+    def _persist_next(self, due: int) -> int | None:
+        """One persistence task (one per due step, run in order on every rank): the ranks
+        agree on the newest step every rank has pending (their pending steps can differ for a
+        moment: each rank queues a step once its fast-tier commit returns) and persist it;
+        pending steps older than it are superseded. None when no step is pending everywhere
+        (an earlier task took it, or a later one will)."""
+        g, step = self._persist_group, None
+        try:
+            with self._pinned_lock:
+                mine = [s for s, _, _ in self._pending]
+            _, lists = agree(lambda: mine, g, what=f"choosing the step to persist ({due} due)")
+            common = set(lists[0]).intersection(*lists[1:]) if lists and lists[0] else set()
+            if not common:
+                return None
+            step = max(common)
+            with self._pinned_lock:
+                superseded = [s for s, _, _ in self._pending if s < step]
+                _, files, holders = next(e for e in self._pending if e[0] == step)
+                self._pending = [e for e in self._pending if e[0] > step]
+                self._in_flight = step
+            for s in superseded:
+                self._notice(f"pyckpt: fast-tier step {s} was not persisted to "
+                             f"{self.store.url}: step {step} supersedes it")
+            return self._persist(step, files, holders)
+        except Exception as e:
+            add_note(e, f"pyckpt: persisting step {step if step is not None else due} to "
+                        f"{self.store.url} failed (the newest step persisted by this manager: "
+                        f"{self.last_persisted})")
+            with self._pinned_lock:
+                self._failures.append(e)
+            raise
+        finally:
+            if step is not None:
+                with self._pinned_lock:
+                    self._in_flight = None
 
     def _persist(self, step: int, files: dict[str, int], holders: dict[str, list[str]]) -> int:
         """Copies fast-tier step ``step`` to the durable tier: each rank uploads the files
@@ -481,6 +576,7 @@ class CheckpointManager:
         tier, g, store = self.tier, self._persist_group, self.store
         assert tier is not None
         states: list[SaveState] = []  # this rank's save set-up (rank 0's: lock / condition)
+        document: list[bytes] = []  # rank 0: the metadata, read before any upload
         try:
             loads = [0] * g.world
             mine = []
@@ -492,6 +588,16 @@ class CheckpointManager:
                     mine.append(name)
 
             def upload() -> None:
+                if g.rank == 0:  # the metadata of the very files uploaded (a re-save of this
+                    # step moves a new copy in place: its files have other names)
+                    with open(tier.file_path(step, _format.METADATA_FILE), "rb") as fh:
+                        document.append(fh.read())
+                    idx = _format.read_index(tier.step_dir(step), all_files=False,
+                                             document=document[0])
+                    if dict(idx.files) != files:
+                        raise PyckptError(f"fast-tier step {step} ({tier.step_dir(step)}) was "
+                                          "saved again before it was persisted; the new copy "
+                                          "is persisted instead")
                 states.append(store.begin(step, g.rank == 0))
                 for name in mine:
                     store.put_file(step, tier.file_path(step, name))
@@ -499,9 +605,7 @@ class CheckpointManager:
             agree(upload, g, what=f"persisting step {step} to {store.url}")
 
             def commit() -> None:
-                with open(tier.file_path(step, _format.METADATA_FILE), "rb") as fh:
-                    document = fh.read()
-                store.commit(step, document, files, states.pop())
+                store.commit(step, document[0], files, states.pop())
                 self._retain_durable()
 
             agree(commit, g, ranks="root", what=f"committing step {step} to {store.url}")
@@ -510,19 +614,19 @@ class CheckpointManager:
         finally:
             for state in states:
                 state.end()
-            with self._pinned_lock:
-                self._pinned.discard(step)
 
     def _durable_save(self, step: int, staged: Any, staging_error: BaseException | None,
                       info: SaveInfo) -> int:
         g = self._group
         t0 = time.perf_counter()
 
-        def staged_ok() -> None:
+        def staged_ok() -> int:
             if staging_error is not None:
                 raise staging_error
+            return step
 
-        agree(staged_ok, g, what="staging the state")
+        _, steps = agree(staged_ok, g, what=f"staging the state for step {step}")
+        _check_steps(steps)  # before anything is written
         with _single_process_quiet(), _typed_errors():
             dcp.save(staged, storage_writer=self._durable_writer,
                      checkpoint_id=self.store.step_location(step),
@@ -536,16 +640,21 @@ class CheckpointManager:
 
     # -- retention ---------------------------------------------------------------------------
 
-    def _retain_local(self, newest: int) -> None:
-        """On this node: keeps the newest ``keep_local`` marked steps (``newest`` among them),
-        the steps being persisted and any step newer than ``newest``; deletes the rest."""
+    def _retain_local(self, newest: int, marked: Sequence[Sequence[int]]) -> None:
+        """On this node: keeps the newest ``keep_local`` steps marked on any node (``marked``:
+        each node's marked steps, the same list on every rank, so every node keeps the same
+        steps and a step whose marker reached only some nodes keeps every copy), ``newest``,
+        the steps pending or being persisted and any step newer than ``newest``; deletes the
+        rest."""
         tier = self.tier
         assert tier is not None
         steps = tier.steps()
-        marked = [s for s in steps if tier.read_marker(s) is not None]
-        keep = set(marked[-self.keep_local:]) | {newest}
+        complete = sorted({s for m in marked for s in m})
+        keep = set(complete[-self.keep_local:]) | {newest}
         with self._pinned_lock:
-            keep |= self._pinned
+            keep |= {s for s, _, _ in self._pending}
+            if self._in_flight is not None:
+                keep.add(self._in_flight)
         for s in steps:
             if s not in keep and s < newest:
                 tier.remove(s)
@@ -711,27 +820,56 @@ class CheckpointManager:
             raise RuntimeError("this CheckpointManager is closed")
 
     def _settle(self, fut: Future[int] | None) -> None:
-        """Waits for ``fut``; keeps its failure for :meth:`_raise_failure`."""
+        """Waits for fast-tier save ``fut``; keeps its failure for :meth:`_raise_failure`
+        (persistence tasks keep their own)."""
         if fut is None:
             return
         exc = fut.exception()
-        if exc is not None and self._failure is None and not getattr(fut, "_pyckpt_seen", False):
-            self._failure = exc
-        fut._pyckpt_seen = True  # type: ignore[attr-defined]
+        with self._pinned_lock:
+            if exc is not None and not getattr(fut, "_pyckpt_seen", False):
+                self._failures.append(exc)
+            fut._pyckpt_seen = True  # type: ignore[attr-defined]
 
-    def _raise_failure(self) -> None:
-        exc, self._failure = self._failure, None
-        if exc is not None:
-            add_note(exc, "pyckpt: raised by CheckpointManager from earlier background work")
-            raise exc
+    def _raise_failure(self, note: str | None = None) -> None:
+        """Raises the failures kept (each once): the first, with a note naming every later
+        one, and ``note``."""
+        with self._pinned_lock:
+            failures, self._failures = self._failures, []
+        if not failures:
+            return
+        exc = failures[0]
+        add_note(exc, "pyckpt: raised by CheckpointManager from earlier background work")
+        for other in failures[1:]:
+            notes = [n for n in getattr(other, "__notes__", []) if n.startswith("pyckpt: ")]
+            add_note(exc, f"pyckpt: later background work failed too: {type(other).__name__}: "
+                          f"{other}" + (f" ({'; '.join(notes)})" if notes else ""))
+        if note is not None:
+            add_note(exc, note)
+        raise exc
+
+    def _notice(self, message: str) -> None:
+        """A TierWarning of background work: logged now, warned in the caller's thread by the
+        next :meth:`save` or :meth:`wait` (a warning raised in a background thread, where
+        warnings are errors, would fail the work)."""
+        logger.warning("%s", message)
+        with self._pinned_lock:
+            self._notices.append(message)
+
+    def _warn_notices(self) -> None:
+        with self._pinned_lock:
+            notices, self._notices = self._notices, []
+        for message in notices:
+            warnings.warn(TierWarning(message), stacklevel=3)
 
     def _drain(self) -> None:
         """Waits for the work in flight; a failure of it is logged, not raised (a restore is
         what follows a failure)."""
         self._settle(self._fast_future)
-        self._settle(self._persist_future)
-        exc, self._failure = self._failure, None
-        if exc is not None:
+        if self._persist_future is not None:
+            wait_futures([self._persist_future])
+        with self._pinned_lock:
+            failures, self._failures = self._failures, []
+        for exc in failures:
             logger.warning("pyckpt: a checkpoint save failed before this restore: %r", exc)
 
     def _check_budget(self, state: Any) -> None:
@@ -756,6 +894,22 @@ class CheckpointManager:
                     f"{projected[node]} bytes, over local_budget_bytes={self.local_budget_bytes}"
                     f" (its present files, its ranks' state and the replicas it keeps); nothing "
                     "was written", node, projected[node], self.local_budget_bytes)
+
+
+def _check_steps(steps: Sequence[int]) -> None:
+    """Raises StepMismatchError (the same on every rank: ``steps`` is every rank's step, as
+    gathered) when the ranks passed different steps to one save."""
+    if len(set(steps)) <= 1:
+        return
+    by_step: dict[int, list[int]] = {}
+    for r, s in enumerate(steps):
+        by_step.setdefault(s, []).append(r)
+    said = "; ".join(f"step {s} on rank{'s' if len(rs) > 1 else ''} "
+                     f"{', '.join(map(str, rs))}" for s, rs in sorted(by_step.items()))
+    raise StepMismatchError(
+        f"the ranks passed different steps to CheckpointManager.save ({said}); nothing of this "
+        "save was written or committed in any tier (every rank must save the same step)",
+        dict(enumerate(steps)))
 
 
 def _raise_any(errors: Sequence[BaseException | None], me: int, mine: BaseException | None,

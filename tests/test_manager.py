@@ -210,6 +210,123 @@ def test_failed_persistence_commits_nothing(tmp_path: Path,
         assert _marked(tmp_path) == [6, 8]  # the fast tier is unaffected
 
 
+def test_every_failed_persistence_is_reported_and_names_the_step_not_saved(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Persisting steps 2 and 4 fails (a plain file where the durable step's directory goes: a
+    real ``NotADirectoryError`` of the file system; step 2's persistence is held until step
+    4's save is done, so both fail before the next save): that save raises one exception
+    naming both steps and that its own step was not saved; a later failure is raised by
+    close(), which does not return normally."""
+    import concurrent.futures
+    import threading
+    import time
+
+    durable = tmp_path / "durable"
+    durable.mkdir()
+    for s in (2, 4, 10):
+        (durable / f"step-{s}").write_bytes(b"in the way")
+    gate = threading.Event()
+    real_begin = _tier_io.DurableTier.begin
+
+    def begin(self: Any, step: int, is_coordinator: bool) -> Any:
+        if step == 2:
+            gate.wait(60)
+        return real_begin(self, step, is_coordinator)
+
+    monkeypatch.setattr(_tier_io.DurableTier, "begin", begin)
+
+    def save(mgr: pyckpt.CheckpointManager, s: int) -> None:
+        fut = mgr.save(s, _state(s))
+        assert fut is not None and fut.result(timeout=30) == s
+
+    def persisted(mgr: pyckpt.CheckpointManager) -> None:
+        assert mgr._persist_future is not None
+        concurrent.futures.wait([mgr._persist_future], timeout=60)
+
+    mgr = _mgr(tmp_path, persist_every=2, keep_durable=3)
+    try:
+        save(mgr, 0)
+        persisted(mgr)
+        save(mgr, 2)
+        deadline = time.monotonic() + 30
+        while mgr._in_flight != 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        save(mgr, 4)  # does not wait for step 2's persistence
+    finally:
+        gate.set()
+    persisted(mgr)
+    with pytest.raises(NotADirectoryError) as ei:
+        mgr.save(6, _state(6))
+    notes = "\n".join(getattr(ei.value, "__notes__", []))
+    assert "persisting step 2" in notes and "persisting step 4" in notes, notes
+    assert "step 6 was not saved" in notes
+    assert _marked(tmp_path) == [2, 4] and mgr.last_persisted == 0
+    for s in (6, 8):
+        save(mgr, s)
+        persisted(mgr)
+    save(mgr, 10)
+    with pytest.raises(NotADirectoryError) as ei:
+        mgr.close()
+    notes = "\n".join(getattr(ei.value, "__notes__", []))
+    assert "persisting step 10" in notes and "persisting step 2" not in notes, notes
+    assert mgr.last_persisted == 8
+    assert _committed(tmp_path) == [0, 6, 8]
+    mgr.close()  # closed: raises nothing more
+
+
+def test_replicas_above_the_nodes_names_the_fixes(tmp_path: Path) -> None:
+    with pytest.raises(ValueError) as ei:
+        _mgr(tmp_path, replicas=1, node="host-a")
+    assert str(ei.value) == (
+        "replicas=1 needs at least 2 nodes; the group spans 1 (node ids ['host-a']): use "
+        "replicas=0 (no copies on other nodes), or, for several processes on one machine "
+        "standing for several nodes, give each its own node id with node= (e.g. "
+        "node=os.environ['LOCAL_RANK']) and its own fast-tier directory with {node} in local "
+        "(e.g. local='/dev/shm/pyckpt/node-{node}')")
+
+
+def test_a_stuck_persistence_never_holds_the_fast_tier_saves(
+    tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
+    """A real SeaweedFS frozen (SIGSTOP) while step 2 is persisted: the saves after it return
+    at once and their fast-tier steps complete; step 4's persistence waits, step 6 supersedes
+    it (a TierWarning names both); once the store answers again, steps 2 and 6 are durable."""
+    import signal
+    import time
+
+    from _s3server import started
+
+    srv = started("stall")
+    request.addfinalizer(srv.close)
+    assert srv.proc is not None
+    pgid = srv.proc.pid
+    kw = dict(persist_every=2, save_every=1, keep_local=2, keep_durable=3)
+    mgr = pyckpt.CheckpointManager("s3://stall/run", local=tmp_path / "local", replicas=0,
+                                   fsync=False, storage_options=srv.storage_options(), **kw)
+    try:
+        assert mgr.save(1, _state(1)).result(timeout=60) == 1  # type: ignore[union-attr]
+        os.killpg(pgid, signal.SIGSTOP)
+        try:
+            for s in range(2, 7):
+                t0 = time.monotonic()
+                fut = mgr.save(s, _state(s))
+                assert fut is not None and fut.result(timeout=10) == s
+                assert time.monotonic() - t0 < 10
+            assert mgr._in_flight == 2  # still stuck on the frozen store
+            assert _marked(tmp_path)[-2:] == [5, 6]
+            assert (tmp_path / "local" / "step-2" / MARKER_FILE).is_file()  # being persisted
+        finally:
+            os.killpg(pgid, signal.SIGCONT)
+        with pytest.warns(pyckpt.TierWarning, match=r"step 4 was not persisted .*step 6 "
+                                                    r"supersedes it"):
+            mgr.wait()
+        assert mgr.last_persisted == 6
+        assert sorted(s for s, done in mgr.store.list_steps().items() if done) == [2, 6]
+    finally:
+        mgr.close()
+
+
 def test_durable_only_manager(tmp_path: Path) -> None:
     with pyckpt.CheckpointManager(tmp_path / "durable", save_every=3, keep_durable=2,
                                   fsync=False) as mgr:
@@ -511,6 +628,89 @@ def test_crash_during_persistence_never_commits_the_durable_step(tmp_path: Path)
         assert res["step"] == 2 and res["bad"] == [] and res["info"]["tier"] == "durable", res
         assert [w[0] for w in res["warnings"]] == ["TierWarning"]
         assert "step 2" in res["warnings"][0][1]
+
+
+def _run_pair(root: Path, tag: str, action: str, *, ok: bool = True, **spec: Any) -> list[int]:
+    """Two nodes x one rank (the save-side cases need no more)."""
+    spec = dict({"namespace": _REFUSAL is None}, **spec, tag=tag, action=action)
+    codes = launch(str(root), 2, 1, spec, grace=20.0)
+    if ok:
+        assert codes == [0, 0], "\n".join(
+            f"rank {r} (exit {c}):\n{log_of(str(root), tag, r)}" for r, c in enumerate(codes))
+    return codes
+
+
+@multinode
+@pytest.mark.parametrize("fast", [True, False], ids=["fast", "durable_only"])
+def test_ranks_saving_different_steps_commit_nothing(tmp_path: Path, fast: bool) -> None:
+    """Rank 0 saves step 4 while rank 1 saves step 5: every rank raises StepMismatchError
+    naming both, no tier holds a complete step 4 or 5, and a restore returns step 2 bit
+    for bit."""
+    spec = {"manager": dict(_FAST, persist_every=1), "fast": fast}
+    _run_pair(tmp_path, "save", "mismatch", entry="_manager_save_workers", good=2,
+              steps=[4, 5], **spec)
+    for r in range(2):
+        res = result(str(tmp_path), "save", r)
+        assert res["future_failed"], res
+        [err] = res["errors"]
+        assert err["type"] == "StepMismatchError", err
+        assert "step 4 on rank 0; step 5 on rank 1" in err["message"], err
+        assert err["steps"] == {"0": 4, "1": 5}
+    for s in (4, 5):
+        assert not (tmp_path / "durable" / f"step-{s}" / METADATA_FILE).exists()
+        for k in range(2):
+            assert not (_node_dir(tmp_path, k, s) / MARKER_FILE).exists()
+    assert (tmp_path / "durable" / "step-2" / METADATA_FILE).is_file()
+    _run_pair(tmp_path, "restore", "restore", **spec)
+    for r in range(2):
+        res = result(str(tmp_path), "restore", r)
+        assert res["step"] == 2 and res["bad"] == [], res
+
+
+@multinode
+def test_a_crash_while_saving_a_complete_step_again_keeps_the_old_copy(tmp_path: Path) -> None:
+    """Step 5 is complete; saving it again, rank 1 is killed in the middle of the replication:
+    the old copy of step 5 is still in place on both nodes and is restored."""
+    spec = {"manager": dict(_FAST, persist_every=100)}
+    _run_pair(tmp_path, "train", "train", steps=[4, 5], **spec)
+    old = [_files(_node_dir(tmp_path, k, 5)) for k in range(2)]
+    codes = _run_pair(tmp_path, "again", "train", ok=False, steps=[5],
+                      crash={"at": "replicate", "step": 5, "rank": 1}, **spec)
+    assert codes[1] == 17
+    for k in range(2):
+        assert (_node_dir(tmp_path, k, 5) / MARKER_FILE).is_file()
+        assert _files(_node_dir(tmp_path, k, 5)) == old[k]
+    _run_pair(tmp_path, "restore", "restore", **spec)
+    for r in range(2):
+        res = result(str(tmp_path), "restore", r)
+        assert res["step"] == 5 and res["bad"] == [] and res["info"]["tier"] == "fast", res
+    # Saved again to completion, the new copy replaces the old one (and .resave is emptied).
+    _run_pair(tmp_path, "third", "train", steps=[5, 6], **spec)
+    for k in range(2):
+        assert (_node_dir(tmp_path, k, 5) / MARKER_FILE).is_file()
+        assert _files(_node_dir(tmp_path, k, 5)).isdisjoint(old[k])
+        assert os.listdir(tmp_path / "nodes" / f"n{k}" / ".resave") == []
+
+
+@multinode
+def test_a_marker_on_one_node_only_keeps_every_copy_through_retention(tmp_path: Path) -> None:
+    """Step 3's completion marker reaches node 0 only (writing it on node 1 fails): every node
+    keeps the same steps afterwards, so step 3 keeps both copies (before, node 1 deleted its
+    copy while node 0 deleted step 2's: both steps were left with one copy each)."""
+    spec = {"manager": dict(_FAST, persist_every=100)}
+    _run_pair(tmp_path, "train", "partial_marker", entry="_manager_save_workers",
+              steps=[1, 2, 3, 4], fail_rank=1, fail_step=3, **spec)
+    for r in range(2):
+        errors = result(str(tmp_path), "train", r)["errors"]
+        assert [e["step"] for e in errors] == [3], errors
+    assert (_node_dir(tmp_path, 0, 3) / MARKER_FILE).is_file()
+    assert not (_node_dir(tmp_path, 1, 3) / MARKER_FILE).exists()
+    both = _files(_node_dir(tmp_path, 0, 3))
+    assert {data_file_rank(n) for n in both} == {0, 1}
+    for k in range(2):
+        assert sorted(int(p.name[5:]) for p in (tmp_path / "nodes" / f"n{k}").iterdir()
+                      if p.name.startswith("step-")) == [3, 4]
+        assert _files(_node_dir(tmp_path, k, 3)) == both
 
 
 @pytest.mark.gpu
