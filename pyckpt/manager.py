@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-from pyckpt import _format, _knobs
+from pyckpt import _format, _knobs, _stateful
 from pyckpt._collective import Group, add_note, agree, all_gather, portable
 from pyckpt._replicate import DEFAULT_WINDOW, node_order, replicate, ring_targets
 from pyckpt._tensors import local_view
@@ -279,7 +279,10 @@ class CheckpointManager:
 
     def save(self, step: int, state: Any, *, force: bool = False) -> Future[int] | None:
         """Saves ``state`` as ``step`` when it is due (``step % save_every == 0``, or
-        ``force``); returns once the state is staged (copied; training may go on), with a future
+        ``force``). ``state`` is a state dict whose top-level values may be the model and
+        optimizer themselves (``{"model": model, "optim": optim, "step": step}``): they are
+        saved through ``torch.distributed.checkpoint.state_dict`` (see :func:`pyckpt.save`),
+        which is what :meth:`restore` loads them through. Returns once the state is staged (copied; training may go on), with a future
         that completes (with ``step``) when the step is complete in the fast tier (or, without
         one, in the durable tier). Returns None for a step that is not due.
 
@@ -334,7 +337,7 @@ class CheckpointManager:
         # every rank raises it at the same later call), so the caller waits only for the copies.
         staged, error = None, None
         try:
-            staged = writer.stage(state)
+            staged = writer.stage(_stateful.to_save(state))
         except Exception as e:
             error = e
         fut = self._save_ex.submit(work, step, staged, error, info)
