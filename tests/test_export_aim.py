@@ -471,7 +471,8 @@ def test_dedup_explicit_pairs_are_verified(tmp_path):
 def _cli(*args):
     return subprocess.run(
         [sys.executable, "-m", "pyckpt", "consolidate", *map(str, args), "--no-fsync"],
-        env=dict(os.environ), capture_output=True, text=True, timeout=300, check=False,
+        env={**os.environ, "PYCKPT_WORKER_BYTES": "0"},  # --workers 2 however small the input
+        capture_output=True, text=True, timeout=300, check=False,
     )
 
 
