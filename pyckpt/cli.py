@@ -292,9 +292,13 @@ def _cmd_verify(args: argparse.Namespace) -> int:
     secs = time.perf_counter() - start
     for name, err in sorted(report.errors.items()):
         print(f"CORRUPT {name}: {err}")
+    for name, what in sorted(report.leftovers.items()):
+        print(f"LEFTOVER {name}: {what}")
+    left = (f"; {len(report.leftovers)} leftover file(s) of saves that did not commit (the next "
+            "save into the directory removes them)" if report.leftovers else "")
     print(f"{'OK' if report.ok else 'FAILED'}: {report.items_checked} items, "
           f"{report.chunks_checked} chunks, {_mib(report.bytes_read)} read in {secs:.2f} s; "
-          f"{len(report.errors)} bad item(s)")
+          f"{len(report.errors)} bad item(s){left}")
     return 0 if report.ok else 2
 
 

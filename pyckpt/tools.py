@@ -23,6 +23,7 @@ __all__ = [
     "CheckpointSummary",
     "VerifyReport",
     "bytes_per_rank",
+    "leftovers",
     "summarize",
     "verify",
     "convert",
@@ -112,6 +113,9 @@ class VerifyReport:
     chunks_checked: int = 0
     bytes_read: int = 0
     errors: dict[str, str] = field(default_factory=dict)
+    # Files of saves that did not commit (:func:`leftovers`): the checkpoint is intact, and the
+    # next save into the directory removes them.
+    leftovers: dict[str, str] = field(default_factory=dict)
 
     @property
     def ok(self) -> bool:
@@ -141,10 +145,19 @@ def verify(path: str | os.PathLike[str], threads: int | None = None,
             keyed by item name, as ``"<ErrorClass>: <message>"``.
     """
     backend = open_backend(path)
-    index = backend.read_index()
+    try:
+        index = backend.read_index()
+    except FileNotFoundError as e:
+        left = leftovers(path) if backend.local_dir is not None else {}
+        if not left or e.filename != os.path.join(backend.local_dir or "", _format.METADATA_FILE):
+            raise
+        raise FileNotFoundError(
+            e.errno, f"{e.strerror}; the directory holds only what saves that did not commit "
+            f"left ({', '.join(sorted(left))}): the next save into it removes them",
+            e.filename) from e
     apply_native_settings()
     pool = _C.ThreadPool(threads or _knobs.read_threads())
-    report = VerifyReport()
+    report = VerifyReport(leftovers=leftovers(path, index) if backend.local_dir else {})
     try:
         work: list[tuple[str, list[Any], int]] = [
             (b.fqn, b.segments, b.nbytes) for b in index.bytes_items.values()
@@ -169,6 +182,48 @@ def verify(path: str | os.PathLike[str], threads: int | None = None,
     finally:
         pool.shutdown()
     return report
+
+
+def _process_gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except OSError:  # another user's process: it exists
+        return False
+    return False
+
+
+def leftovers(path: str | os.PathLike[str],
+              index: _format.CheckpointIndex | None = None) -> dict[str, str]:
+    """Files a save that did not commit left in checkpoint directory ``path``, each with what it
+    is: temp files (``<name>.tmp-<pid>-<n>``) of a process that is gone (killed mid-write),
+    data files the committed ``index`` does not name, and a lock file alone in a directory
+    holding nothing else. The checkpoint (if any) is intact; the next save removes them.
+    A temp file of a live process (a save running now) is not listed."""
+    from pyckpt.backends.base import TEMP_MARKER
+    from pyckpt.backends.posix import LOCK_FILE
+
+    directory = os.fspath(path)
+    try:
+        names = sorted(e.name for e in os.scandir(directory) if e.is_file(follow_symlinks=False))
+    except FileNotFoundError:
+        return {}
+    out: dict[str, str] = {}
+    for name in names:
+        base, marker, tail = name.partition(TEMP_MARKER)
+        if marker and (base == _format.METADATA_FILE or _format.is_data_file(base)):
+            pid = tail.split("-", 1)[0]
+            if pid.isdigit() and _process_gone(int(pid)):
+                out[name] = (f"temp file of a save by process {pid}, which ended before "
+                             "renaming it (killed mid-write)")
+        elif _format.is_data_file(name) and (index is None or name not in index.files):
+            out[name] = "data file no committed checkpoint here names (a save that did not commit)"
+    if index is None and names == [LOCK_FILE]:
+        out[LOCK_FILE] = "lock file of a save that committed nothing"
+    elif index is None and out and LOCK_FILE in names:
+        out[LOCK_FILE] = "lock file of a save that did not commit"
+    return out
 
 
 def _empty_state_dict(metadata: Any) -> dict[str, Any]:
