@@ -42,7 +42,7 @@ def _consolidate_kwargs(args: argparse.Namespace, threads: int | None) -> dict[s
 
 def _export_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     """The export options (--select, --select-regex, --all, --strip-prefix, --rename, --dtype,
-    --dedup-tied) as keyword arguments of :func:`pyckpt.consolidate`."""
+    --dedup-tied, --no-dedup-tied) as keyword arguments of :func:`pyckpt.consolidate`."""
     import re
 
     kwargs: dict[str, Any] = {}
@@ -70,8 +70,10 @@ def _export_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         kwargs["rename"] = mapping
     if args.dtype:
         kwargs["dtype"] = args.dtype
-    if args.dedup_tied:
-        kwargs["dedup_tied"] = True
+    if args.dedup_tied and args.no_dedup_tied:
+        raise ValueError("--dedup-tied and --no-dedup-tied contradict each other")
+    if args.dedup_tied or args.no_dedup_tied:
+        kwargs["dedup_tied"] = bool(args.dedup_tied)
     return kwargs
 
 
@@ -386,7 +388,11 @@ def _build_parser() -> argparse.ArgumentParser:
     g.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default=None,
                    help="cast floating tensors on the way (round to nearest even, as torch)")
     g.add_argument("--dedup-tied", action="store_true",
-                   help="write an output head tied to the input embedding once")
+                   help="write an output head tied to the input embedding once (the default, "
+                   "as transformers' save_pretrained; the only choice with a node-local input "
+                   "is --no-dedup-tied)")
+    g.add_argument("--no-dedup-tied", action="store_true",
+                   help="write a tied output head and the embedding both")
     p.set_defaults(func=_cmd_consolidate)
 
     p = sub.add_parser(
