@@ -34,6 +34,7 @@ __all__ = [
     "ranks_on_host",
     "node_id",
     "consolidate_input",
+    "worker_bytes",
     "host_cache_bytes",
     "read_bytes",
     "progress_interval",
@@ -269,6 +270,17 @@ def pinned_limit() -> int:
 def consolidate_input() -> str:
     """``PYCKPT_CONSOLIDATE_INPUT``: how consolidation reads shards, ``pread`` (default) or ``mmap``."""
     return _choice("consolidate_input", "PYCKPT_CONSOLIDATE_INPUT", "pread", ("pread", "mmap"))
+
+
+#: Default of PYCKPT_WORKER_BYTES.
+WORKER_BYTES = 1 << 30
+
+
+def worker_bytes() -> int:
+    """``PYCKPT_WORKER_BYTES``: input bytes each ``pyckpt consolidate --workers`` process needs
+    to be started (default 1 GiB, about what one process exports in the second another one
+    takes to start; 0 starts every worker asked for, up to one per core)."""
+    return _int("worker_bytes", "PYCKPT_WORKER_BYTES", WORKER_BYTES, 0)
 
 
 #: Default of PYCKPT_HOST_CACHE_BYTES (the native kHostCacheBytes).

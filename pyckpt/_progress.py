@@ -23,7 +23,7 @@ from typing import IO, Any
 
 __all__ = [
     "Progress", "ProgressArg", "native_counter", "is_rank0", "resolve", "job", "local_bytes",
-    "plan_bytes", "count_writer",
+    "plan_bytes", "count_writer", "rate",
 ]
 
 # What ``progress=`` accepts on the public API: off, a view on stderr (True), a view object, or
@@ -35,6 +35,16 @@ _POLL = 0.1  # seconds between reads of a native counter
 
 def _mib(n: float) -> str:
     return f"{n / 2**20:,.1f} MiB"
+
+
+def rate(nbytes: float, secs: float) -> str:
+    """``nbytes`` per ``secs`` in a unit that shows it (GiB/s, MiB/s or KiB/s, three
+    significant figures or more): a small export never reads "0.00 GiB/s"."""
+    per_s = nbytes / max(secs, 1e-9)
+    for unit, scale in (("GiB/s", 2**30), ("MiB/s", 2**20)):
+        if per_s >= scale:
+            return f"{per_s / scale:,.2f} {unit}"
+    return f"{per_s / 2**10:,.2f} KiB/s"
 
 
 def is_rank0(process_group: Any = None) -> bool:
@@ -163,10 +173,10 @@ class Progress:
                     f"in {secs:.1f} s")
         shown = self._shown()
         pct = min(99, 100 * shown // self._total) if self._total else 0  # 100 is finish()'s
-        rate = f", {shown / 2**30 / secs:.2f} GiB/s" if secs > 0 and shown else ""
+        speed = f", {rate(shown, secs)}" if secs > 0 and shown else ""
         waiting = ", finishing (flush, rename, metadata)" if self._done >= self._total > 0 else ""
         return (f"{self.desc}: {_mib(shown)} / {_mib(self._total)} ({pct}%), "
-                f"{secs:.1f} s{rate}{waiting}")
+                f"{secs:.1f} s{speed}{waiting}")
 
     def _open_bar(self) -> None:
         if not self._tty:

@@ -42,7 +42,7 @@ def _consolidate_kwargs(args: argparse.Namespace, threads: int | None) -> dict[s
 
 def _export_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     """The export options (--select, --select-regex, --all, --strip-prefix, --rename, --dtype,
-    --dedup-tied) as keyword arguments of :func:`pyckpt.consolidate`."""
+    --dedup-tied, --no-dedup-tied) as keyword arguments of :func:`pyckpt.consolidate`."""
     import re
 
     kwargs: dict[str, Any] = {}
@@ -70,8 +70,10 @@ def _export_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         kwargs["rename"] = mapping
     if args.dtype:
         kwargs["dtype"] = args.dtype
-    if args.dedup_tied:
-        kwargs["dedup_tied"] = True
+    if args.dedup_tied and args.no_dedup_tied:
+        raise ValueError("--dedup-tied and --no-dedup-tied contradict each other")
+    if args.dedup_tied or args.no_dedup_tied:
+        kwargs["dedup_tied"] = bool(args.dedup_tied)
     return kwargs
 
 
@@ -93,18 +95,59 @@ def _worker(
             )
         finally:
             dist.destroy_process_group()
-        q.put(("done", rank, res.rank_bytes, res.total_bytes, len(res.files), res.selection))
+        q.put(("done", rank, res.rank_bytes, res.total_bytes, len(res.files), res.selection,
+               res.seconds))
     except BaseException as e:  # reported to the parent, which decides the exit status
         q.put(("error", rank, f"{type(e).__name__}: {e}"))
 
 
-def _run_workers(args: argparse.Namespace, bar: Any) -> tuple[int, int, str]:
+def _input_bytes(src: str) -> int | None:
+    """Bytes of the files directly in local directory ``src`` (the checkpoint's data); None for
+    a URL (not listed here: the export lists it once)."""
+    from pyckpt.backends import is_remote
+
+    if is_remote(src):
+        return None
+    total = 0
+    with os.scandir(src) as it:
+        for e in it:
+            if e.is_file(follow_symlinks=False):
+                total += e.stat(follow_symlinks=False).st_size
+    return total
+
+
+def _useful_workers(asked: int, src: str) -> tuple[int, str]:
+    """How many of ``asked`` worker processes can help, and why fewer (or ""): at most one per
+    core, and one per ``PYCKPT_WORKER_BYTES`` of input (a smaller export is over before more
+    processes have started: each costs about a second on a small machine)."""
+    from pyckpt import _knobs
+
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    cores = cores or 1
+    per_worker = _knobs.worker_bytes()
+    size = _input_bytes(src) if per_worker else None
+    by_size = asked if size is None else max(1, -(-size // per_worker))
+    n = min(asked, cores, by_size)
+    if n == asked:
+        return n, ""
+    why = (f"this machine has {cores} core(s)" if n == cores else
+           f"the input is {_mib(size or 0)}; a worker process pays off from about "
+           f"{_mib(per_worker)} of input each (PYCKPT_WORKER_BYTES)")
+    return n, f"--workers {asked}: using {n} ({why})"
+
+
+def _run_workers(args: argparse.Namespace, n: int, bar: Any) -> tuple[int, int, str, float]:
+    """Runs the export on ``n`` local worker processes; returns the total bytes, the number of
+    files, the selection line and the export's seconds (the slowest worker's call, start-up
+    excluded)."""
     import multiprocessing
 
-    ctx = multiprocessing.get_context("spawn")
+    # Forked from a server that imported torch once: spawning N fresh interpreters costs N
+    # imports of torch, seconds each on a small machine, more than most exports take.
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch.distributed", "pyckpt"])
     q = ctx.Queue()
     port = _free_port()
-    n = args.workers
     threads = args.threads or max(1, (os.cpu_count() or 1) // n)
     kwargs = _consolidate_kwargs(args, threads)
     procs = [
@@ -115,7 +158,7 @@ def _run_workers(args: argparse.Namespace, bar: Any) -> tuple[int, int, str]:
         p.start()
     done: dict[int, int] = {}
     totals: dict[int, int] = {}
-    finished: dict[int, tuple[int, int, str]] = {}
+    finished: dict[int, tuple[int, int, str, float]] = {}
     errors: dict[int, str] = {}
     try:
         while len(finished) + len(errors) < n:
@@ -133,7 +176,7 @@ def _run_workers(args: argparse.Namespace, bar: Any) -> tuple[int, int, str]:
                 if len(totals) == n:  # the job's total is known once every worker reported
                     bar.update(sum(done.values()), sum(totals.values()))
             elif kind == "done":
-                finished[rank] = (msg[3], msg[4], msg[5])
+                finished[rank] = (msg[3], msg[4], msg[5], msg[6])
             else:
                 errors[rank] = msg[2]
     finally:
@@ -144,7 +187,8 @@ def _run_workers(args: argparse.Namespace, bar: Any) -> tuple[int, int, str]:
     if errors:
         rank = min(errors)
         raise RuntimeError(f"worker {rank}: {errors[rank]}")
-    return finished[0]
+    total, nfiles, selection, _ = finished[0]
+    return total, nfiles, selection, max(f[3] for f in finished.values())
 
 
 def _input_dir(path: str) -> None:
@@ -171,18 +215,22 @@ def _cmd_consolidate(args: argparse.Namespace) -> int:
     _export_kwargs(args)  # bad export options fail here, before any worker starts
     from pyckpt.tools import Progress
 
+    workers, why = _useful_workers(args.workers, args.src)
+    if why and not args.quiet:
+        sys.stderr.write(why + "\n")
     bar = Progress("consolidate", enabled=not args.quiet)
     start = time.perf_counter()
     try:
-        if args.workers == 1:
+        if workers == 1:
             from pyckpt import consolidate
 
             res = consolidate(
                 args.src, args.dst, progress=bar.update, **_consolidate_kwargs(args, args.threads)
             )
             total, nfiles, selection = res.total_bytes, len(res.files), res.selection
+            export_secs = res.seconds
         else:
-            total, nfiles, selection = _run_workers(args, bar)
+            total, nfiles, selection, export_secs = _run_workers(args, workers, bar)
     except BaseException:
         bar.close()
         raise
@@ -191,11 +239,23 @@ def _cmd_consolidate(args: argparse.Namespace) -> int:
     if not args.quiet:
         if selection:
             sys.stderr.write(selection.replace("select=None (`--all`)", "--all") + "\n")
-        sys.stderr.write(
-            f"wrote {nfiles} file(s), {total / 2**20:,.1f} MiB in {secs:.2f} s "
-            f"({total / 2**30 / max(secs, 1e-9):.2f} GiB/s) to {args.dst}\n"
-        )
+        sys.stderr.write(_summary(nfiles, total, secs, export_secs, workers, args.dst) + "\n")
     return 0
+
+
+def _summary(nfiles: int, total: int, secs: float, export_secs: float, workers: int,
+             dst: str) -> str:
+    """The last line of ``pyckpt consolidate``: what was written, in how long, and how fast the
+    export itself ran (the time the progress line counts); with worker processes, the rest of
+    the time is named as their start-up."""
+    from pyckpt._progress import rate
+
+    export_secs = min(export_secs, secs)
+    text = f"wrote {nfiles} file(s), {_mib(total)} in {secs:.2f} s ("
+    if workers > 1:
+        text += (f"{secs - export_secs:.2f} s starting {workers} worker processes, "
+                 f"{export_secs:.2f} s exporting at ")
+    return text + f"{rate(total, export_secs)}) to {dst}"
 
 
 def _mib(n: int) -> str:
@@ -234,9 +294,13 @@ def _cmd_verify(args: argparse.Namespace) -> int:
     secs = time.perf_counter() - start
     for name, err in sorted(report.errors.items()):
         print(f"CORRUPT {name}: {err}")
+    for name, what in sorted(report.leftovers.items()):
+        print(f"LEFTOVER {name}: {what}")
+    left = (f"; {len(report.leftovers)} leftover file(s) of saves that did not commit (the next "
+            "save into the directory removes them)" if report.leftovers else "")
     print(f"{'OK' if report.ok else 'FAILED'}: {report.items_checked} items, "
           f"{report.chunks_checked} chunks, {_mib(report.bytes_read)} read in {secs:.2f} s; "
-          f"{len(report.errors)} bad item(s)")
+          f"{len(report.errors)} bad item(s){left}")
     return 0 if report.ok else 2
 
 
@@ -246,7 +310,7 @@ def _cmd_convert(args: argparse.Namespace) -> int:
 
     compression = None if args.compression == "none" else args.compression
     target = tools.convert(args.src, args.dst, to=args.to, compression=compression,
-                           trusted=args.trusted)
+                           trusted=args.trusted, overwrite=args.overwrite)
     print(f"converted {args.src} -> {args.dst} ({target} format)")
     return 0
 
@@ -324,7 +388,11 @@ def _build_parser() -> argparse.ArgumentParser:
     g.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default=None,
                    help="cast floating tensors on the way (round to nearest even, as torch)")
     g.add_argument("--dedup-tied", action="store_true",
-                   help="write an output head tied to the input embedding once")
+                   help="write an output head tied to the input embedding once (the default, "
+                   "as transformers' save_pretrained; the only choice with a node-local input "
+                   "is --no-dedup-tied)")
+    g.add_argument("--no-dedup-tied", action="store_true",
+                   help="write a tied output head and the embedding both")
     p.set_defaults(func=_cmd_consolidate)
 
     p = sub.add_parser(
@@ -365,6 +433,9 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--compression", choices=("zstd", "none"), default="zstd", type=str.lower,
                    help="compression of a pyckpt target")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace what DST holds (without it, a DST that exists and is not empty "
+                   "is refused)")
     p.set_defaults(func=_cmd_convert)
 
     from pyckpt import bench
@@ -381,21 +452,65 @@ def _build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# Exit statuses beyond 0 (success), 1 (an error) and 2 (a usage error, or verify's damage):
+# what a shell reports for a process ended by SIGINT (Ctrl-C) or SIGPIPE (its reader left).
+EXIT_INTERRUPTED = 128 + 2
+EXIT_BROKEN_PIPE = 128 + 13
+
+
+def _stdout_is_gone(e: BaseException) -> bool:
+    """Whether ``e`` is the broken pipe of a closed standard output (``pyckpt inspect | head``),
+    not one of a socket or file the command itself writes."""
+    import stat
+
+    if not isinstance(e, BrokenPipeError):
+        return False
+    try:
+        return stat.S_ISFIFO(os.fstat(sys.stdout.fileno()).st_mode)
+    except (OSError, ValueError):
+        return False
+
+
+def _quiet_stdout() -> None:
+    """Points standard output at /dev/null, so the interpreter's final flush of what is still
+    buffered does not fail a second time (and print "Exception ignored ...")."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError):
+        pass
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``pyckpt`` script; returns the exit status.
 
-    With no arguments it prints the help (the list of commands) to stderr and returns 2,
-    argparse's status for a usage error (a command is required)."""
+    With no arguments it prints the help (the list of commands) on standard output and returns
+    0, as ``pip``, ``docker`` and ``cargo`` do: asking what the tool does is not an error. A
+    Ctrl-C returns 130 after one line saying what was interrupted (and, for ``convert``, whether
+    the checkpoint was committed); a reader of standard output that went away (``| head``)
+    ends the command quietly with 141, the status of a process ended by ``SIGPIPE``."""
     parser = _build_parser()
     if not (sys.argv[1:] if argv is None else argv):
-        parser.print_help(sys.stderr)
-        return 2
+        parser.print_help(sys.stdout)
+        return 0
     args = parser.parse_args(argv)
     from pyckpt.errors import PyckptError
 
     try:
-        return int(args.func(args))
+        status = int(args.func(args))
+        sys.stdout.flush()  # a closed pipe fails here, not in the interpreter's exit
+        return status
+    except KeyboardInterrupt as e:
+        if getattr(args, "debug", False):
+            raise
+        notes = "; ".join(getattr(e, "__notes__", ()))
+        sys.stderr.write(f"pyckpt {args.command}: interrupted{'; ' + notes if notes else ''}\n")
+        return EXIT_INTERRUPTED
     except (PyckptError, OSError, ValueError, RuntimeError, MemoryError) as e:
+        if _stdout_is_gone(e):
+            _quiet_stdout()
+            return EXIT_BROKEN_PIPE
         # Every pyckpt error class (PyckptError and its subclasses, whatever builtin they also
         # derive from) and every OS failure reaches the user as one line; --debug shows where.
         if getattr(args, "debug", False):

@@ -62,6 +62,11 @@ def _storable(tensor: torch.Tensor, fqn: str) -> torch.Tensor:
         UnsupportedDtypeError: a dtype outside the format's table, or a non-strided layout.
     """
     if _dtype_name(tensor.dtype) not in DTYPE_SIZES:
+        if tensor.is_quantized:  # the format holds no quantizer (scale, zero point, axis)
+            raise UnsupportedDtypeError(
+                f"tensor {fqn!r}: quantized dtype {tensor.dtype} cannot be stored; save its "
+                "integer values (t.int_repr()) with its quantizer parameters (t.q_scale(), "
+                "t.q_zero_point(), or t.q_per_channel_scales() ...) as plain tensors")
         raise UnsupportedDtypeError(f"tensor {fqn!r}: dtype {tensor.dtype} cannot be stored")
     if tensor.layout != torch.strided:
         raise UnsupportedDtypeError(f"tensor {fqn!r}: layout {tensor.layout} cannot be stored")

@@ -6,11 +6,13 @@ Each function takes paths and returns plain data (or raises typed errors); the C
 from __future__ import annotations
 
 import os
+import warnings
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
 from pyckpt import _C, _format, _knobs, _progress
+from pyckpt._collective import add_note
 from pyckpt._native import apply_native_settings
 from pyckpt._options import choice
 from pyckpt._progress import Progress  # the progress view, for the CLI and callers
@@ -21,6 +23,7 @@ __all__ = [
     "CheckpointSummary",
     "VerifyReport",
     "bytes_per_rank",
+    "leftovers",
     "summarize",
     "verify",
     "convert",
@@ -110,6 +113,9 @@ class VerifyReport:
     chunks_checked: int = 0
     bytes_read: int = 0
     errors: dict[str, str] = field(default_factory=dict)
+    # Files of saves that did not commit (:func:`leftovers`): the checkpoint is intact, and the
+    # next save into the directory removes them.
+    leftovers: dict[str, str] = field(default_factory=dict)
 
     @property
     def ok(self) -> bool:
@@ -139,10 +145,19 @@ def verify(path: str | os.PathLike[str], threads: int | None = None,
             keyed by item name, as ``"<ErrorClass>: <message>"``.
     """
     backend = open_backend(path)
-    index = backend.read_index()
+    try:
+        index = backend.read_index()
+    except FileNotFoundError as e:
+        left = leftovers(path) if backend.local_dir is not None else {}
+        if not left or e.filename != os.path.join(backend.local_dir or "", _format.METADATA_FILE):
+            raise
+        raise FileNotFoundError(
+            e.errno, f"{e.strerror}; the directory holds only what saves that did not commit "
+            f"left ({', '.join(sorted(left))}): the next save into it removes them",
+            e.filename) from e
     apply_native_settings()
     pool = _C.ThreadPool(threads or _knobs.read_threads())
-    report = VerifyReport()
+    report = VerifyReport(leftovers=leftovers(path, index) if backend.local_dir else {})
     try:
         work: list[tuple[str, list[Any], int]] = [
             (b.fqn, b.segments, b.nbytes) for b in index.bytes_items.values()
@@ -167,6 +182,48 @@ def verify(path: str | os.PathLike[str], threads: int | None = None,
     finally:
         pool.shutdown()
     return report
+
+
+def _process_gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except OSError:  # another user's process: it exists
+        return False
+    return False
+
+
+def leftovers(path: str | os.PathLike[str],
+              index: _format.CheckpointIndex | None = None) -> dict[str, str]:
+    """Files a save that did not commit left in checkpoint directory ``path``, each with what it
+    is: temp files (``<name>.tmp-<pid>-<n>``) of a process that is gone (killed mid-write),
+    data files the committed ``index`` does not name, and a lock file alone in a directory
+    holding nothing else. The checkpoint (if any) is intact; the next save removes them.
+    A temp file of a live process (a save running now) is not listed."""
+    from pyckpt.backends.base import TEMP_MARKER
+    from pyckpt.backends.posix import LOCK_FILE
+
+    directory = os.fspath(path)
+    try:
+        names = sorted(e.name for e in os.scandir(directory) if e.is_file(follow_symlinks=False))
+    except FileNotFoundError:
+        return {}
+    out: dict[str, str] = {}
+    for name in names:
+        base, marker, tail = name.partition(TEMP_MARKER)
+        if marker and (base == _format.METADATA_FILE or _format.is_data_file(base)):
+            pid = tail.split("-", 1)[0]
+            if pid.isdigit() and _process_gone(int(pid)):
+                out[name] = (f"temp file of a save by process {pid}, which ended before "
+                             "renaming it (killed mid-write)")
+        elif _format.is_data_file(name) and (index is None or name not in index.files):
+            out[name] = "data file no committed checkpoint here names (a save that did not commit)"
+    if index is None and names == [LOCK_FILE]:
+        out[LOCK_FILE] = "lock file of a save that committed nothing"
+    elif index is None and out and LOCK_FILE in names:
+        out[LOCK_FILE] = "lock file of a save that did not commit"
+    return out
 
 
 def _empty_state_dict(metadata: Any) -> dict[str, Any]:
@@ -217,7 +274,7 @@ def _nest(flat: dict[str, Any], planner_data: Any) -> dict[str, Any]:
 
 def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], *,
             to: str | None = None, compression: str | None = "zstd",
-            trusted: bool = False) -> str:
+            trusted: bool = False, overwrite: bool = False) -> str:
     """Converts a checkpoint between DCP's ``FileSystemWriter`` format and pyckpt's.
 
     The whole state is materialised in host memory once (single process).
@@ -231,12 +288,19 @@ def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], *,
         trusted: unpickle non-tensor values with ``weights_only=False`` (as DCP's
             ``DefaultLoadPlanner`` does); by default ``weights_only=True``, see
             :func:`pyckpt.load`.
+        overwrite: replace what ``dst`` holds; by default a destination that exists and is
+            not empty (a directory with any entry, or a URL holding a checkpoint or its data
+            objects) is refused before anything is read or written.
 
     Returns:
         The destination format.
 
     Raises:
         FileNotFoundError: ``src`` holds neither format's metadata.
+        FileExistsError: ``dst`` is not empty and ``overwrite`` is False (``filename`` is
+            ``dst``).
+        KeyboardInterrupt: Ctrl-C; its note says whether the converted checkpoint was
+            committed at ``dst``.
         CheckpointFormatError: a non-tensor value's pickle is refused (not ``trusted``).
     """
     import torch.distributed.checkpoint as dcp
@@ -258,15 +322,76 @@ def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], *,
     if open_backend(dst).local_dir is None and target == "dcp":  # refuses gs:// etc. too
         raise ValueError("converting to DCP's format writes a local directory, not an "
                          f"object-store URL ({os.fspath(dst)!r})")
+    if not overwrite:
+        _refuse_existing(dst)
     sd = _empty_state_dict(reader.read_metadata())
     reader.reset()
     from pyckpt.api import _single_process_quiet, _typed_errors, load_planner
 
-    with _typed_errors(), _single_process_quiet(no_dist=True):  # one process by design
-        dcp.load(sd, storage_reader=reader, planner=load_planner(trusted), no_dist=True)
-        if target == "pyckpt":
-            with Writer(dst, compression=compression) as w:
-                dcp.save(sd, storage_writer=w, no_dist=True)
-        else:
-            dcp.save(sd, storage_writer=dcp.FileSystemWriter(dst), no_dist=True)
+    before = _committed_identity(dst, target)
+    try:
+        with _typed_errors(), _single_process_quiet(no_dist=True):  # one process by design
+            dcp.load(sd, storage_reader=reader, planner=load_planner(trusted), no_dist=True)
+            if target == "pyckpt":
+                with Writer(dst, compression=compression, overwrite=overwrite) as w:
+                    dcp.save(sd, storage_writer=w, no_dist=True)
+            else:
+                with warnings.catch_warnings():  # "Detected an existing checkpoint ...,
+                    # overwriting": the caller asked for it (overwrite=True)
+                    warnings.filterwarnings("ignore", "Detected an existing checkpoint")
+                    dcp.save(sd, storage_writer=dcp.FileSystemWriter(dst, overwrite=overwrite),
+                             no_dist=True)
+    except KeyboardInterrupt as e:
+        after = _committed_identity(dst, target)
+        add_note(e, f"the converted checkpoint at {os.fspath(dst)} was committed"
+                 if after is not None and after != before else
+                 f"no converted checkpoint was committed at {os.fspath(dst)}")
+        raise
     return target
+
+
+def _committed_identity(dst: str | os.PathLike[str], target: str) -> Any:
+    """What identifies the checkpoint committed at ``dst`` (None: none, or unknown): its
+    metadata file's inode, size and time (a commit renames a new file into place), or the save
+    id of a pyckpt checkpoint in an object store."""
+    backend = open_backend(dst)
+    if backend.local_dir is None:
+        try:
+            return backend.read_index().save_id
+        except Exception:
+            return None
+    name = _format.METADATA_FILE if target == "pyckpt" else ".metadata"
+    try:
+        st = os.stat(os.path.join(os.fspath(dst), name))
+    except OSError:
+        return None
+    return (st.st_ino, st.st_size, st.st_mtime_ns)
+
+
+def _refuse_existing(dst: str | os.PathLike[str]) -> None:
+    """Raises FileExistsError naming ``dst`` when it is not empty: a file, a directory with
+    any entry, or a URL holding a checkpoint's metadata or data objects."""
+    import errno
+
+    message = "the destination is not empty; pass --overwrite (overwrite=True) to replace it"
+    backend = open_backend(dst)
+    if backend.local_dir is not None:
+        path = os.fspath(dst)
+        if os.path.isdir(path):
+            with os.scandir(path) as it:
+                if next(it, None) is None:
+                    return
+        elif not os.path.lexists(path):
+            return
+        raise FileExistsError(errno.EEXIST, message, path)
+    try:
+        holds = bool(backend.list_names())  # data and temp objects
+        if not holds:
+            backend.read_index()  # a pyckpt.json (even a damaged one) is something to keep
+            holds = True
+    except FileNotFoundError:  # no pyckpt.json, or no bucket yet
+        holds = False
+    except PyckptError:  # a pyckpt.json that does not parse
+        holds = True
+    if holds:
+        raise FileExistsError(errno.EEXIST, message, backend.location)

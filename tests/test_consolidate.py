@@ -453,13 +453,15 @@ def test_cli_workers(tmp_path):
     full = {"w": sample_tensor((40, 12), torch.bfloat16, 3), "v": sample_tensor((7,), torch.int64, 4)}
     src, dst = str(tmp_path / "src"), str(tmp_path / "dst")
     write_dcp_shards(src, full, {"w": grid_blocks((40, 12), [1, 3]), "v": grid_blocks((7,), [3])}, 3)
-    env = dict(os.environ)  # the installed pyckpt (or the caller's PYTHONPATH), never the checkout
+    # the installed pyckpt (or the caller's PYTHONPATH), never the checkout; two workers however
+    # small the input
+    env = {**os.environ, "PYCKPT_WORKER_BYTES": "0"}
     proc = subprocess.run(
         [sys.executable, "-m", "pyckpt", "consolidate", src, dst, "--workers", "2", "--no-fsync"],
         env=env, capture_output=True, timeout=180,
     )
     assert proc.returncode == 0, proc.stderr.decode()
-    assert b"wrote 1 file(s)" in proc.stderr
+    assert b"wrote 1 file(s)" in proc.stderr and b"starting 2 worker processes" in proc.stderr
     out = load_outputs(os.path.join(dst, INDEX_NAME))
     assert all(same_bits(out[k], v) for k, v in full.items())
     bad = subprocess.run(

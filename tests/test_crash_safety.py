@@ -10,6 +10,7 @@ succeeds. Sync and async (dcp.async_save) saves alike.
 from __future__ import annotations
 
 import multiprocessing
+import os
 import queue
 import time
 from pathlib import Path
@@ -168,3 +169,51 @@ def test_sigkill_at_random_points_never_loses_or_mixes(tmp_path: Path) -> None:
         assert sorted(n for n in names if n.endswith(".pyckpt") or ".tmp-" in n) == [
             n for n in names if n.endswith(".pyckpt")
         ] and len([n for n in names if n.endswith(".pyckpt")]) == 1, names
+
+
+def test_killed_save_leftovers_are_reported_then_removed(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # A save SIGKILLed with pyckpt.json's temp file written (before its rename) leaves that
+    # temp file (`pyckpt.json.tmp-<pid>-<n>`) and its own data file beside the checkpoint
+    # it did not replace. `pyckpt verify` used to say only "OK"; it names each leftover, and
+    # the next save into the directory removes them.
+    from pyckpt import tools
+    from pyckpt.cli import main
+
+    path = tmp_path / "ckpt"
+    pyckpt.save(make_state_dict(1, 1 << 16), path)
+    before = set(os.listdir(path))
+    done, _ = _run_child(_ctx(), path, 2, 1 << 16, "sync", "metadata", None)
+    assert not done
+    left = set(os.listdir(path)) - before
+    assert any(".tmp-" in n and n.startswith("pyckpt.json") for n in left), left
+    assert main(["verify", str(path)]) == 0  # the previous checkpoint is intact
+    out = capsys.readouterr().out
+    for name in left:
+        assert f"LEFTOVER {name}: " in out, out
+    assert "killed mid-write" in out and "leftover file(s)" in out.splitlines()[-1]
+    pyckpt.save(make_state_dict(3, 1 << 16), path)
+    assert tools.leftovers(path, tools.open_backend(path).read_index()) == {}
+    assert not any(".tmp-" in n for n in os.listdir(path))
+
+
+def test_refused_save_leaves_no_directory(tmp_path: Path) -> None:
+    # A save refused after its set-up (a tensor it cannot store) used to leave a directory
+    # holding only `.pyckpt.lock`; `verify` of such a directory names what is in it.
+    from pyckpt.cli import main
+
+    path = tmp_path / "new"
+    with pytest.raises(pyckpt.UnsupportedDtypeError):
+        pyckpt.save({"w": torch.zeros(2, 2).to_sparse()}, path)
+    assert not path.exists()
+    # An existing directory is the caller's: it stays, with nothing of the save's left.
+    path.mkdir()
+    with pytest.raises(pyckpt.UnsupportedDtypeError):
+        pyckpt.save({"w": torch.zeros(2, 2).to_sparse()}, path)
+    assert os.listdir(path) == [".pyckpt.lock"]
+    assert main(["verify", str(path)]) == 1
+    # What an older version left: the message names it and what removes it.
+    from pyckpt import tools
+
+    assert tools.leftovers(path) == {".pyckpt.lock": "lock file of a save that committed nothing"}

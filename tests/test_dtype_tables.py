@@ -43,3 +43,24 @@ def test_native_safetensors_table_agrees(tmp_path: Path, torch_name: str) -> Non
     for wrong in (2 * size - 1, 2 * size + 1):
         with pytest.raises(CheckpointFormatError):
             _C.read_safetensors_header(str(_header_file(tmp_path / "bad.st", st_name, wrong)))
+
+
+@pytest.mark.filterwarnings("ignore:torch.quantize_per_tensor:UserWarning")  # deprecated
+def test_quantized_tensor_refusal_names_the_way_out(tmp_path) -> None:
+    # The format has no quantizer fields: a qint8 tensor is refused before anything is written,
+    # with a message saying what to store instead (the values and the quantizer parameters).
+    import pyckpt
+
+    q = torch.quantize_per_tensor(torch.linspace(-1, 1, 8), 0.01, 3, torch.qint8)
+    with pytest.raises(pyckpt.UnsupportedDtypeError, match=r"'w'.*qint8.*int_repr\(\)"):
+        pyckpt.save({"w": q}, tmp_path / "q")
+    assert not (tmp_path / "q").exists()
+    # The way out round-trips bit-exact.
+    sd = {"w": q.int_repr(), "w_scale": torch.tensor(q.q_scale(), dtype=torch.float64),
+          "w_zero_point": torch.tensor(q.q_zero_point())}
+    pyckpt.save(sd, tmp_path / "q")
+    back = {k: torch.empty_like(v) for k, v in sd.items()}
+    pyckpt.load(back, tmp_path / "q")
+    again = torch._make_per_tensor_quantized_tensor(
+        back["w"], float(back["w_scale"]), int(back["w_zero_point"]))
+    assert torch.equal(again.int_repr(), q.int_repr()) and again.q_scale() == q.q_scale()

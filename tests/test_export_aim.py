@@ -139,10 +139,10 @@ def test_quickstart_tied_embeddings_written_once(tmp_path):
     dcp.save(state, storage_writer=pyckpt.Writer(tmp_path / "ckpt", compression="zstd"))
     emb = model.state_dict()["model.embed_tokens.weight"]
 
-    plain = _export(tmp_path / "ckpt", tmp_path / "plain")
+    plain = _export(tmp_path / "ckpt", tmp_path / "plain", dedup_tied=False)
     assert "lm_head.weight" in _index(tmp_path / "plain")["weight_map"] and plain.tied == {}
 
-    res = _export(tmp_path / "ckpt", tmp_path / "hf", dedup_tied=True)
+    res = _export(tmp_path / "ckpt", tmp_path / "hf")  # the default, as dedup_tied=True
     assert res.tied == {"lm_head.weight": "model.embed_tokens.weight"}
     index = _index(tmp_path / "hf")
     assert "lm_head.weight" not in index["weight_map"]
@@ -471,7 +471,8 @@ def test_dedup_explicit_pairs_are_verified(tmp_path):
 def _cli(*args):
     return subprocess.run(
         [sys.executable, "-m", "pyckpt", "consolidate", *map(str, args), "--no-fsync"],
-        env=dict(os.environ), capture_output=True, text=True, timeout=300, check=False,
+        env={**os.environ, "PYCKPT_WORKER_BYTES": "0"},  # --workers 2 however small the input
+        capture_output=True, text=True, timeout=300, check=False,
     )
 
 
@@ -503,11 +504,11 @@ def test_cli_all_and_bad_options(tmp_path):
     sd = {"model": {"embed.w": torch.ones(4, 2)}, "optim": {"m": torch.zeros(4, 2)},
           "lm_head": {"w": torch.ones(4, 2)}}
     _save(tmp_path / "ckpt", sd)
-    proc = _cli(tmp_path / "ckpt", tmp_path / "all", "--all", "--quiet")
+    proc = _cli(tmp_path / "ckpt", tmp_path / "all", "--all", "--no-dedup-tied", "--quiet")
     assert proc.returncode == 0, proc.stderr
     assert sorted(load_outputs(str(tmp_path / "all" / INDEX_NAME))) == [
         "lm_head.w", "model.embed.w", "optim.m"]
-    proc = _cli(tmp_path / "ckpt", tmp_path / "t", "--all", "--dedup-tied", "--quiet")
+    proc = _cli(tmp_path / "ckpt", tmp_path / "t", "--all", "--quiet")  # --dedup-tied: default
     assert proc.returncode == 0, proc.stderr
     index = _index(tmp_path / "t")
     assert index["metadata"]["tied_weights"] == {"lm_head.w": "model.embed.w"}
@@ -515,6 +516,7 @@ def test_cli_all_and_bad_options(tmp_path):
         (["--rename", "nope"], "OLD=NEW"),
         (["--all", "--select", "x"], "--all"),
         (["--select-regex", "("], "--select-regex"),
+        (["--dedup-tied", "--no-dedup-tied"], "contradict"),
         (["--all", "--rename", "model.embed.=x.", "--rename", "lm_head.=x."],
          "would both be exported as 'x.w'"),
     ):
@@ -561,3 +563,31 @@ def test_tie_candidates_pair_heads_with_input_embeddings(embedding, head):
     # Only pairs whose bytes are equal become ties.
     digests = {embedding: b"e", head: b"e", "x.shared_proj.weight": b"other"}
     assert _export.find_ties(choice, pairs, digests.__getitem__, explicit=False) == {head: embedding}
+
+
+def test_gpt2_tied_head_is_written_once_by_default(tmp_path):
+    # GPT-2 ties lm_head.weight to transformer.wte.weight; the export used to write both (the
+    # dedup was opt-in), where transformers' save_pretrained writes the embedding alone. The
+    # export must still load in transformers with identical logits.
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=1000,
+                                  n_positions=64, bos_token_id=0, eos_token_id=0)
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(cfg).eval()
+    sd = model.state_dict()
+    assert sd["lm_head.weight"].data_ptr() == sd["transformer.wte.weight"].data_ptr()
+    pyckpt.save(sd, tmp_path / "ckpt")
+    res = pyckpt.consolidate(tmp_path / "ckpt", tmp_path / "hf")
+    assert res.tied == {"lm_head.weight": "transformer.wte.weight"}
+    out = load_outputs(str(tmp_path / "hf" / INDEX_NAME))
+    assert "lm_head.weight" not in out and same_bits(out["transformer.wte.weight"],
+                                                      sd["transformer.wte.weight"])
+    assert res.total_bytes == sum(v.nbytes for k, v in sd.items() if k != "lm_head.weight")
+    cfg.save_pretrained(tmp_path / "hf")
+    back = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "hf").eval()
+    ids = torch.randint(0, 1000, (2, 16), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert torch.equal(back(ids).logits, model(ids).logits)
+    # Opting out writes both.
+    res = pyckpt.consolidate(tmp_path / "ckpt", tmp_path / "both", dedup_tied=False)
+    assert res.tied == {} and "lm_head.weight" in load_outputs(str(tmp_path / "both" / INDEX_NAME))

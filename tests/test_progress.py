@@ -111,7 +111,7 @@ def _sharded_dcp_checkpoint(src: Path) -> None:
 def test_cli_consolidate_workers_shows_one_line_based_view_ending_at_100(tmp_path: Path) -> None:
     src, dst = tmp_path / "src", tmp_path / "dst"
     _sharded_dcp_checkpoint(src)
-    env = child_env(PYCKPT_PROGRESS_INTERVAL="0")
+    env = child_env(PYCKPT_PROGRESS_INTERVAL="0", PYCKPT_WORKER_BYTES="0")
     proc = subprocess.run(
         [sys.executable, "-m", "pyckpt", "consolidate", str(src), str(dst), "--workers", "2",
          "--no-fsync"],

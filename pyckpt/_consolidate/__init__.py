@@ -158,7 +158,7 @@ def consolidate(
     strip_prefix: str | list[str] | None = None,
     rename: Mapping[str, str] | Callable[[str], str] | None = None,
     dtype: Any = None,
-    dedup_tied: bool | Mapping[str, str] = False,
+    dedup_tied: bool | Mapping[str, str] | None = None,
     shared_filesystem: bool = True,
     batch_bytes: int | None = None,
 ) -> ConsolidationResult:
@@ -236,7 +236,8 @@ def consolidate(
         dedup_tied: ``True`` writes an output head tied to the input embedding (2-D tensors of
             equal dtype, shape and bytes, one named ``*embed*``, ``*wte.*`` or ``*shared.*``)
             once, keeping the embedding as ``transformers``' ``save_pretrained`` does; or
-            ``{dropped: kept}`` output names, verified equal. Left-out names are listed under ``metadata.tied_weights`` in the
+            ``{dropped: kept}`` output names, verified equal. Default (None): ``True``, except
+            with ``shared_filesystem=False`` (where it is off); ``False`` writes both. Left-out names are listed under ``metadata.tied_weights`` in the
             index (not in ``weight_map``).
         shared_filesystem: False when ``src`` is a node-local pyckpt checkpoint (saved with
             ``shared_filesystem=False``): each rank sees only its own node's files under
@@ -293,7 +294,7 @@ def _consolidate(
     strip_prefix: str | list[str] | None,
     rename: Mapping[str, str] | Callable[[str], str] | None,
     dtype: Any,
-    dedup_tied: bool | Mapping[str, str],
+    dedup_tied: bool | Mapping[str, str] | None,
     shared_filesystem: bool,
     batch_bytes: int | None,
 ) -> ConsolidationResult:
@@ -318,6 +319,8 @@ def _consolidate(
     mode = _knobs.consolidate_input() if input_mode is None else str(
         _options.choice("input_mode", input_mode, _INPUT_MODES))
 
+    if dedup_tied is None:  # tied heads written once (as save_pretrained), where it can tell
+        dedup_tied = not src_backend.node_local
     spec = _export.make_spec(select, strip_prefix, rename, dtype, dedup_tied)
 
     if src_backend.node_local:

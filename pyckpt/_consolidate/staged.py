@@ -101,7 +101,9 @@ def consolidate_staged(run: Callable[..., Any], src: Backend, dst: Backend, *,
 def _on_ranks(run: Callable[..., Any], src: Backend, dst: Backend, group: Any,
               process_group: Any, local_src: str, local_dst: str, staged: str,
               batch_bytes: int | None, kwargs: dict[str, Any]) -> Any:
-    if kwargs.get("dedup_tied", False) is not False:  # refused by the node-local mode
+    if kwargs.get("dedup_tied") is None:  # the default: off in the node-local mode
+        kwargs = {**kwargs, "dedup_tied": False}
+    elif kwargs["dedup_tied"] is not False:  # refused by the node-local mode
         raise ValueError(
             "dedup_tied is not supported by pyckpt.consolidate with s3:// URLs on several ranks"
         )

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 from pyckpt import _format, _ranklocal
+from pyckpt._collective import add_note
 from pyckpt._format import METADATA_FILE
 from pyckpt._partition import largest_first
 
@@ -337,23 +338,35 @@ def commit_save(backend: Backend, files: Mapping[str, int] | Iterable[str], enco
     and the error propagates: the previous checkpoint is untouched. If the look fails too, the
     data files are left for the next save, rather than risk removing a committed checkpoint's.
 
-    After the commit nothing raises (:func:`clean_up`).
+    After the commit nothing raises (:func:`clean_up`). An interrupt (``KeyboardInterrupt``,
+    ``SystemExit``) during the metadata write always propagates, with a note saying whether the
+    checkpoint was committed.
     """
     names = list(files)
     try:
         backend.put_metadata(encoded, state)
-    except BaseException:
+    except BaseException as e:
         landed = backend.metadata_is(encoded)
+        url = backend.url_of(METADATA_FILE)
         if not landed:
             if landed is False:
                 try:
                     backend.delete(names)
                 except Exception:
                     pass
+            if not isinstance(e, Exception):
+                add_note(e, f"the checkpoint was not committed ({url} is not this save's)")
+            raise
+        if not isinstance(e, Exception):
+            # Ctrl-C (or an exit) that landed during the write: the checkpoint is committed,
+            # and the interrupt still ends the caller (files of earlier saves are left for the
+            # next save to remove).
+            add_note(e, f"the checkpoint was committed before the interrupt ({url})")
             raise
         logger.warning("pyckpt: %s: writing the metadata reported a failure but the stored "
-                       "metadata is this save's: committed", backend.url_of(METADATA_FILE))
+                       "metadata is this save's: committed", url)
     clean_up(backend, names)
+
 
 
 def delete_checkpoint(backend: Backend) -> None:

@@ -63,8 +63,9 @@ class _DirLock:
         OSError: the lock file cannot be created (e.g. ``PermissionError``).
     """
 
-    def __init__(self, directory: str) -> None:
+    def __init__(self, directory: str, created_dir: bool = False) -> None:
         self.path = os.path.join(directory, LOCK_FILE)
+        self.created_dir = created_dir  # by this save: removed again if it stays unused
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -88,7 +89,21 @@ class _DirLock:
         self.held = True
 
     def release(self) -> None:
+        if self.held and self.created_dir:
+            self._remove_if_unused()
         self._release()
+
+    def _remove_if_unused(self) -> None:
+        """A save that created the directory and ended without committing anything into it
+        (refused, say, for a tensor it cannot store) leaves no directory holding only the lock
+        file. Done while the lock is still held; a directory with any other entry stays."""
+        directory = os.path.dirname(self.path)
+        try:
+            if os.listdir(directory) == [LOCK_FILE]:
+                os.unlink(self.path)
+                os.rmdir(directory)
+        except OSError:  # another process put something there meanwhile: it stays
+            pass
 
 
 class _DataFile(_C.FileWriter):
@@ -272,11 +287,12 @@ class PosixBackend:
             BlockingIOError: another save into the directory is in progress.
             FileExistsError: ``overwrite=False`` and the directory holds a complete checkpoint.
         """
+        created = not os.path.isdir(self.path)
         _paths.make_dir(self.path)  # names a regular file in the way
         state = SaveState(is_coordinator)
         if not is_coordinator:
             return state
-        state.lock = _DirLock(self.path)
+        state.lock = _DirLock(self.path, created_dir=created)
         meta = os.path.join(self.path, METADATA_FILE)
         try:
             state.base = _digest(meta)
