@@ -56,14 +56,18 @@ def message(path: str, groups: dict[str, list[str]], raising: bool) -> str:
     if len(groups) > 5:
         listed += f"; and {len(groups) - 5} more keys"
     outcome = "nothing was loaded" if raising else "they were not loaded"
+    optimizer = any(g == "state" or g.endswith(".state") for g in groups)
+    hint = (
+        "An optimizer's state_dict() has no 'state' entries before its first step, so a "
+        "resumed optimizer would start from zero: build the state with "
+        "torch.distributed.checkpoint.state_dict.get_state_dict(model, optimizer) and apply it "
+        "after loading with set_state_dict(...), or pass the model and optimizer themselves to "
+        "pyckpt.save/load or pyckpt.CheckpointManager.save/restore ({'model': model, 'optim': "
+        "optim}). " if optimizer else
+        "Add those keys to the state dict to load them. ")
     return (
         f"pyckpt: the checkpoint {path} holds entries the state dict being loaded does not ask "
-        f"for, under keys it holds: {listed}; {outcome}. An optimizer's state_dict() has no "
-        "'state' entries before its first step, so a resumed optimizer would start from zero: "
-        "build the state with torch.distributed.checkpoint.state_dict.get_state_dict(model, "
-        "optimizer) and apply it after loading with set_state_dict(...), or pass the model and "
-        "optimizer themselves to pyckpt.save/load or pyckpt.CheckpointManager.save/restore "
-        "({'model': model, 'optim': optim}). "
+        f"for, under keys it holds: {listed}; {outcome}. {hint}"
         + ("Pass allow_partial=True to load only what the state dict asks for."
            if raising else "pyckpt.load raises here unless allow_partial=True.")
     )

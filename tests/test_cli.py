@@ -213,9 +213,11 @@ def test_load_refuses_code_pickles(evil_ckpts: tuple[Path, Path, Path]) -> None:
     with pytest.raises(pyckpt.CheckpointFormatError, match=r"'extra\.rng'.*trusted=True"):
         pyckpt.load(sd, src)
     assert not marker.exists()
-    # Allowlisted values still load, nested as saved.
+    # Allowlisted values still load, nested as saved (leaving 'extra.rng' behind, as asked).
     sd = {"w": torch.zeros(4), "extra": {"step": 0}}
-    pyckpt.load(sd, src)
+    with pytest.raises(pyckpt.PartialLoadError, match=r"'extra\.rng'.*Add those keys"):
+        pyckpt.load(sd, src)
+    pyckpt.load(sd, src, allow_partial=True)
     assert sd["extra"]["step"] == 3 and torch.equal(sd["w"], torch.arange(4.0))
     assert not marker.exists()
     sd = {"w": torch.zeros(4), "extra": {"step": 0, "rng": None}}
