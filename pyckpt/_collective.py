@@ -223,6 +223,7 @@ def _raise_lost(group: Group, what: str, cause: BaseException | None, waited: fl
         who = "a rank" if missing is None else "a rank (every other rank is alive: one is stuck)"
     with _lost_lock:
         _lost[id(pg)] = (pg, what, rank)
+    _never_free(pg)
     if isinstance(cause, _Reported):
         how = "another rank found the process group broken"
     elif isinstance(cause, _StoreLost) or (missing and id(pg) in _dead_store):
@@ -242,6 +243,17 @@ def _raise_lost(group: Group, what: str, cause: BaseException | None, waited: fl
         f"pyckpt: lost {who} during {what} on rank {group.rank}: {how}{after}; "
         f"the process group cannot be used any more (restart the job's ranks){detail}", rank,
         what) from cause
+
+
+def _never_free(pg: Any) -> None:
+    """Keeps a lost group alive until the process ends. Its operations still waiting on the
+    lost rank (a frozen rank answers nothing; pyckpt's own collectives wait up to the job's
+    timeout) hold its worker threads, and freeing the group joins them: the interpreter's exit
+    then waited out that timeout after the job had handled PeerLostError. Never freed, the
+    group's threads end with the process."""
+    import ctypes
+
+    ctypes.pythonapi.Py_IncRef(ctypes.py_object(pg))
 
 
 class _Reported(Exception):

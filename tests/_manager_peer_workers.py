@@ -31,16 +31,22 @@ GROUP_TIMEOUT_S = 900
 
 
 def _inject(fault: str) -> None:
+    import pyckpt._tier_io
     import pyckpt.storage
 
-    sig = {"stop": signal.SIGSTOP, "kill": signal.SIGKILL}[fault]
-    original = pyckpt.storage.Writer.write_data
+    how, _, where = fault.partition("-")
+    sig = {"stop": signal.SIGSTOP, "kill": signal.SIGKILL}[how]
+    # write: inside DCP's save (its collectives run on the manager's group); prepare: inside
+    # the manager's own first agreement of the save (pyckpt's collective).
+    cls: Any = pyckpt.storage.Writer if where == "write" else pyckpt._tier_io.LocalTier
+    name = "write_data" if where == "write" else "prepare"
+    original = getattr(cls, name)
 
-    def write_data(self: Any, *args: Any, **kwargs: Any) -> Any:
+    def injected(self: Any, *args: Any, **kwargs: Any) -> Any:
         os.kill(os.getpid(), sig)
         return original(self, *args, **kwargs)
 
-    pyckpt.storage.Writer.write_data = write_data  # type: ignore[method-assign]
+    setattr(cls, name, injected)
 
 
 def main(fault: str, rank: int, world: int, port: int, root: str) -> None:

@@ -76,7 +76,7 @@ def _run(fault: str, root: Path) -> tuple[dict[str, Any], float]:
                     f.close()
 
 
-@pytest.mark.parametrize("fault", ["stop", "kill"])
+@pytest.mark.parametrize("fault", ["stop-write", "kill-write", "stop-prepare"])
 def test_survivor_raises_peer_lost_naming_the_rank_and_exits(tmp_path: Path, fault: str) -> None:
     report, exited = _run(fault, tmp_path)
     assert report["type"] == "PeerLostError", report
