@@ -39,7 +39,8 @@ from pyckpt import _daemons, _knobs
 from pyckpt.errors import PeerLostError, PyckptError
 
 __all__ = ["Group", "group_info", "broadcast", "all_gather", "all_to_all_single", "bound_s",
-           "peer_errors", "bounded_group", "portable", "add_note", "agree", "agree_then_root"]
+           "peer_errors", "bounded_group", "peer_group", "portable", "add_note", "agree",
+           "agree_then_root"]
 
 T = TypeVar("T")
 
@@ -121,6 +122,40 @@ def bound_s(group: Group) -> float:
     return bound
 
 
+# Groups made by peer_group: group -> the seconds pyckpt's own collectives on it wait for ranks
+# that still beat (the job's own timeout; the group's default, which DCP's collectives use, is
+# the peer bound). Weak, as _beating.
+_patience: weakref.WeakKeyDictionary[Any, float] = weakref.WeakKeyDictionary()
+
+
+def peer_group(ranks: list[int]) -> Any:
+    """A new gloo group over the global ``ranks`` for pyckpt's background work (the manager's),
+    bounded as every exchange of pyckpt is.
+
+    Its default timeout, which collectives pyckpt does not run itself use (DCP's planning and
+    result exchanges), is :func:`bound_s` of the default group (``PYCKPT_PEER_TIMEOUT``, capped
+    at the job's own timeout), not torch's 30 minutes: a frozen or dead rank there fails the
+    collective within the bound. pyckpt's own collectives on it keep their heartbeat check and
+    wait for ranks that still beat up to the job's own timeout (the default group's).
+    """
+    import torch
+    import torch.distributed as dist
+
+    job = None
+    try:
+        world: Any = dist.group.WORLD
+        job = world._get_backend(torch.device("cpu")).options._timeout.total_seconds()
+    except Exception:  # another backend or torch version: torch's default
+        pass
+    if not job or job <= 0:
+        job = dist.default_pg_timeout.total_seconds()
+    bound = min(float(_knobs.peer_timeout()), job)
+    pg = dist.new_group(list(ranks), backend="gloo", use_local_synchronization=True,
+                        timeout=timedelta(seconds=bound))
+    _patience[pg] = job
+    return pg
+
+
 def _device(pg: Any) -> Any:
     import torch
     import torch.distributed as dist
@@ -171,8 +206,13 @@ def _raise_lost(group: Group, what: str, cause: BaseException | None, waited: fl
             f"pyckpt: {what} on rank {group.rank}: the process group lost {who} during "
             f"{during}; it cannot be used any more (restart the job's ranks)", lost, what)
     missing = cause.ranks if isinstance(cause, _Silent) and cause.ranks else None
-    if missing is None:
+    if missing is None and not isinstance(cause, _StoreLost):
         missing = _missing_ranks(group)
+    if missing is None and id(pg) in _dead_store:
+        # The store refused the call: its process is gone. Where that is a rank's (rank 0's
+        # with tcp:// or env:// initialisation), that rank is the one lost.
+        host = _store_rank(group)
+        missing = None if host is None or host == group.rank else [host]
     if missing:
         rank: int | None = missing[0]
         who = (f"rank {rank}" if len(missing) == 1
@@ -183,8 +223,11 @@ def _raise_lost(group: Group, what: str, cause: BaseException | None, waited: fl
         who = "a rank" if missing is None else "a rank (every other rank is alive: one is stuck)"
     with _lost_lock:
         _lost[id(pg)] = (pg, what, rank)
+    _never_free(pg)
     if isinstance(cause, _Reported):
         how = "another rank found the process group broken"
+    elif isinstance(cause, _StoreLost) or (missing and id(pg) in _dead_store):
+        how = "the process group's store, served by its process, closed its connection"
     elif isinstance(cause, _Silent):
         how = (f"no answer within {bound:g} s (PYCKPT_PEER_TIMEOUT) and no heartbeat for "
                f"{2.5 * HEARTBEAT_S:g} s")
@@ -194,12 +237,23 @@ def _raise_lost(group: Group, what: str, cause: BaseException | None, waited: fl
         how = "its connection closed"
     after = "" if waited is None else f" after {waited:.1f} s"
     detail = ""
-    if cause is not None and not isinstance(cause, (_Reported, _Silent)):
+    if cause is not None and not isinstance(cause, (_Reported, _Silent, _StoreLost)):
         detail = f" [{type(cause).__name__}: {(str(cause).splitlines() or [''])[0][:200]}]"
     raise PeerLostError(
         f"pyckpt: lost {who} during {what} on rank {group.rank}: {how}{after}; "
         f"the process group cannot be used any more (restart the job's ranks){detail}", rank,
         what) from cause
+
+
+def _never_free(pg: Any) -> None:
+    """Keeps a lost group alive until the process ends. Its operations still waiting on the
+    lost rank (a frozen rank answers nothing; pyckpt's own collectives wait up to the job's
+    timeout) hold its worker threads, and freeing the group joins them: the interpreter's exit
+    then waited out that timeout after the job had handled PeerLostError. Never freed, the
+    group's threads end with the process."""
+    import ctypes
+
+    ctypes.pythonapi.Py_IncRef(ctypes.py_object(pg))
 
 
 class _Reported(Exception):
@@ -208,6 +262,9 @@ class _Reported(Exception):
 
 # Process groups whose store did not answer (it may be served by the lost process): id -> group.
 _no_store: dict[int, Any] = {}
+# Those of them whose store refused the call (its connection closed: the process serving it is
+# gone), as opposed to a call that only took too long: id -> group.
+_dead_store: dict[int, Any] = {}
 
 
 def _store_call(group: Group, fn: Callable[[Any], T], timeout: float) -> T | None:
@@ -219,18 +276,42 @@ def _store_call(group: Group, fn: Callable[[Any], T], timeout: float) -> T | Non
         return None
     out: list[T] = []
 
+    failed: list[BaseException] = []
+
     def body() -> None:
         try:
             out.append(fn(pg.get_group_store()))
-        except Exception:
-            pass
+        except Exception as e:
+            failed.append(e)
 
     thread = _daemons.start(body, "pyckpt-peer-store")  # in a store call: exit waits for it
     thread.join(timeout)
     if not out:
         _no_store[id(pg)] = pg
+        if failed:
+            _dead_store[id(pg)] = pg
         return None
     return out[0]
+
+
+def _store_rank(group: Group) -> int | None:
+    """The group rank whose process serves the group's store, when known: global rank 0's with
+    ``init_method="tcp://..."`` or ``env://`` (torchrun's agent serves it instead:
+    ``TORCHELASTIC_USE_AGENT_STORE``); None otherwise."""
+    import os
+
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true":
+        return None
+    try:
+        import torch.distributed as dist
+
+        return int(dist.get_group_rank(_pg(group), 0))
+    except Exception:  # global rank 0 is not in the group, or no default group
+        return None
+
+
+class _StoreLost(Exception):
+    """The group's store refused a call: the process serving it is gone."""
 
 
 def _reported(group: Group) -> bool:
@@ -314,6 +395,9 @@ def _run(group: Group, what: str, options: Any, start: Callable[[Any], Any]) -> 
     if id(pg) in _lost:
         _raise_lost(group, what, None, None, 0.0)
     _start_heartbeat(group)
+    patience = _patience.get(pg)
+    if patience is not None:  # the group's default is the bound: wait for busy ranks longer
+        options.timeout = timedelta(seconds=patience)
     started: list[Any] = []
 
     def poll(seconds: float) -> bool:
@@ -354,6 +438,10 @@ def _wait_bounded(group: Group, what: str, poll: Callable[[float], bool],
         while not poll(_POLL_S):
             if _reported(group):
                 raise _Reported("another rank found the process group broken")
+            if id(_pg(group)) in _dead_store:
+                # No survivor can report through the store any more: waiting out the bound
+                # would only delay the error (the process serving the store is gone).
+                raise _StoreLost("the process group's store closed its connection")
             if time.monotonic() >= deadline:
                 silent = _silent_ranks(group)
                 if completed():
@@ -363,7 +451,7 @@ def _wait_bounded(group: Group, what: str, poll: Callable[[float], bool],
                 if silent is None or silent:
                     raise _Silent(silent)
                 deadline = time.monotonic() + bound  # every rank is alive: wait on
-    except (RuntimeError, _Reported, _Silent) as e:  # gloo's errors (DistBackendError...)
+    except (RuntimeError, _Reported, _Silent, _StoreLost) as e:  # gloo's (DistBackendError...)
         _raise_lost(group, what, e, time.monotonic() - t0, bound)
 
 

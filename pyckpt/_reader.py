@@ -370,10 +370,12 @@ class Reader(StorageReader):
             # Collective: each call of `read` runs exchange rounds with the other ranks; items
             # are read in the order of the rounds that carry their chunks.
             spans = [self._span(item) for item in plan.items]
+            names = [item.storage_index.fqn for item in plan.items]  # as spans (error messages)
             order = sorted(range(len(spans)), key=lambda i: first_round(spans[i], coop))
             plan = dataclasses.replace(plan, items=[plan.items[i] for i in order])
             group = group_info(self.process_group)
-            with cooperative_reads(self._backend, coop, group, pool, spans) as session:
+            with cooperative_reads(self._backend, coop, group, pool, spans,
+                                   names) as session:
                 result = self._read_data(plan, planner, session)
             self.bytes_read += session.exchange.bytes_read
             return result

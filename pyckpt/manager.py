@@ -8,24 +8,25 @@ survives. The file operations live in :mod:`pyckpt._tier_io`, the replica transf
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import threading
 import time
 import warnings
 import weakref
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from pyckpt import _format, _knobs, _stateful
-from pyckpt._collective import Group, add_note, agree, all_gather, portable
+from pyckpt._collective import Group, add_note, agree, all_gather, peer_errors, peer_group, portable
 from pyckpt._replicate import DEFAULT_WINDOW, node_order, replicate, ring_targets
 from pyckpt._tensors import local_view
 from pyckpt._tier_io import DurableTier, LocalTier, StepView
@@ -38,6 +39,7 @@ from pyckpt.storage import Reader, Writer
 __all__ = ["CheckpointManager", "SaveInfo", "RestoreInfo", "node_identity"]
 
 logger = logging.getLogger(__name__)
+_F = TypeVar("_F", bound=Callable[..., Any])
 
 
 def _local_path(local: str | os.PathLike[str], node: str) -> str:
@@ -131,7 +133,12 @@ _GROUPS_LOCK = threading.Lock()
 
 def _own_group(process_group: Any, purpose: str) -> Group:
     """A gloo group over the ranks of ``process_group`` (or one process), for the manager's
-    background collectives, so they never interleave with the training's on its group."""
+    background collectives, so they never interleave with the training's on its group.
+
+    Bounded as every exchange of pyckpt (:func:`pyckpt._collective.peer_group`): DCP's
+    collectives on it wait ``PYCKPT_PEER_TIMEOUT`` at most, pyckpt's own up to the job's
+    timeout for ranks that still beat; a frozen or dead rank raises ``PeerLostError`` naming it
+    (:func:`_peer_typed`)."""
     if not (dist.is_available() and dist.is_initialized()):
         if process_group is not None:
             raise ValueError("process_group given but torch.distributed is not initialised")
@@ -142,9 +149,22 @@ def _own_group(process_group: Any, purpose: str) -> Group:
         made = _GROUPS.get((ranks, purpose))
         pg = None if made is None or made[0]() is not world else made[1]()
         if pg is None:
-            pg = dist.new_group(list(ranks), backend="gloo", use_local_synchronization=True)
+            pg = peer_group(list(ranks))
             _GROUPS[(ranks, purpose)] = (weakref.ref(world), weakref.ref(pg))
     return Group(pg, dist.get_rank(pg), dist.get_world_size(pg), True)
+
+
+def _peer_typed(group: str, what: str) -> Callable[[_F], _F]:
+    """Decorates a method of :class:`CheckpointManager` whose collectives run on its group
+    ``group`` (an attribute): the transport's report of a lost peer, raised by DCP's collectives
+    there, becomes ``PeerLostError`` naming the rank (pyckpt's own raise it already)."""
+    def wrap(method: _F) -> _F:
+        @functools.wraps(method)
+        def run(self: CheckpointManager, *args: Any, **kwargs: Any) -> Any:
+            with peer_errors(getattr(self, group).pg, what):
+                return method(self, *args, **kwargs)
+        return run  # type: ignore[return-value]
+    return wrap
 
 
 class CheckpointManager:
@@ -345,6 +365,7 @@ class CheckpointManager:
         self._fast_future = fut
         return fut
 
+    @_peer_typed("_group", "CheckpointManager.restore")
     def restore(self, state: Any) -> int | None:
         """Loads the newest step complete in any tier into ``state`` (in place); returns the
         step, or None when no tier holds a complete step.
@@ -444,6 +465,7 @@ class CheckpointManager:
 
     # -- background work ---------------------------------------------------------------------
 
+    @_peer_typed("_group", "a fast-tier save")
     def _fast_save(self, step: int, staged: Any, staging_error: BaseException | None,
                    info: SaveInfo) -> int:
         tier, g = self.tier, self._group
@@ -572,6 +594,7 @@ class CheckpointManager:
                 with self._pinned_lock:
                     self._in_flight = None
 
+    @_peer_typed("_persist_group", "persisting a step")
     def _persist(self, step: int, files: dict[str, int], holders: dict[str, list[str]]) -> int:
         """Copies fast-tier step ``step`` to the durable tier: each rank uploads the files
         assigned to it (balanced by bytes among the ranks whose node holds the file), then
@@ -618,6 +641,7 @@ class CheckpointManager:
             for state in states:
                 state.end()
 
+    @_peer_typed("_group", "a durable save")
     def _durable_save(self, step: int, staged: Any, staging_error: BaseException | None,
                       info: SaveInfo) -> int:
         g = self._group

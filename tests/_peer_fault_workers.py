@@ -175,6 +175,29 @@ def report_silent_worker(rank: int, world: int, root: int = 0) -> Any:
     return out
 
 
+def _kill_at_round(rank: int) -> None:
+    """With ``PYCKPT_TEST_KILL_RANK`` = this rank: SIGKILLs this process as it enters exchange
+    round ``PYCKPT_TEST_KILL_ROUND`` (1-based) of a node-local or cooperative load (a kill point
+    that does not depend on timing)."""
+    if os.environ.get("PYCKPT_TEST_KILL_RANK") != str(rank):
+        return
+    import signal
+
+    from pyckpt.backends import peer
+
+    at = int(os.environ["PYCKPT_TEST_KILL_ROUND"])
+    original = peer.Exchange.fetch
+    calls = [0]
+
+    def fetch(self: Any, needs: Any) -> Any:
+        calls[0] += 1
+        if calls[0] == at:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return original(self, needs)
+
+    peer.Exchange.fetch = fetch  # type: ignore[method-assign]
+
+
 def main(op: str, rank: int, world: int, port: int, root: str) -> None:
     import torch.distributed as dist
 
@@ -184,6 +207,7 @@ def main(op: str, rank: int, world: int, port: int, root: str) -> None:
                             world_size=world,
                             timeout=datetime.timedelta(seconds=GROUP_TIMEOUT_S))
     run = _prepare(op, rank, world, root_view)
+    _kill_at_round(rank)
     dist.barrier()
     print("ready", flush=True)
     t0 = time.monotonic()

@@ -15,6 +15,7 @@ argument and the knob force either way.
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +27,7 @@ from _coop_workers import (
     load_failing,
     load_mixed,
     load_nodelocal,
+    replicated_state,
     save_mixed,
     save_nodelocal,
     save_replicated,
@@ -144,6 +146,11 @@ def test_a_failing_read_raises_the_same_typed_error_on_every_rank(tmp_path: Path
     results = run_distributed(load_failing_forced, 3, str(path))
     assert len({r[0] for r in results}) == 1 and results[0][0] == "ChecksumError", results
     assert all(victim in msg for _, msg in results), results
+    # The tensor the damaged chunk belongs to, by name (as a plain load names it), not the
+    # exchange's "chunks for rank N".
+    named = {m.group(1) for _, msg in results
+             for m in [re.search(r"tensor '([^']+)'", msg)] if m is not None}
+    assert len(named) == 1 and named <= set(replicated_state()), results
 
 
 CHUNK_MIDDLE = 100_000

@@ -178,6 +178,39 @@ def test_killed_rank_raises_peer_lost_on_every_survivor_in_time(
     assert named > 0  # and the lost rank could be told
 
 
+@pytest.mark.skipif(_REFUSAL is not None, reason=str(_REFUSAL))
+@pytest.mark.parametrize("victim", [0, 2])
+def test_a_rank_killed_in_an_exchange_round_is_named_within_seconds(
+    tmp_path: Path, saved: Path, victim: int
+) -> None:
+    """3 ranks load the 2-rank node-local checkpoint cooperatively; the victim is SIGKILLed as it
+    enters its second exchange round (a fixed point). Every survivor raises PeerLostError naming
+    it within a few seconds, far less than PYCKPT_PEER_TIMEOUT, also when the victim is rank 0,
+    whose process serves the group's store (no survivor can report through it then: one
+    survivor waited out the whole timeout, and none could name the rank)."""
+    shutil.copytree(saved, tmp_path, dirs_exist_ok=True)
+    # Rounds of 64 KiB: the load runs several.
+    env = dict(_env(), PYCKPT_TEST_KILL_RANK=str(victim), PYCKPT_TEST_KILL_ROUND="2",
+               PYCKPT_COOP_WINDOW_BYTES=str(64 << 10))
+    ranks = _Ranks("load", 3, tmp_path, env)
+    survivors = [r for r in range(3) if r != victim]
+    try:
+        ranks.wait_ready()
+        ranks.wait_results(survivors, time.monotonic() + 60 + BOUND_S)
+        assert ranks.procs[victim].wait(5) == -signal.SIGKILL, ranks.results
+        for r in survivors:
+            assert r in ranks.results, (r, ranks.results)
+            res = ranks.results[r][1]
+            assert res["type"] == "PeerLostError" and res["rank"] == victim, (r, res)
+            assert f"lost rank {victim}" in res["message"], res
+        # From the kill (the first survivor's error is at most about a second after it).
+        first = min(ranks.results[r][0] for r in survivors)
+        last = max(ranks.results[r][0] for r in survivors)
+        assert last - first <= PEER_TIMEOUT_S / 2, ranks.results
+    finally:
+        ranks.kill()
+
+
 def test_a_rank_busy_longer_than_the_timeout_is_not_lost() -> None:
     """The bound is on silence, not on work: a rank that works 9 s between two collectives
     (the timeout is 2 s) keeps beating, and its peer waits for it."""

@@ -358,16 +358,18 @@ class _Session:
 
 
 def plan_uses(spans: Sequence[tuple[Sequence[Any], int, int]], plan: CoopPlan,
-              ) -> tuple[dict[Key, Need], dict[Key, int]]:
+              names: Sequence[str] | None = None) -> tuple[dict[Key, Need], dict[Key, int]]:
     """For this rank's read spans: the exchange need of each exchanged chunk it wants, and how
-    many spans use each (a kept chunk is dropped after its last use)."""
+    many spans use each (a kept chunk is dropped after its last use). ``names[i]`` (the
+    tensor span ``i`` reads) travels with the need, so that the reader's error names it."""
     needs: dict[Key, Need] = {}
     uses: dict[Key, int] = {}
-    for segments, lo, hi in spans:
+    for i, (segments, lo, hi) in enumerate(spans):
+        label = () if names is None else (names[i],)
         for _a, _b, si, rec in overlapping_chunks(segments, lo, hi):
             key = (_basename(segments[si][0]), int(rec[0]))
             if key in plan.exchanged:
-                needs[key] = (key[0], tuple(rec), segments[si][2])
+                needs.setdefault(key, (key[0], tuple(rec), segments[si][2], *label))
                 uses[key] = uses.get(key, 0) + 1
     return needs, uses
 
@@ -384,14 +386,16 @@ def first_round(span: tuple[Sequence[Any], int, int], plan: CoopPlan) -> int:
 
 @contextlib.contextmanager
 def cooperative_reads(backend: Backend, plan: CoopPlan, group: Group, pool: Any,
-                      spans: Sequence[tuple[Sequence[Any], int, int]]) -> Iterator[_Session]:
+                      spans: Sequence[tuple[Sequence[Any], int, int]],
+                      names: Sequence[str] | None = None) -> Iterator[_Session]:
     """One cooperative ``read_data``: yields the read function (one call per batch of requests,
-    ``spans`` being every request's span; each call runs zero or more rounds, collectively).
+    ``spans`` being every request's span, ``names`` the tensor each reads, for error messages;
+    each call runs zero or more rounds, collectively).
     Leaving the block runs the remaining rounds and serves the other ranks until all are done;
     an error raised inside is told to every rank (and raised here). ``session.bytes_read +
     session.exchange.bytes_read`` is what this rank read from storage."""
     exchange = _CoopExchange(backend, group, pool, plan.exchanged)
-    needs, uses = plan_uses(spans, plan)
+    needs, uses = plan_uses(spans, plan, names)
     session = _Session(backend, exchange, plan, pool, needs, uses)
     try:
         yield session
