@@ -3,7 +3,9 @@
 The coordinator step of :class:`pyckpt.SavePlanner` (see :mod:`pyckpt.planner` for the whole
 story): items held by one rank stay with it; items held by several ranks are water-filled over
 their holders and cut at multiples of :data:`SPLIT_ALIGNMENT`; the outcome is a
-:class:`ByteRanges` per rank and DCP's global ``Metadata``. Imported through
+:class:`ByteRanges` per rank and DCP's global ``Metadata``. Loads are in bytes, or, where the
+local plans carry ``stored_sizes`` (a compressing writer, see :mod:`pyckpt._stored_size`), in
+estimated stored bytes: each item weighs its lowest holder's estimate. Imported through
 :mod:`pyckpt.planner`.
 """
 
@@ -276,6 +278,10 @@ def balance_save_plans(
     all_plans: Sequence[SavePlan], *, split_alignment: int = SPLIT_ALIGNMENT
 ) -> list[SavePlan]:
     """Decide which rank writes which bytes of every item, balancing bytes per rank.
+
+    Plans that carry ``stored_sizes`` (``{(fqn, offset): estimated stored bytes}``, as
+    :class:`SavePlanner` makes them for a compressing writer) are balanced by those estimates
+    (the lowest holder's, per item); items without one weigh their raw bytes.
 
     Items held by one rank stay there. Items held by several ranks are grouped by their set of
     holders; groups with fewer holders are placed first (they are the most constrained), each

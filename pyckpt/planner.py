@@ -17,6 +17,11 @@ bytes, which rank writes which part of each replicated item:
   one per holder, at multiples of :data:`SPLIT_ALIGNMENT` bytes;
 * non-tensor values (``BYTE_IO`` items) are never split and are written once.
 
+With a compressing :class:`pyckpt.Writer` the loads are estimated stored bytes, not raw bytes:
+the writer names its encoding in the ``StorageMeta`` DCP passes to ``set_up_planner``, each
+rank estimates its tensor items' stored sizes from samples of at most 64 KiB encoded with the
+same codec (:func:`pyckpt._stored_size.stored_sizes`), and the coordinator balances those.
+
 Before any of that, the planner checks that the copies of replicated tensors agree: each rank
 digests every tensor it holds that other ranks may hold too (:func:`replica_digests`, in the local
 plan step), and the coordinator compares the digests of each item's holders. Copies that differ
