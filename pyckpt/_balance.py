@@ -3,7 +3,9 @@
 The coordinator step of :class:`pyckpt.SavePlanner` (see :mod:`pyckpt.planner` for the whole
 story): items held by one rank stay with it; items held by several ranks are water-filled over
 their holders and cut at multiples of :data:`SPLIT_ALIGNMENT`; the outcome is a
-:class:`ByteRanges` per rank and DCP's global ``Metadata``. Imported through
+:class:`ByteRanges` per rank and DCP's global ``Metadata``. Loads are in bytes, or, where the
+local plans carry ``stored_sizes`` (a compressing writer, see :mod:`pyckpt._stored_size`), in
+estimated stored bytes: each item weighs its lowest holder's estimate. Imported through
 :mod:`pyckpt.planner`.
 """
 
@@ -60,6 +62,8 @@ class _Entry:
     item: WriteItem  # the lowest holder's copy
     nbytes: int  # bytes of the item's data; the weight used for BYTE_IO items
     splittable: bool
+    weight: int  # what writing it adds to a rank's load: the lowest holder's estimate of its
+    # stored bytes (a compressing writer, see pyckpt._stored_size), else ``nbytes``
     holders: list[int]  # ranks whose plan holds the item, ascending
     parts: dict[int, tuple[int, int] | None] = dataclasses.field(default_factory=dict)
     """Writing ranks -> byte range, or None when that rank writes the item whole."""
@@ -78,9 +82,16 @@ def _item_nbytes(item: WriteItem) -> int:
 
 
 def _sort_key(entry: _Entry) -> tuple[Any, ...]:
-    """Largest first; ties broken by name and offset so the result ignores arrival order."""
+    """Heaviest first; ties broken by name and offset so the result ignores arrival order."""
     offset = entry.item.index.offset
-    return (-entry.nbytes, entry.item.index.fqn, tuple(offset) if offset is not None else ())
+    return (-entry.weight, entry.item.index.fqn, tuple(offset) if offset is not None else ())
+
+
+def _part_weight(entry: _Entry, lo: int, hi: int) -> int:
+    """The load of writing bytes ``[lo, hi)`` of an item: its weight, pro rata."""
+    if (lo, hi) == (0, entry.nbytes):
+        return entry.weight
+    return entry.weight * (hi - lo) // entry.nbytes
 
 
 def _check_same_item(first: WriteItem, other: WriteItem, rank: int) -> None:
@@ -114,6 +125,7 @@ def _collect(all_plans: Sequence[SavePlan]) -> tuple[list[_Entry], list[_RankIte
     per_rank: list[_RankItems] = []
     for rank, plan in enumerate(all_plans):
         mine: _RankItems = []
+        sizes: dict[Any, int] = getattr(plan, "stored_sizes", None) or {}
         for item in plan.items:
             key = (item.index.fqn, item.index.offset)
             entry = entries.get(key)
@@ -124,7 +136,12 @@ def _collect(all_plans: Sequence[SavePlan]) -> tuple[list[_Entry], list[_RankIte
                 signature = None if td is None else (td.size, td.chunk.sizes, td.properties.dtype)
             if entry is None:
                 splittable = item.type != WriteItemType.BYTE_IO and td is not None
-                entry = entries[key] = _Entry(item, _item_nbytes(item), splittable, [rank])
+                nbytes = _item_nbytes(item)
+                weight = nbytes
+                if sizes and nbytes:  # the estimate, same key form as pyckpt._replicas._key
+                    estimate = sizes.get((key[0], tuple(key[1]) if key[1] is not None else None))
+                    weight = max(1, estimate) if estimate is not None else nbytes
+                entry = entries[key] = _Entry(item, nbytes, splittable, weight, [rank])
                 signatures[key] = signature
             elif entry.holders[-1] == rank:  # ranks are visited in ascending order
                 raise ValueError(
@@ -171,30 +188,43 @@ def _water_fill(loads: list[int], holders: Sequence[int], total: int) -> list[tu
 
 
 def _cut_points(
-    stream: Sequence[_Entry], starts: Sequence[int], targets: Sequence[int], alignment: int
+    stream: Sequence[_Entry],
+    starts: Sequence[int],
+    weights: Sequence[int],
+    targets: Sequence[int],
+    alignment: int,
 ) -> list[int]:
-    """Pick, for each cumulative target, the nearest allowed cut position in the stream.
+    """Pick, for each cumulative target weight, the nearest allowed cut position in the stream.
 
-    The stream is the concatenation of the items' bytes. Cuts are allowed at item boundaries
-    and, inside a splittable item, at multiples of ``alignment`` from the item's start, so a cut
-    lies within ``alignment / 2`` of its target (or half an unsplittable item's size).
+    The stream is the concatenation of the items' bytes; ``starts`` are the items' byte offsets
+    in it and ``weights`` their cumulative weights before them. Cuts are allowed at item
+    boundaries and, inside a splittable item, at multiples of ``alignment`` bytes from the
+    item's start. Inside an item the weight is taken as spread evenly over its bytes, so a cut
+    lies within ``alignment / 2`` bytes of its target (or half an unsplittable item).
+
+    Returns:
+        The cuts as byte offsets in the stream, non-decreasing.
     """
     cuts: list[int] = []
     i = 0
     previous = 0
     for target in targets:
-        while i < len(stream) and starts[i] + stream[i].nbytes <= target:
+        while i < len(stream) and weights[i] + stream[i].weight <= target:
             i += 1
         if i == len(stream):
             cut = starts[-1] + stream[-1].nbytes if stream else 0
         else:
-            begin, size = starts[i], stream[i].nbytes
-            if stream[i].splittable:
-                low = begin + (target - begin) // alignment * alignment
-                high = min(begin + size, low + alignment)
+            e, begin = stream[i], starts[i]
+            if e.splittable:
+                # Integer arithmetic: the byte where the target weight falls (exact when the
+                # weight is the byte count, as without compression).
+                exact = (target - weights[i]) * e.nbytes // e.weight
+                low = exact // alignment * alignment
+                high = min(e.nbytes, low + alignment)
+                cut = begin + (low if exact - low <= high - exact else high)
             else:
-                low, high = begin, begin + size
-            cut = low if target - low <= high - target else high
+                before, after = target - weights[i], weights[i] + e.weight - target
+                cut = begin if before <= after else begin + e.nbytes
         previous = max(previous, cut)
         cuts.append(previous)
     return cuts
@@ -207,20 +237,23 @@ def _assign_group(
     stream = [e for e in group if e.nbytes > 0]
     empty = [e for e in group if e.nbytes == 0]
     stream.sort(key=_sort_key)
-    total = sum(e.nbytes for e in stream)
+    total = sum(e.weight for e in stream)
     if stream:
         shares = _water_fill(loads, holders, total)
-        starts = []
-        offset = 0
+        starts = []  # byte offsets in the stream
+        weights = []  # cumulative weights
+        offset = weight = 0
         for e in stream:
             starts.append(offset)
+            weights.append(weight)
             offset += e.nbytes
+            weight += e.weight
         targets = []
         cumulative = 0
         for _, quota in shares[:-1]:
             cumulative += quota
             targets.append(cumulative)
-        bounds = [0, *_cut_points(stream, starts, targets, alignment), total]
+        bounds = [0, *_cut_points(stream, starts, weights, targets, alignment), offset]
         i = 0
         for k, (rank, _) in enumerate(shares):
             seg_begin, seg_end = bounds[k], bounds[k + 1]
@@ -235,7 +268,7 @@ def _assign_group(
                 lo = max(seg_begin, begin) - begin
                 hi = min(seg_end, begin + e.nbytes) - begin
                 e.parts[rank] = None if (lo, hi) == (0, e.nbytes) else (lo, hi)
-                loads[rank] += hi - lo
+                loads[rank] += _part_weight(e, lo, hi)
                 j += 1
     for e in sorted(empty, key=_sort_key):
         e.parts[min(holders, key=lambda r: (loads[r], r))] = None
@@ -245,6 +278,10 @@ def balance_save_plans(
     all_plans: Sequence[SavePlan], *, split_alignment: int = SPLIT_ALIGNMENT
 ) -> list[SavePlan]:
     """Decide which rank writes which bytes of every item, balancing bytes per rank.
+
+    Plans that carry ``stored_sizes`` (``{(fqn, offset): estimated stored bytes}``, as
+    :class:`SavePlanner` makes them for a compressing writer) are balanced by those estimates
+    (the lowest holder's, per item); items without one weigh their raw bytes.
 
     Items held by one rank stay there. Items held by several ranks are grouped by their set of
     holders; groups with fewer holders are placed first (they are the most constrained), each
@@ -291,7 +328,7 @@ def _balance(all_plans: Sequence[SavePlan], alignment: int) -> list[_RankItems]:
         if len(entry.holders) == 1:
             rank = entry.holders[0]
             entry.parts[rank] = None
-            loads[rank] += entry.nbytes
+            loads[rank] += entry.weight
         else:
             groups.setdefault(tuple(entry.holders), []).append(entry)
     for holders in sorted(groups, key=lambda h: (len(h), h)):

@@ -17,6 +17,11 @@ bytes, which rank writes which part of each replicated item:
   one per holder, at multiples of :data:`SPLIT_ALIGNMENT` bytes;
 * non-tensor values (``BYTE_IO`` items) are never split and are written once.
 
+With a compressing :class:`pyckpt.Writer` the loads are estimated stored bytes, not raw bytes:
+the writer names its encoding in the ``StorageMeta`` DCP passes to ``set_up_planner``, each
+rank estimates its tensor items' stored sizes from samples of at most 64 KiB encoded with the
+same codec (:func:`pyckpt._stored_size.stored_sizes`), and the coordinator balances those.
+
 Before any of that, the planner checks that the copies of replicated tensors agree: each rank
 digests every tensor it holds that other ranks may hold too (:func:`replica_digests`, in the local
 plan step), and the coordinator compares the digests of each item's holders. Copies that differ
@@ -41,13 +46,13 @@ import dataclasses
 import logging
 import time
 from collections import ChainMap
-from typing import Literal, cast
+from typing import Any, Literal, cast
 
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
-from torch.distributed.checkpoint.metadata import Metadata
-from torch.distributed.checkpoint.planner import SavePlan
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.planner import SavePlan, WriteItemType
 
 from pyckpt import _gc
 from pyckpt._balance import (
@@ -61,6 +66,7 @@ from pyckpt._balance import (
 from pyckpt._options import canonical
 from pyckpt._replicas import (
     CheckMode,
+    Digest,
     _CheckedPlan,
     _ItemKey,
     _key,
@@ -68,6 +74,7 @@ from pyckpt._replicas import (
     check_replica_digests,
     replica_digests,
 )
+from pyckpt._stored_size import Encoding, stored_sizes
 
 __all__ = [
     "SPLIT_ALIGNMENT",
@@ -79,6 +86,15 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class _LocalPlan(_CheckedPlan):
+    """A local plan of :class:`SavePlanner`: the replica digests, and, when the writer
+    compresses, each tensor item's estimated stored size (what the coordinator balances; see
+    :func:`pyckpt._stored_size.stored_sizes`). ``dataclasses.replace`` keeps both."""
+
+    stored_sizes: dict[_ItemKey, int] = dataclasses.field(default_factory=dict)
 
 
 class SavePlanner(DefaultSavePlanner):
@@ -149,6 +165,7 @@ class SavePlanner(DefaultSavePlanner):
         )
         self.split_alignment = split_alignment
         self.check_replicas = mode  # "sample", "full" or False
+        self.encoding: Encoding | None = None  # the writer's, from set_up_planner
 
     def create_local_plan(self) -> SavePlan:
         """DCP's local plan, plus the digests of the items other ranks may also hold.
@@ -161,16 +178,34 @@ class SavePlanner(DefaultSavePlanner):
         with _gc.paused():  # a write item per tensor and shard, all kept (see pyckpt._gc)
             return self._create_local_plan()
 
+    def set_up_planner(
+        self,
+        state_dict: dict[str, Any],
+        storage_meta: StorageMeta | None = None,
+        is_coordinator: bool = False,
+    ) -> None:
+        """DCP's set-up; also takes the writer's encoding from ``storage_meta`` (a
+        :class:`pyckpt.Writer` names it there), so that a compressing writer's replicated items
+        are balanced by estimated stored bytes."""
+        super().set_up_planner(state_dict, storage_meta, is_coordinator)
+        encoding = getattr(storage_meta, "encoding", None)
+        self.encoding = encoding if isinstance(encoding, Encoding) else None
+
     def _create_local_plan(self) -> SavePlan:
         plan = super().create_local_plan()
-        if not self.check_replicas or not (
+        encoding = self.encoding
+        estimate = encoding is not None and encoding.compresses
+        if not (self.check_replicas or estimate) or not (
             dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
         ):
             return plan
-        keys: list[_ItemKey] = []
-        tensors: list[torch.Tensor] = []
+        replicable: list[tuple[_ItemKey, torch.Tensor]] = []
+        others: list[tuple[_ItemKey, torch.Tensor]] = []
         for item in plan.items:
-            if not _may_be_replicated(self.state_dict.get(item.index.fqn), item):
+            if item.type == WriteItemType.BYTE_IO:
+                continue
+            may_be_replicated = _may_be_replicated(self.state_dict.get(item.index.fqn), item)
+            if not (may_be_replicated or estimate):
                 continue
             data = self.lookup_object(item.index)
             # Layouts the writer refuses are left to its typed error.
@@ -179,22 +214,42 @@ class SavePlanner(DefaultSavePlanner):
                 and data.layout == torch.strided
                 and not (data.is_quantized or data.is_meta)
             ):
-                keys.append(_key(item.index))
-                tensors.append(data)
-        start = time.perf_counter()
-        digests = dict(zip(keys, replica_digests(tensors, mode=self.check_replicas)))
-        logger.debug(
-            "replica check (%s): %d tensors digested in %.3f s",
-            self.check_replicas,
-            len(tensors),
-            time.perf_counter() - start,
-        )
-        plan = _CheckedPlan(
+                (replicable if may_be_replicated else others).append((_key(item.index), data))
+        digests: dict[_ItemKey, Digest] = {}
+        if self.check_replicas:
+            start = time.perf_counter()
+            keys = [k for k, _ in replicable]
+            digests = dict(
+                zip(keys, replica_digests([t for _, t in replicable], mode=self.check_replicas))
+            )
+            logger.debug(
+                "replica check (%s): %d tensors digested in %.3f s",
+                self.check_replicas,
+                len(replicable),
+                time.perf_counter() - start,
+            )
+        sizes: dict[_ItemKey, int] = {}
+        if encoding is not None and estimate and replicable:
+            # The coordinator balances replicated items against what each holder already
+            # writes, so every tensor item of this rank is estimated, in the same unit.
+            start = time.perf_counter()
+            estimated = replicable + others
+            estimates = stored_sizes([t for _, t in estimated], encoding)
+            sizes = {k: v for (k, _), v in zip(estimated, estimates)}
+            logger.debug(
+                "stored sizes: %d tensors estimated in %.3f s",
+                len(estimated),
+                time.perf_counter() - start,
+            )
+        if not digests and not sizes:
+            return plan
+        plan = _LocalPlan(
             items=plan.items,
             storage_data=plan.storage_data,
             planner_data=plan.planner_data,
             usable=plan.usable,
             replica_digests=digests,
+            stored_sizes=sizes,
         )
         self.plan = plan
         return plan

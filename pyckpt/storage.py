@@ -37,6 +37,7 @@ from pyckpt._format import DTYPE_SIZES
 from pyckpt._native import _check_pinned_pool_bytes, _Native
 from pyckpt._reader import Reader
 from pyckpt._staging import DeviceStaging, block_bytes_for, is_device_tensor
+from pyckpt._stored_size import Encoding, WriterMeta
 from pyckpt._tensors import local_view, resolved
 from pyckpt.backends import Backend, SaveState, commit_save, open_backend
 from pyckpt.backends.s3.upload import check_part_bytes
@@ -429,10 +430,13 @@ class Writer(StorageWriter):
         save.state = backend.begin_save(is_coordinator, self.overwrite)
 
     def storage_meta(self) -> StorageMeta | None:
+        """DCP's storage meta, also naming this writer's :class:`~pyckpt._stored_size.Encoding`:
+        :class:`pyckpt.SavePlanner` balances replicated items by estimated stored bytes when the
+        writer compresses."""
         save = self._current()
         if save.finished:
             save = self._pending()
-        return StorageMeta(checkpoint_id=save.path, save_id=save.save_id)
+        return WriterMeta(checkpoint_id=save.path, save_id=save.save_id, encoding=self._encoding())
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         return plan
@@ -449,11 +453,12 @@ class Writer(StorageWriter):
             )
         return out
 
-    def _params(self, dtype_name: str) -> CodecParams:
+    def _encoding(self) -> Encoding:
         level = self.level if self.level is not None else _knobs.zstd_level()
-        return _format.codec_params_for(
-            dtype_name, self.compression, level, self.byte_grouping, self.raw_threshold
-        )
+        return Encoding(self.compression, level, self.byte_grouping, self.raw_threshold)
+
+    def _params(self, dtype_name: str) -> CodecParams:
+        return self._encoding().params(dtype_name)
 
     def _encode_blocks(self, chunk_bytes: int) -> Any:
         params = self._params("float32")

@@ -722,3 +722,51 @@ def test_check_replicas_modes() -> None:
             SavePlanner(check_replicas=bad)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="'full' or 'sample'"):
         replica_digests([torch.ones(2)], mode="fast")  # type: ignore[arg-type]
+
+
+# --- stored-size weights (compressing writers) -------------------------------------------
+
+
+def sized_plan(items: list[WriteItem], stored: dict[str, int]) -> SavePlan:
+    """A local plan carrying stored-size estimates, as SavePlanner makes it for a zstd writer."""
+    from pyckpt.planner import _LocalPlan
+
+    keyed = {_replicas._key(i.index): stored[i.index.fqn] for i in items if i.index.fqn in stored}
+    return _LocalPlan(items=items, stored_sizes=keyed)
+
+
+def test_replicated_items_are_balanced_by_stored_size() -> None:
+    # Two 8 MiB tensors that store in almost nothing and two 4 MiB ones that do not, replicated
+    # on two ranks. By raw bytes each rank takes 12 MiB and one of them both small, dense
+    # tensors; by stored size, each rank stores half of the dense bytes.
+    items = [tensor_item(f"zeros.{i}", (2 * MiB,)) for i in range(2)]
+    items += [tensor_item(f"dense.{i}", (MiB,)) for i in range(2)]
+    stored = {"zeros.0": 1000, "zeros.1": 1000, "dense.0": 3 * MiB, "dense.1": 3 * MiB}
+    plans = balance_save_plans([sized_plan(items, stored), sized_plan(items, stored)])
+    load = [0.0, 0.0]
+    for index, parts in spans(plans).items():
+        weight = stored[index.fqn] / (4 * (2 * MiB if "zeros" in index.fqn else MiB))
+        for start, end, rank in parts:
+            load[rank] += (end - start) * weight
+    assert max(load) / (sum(load) / 2) <= 1.02, load
+    # Without estimates: raw bytes, as before (one rank stores both dense tensors).
+    raw = balance_save_plans([SavePlan(items), SavePlan(items)])
+    dense = [sum(e - s for s, e, r in spans(raw)[i.index] if r == 0) for i in items[2:]]
+    assert sum(dense) in (0, 8 * MiB)
+
+
+def test_stored_size_estimates_follow_the_codec() -> None:
+    from pyckpt._format import RAW_THRESHOLD
+    from pyckpt._stored_size import Encoding, stored_sizes
+
+    zstd = Encoding("zstd", 1, True, RAW_THRESHOLD)
+    g = torch.Generator().manual_seed(5)
+    dense = torch.randn(3 * MiB + 7, generator=g)
+    tensors = [torch.zeros(MiB), dense, dense.clone(), torch.ones(3), torch.empty(0)]
+    sizes = stored_sizes(tensors, zstd)
+    assert sizes[0] < 16 * 1024  # zeros: almost nothing
+    assert 0.8 * dense.nbytes < sizes[1] <= dense.nbytes  # random fp32: most of it
+    assert sizes[1] == sizes[2] == stored_sizes([dense], zstd, threads=1)[0]  # deterministic
+    assert sizes[3] >= 1 and sizes[4] == 0
+    raw = Encoding(None, 1, True, RAW_THRESHOLD)
+    assert stored_sizes(tensors, raw) == [t.nbytes for t in tensors]
