@@ -120,11 +120,11 @@ def _useful_workers(asked: int, src: str) -> tuple[int, str]:
     """How many of ``asked`` worker processes can help, and why fewer (or ""): at most one per
     core, and one per ``PYCKPT_WORKER_BYTES`` of input (a smaller export is over before more
     processes have started: each costs about a second on a small machine)."""
-    from pyckpt import _knobs
+    from pyckpt.tools import worker_bytes
 
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     cores = cores or 1
-    per_worker = _knobs.worker_bytes()
+    per_worker = worker_bytes()
     size = _input_bytes(src) if per_worker else None
     by_size = asked if size is None else max(1, -(-size // per_worker))
     n = min(asked, cores, by_size)
@@ -248,7 +248,7 @@ def _summary(nfiles: int, total: int, secs: float, export_secs: float, workers: 
     """The last line of ``pyckpt consolidate``: what was written, in how long, and how fast the
     export itself ran (the time the progress line counts); with worker processes, the rest of
     the time is named as their start-up."""
-    from pyckpt._progress import rate
+    from pyckpt.tools import rate
 
     export_secs = min(export_secs, secs)
     text = f"wrote {nfiles} file(s), {_mib(total)} in {secs:.2f} s ("

@@ -13,9 +13,10 @@ from typing import Any
 
 from pyckpt import _C, _format, _knobs, _progress
 from pyckpt._collective import add_note
+from pyckpt._knobs import worker_bytes  # PYCKPT_WORKER_BYTES, for the CLI's worker count
 from pyckpt._native import apply_native_settings
 from pyckpt._options import choice
-from pyckpt._progress import Progress  # the progress view, for the CLI and callers
+from pyckpt._progress import Progress, rate  # the progress view and its rate, for the CLI
 from pyckpt.backends import Backend, open_backend
 from pyckpt.errors import PyckptError
 
@@ -28,6 +29,8 @@ __all__ = [
     "verify",
     "convert",
     "Progress",
+    "rate",
+    "worker_bytes",
 ]
 
 @dataclass
