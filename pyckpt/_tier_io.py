@@ -34,6 +34,7 @@ import json
 import os
 import re
 import shutil
+import stat
 import tempfile
 import threading
 from collections.abc import Iterable, Mapping
@@ -95,20 +96,25 @@ class StepView:
 
     Attributes:
         step: the training step.
+        path: the step's directory on that node.
         save_id: save id of this node's ``pyckpt.json`` (None: absent or unreadable).
         files: data files of that save (name -> size) from the metadata (empty without it).
         present: data files present in the step directory (own and replicas).
         marker: the completion marker's document (None: not written here).
         metadata_error: why this node's ``pyckpt.json`` could not be read, when it exists
             (None: read, or absent).
+        damaged: data files here that do not match the metadata (truncated, not regular
+            files): name -> what is wrong (not in ``present``).
     """
 
     step: int
+    path: str = ""
     save_id: str | None = None
     files: dict[str, int] = field(default_factory=dict)
     present: list[str] = field(default_factory=list)
     marker: dict[str, Any] | None = None
     metadata_error: str | None = None
+    damaged: dict[str, str] = field(default_factory=dict)
 
 
 class ReplicaFile:
@@ -190,21 +196,53 @@ class LocalTier:
     def view(self, step: int) -> StepView:
         """What this node holds of ``step`` (see :class:`StepView`)."""
         d = self.step_dir(step)
-        out = StepView(step)
+        out = StepView(step, d)
         try:
             out.present = sorted(n for n in os.listdir(d) if _format.is_data_file(n))
         except FileNotFoundError:
             return out
         try:
             index = self.backend(step).read_index(all_files=False)
+        except (OSError, ValueError) as e:
+            index = self._index_apart(d, out, e)
+        if index is not None:
             out.save_id = index.save_id
             out.files = dict(index.files)
-        except (OSError, ValueError) as e:
-            # No (readable) metadata here: the step is not usable from this node's copy.
-            if os.path.lexists(os.path.join(d, METADATA_FILE)):
-                out.metadata_error = f"{type(e).__name__}: {e}"
         out.marker = self.read_marker(step)
         return out
+
+    @staticmethod
+    def _index_apart(d: str, out: StepView, error: BaseException) -> Any:
+        """The index of ``d``'s ``pyckpt.json`` when validating it with the data files present
+        failed with ``error``: the document alone is validated (against no data file), and if
+        it is sound the present files that do not match it (size, not a regular file) are the
+        damaged ones (``out.damaged``, taken out of ``out.present``). None, with
+        ``out.metadata_error``, when the metadata itself is damaged; None when it is absent."""
+        meta = os.path.join(d, METADATA_FILE)
+        if not os.path.lexists(meta):
+            return None
+        try:
+            with open(meta, "rb") as fh:
+                raw = fh.read(_format.MAX_METADATA_BYTES + 1)
+            with tempfile.TemporaryDirectory(prefix="pyckpt-meta-") as empty:
+                index = _format.read_index(empty, all_files=False, document=raw)
+        except (OSError, ValueError):
+            out.metadata_error = f"{type(error).__name__}: {error}"  # names the file
+            return None
+        for name in out.present:
+            if name not in index.files:
+                continue
+            st = os.lstat(os.path.join(d, name))
+            if not stat.S_ISREG(st.st_mode):
+                out.damaged[name] = "not a regular file"
+            elif st.st_size != index.files[name]:
+                out.damaged[name] = (f"{st.st_size} bytes where its metadata records "
+                                     f"{index.files[name]}")
+        if not out.damaged:  # not a data file's size or type: take the copy as unusable
+            out.metadata_error = f"{type(error).__name__}: {error}"
+            return None
+        out.present = [n for n in out.present if n not in out.damaged]
+        return index
 
     def scan(self) -> dict[int, StepView]:
         return {s: self.view(s) for s in self.steps()}

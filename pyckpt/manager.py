@@ -27,7 +27,7 @@ from pyckpt import _format, _knobs
 from pyckpt._collective import Group, add_note, agree, all_gather, portable
 from pyckpt._replicate import DEFAULT_WINDOW, node_order, replicate, ring_targets
 from pyckpt._tensors import local_view
-from pyckpt._tier_io import DurableTier, LocalTier, StepView
+from pyckpt._tier_io import DAMAGED_SUFFIX, DurableTier, LocalTier, StepView
 from pyckpt.api import _single_process_quiet, _typed_errors, load_planner
 from pyckpt.backends import SaveState
 from pyckpt.errors import (
@@ -360,7 +360,8 @@ class CheckpointManager:
         """
         self._check_open()
         self._drain()
-        all_views = self._gather_views()
+        skipped: list[str] = []
+        all_views = self._gather_views(skipped)
         fast, lacked = self._fast_steps(all_views)
         durable_steps, unlisted = self._list_durable(bool(fast))
         if unlisted is not None:
@@ -368,7 +369,6 @@ class CheckpointManager:
                 f"pyckpt: the durable steps of {self.store.url} could not be listed within "
                 f"{DURABLE_LIST_DEADLINE_S:g} s ({unlisted}); restoring the newest complete "
                 "fast-tier step (a newer durable step may exist)"), stacklevel=2)
-        skipped: list[str] = []
         failed: set[int] = set()  # fast-tier steps that could not be loaded whole
         while True:
             best_fast = max(fast) if fast else None
@@ -382,7 +382,7 @@ class CheckpointManager:
                 return None
             if best_fast is not None and (best_durable is None or best_fast >= best_durable):
                 try:
-                    info = self._load_fast(state, best_fast, fast[best_fast].save_id, all_views)
+                    info = self._load_fast(state, best_fast, fast[best_fast].save_id)
                 except Exception as e:
                     if not _damage(e):
                         raise
@@ -396,7 +396,7 @@ class CheckpointManager:
                         f"pyckpt: restoring fast-tier step {best_fast} failed: "
                         + "; ".join(found or skipped[-1:]) + "; trying the next source"),
                         stacklevel=2)
-                    all_views = self._gather_views()
+                    all_views = self._gather_views(skipped)
                     fast, lacked = self._fast_steps(all_views)
                     for f in failed:
                         fast.pop(f, None)
@@ -618,8 +618,11 @@ class CheckpointManager:
 
     # -- restore -----------------------------------------------------------------------------
 
-    def _gather_views(self) -> list[dict[int, StepView]]:
-        """What every rank sees of its node's fast tier (one all-gather)."""
+    def _gather_views(self, skipped: list[str]) -> list[dict[int, StepView]]:
+        """What every rank sees of its node's fast tier (one all-gather). Copies the scan found
+        damaged (a data file that does not match its metadata, a ``pyckpt.json`` that cannot
+        be read) are set aside on their node, each named in a ``TierWarning`` and in
+        ``skipped``: the views already leave them out."""
         g = self._group
         views: dict[int, StepView] = {}
         error: BaseException | None = None
@@ -630,7 +633,34 @@ class CheckpointManager:
             error = e
         gathered = all_gather((views, None if error is None else portable(error)), g)
         _raise_any([e for _, e in gathered], g.rank, error, "listing the fast tier")
-        return [v for v, _ in gathered]
+        all_views = [v for v, _ in gathered]
+        tier = self.tier
+        found: list[tuple[int, int, str, str, str]] = []  # (rank, step, name, path, why)
+        for r, v in enumerate(all_views):
+            if self.nodes.index(self.nodes[r]) != r:
+                continue  # a node's first rank speaks for it
+            for s, view in sorted(v.items()):
+                bad = dict(view.damaged)
+                if view.metadata_error is not None:
+                    bad[_format.METADATA_FILE] = view.metadata_error
+                found += [(r, s, n, os.path.join(view.path, n), why)
+                          for n, why in sorted(bad.items())]
+        if not found or tier is None:
+            return all_views
+
+        def set_aside() -> None:
+            for r, s, name, _, _ in found:
+                if r == g.rank:
+                    tier.set_aside(s, name)
+
+        agree(set_aside, g, what="setting damaged fast-tier copies aside")
+        for r, s, _, path, why in found:
+            line = (f"node {self.nodes[r]!r}: {path} is damaged ({why}); set aside as "
+                    f"{path}{DAMAGED_SUFFIX}")
+            skipped.append(line)
+            warnings.warn(TierWarning(f"pyckpt: fast-tier step {s}: {line}; the restore uses "
+                                      "the next good copy"), stacklevel=3)
+        return all_views
 
     def _list_durable(self, have_fast: bool) -> tuple[list[int], str | None]:
         """The committed durable steps (listed by rank 0, after checking the tier's job) and,
@@ -669,11 +699,12 @@ class CheckpointManager:
             if not self._leader:
                 return out
             view = tier.view(step)
+            bad = dict(view.damaged)
             if view.metadata_error is not None:
-                path = tier.set_aside(step, _format.METADATA_FILE)
-                out.append(f"node {self.node!r}: {tier.file_path(step, _format.METADATA_FILE)} "
-                           f"is damaged ({view.metadata_error}); set aside as {path}")
-            for name, why in tier.damaged_files(step).items():
+                bad[_format.METADATA_FILE] = view.metadata_error
+            else:
+                bad.update(tier.damaged_files(step))
+            for name, why in sorted(bad.items()):
                 path = tier.set_aside(step, name)
                 out.append(f"node {self.node!r}: {tier.file_path(step, name)} is damaged "
                            f"({why}); set aside as {path}")
@@ -724,16 +755,9 @@ class CheckpointManager:
 
         def drop_stale() -> None:
             if self._leader:
-                view = tier.view(step)
-                if view.save_id is not None and view.save_id != save_id:
+                sid = tier.view(step).save_id
+                if sid is not None and sid != save_id:
                     tier.remove(step)
-                elif view.metadata_error is not None:
-                    # A damaged copy of the metadata: a peer's copy is used instead.
-                    path = tier.set_aside(step, _format.METADATA_FILE)
-                    logger.warning("pyckpt: node %r: %s is damaged (%s); set aside as %s, the "
-                                   "restore uses another node's copy", self.node,
-                                   tier.file_path(step, _format.METADATA_FILE),
-                                   view.metadata_error, path)
 
         agree(drop_stale, g, what=f"preparing to restore step {step}")
         agree(lambda: tier.ensure(step), g, what=f"preparing to restore step {step}")
@@ -751,19 +775,8 @@ class CheckpointManager:
         info.bytes_peer = reader.bytes_from_peers
         info.bytes_local = max(0, reader.bytes_read - reader.bytes_from_peers)
 
-    def _load_fast(self, state: Any, step: int, save_id: str,
-                   views: Sequence[dict[int, StepView]]) -> RestoreInfo:
+    def _load_fast(self, state: Any, step: int, save_id: str) -> RestoreInfo:
         info = RestoreInfo(step, "fast")
-        for r, v in enumerate(views):
-            view = v.get(step)
-            if view is not None and view.metadata_error is not None and \
-                    min(q for q, n in enumerate(self.nodes) if n == self.nodes[r]) == r:
-                warnings.warn(TierWarning(
-                    f"pyckpt: fast-tier step {step}: node {self.nodes[r]!r}'s copy of "
-                    f"{_format.METADATA_FILE} is damaged ({view.metadata_error}); it is set "
-                    "aside and another node's copy used"), stacklevel=3)
-                info.skipped.append(f"node {self.nodes[r]!r}: {_format.METADATA_FILE} of step "
-                                    f"{step} damaged ({view.metadata_error})")
         self._prepare_dirs(step, save_id)
         agree(lambda: self._node_local_load(state, step, info), self._group,
               what=f"restoring fast-tier step {step}")

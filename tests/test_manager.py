@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -141,6 +142,51 @@ def test_a_lost_data_file_is_read_from_durable(tmp_path: Path) -> None:
         assert mgr.store.direct_loads == 1 and mgr.store.data_files_fetched == 0
         assert mgr.store.data_bytes_read == size
         assert mgr.last_restore is not None and mgr.last_restore.bytes_durable == size
+
+
+def _damage(path: Path, how: str) -> None:
+    if how == "flip":
+        data = bytearray(path.read_bytes())
+        data[len(data) // 2] ^= 0x40
+        path.write_bytes(bytes(data))
+    else:
+        os.truncate(path, path.stat().st_size // 2)
+
+
+@pytest.mark.parametrize("how", ["flip", "truncate"])
+@pytest.mark.parametrize("persisted", [True, False])
+def test_a_damaged_fast_tier_file_is_set_aside_for_the_next_good_source(
+    tmp_path: Path, how: str, persisted: bool
+) -> None:
+    # One node, no replica: a damaged data file of step 8 leaves the durable copy of step 8
+    # (only that file is fetched) or, when step 8 was not persisted, the older fast step 6.
+    kw: dict[str, Any] = {"persist_every": 4 if persisted else 100}
+    with _mgr(tmp_path, **kw) as mgr:
+        _train(mgr, range(10))
+    step_dir = tmp_path / "local" / "step-8"
+    name = sorted(n for n in os.listdir(step_dir) if is_data_file(n))[0]
+    _damage(step_dir / name, how)
+    with _mgr(tmp_path, **kw) as mgr:
+        sd = _state(0, zeros=True)
+        with pytest.warns(pyckpt.TierWarning) as caught:
+            got = mgr.restore(sd)
+        assert got == (8 if persisted else 6)
+        assert _same(sd, _state(got))
+        text = " | ".join(str(w.message) for w in caught)
+        assert f"{step_dir / name} is damaged" in text and "node " in text, text
+        if persisted:  # set aside, not deleted (a restore of step 6 drops step 8 as newer)
+            assert (step_dir / f"{name}.damaged").is_file()
+        info = mgr.last_restore
+        assert info is not None and any(name in s for s in info.skipped), info
+        if persisted:
+            # (one process writes one data file: none of step 8 is left, read directly)
+            assert info.tier == "durable" and mgr.store.direct_loads == 1
+        else:
+            assert info.tier == "fast" and mgr.store.data_bytes_read == 0
+    with _mgr(tmp_path, **kw) as mgr, warnings.catch_warnings():  # the next restart too
+        warnings.simplefilter("ignore", pyckpt.TierWarning)
+        sd = _state(0, zeros=True)
+        assert mgr.restore(sd) == got and _same(sd, _state(got))
 
 
 def test_budget_refuses_a_save_before_writing(tmp_path: Path) -> None:
@@ -436,6 +482,31 @@ def test_nodes_sharing_a_file_system_lose_one_node_with_local_per_node(tmp_path:
             assert info["bytes_local"] == 0 and info["bytes_peer"] > 0, res
         else:
             assert info["bytes_peer"] == 0 and info["bytes_local"] > 0, res
+
+
+@multinode
+def test_damaged_fast_tier_copies_are_skipped_for_the_replica(tmp_path: Path) -> None:
+    # Node 0's own copy of rank 0's file of step 3 has a flipped byte, and node 1's
+    # pyckpt.json of step 3 is garbage: the restore reads rank 0's file from node 1's replica
+    # and node 1 uses node 0's metadata, bit-exact, with warnings naming both copies. (Durable
+    # step 3 does not exist: persist_every=2.)
+    spec = {"manager": _FAST, "local_per_node": True, "namespace": False}
+    _run(tmp_path, "train", "train", steps=[1, 2, 3], **spec)
+    own = sorted(n for n in _files(_node_dir(tmp_path, 0, 3)) if data_file_rank(n) == 0)
+    assert len(own) == 1 and own[0] in _files(_node_dir(tmp_path, 1, 3))  # replicated
+    _damage(_node_dir(tmp_path, 0, 3) / own[0], "flip")
+    (_node_dir(tmp_path, 1, 3) / METADATA_FILE).write_bytes(b"{not json")
+    _run(tmp_path, "restore", "restore", **spec)
+    for r in range(WORLD):
+        res = result(str(tmp_path), "restore", r)
+        assert res["step"] == 3 and res["bad"] == [] and res["info"]["tier"] == "fast", res
+        text = " | ".join(m for _, m in res["warnings"])
+        assert {w[0] for w in res["warnings"]} == {"TierWarning"}, res["warnings"]
+        assert f"{_node_dir(tmp_path, 0, 3) / own[0]} is damaged" in text, text
+        assert f"{_node_dir(tmp_path, 1, 3) / METADATA_FILE} is damaged" in text, text
+        assert res["durable_data_bytes_read"] == 0
+    assert (_node_dir(tmp_path, 0, 3) / f"{own[0]}.damaged").is_file()
+    assert (_node_dir(tmp_path, 1, 3) / f"{METADATA_FILE}.damaged").is_file()
 
 
 def _s3_durable(request: pytest.FixtureRequest, kind: str) -> tuple[str | None, Any]:
