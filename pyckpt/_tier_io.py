@@ -527,7 +527,12 @@ class DurableTier:
 
     def begin(self, step: int, is_coordinator: bool) -> SaveState:
         """Sets up persisting ``step`` (the backend's save set-up: the place made, and on the
-        coordinator the lock or the condition its commit checks)."""
+        coordinator the lock or the condition its commit checks).
+
+        Raises:
+            JobMismatchError: the tier belongs to another job (nothing is written).
+        """
+        self.check_job()
         return self.backend(step).begin_save(is_coordinator, overwrite=True)
 
     def put_file(self, step: int, src: str) -> int:

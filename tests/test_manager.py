@@ -8,6 +8,7 @@ nodes, pieces and processes, and check every restore bit for bit.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import warnings
@@ -63,7 +64,8 @@ def _marked(tmp: Path) -> list[int]:
 
 def _committed(tmp: Path) -> list[int]:
     d = tmp / "durable"
-    return sorted(int(p.name[5:]) for p in d.iterdir() if (p / METADATA_FILE).is_file())
+    return sorted(int(p.name[5:]) for p in d.iterdir()
+                  if p.name.startswith("step-") and (p / METADATA_FILE).is_file())
 
 
 def _train(mgr: pyckpt.CheckpointManager, steps: range) -> list[int]:
@@ -187,6 +189,42 @@ def test_a_damaged_fast_tier_file_is_set_aside_for_the_next_good_source(
         warnings.simplefilter("ignore", pyckpt.TierWarning)
         sd = _state(0, zeros=True)
         assert mgr.restore(sd) == got and _same(sd, _state(got))
+
+
+def test_a_second_job_on_one_durable_tier_is_refused(tmp_path: Path) -> None:
+    with _mgr(tmp_path, job="A") as a:
+        _train(a, range(10))
+    assert (tmp_path / "durable" / _tier_io.JOB_DIR / METADATA_FILE).is_file()
+    before = _committed(tmp_path)
+    assert before == [4, 8]
+    # Job B, its own fast tier, the same durable tier: its restore never returns A's step 8...
+    for job in ("B", None):
+        with _mgr(tmp_path, local=tmp_path / "local-b", job=job) as b:
+            with pytest.raises(pyckpt.JobMismatchError, match="job 'A'") as ei:
+                b.restore(_state(0, zeros=True))
+            assert ei.value.owner == "A" and ei.value.job == job
+            assert ei.value.location == str(tmp_path / "durable")
+    # ...and its persistence writes nothing there (its retention would delete A's steps).
+    b = _mgr(tmp_path, local=tmp_path / "local-b", job="B")
+    try:
+        with pytest.raises(pyckpt.JobMismatchError, match="'A'.*'B'"):
+            for s in range(10):
+                b.save(s, _state(100 + s))
+            b.wait()
+    finally:
+        with contextlib.suppress(pyckpt.JobMismatchError):
+            b.close()
+    assert _committed(tmp_path) == before
+    assert not [p for p in (tmp_path / "durable").rglob("*") if "100" in p.name]
+    with pytest.raises(pyckpt.JobMismatchError, match="job 'A'"):  # durable only: at once
+        pyckpt.CheckpointManager(tmp_path / "durable", job="B", fsync=False)
+    # Job A restarts (on new machines) and gets its own step back.
+    shutil.rmtree(tmp_path / "local")
+    with _mgr(tmp_path, job="A") as a:
+        sd = _state(0, zeros=True)
+        with pytest.warns(pyckpt.TierWarning, match="step 8"):
+            assert a.restore(sd) == 8
+        assert _same(sd, _state(8))
 
 
 def test_budget_refuses_a_save_before_writing(tmp_path: Path) -> None:
