@@ -547,6 +547,37 @@ def test_damaged_fast_tier_copies_are_skipped_for_the_replica(tmp_path: Path) ->
     assert (_node_dir(tmp_path, 1, 3) / f"{METADATA_FILE}.damaged").is_file()
 
 
+@multinode
+def test_a_full_disk_while_receiving_a_replica_names_the_file_node_and_step(
+    tmp_path: Path,
+) -> None:
+    # Node 1's fast tier is a tmpfs with room for its own rank's files but not for the
+    # replica of node 0's: the error keeps its errno and names the file, the node and the step.
+    import subprocess
+
+    from _manager_workers import launch
+
+    if _REFUSAL is not None:
+        pytest.skip(_REFUSAL)
+    n1 = tmp_path / "nodes" / "n1"
+    n1.mkdir(parents=True)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16k", "tmpfs", str(n1)], check=True)
+    try:
+        spec = {"manager": dict(_FAST, persist_every=100), "local_per_node": True,
+                "namespace": False, "record_error": True, "tag": "train", "action": "train",
+                "steps": [1]}
+        codes = launch(str(tmp_path), 2, 1, spec)
+        assert codes == [0, 0], [log_of(str(tmp_path), "train", r) for r in range(2)]
+        errors = [result(str(tmp_path), "train", r).get("error") for r in range(2)]
+    finally:
+        subprocess.run(["umount", "-l", str(n1)], check=False)
+    mine = errors[1]
+    assert mine is not None and mine["type"] == "OSError" and mine["errno"] == 28, errors
+    assert mine["filename"].startswith(str(n1 / "step-1") + os.sep), mine
+    assert "step 1" in mine["text"] and "node '1'" in mine["text"] and "rank 0" in mine["text"]
+    assert errors[0] is not None and errors[0]["errno"] == 28, errors  # raised on every rank
+
+
 def _s3_durable(request: pytest.FixtureRequest, kind: str) -> tuple[str | None, Any]:
     if kind == "dir":
         return None, None
@@ -555,6 +586,42 @@ def _s3_durable(request: pytest.FixtureRequest, kind: str) -> tuple[str | None, 
     srv = started("tiers")
     request.addfinalizer(srv.close)
     return "s3://tiers/run-1", srv.storage_options()
+
+
+def test_durable_tier_down_or_frozen_restores_the_fast_tier_with_a_warning(
+    tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
+    import signal
+    import time
+
+    from _s3server import started
+
+    from pyckpt.manager import DURABLE_LIST_DEADLINE_S
+
+    srv = started("tiers")
+    request.addfinalizer(srv.close)
+    kw: dict[str, Any] = {"storage_options": srv.storage_options(), "job": "A"}
+    with pyckpt.CheckpointManager("s3://tiers/run-1", local=tmp_path / "local", replicas=0,
+                                  save_every=2, persist_every=4, fsync=False, **kw) as mgr:
+        _train(mgr, range(10))
+        assert mgr.steps() == {"local": [6, 8], "durable": [0, 4, 8]}
+    for how in ("frozen", "down"):
+        if how == "frozen":
+            os.killpg(srv.proc.pid, signal.SIGSTOP)
+        else:
+            os.killpg(srv.proc.pid, signal.SIGCONT)
+            srv.kill()
+        with pyckpt.CheckpointManager("s3://tiers/run-1", local=tmp_path / "local", replicas=0,
+                                      save_every=2, persist_every=4, fsync=False, **kw) as mgr:
+            sd = _state(0, zeros=True)
+            t0 = time.monotonic()
+            with pytest.warns(pyckpt.TierWarning, match="could not be listed") as caught:
+                assert mgr.restore(sd) == 8
+            elapsed = time.monotonic() - t0
+            assert _same(sd, _state(8))
+            assert "s3://tiers/run-1" in str(caught[0].message)
+            assert mgr.last_restore is not None and mgr.last_restore.tier == "fast"
+            assert elapsed < 3 * DURABLE_LIST_DEADLINE_S, (how, elapsed)
 
 
 @multinode
