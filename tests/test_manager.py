@@ -596,8 +596,6 @@ def test_durable_tier_down_or_frozen_restores_the_fast_tier_with_a_warning(
 
     from _s3server import started
 
-    from pyckpt.manager import DURABLE_LIST_DEADLINE_S
-
     srv = started("tiers")
     request.addfinalizer(srv.close)
     kw: dict[str, Any] = {"storage_options": srv.storage_options(), "job": "A"}
@@ -621,7 +619,7 @@ def test_durable_tier_down_or_frozen_restores_the_fast_tier_with_a_warning(
             assert _same(sd, _state(8))
             assert "s3://tiers/run-1" in str(caught[0].message)
             assert mgr.last_restore is not None and mgr.last_restore.tier == "fast"
-            assert elapsed < 3 * DURABLE_LIST_DEADLINE_S, (how, elapsed)
+            assert elapsed < 30, (how, elapsed)  # the listing gives up after 10 s
 
 
 @multinode

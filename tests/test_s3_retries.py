@@ -244,7 +244,6 @@ def test_clean_up_after_the_commit_does_not_wait_for_a_store_that_went_down(
     """A save whose store goes down right after its metadata PUT is committed: removing the
     earlier save's objects gives up within seconds (it once retried for minutes), logs what it
     left, and the next save removes them."""
-    from pyckpt.backends.base import CLEAN_UP_DEADLINE_S
     from pyckpt.backends.s3 import S3Backend
 
     url = f"s3://{BUCKET}/c-{uuid.uuid4().hex[:8]}"
@@ -272,7 +271,7 @@ def test_clean_up_after_the_commit_does_not_wait_for_a_store_that_went_down(
         monkeypatch.setattr(S3Backend, "put_metadata", real)
         s3.start()
     assert killed
-    assert elapsed < 4 * CLEAN_UP_DEADLINE_S + 10, elapsed
+    assert elapsed < 30, elapsed  # the clean-up's requests give up after 5 s (was ~130 s)
     assert any("committed" in r.getMessage() and "left for the next save" in r.getMessage()
                and prefix in r.getMessage() for r in caplog.records), caplog.text
     out = {"w": torch.zeros(1000)}
