@@ -357,6 +357,18 @@ class CheckpointManager:
         tier lacked, and data files of that step still held by some node are read from there
         (only the others are fetched from the durable tier). ``last_restore`` says where this
         rank's bytes came from.
+
+        Damaged fast-tier copies (a data file that does not match its metadata or fails its
+        checksums, an unreadable ``pyckpt.json``) are set aside on their node as
+        ``<name>.damaged``, each named in a :class:`pyckpt.TierWarning` and in
+        ``last_restore.skipped``, and the next good source is used: the replica on another
+        node, else an older complete step or the durable tier. When the fast tier has a
+        complete step, the durable listing gives up after :data:`DURABLE_LIST_DEADLINE_S`; a
+        durable tier that could not be listed is named in a ``TierWarning`` and the fast-tier
+        step is restored.
+
+        Raises:
+            JobMismatchError: the durable tier belongs to another job (see ``job``).
         """
         self._check_open()
         self._drain()
