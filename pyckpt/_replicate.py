@@ -107,6 +107,13 @@ def _raise_first(gathered: Sequence[Any], me: int, mine: BaseException | None, w
             raise err
 
 
+def _named(e: OSError, path: str, step: int, node: str, src: int) -> OSError:
+    """``e`` (its errno, so its type) naming the replica file, the step, the node and the
+    sender: a full disk while receiving a replica says where."""
+    return OSError(e.errno, f"{e.strerror or e} (receiving the replica of fast-tier step {step} "
+                   f"from rank {src} on node {node!r})", path)
+
+
 def _window(stream: Sequence[Transfer], lo: int, hi: int) -> list[tuple[Transfer, int, int]]:
     """Pieces of the concatenated ``stream`` inside [lo, hi): (transfer, file offset, length)."""
     out: list[tuple[Transfer, int, int]] = []
@@ -152,9 +159,21 @@ def replicate(group: Group, tier: LocalTier, step: int, own_files: Sequence[tupl
     rounds = -(-rounds // window) if rounds else 0
     paths = dict(own_files)
     files: dict[tuple[int, str], ReplicaFile] = {}
+    node = node_of_rank[me]
     try:
-        for t in incoming:
-            files[(t.src, t.name)] = tier.open_replica(step, t.name, t.size)
+        error = None
+        try:
+            for t in incoming:
+                try:
+                    files[(t.src, t.name)] = tier.open_replica(step, t.name, t.size)
+                except OSError as e:
+                    raise _named(e, os.path.join(tier.step_dir(step), t.name), step, node,
+                                 t.src) from e
+        except Exception as e:
+            error = e
+        statuses = all_gather(None if error is None else portable(error), group)
+        _raise_first([None if r == me else s for r, s in enumerate(statuses)], me, error,
+                     "creating replica files")
         for k in range(rounds):
             lo, hi = k * window, (k + 1) * window
             send_pieces = _window(streams[me], lo, hi)
@@ -191,7 +210,11 @@ def replicate(group: Group, tier: LocalTier, step: int, own_files: Sequence[tupl
                 for src, pieces in recv_pieces:
                     for t, off, n in pieces:
                         if t.dst == me:
-                            files[(src, t.name)].write_at(off, rbuf[pos:pos + n])
+                            f = files[(src, t.name)]
+                            try:
+                                f.write_at(off, rbuf[pos:pos + n])
+                            except OSError as e:
+                                raise _named(e, f.path, step, node, src) from e
                             pos += n
             except Exception as e:
                 error = e
@@ -208,7 +231,11 @@ def replicate(group: Group, tier: LocalTier, step: int, own_files: Sequence[tupl
                     raise ChecksumError(f"{f.path}: the replica received from rank {t.src} does "
                                         "not match the sender's file (size or XXH64)")
             for t in incoming:
-                files[(t.src, t.name)].commit()
+                f = files[(t.src, t.name)]
+                try:
+                    f.commit()
+                except OSError as e:
+                    raise _named(e, f.path, step, node, t.src) from e
 
         agree(check_and_commit, group, what="checking and committing replicas")
     finally:

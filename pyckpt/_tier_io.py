@@ -36,6 +36,7 @@ import json
 import os
 import re
 import shutil
+import stat
 import tempfile
 import threading
 from collections.abc import Iterable, Mapping
@@ -46,9 +47,16 @@ from pyckpt import _format
 from pyckpt._format import METADATA_FILE
 from pyckpt.backends import Backend, SaveState, child_location, commit_save, open_backend
 from pyckpt.backends.posix import PosixBackend, fsync_dir, temp_name, write_atomic
+from pyckpt.errors import (
+    CheckpointFormatError,
+    ConcurrentSaveError,
+    JobMismatchError,
+    PyckptError,
+)
 
 __all__ = [
     "MARKER_FILE",
+    "JOB_DIR",
     "StepView",
     "LocalTier",
     "DurableTier",
@@ -60,6 +68,11 @@ __all__ = [
 MARKER_FILE = "pyckpt.tier.json"
 MARKER_VERSION = 1
 RESAVE_DIR = ".resave"  # under the fast tier's root: steps being saved again (LocalTier.resave_tier)
+#: ``<durable>/pyckpt-job/pyckpt.json`` names the job whose steps the durable tier holds.
+JOB_DIR = "pyckpt-job"
+JOB_VERSION = 1
+#: Suffix of a fast-tier file a restore found damaged and set aside.
+DAMAGED_SUFFIX = ".damaged"
 _STEP_RE = re.compile(r"step-(0|[1-9][0-9]{0,18})")
 _MAX_MARKER_BYTES = 16 << 20
 
@@ -86,17 +99,25 @@ class StepView:
 
     Attributes:
         step: the training step.
+        path: the step's directory on that node.
         save_id: save id of this node's ``pyckpt.json`` (None: absent or unreadable).
         files: data files of that save (name -> size) from the metadata (empty without it).
         present: data files present in the step directory (own and replicas).
         marker: the completion marker's document (None: not written here).
+        metadata_error: why this node's ``pyckpt.json`` could not be read, when it exists
+            (None: read, or absent).
+        damaged: data files here that do not match the metadata (truncated, not regular
+            files): name -> what is wrong (not in ``present``).
     """
 
     step: int
+    path: str = ""
     save_id: str | None = None
     files: dict[str, int] = field(default_factory=dict)
     present: list[str] = field(default_factory=list)
     marker: dict[str, Any] | None = None
+    metadata_error: str | None = None
+    damaged: dict[str, str] = field(default_factory=dict)
 
 
 class ReplicaFile:
@@ -178,19 +199,53 @@ class LocalTier:
     def view(self, step: int) -> StepView:
         """What this node holds of ``step`` (see :class:`StepView`)."""
         d = self.step_dir(step)
-        out = StepView(step)
+        out = StepView(step, d)
         try:
             out.present = sorted(n for n in os.listdir(d) if _format.is_data_file(n))
         except FileNotFoundError:
             return out
         try:
             index = self.backend(step).read_index(all_files=False)
+        except (OSError, ValueError) as e:
+            index = self._index_apart(d, out, e)
+        if index is not None:
             out.save_id = index.save_id
             out.files = dict(index.files)
-        except (OSError, ValueError):
-            pass  # no (readable) metadata here: the step is not usable from this node's copy
         out.marker = self.read_marker(step)
         return out
+
+    @staticmethod
+    def _index_apart(d: str, out: StepView, error: BaseException) -> Any:
+        """The index of ``d``'s ``pyckpt.json`` when validating it with the data files present
+        failed with ``error``: the document alone is validated (against no data file), and if
+        it is sound the present files that do not match it (size, not a regular file) are the
+        damaged ones (``out.damaged``, taken out of ``out.present``). None, with
+        ``out.metadata_error``, when the metadata itself is damaged; None when it is absent."""
+        meta = os.path.join(d, METADATA_FILE)
+        if not os.path.lexists(meta):
+            return None
+        try:
+            with open(meta, "rb") as fh:
+                raw = fh.read(_format.MAX_METADATA_BYTES + 1)
+            with tempfile.TemporaryDirectory(prefix="pyckpt-meta-") as empty:
+                index = _format.read_index(empty, all_files=False, document=raw)
+        except (OSError, ValueError):
+            out.metadata_error = f"{type(error).__name__}: {error}"  # names the file
+            return None
+        for name in out.present:
+            if name not in index.files:
+                continue
+            st = os.lstat(os.path.join(d, name))
+            if not stat.S_ISREG(st.st_mode):
+                out.damaged[name] = "not a regular file"
+            elif st.st_size != index.files[name]:
+                out.damaged[name] = (f"{st.st_size} bytes where its metadata records "
+                                     f"{index.files[name]}")
+        if not out.damaged:  # not a data file's size or type: take the copy as unusable
+            out.metadata_error = f"{type(error).__name__}: {error}"
+            return None
+        out.present = [n for n in out.present if n not in out.damaged]
+        return index
 
     def scan(self) -> dict[int, StepView]:
         return {s: self.view(s) for s in self.steps()}
@@ -266,6 +321,47 @@ class LocalTier:
         its lost data files are fetched) as the POSIX backend writes a node's copy."""
         self.backend(step).put_metadata(document, SaveState(is_coordinator=False))
 
+    def damaged_files(self, step: int) -> dict[str, str]:
+        """Data files of ``step`` on this node that fail their checks (the size the metadata
+        records; every chunk's size and checksum): name -> what is wrong. Empty when this
+        node's metadata cannot be read (that is reported by :meth:`view`)."""
+        from pyckpt import _C
+
+        d = self.step_dir(step)
+        try:
+            index = self.backend(step).read_index(all_files=False)
+        except (OSError, ValueError):
+            return {}
+        segments: dict[str, list[Any]] = {}
+        pieces = [p.segments for t in index.tensors.values() for p in t.pieces]
+        pieces += [b.segments for b in index.bytes_items.values()]
+        for segs in pieces:
+            for seg in segs:
+                segments.setdefault(os.path.basename(os.fspath(seg[0])), []).append(seg)
+        out: dict[str, str] = {}
+        pool = _C.ThreadPool(2)
+        try:
+            for name in sorted(n for n in os.listdir(d) if n in index.files):
+                try:
+                    size = os.path.getsize(os.path.join(d, name))
+                    if size != index.files[name]:
+                        out[name] = f"{size} bytes where its metadata records {index.files[name]}"
+                        continue
+                    _C.verify_segments(name, segments.get(name, []), pool)
+                except (PyckptError, OSError, ValueError, RuntimeError) as e:
+                    out[name] = f"{type(e).__name__}: {e}"
+        finally:
+            pool.shutdown()
+        return out
+
+    def set_aside(self, step: int, name: str) -> str:
+        """Renames damaged file ``name`` of ``step`` (a data file or ``pyckpt.json``) to
+        ``<name>.damaged``, out of every later load's way but kept for inspection; returns the
+        new path."""
+        path = self.file_path(step, name)
+        os.replace(path, path + DAMAGED_SUFFIX)
+        return path + DAMAGED_SUFFIX
+
     def remove(self, step: int) -> None:
         """Deletes ``step`` here: the marker first, then the metadata, then the rest."""
         d = self.step_dir(step)
@@ -306,9 +402,15 @@ class DurableTier:
     """
 
     def __init__(self, location: str | os.PathLike[str],
-                 storage_options: Mapping[str, Any] | None = None, fsync: bool = True) -> None:
+                 storage_options: Mapping[str, Any] | None = None, fsync: bool = True,
+                 job: str | None = None) -> None:
+        if job is not None and (not isinstance(job, str) or not job):
+            raise ValueError(f"job must be a non-empty string or None, got {job!r}")
         self._options = dict(storage_options or {})
         self.fsync = fsync
+        self.job = job
+        self._owner: str | None = None
+        self._job_checked = False
         base = open_backend(location, self._options or None, fsync=fsync)
         if base.local_dir is not None:
             if self._options:
@@ -330,6 +432,82 @@ class DurableTier:
     @property
     def storage_options(self) -> dict[str, Any]:
         return dict(self._options)
+
+    # -- the job that owns the tier ----------------------------------------------------
+
+    def job_location(self) -> str:
+        """Where the job marker lives: ``<durable>/pyckpt-job/pyckpt.json``."""
+        return child_location(self.url, JOB_DIR)
+
+    def _job_backend(self, deadline_s: float | None) -> Backend:
+        backend = open_backend(self.job_location(), self._options or None, fsync=self.fsync)
+        quick = getattr(backend, "with_deadline", None)
+        return quick(deadline_s) if deadline_s is not None and quick is not None else backend
+
+    def read_job(self, deadline_s: float | None = None) -> str | None:
+        """The job named by the marker (None: no marker); ``deadline_s`` as for
+        :meth:`list_steps`.
+
+        Raises:
+            CheckpointFormatError: the marker is not a job marker.
+        """
+        backend = self._job_backend(deadline_s)
+        with tempfile.TemporaryDirectory(prefix="pyckpt-job-") as d:
+            path = os.path.join(d, METADATA_FILE)
+            try:
+                backend.get_file(METADATA_FILE, path)
+            except FileNotFoundError:
+                return None
+            with open(path, "rb") as fh:
+                raw = fh.read(_MAX_MARKER_BYTES + 1)
+        try:
+            doc = json.loads(raw)
+        except ValueError:
+            doc = None
+        if (not isinstance(doc, dict) or doc.get("pyckpt_job") != JOB_VERSION
+                or not isinstance(doc.get("job"), str)):
+            raise CheckpointFormatError(
+                f"{backend.url_of(METADATA_FILE)}: not a pyckpt job marker (it names the job "
+                "whose checkpoints this durable tier holds)")
+        return str(doc["job"])
+
+    def check_job(self, deadline_s: float | None = None) -> str | None:
+        """Checks that this tier belongs to :attr:`job` (claiming it, by writing the marker,
+        when no job has), once per tier object; returns the job of the tier. ``deadline_s``
+        as for :meth:`list_steps`.
+
+        Without a job of its own (``job=None``) a tier that no named job claimed is used as it
+        is (nothing is written); one that a named job claimed is refused.
+
+        Raises:
+            JobMismatchError: another job's marker is there (naming the location, that job and
+                this one).
+        """
+        if self._job_checked:
+            return self._owner
+        owner = self.read_job(deadline_s)
+        if owner is None and self.job is not None:
+            backend = self._job_backend(deadline_s)
+            doc = json.dumps({"pyckpt_job": JOB_VERSION, "job": self.job}).encode()
+            try:
+                state = backend.begin_save(True, overwrite=False)
+                try:
+                    backend.put_metadata(doc, state)
+                finally:
+                    state.end()
+                owner = self.job
+            except (FileExistsError, ConcurrentSaveError):  # another job claimed it first
+                owner = self.read_job(deadline_s)
+        if owner is not None and owner != self.job:
+            how = (f"pass job={owner!r} to continue that job" if self.job is None else
+                   f"this manager's job is {self.job!r}")
+            raise JobMismatchError(
+                f"the durable tier {self.url} holds the checkpoints of job {owner!r} (marker "
+                f"{child_location(self.job_location(), METADATA_FILE)}); {how}, or give this "
+                "job a location of its own (two jobs on one location would delete and restore "
+                "each other's steps)", self.url, owner, self.job)
+        self._owner, self._job_checked = owner, True
+        return owner
 
     def step_location(self, step: int) -> str:
         """Location of the checkpoint of ``step`` (for pyckpt.load / Reader / Writer)."""
@@ -356,10 +534,20 @@ class DurableTier:
         """Records a load that read ``nbytes`` of a step straight from this tier."""
         self._count(read=nbytes, loads=1)
 
-    def list_steps(self) -> dict[int, bool]:
-        """Steps with anything stored: step -> committed (its ``pyckpt.json`` exists)."""
+    def list_steps(self, deadline_s: float | None = None) -> dict[int, bool]:
+        """Steps with anything stored: step -> committed (its ``pyckpt.json`` exists).
+
+        Args:
+            deadline_s: give up after about this long (retries included) on a backend that
+                reaches a remote store, instead of its full retry budget (minutes): for a
+                restore that has a fast-tier step to fall back on.
+        """
+        base = self.base
+        quick = getattr(base, "with_deadline", None)
+        if deadline_s is not None and quick is not None:
+            base = quick(deadline_s)
         out = {}
-        for name, committed in self.base.list_children().items():
+        for name, committed in base.list_children().items():
             s = parse_step(name)
             if s is not None:
                 out[s] = committed
@@ -367,7 +555,12 @@ class DurableTier:
 
     def begin(self, step: int, is_coordinator: bool) -> SaveState:
         """Sets up persisting ``step`` (the backend's save set-up: the place made, and on the
-        coordinator the lock or the condition its commit checks)."""
+        coordinator the lock or the condition its commit checks).
+
+        Raises:
+            JobMismatchError: the tier belongs to another job (nothing is written).
+        """
+        self.check_job()
         return self.backend(step).begin_save(is_coordinator, overwrite=True)
 
     def put_file(self, step: int, src: str) -> int:
@@ -379,8 +572,13 @@ class DurableTier:
 
     def commit(self, step: int, document: bytes, files: Iterable[str], state: SaveState) -> None:
         """Commits ``pyckpt.json`` of ``step`` by the backends' one rule (conditional on
-        ``state``), removing what it made stale; then ends ``state``."""
+        ``state``), removing what it made stale; then ends ``state``.
+
+        Raises:
+            JobMismatchError: the tier belongs to another job (nothing is committed).
+        """
         try:
+            self.check_job()
             commit_save(self.backend(step), list(files), document, state)
         finally:
             state.end()

@@ -25,6 +25,7 @@ __all__ = [
     "ConcurrentSaveError",
     "ExportNameCollisionError",
     "TierBudgetError",
+    "JobMismatchError",
     "TierWarning",
     "PinnedMemoryWarning",
     "PeerLostError",
@@ -222,6 +223,27 @@ class TierBudgetError(PyckptError):
 
     def __reduce__(self) -> tuple[type[TierBudgetError], tuple[str, str, int, int]]:
         return type(self), (str(self), self.node, self.projected, self.budget)
+
+
+class JobMismatchError(PyckptError, ValueError):
+    """A :class:`pyckpt.CheckpointManager`'s durable tier holds the checkpoints of another job
+    (its marker ``<durable>/pyckpt-job/pyckpt.json`` names that job); nothing was written or
+    restored.
+
+    Attributes:
+        location: the durable tier. owner: the job that holds it. job: this manager's job (None:
+            none given).
+    """
+
+    def __init__(self, message: str, location: str = "", owner: str = "",
+                 job: str | None = None) -> None:
+        super().__init__(message)
+        self.location = location
+        self.owner = owner
+        self.job = job
+
+    def __reduce__(self) -> tuple[type[JobMismatchError], tuple[str, str, str, str | None]]:
+        return type(self), (str(self), self.location, self.owner, self.job)
 
 
 class TierWarning(UserWarning):

@@ -29,10 +29,19 @@ from pyckpt import _format, _knobs, _stateful
 from pyckpt._collective import Group, add_note, agree, all_gather, peer_errors, peer_group, portable
 from pyckpt._replicate import DEFAULT_WINDOW, node_order, replicate, ring_targets
 from pyckpt._tensors import local_view
-from pyckpt._tier_io import DurableTier, LocalTier, StepView
+from pyckpt._tier_io import DAMAGED_SUFFIX, DurableTier, LocalTier, StepView
 from pyckpt.api import _single_process_quiet, _typed_errors, load_planner
 from pyckpt.backends import SaveState
-from pyckpt.errors import PyckptError, StepMismatchError, TierBudgetError, TierWarning
+from pyckpt.errors import (
+    CheckpointFormatError,
+    CompressionError,
+    JobMismatchError,
+    PyckptError,
+    StepMismatchError,
+    TierBudgetError,
+    TierWarning,
+    find_error,
+)
 from pyckpt.planner import SavePlanner
 from pyckpt.storage import Reader, Writer
 
@@ -90,6 +99,8 @@ class RestoreInfo:
         bytes_peer: stored bytes received from other ranks over the group.
         bytes_durable: bytes read from the durable tier (data files).
         fast_tier_lacked: why the fast tier could not serve a newer step (None when it served).
+        skipped: damaged copies (and steps) the restore skipped for the next good source, one
+            sentence each, naming the node and the file (each also a ``TierWarning``).
     """
 
     step: int | None
@@ -98,6 +109,19 @@ class RestoreInfo:
     bytes_peer: int = 0
     bytes_durable: int = 0
     fast_tier_lacked: str | None = None
+    skipped: list[str] = field(default_factory=list)
+
+
+#: Seconds a restore waits for the durable tier's listing (retries included) when the fast
+#: tier has a complete step to restore: a durable store that is down or frozen does not hold up
+#: a recovery the fast tier can serve.
+DURABLE_LIST_DEADLINE_S = 10.0
+
+
+def _damage(exc: BaseException) -> bool:
+    """Whether a failed fast-tier load may be a damaged copy (a checksum, format or I/O error
+    of a file), rather than a lost peer or an interrupt."""
+    return find_error(exc, (CheckpointFormatError, CompressionError, OSError)) is not None
 
 
 @dataclass
@@ -199,9 +223,16 @@ class CheckpointManager:
         replication_window_bytes: replica bytes each rank sends per round (memory bound).
         check_replicas: see :func:`pyckpt.save`.
         writer_options: more :class:`pyckpt.Writer` options (``threads``, ``chunk_bytes``, ...).
+        job: this training job's name, the same on every restart of it. The durable tier
+            records the first named job that uses it (``<durable>/pyckpt-job/pyckpt.json``);
+            a manager of another job (or of none) is refused there with
+            :class:`pyckpt.JobMismatchError` (at the first restore or persistence; at
+            construction without ``local``), so no job restores or deletes another's steps.
+            None: no marker is written, and a tier a named job holds is refused.
 
     Raises:
         ValueError: invalid arguments, or ``replicas`` not below the number of nodes.
+        JobMismatchError: without ``local``, the durable tier belongs to another job.
 
     Collective: the constructor, :meth:`save` (for due steps), :meth:`restore`, :meth:`wait`
     and :meth:`close` must be called by every rank of the group at the same points.
@@ -229,6 +260,7 @@ class CheckpointManager:
         replication_window_bytes: int = DEFAULT_WINDOW,
         check_replicas: bool | str = True,
         writer_options: Mapping[str, Any] | None = None,
+        job: str | None = None,
     ) -> None:
         for name, value, low in (("replicas", replicas, 0), ("save_every", save_every, 1),
                                  ("persist_every", persist_every, 1),
@@ -248,7 +280,7 @@ class CheckpointManager:
         self.replication_window_bytes = replication_window_bytes
         self.check_replicas = check_replicas
         self._fsync = _knobs.fsync() if fsync is None else bool(fsync)
-        self.store = DurableTier(durable, storage_options, self._fsync)
+        self.store = DurableTier(durable, storage_options, self._fsync, job)
         self.node = node_identity(node)
         self.tier = None if local is None else LocalTier(_local_path(local, self.node),
                                                          self._fsync)
@@ -294,6 +326,9 @@ class CheckpointManager:
         self.last_save: SaveInfo | None = None
         self.last_restore: RestoreInfo | None = None
         self.last_persisted: int | None = None
+        if self.tier is None:  # durable only: refuse another job's tier before any save
+            agree(self.store.check_job, self._group, ranks="root",
+                  what=f"checking the job of {self.store.url}")
 
     # -- public API --------------------------------------------------------------------------
 
@@ -378,40 +413,72 @@ class CheckpointManager:
         tier lacked, and data files of that step still held by some node are read from there
         (only the others are fetched from the durable tier). ``last_restore`` says where this
         rank's bytes came from.
+
+        Damaged fast-tier copies (a data file that does not match its metadata or fails its
+        checksums, an unreadable ``pyckpt.json``) are set aside on their node as
+        ``<name>.damaged``, each named in a :class:`pyckpt.TierWarning` and in
+        ``last_restore.skipped``, and the next good source is used: the replica on another
+        node, else an older complete step or the durable tier. When the fast tier has a
+        complete step, the durable listing gives up after :data:`DURABLE_LIST_DEADLINE_S`; a
+        durable tier that could not be listed is named in a ``TierWarning`` and the fast-tier
+        step is restored.
+
+        Raises:
+            JobMismatchError: the durable tier belongs to another job (see ``job``).
         """
         self._check_open()
         self._drain()
-        g = self._group
-        views: dict[int, StepView] = {}
-        durable: dict[int, bool] | None = None
-        error: BaseException | None = None
-        try:
-            if self.tier is not None:
-                views = self.tier.scan()
-            if g.rank == 0:
-                durable = self.store.list_steps()
-        except Exception as e:
-            error = e
-        gathered = all_gather((views, durable, None if error is None else portable(error)), g)
-        _raise_any([e for _, _, e in gathered], g.rank, error, "listing the checkpoint tiers")
-        all_views = [v for v, _, _ in gathered]
-        durable_steps = sorted(s for s, done in (gathered[0][1] or {}).items() if done)
+        skipped: list[str] = []
+        all_views = self._gather_views(skipped)
         fast, lacked = self._fast_steps(all_views)
-        best_fast = max(fast) if fast else None
-        best_durable = durable_steps[-1] if durable_steps else None
-        if best_fast is None and best_durable is None:
-            self.last_restore = RestoreInfo(None, fast_tier_lacked=lacked)
-            return None
-        if best_fast is not None and (best_durable is None or best_fast >= best_durable):
-            info = self._load_fast(state, best_fast, fast[best_fast].save_id)
-        else:
-            assert best_durable is not None
-            if self.tier is not None:
-                warnings.warn(TierWarning(
-                    f"pyckpt: restoring step {best_durable} from the durable tier "
-                    f"{self.store.step_location(best_durable)}: {lacked}"), stacklevel=2)
-            info = self._load_durable(state, best_durable, all_views)
-            info.fast_tier_lacked = lacked if self.tier is not None else None
+        durable_steps, unlisted = self._list_durable(bool(fast))
+        if unlisted is not None:
+            warnings.warn(TierWarning(
+                f"pyckpt: the durable steps of {self.store.url} could not be listed within "
+                f"{DURABLE_LIST_DEADLINE_S:g} s ({unlisted}); restoring the newest complete "
+                "fast-tier step (a newer durable step may exist)"), stacklevel=2)
+        failed: set[int] = set()  # fast-tier steps that could not be loaded whole
+        while True:
+            best_fast = max(fast) if fast else None
+            best_durable = durable_steps[-1] if durable_steps else None
+            if best_fast is None and unlisted is not None:
+                # Every fast-tier candidate failed: the durable tier is all that is left.
+                durable_steps, unlisted = self._list_durable(False)
+                continue
+            if best_fast is None and best_durable is None:
+                self.last_restore = RestoreInfo(None, fast_tier_lacked=lacked, skipped=skipped)
+                return None
+            if best_fast is not None and (best_durable is None or best_fast >= best_durable):
+                try:
+                    info = self._load_fast(state, best_fast, fast[best_fast].save_id)
+                except Exception as e:
+                    if not _damage(e):
+                        raise
+                    found = self._set_aside_damaged(best_fast, e)
+                    skipped.extend(found)
+                    if not found:
+                        failed.add(best_fast)
+                        skipped.append(f"fast-tier step {best_fast} could not be loaded: "
+                                       f"{type(e).__name__}: {e}")
+                    warnings.warn(TierWarning(
+                        f"pyckpt: restoring fast-tier step {best_fast} failed: "
+                        + "; ".join(found or skipped[-1:]) + "; trying the next source"),
+                        stacklevel=2)
+                    all_views = self._gather_views(skipped)
+                    fast, lacked = self._fast_steps(all_views)
+                    for f in failed:
+                        fast.pop(f, None)
+                    continue
+            else:
+                assert best_durable is not None
+                if self.tier is not None:
+                    warnings.warn(TierWarning(
+                        f"pyckpt: restoring step {best_durable} from the durable tier "
+                        f"{self.store.step_location(best_durable)}: {lacked}"), stacklevel=2)
+                info = self._load_durable(state, best_durable, all_views)
+                info.fast_tier_lacked = lacked if self.tier is not None else None
+            break
+        info.skipped[:0] = skipped
         self._drop_newer(info.step)
         self.last_restore = info
         return info.step
@@ -700,6 +767,101 @@ class CheckpointManager:
 
     # -- restore -----------------------------------------------------------------------------
 
+    def _gather_views(self, skipped: list[str]) -> list[dict[int, StepView]]:
+        """What every rank sees of its node's fast tier (one all-gather). Copies the scan found
+        damaged (a data file that does not match its metadata, a ``pyckpt.json`` that cannot
+        be read) are set aside on their node, each named in a ``TierWarning`` and in
+        ``skipped``: the views already leave them out."""
+        g = self._group
+        views: dict[int, StepView] = {}
+        error: BaseException | None = None
+        try:
+            if self.tier is not None:
+                views = self.tier.scan()
+        except Exception as e:
+            error = e
+        gathered = all_gather((views, None if error is None else portable(error)), g)
+        _raise_any([e for _, e in gathered], g.rank, error, "listing the fast tier")
+        all_views = [v for v, _ in gathered]
+        tier = self.tier
+        found: list[tuple[int, int, str, str, str]] = []  # (rank, step, name, path, why)
+        for r, v in enumerate(all_views):
+            if self.nodes.index(self.nodes[r]) != r:
+                continue  # a node's first rank speaks for it
+            for s, view in sorted(v.items()):
+                bad = dict(view.damaged)
+                if view.metadata_error is not None:
+                    bad[_format.METADATA_FILE] = view.metadata_error
+                found += [(r, s, n, os.path.join(view.path, n), why)
+                          for n, why in sorted(bad.items())]
+        if not found or tier is None:
+            return all_views
+
+        def set_aside() -> None:
+            for r, s, name, _, _ in found:
+                if r == g.rank:
+                    tier.set_aside(s, name)
+
+        agree(set_aside, g, what="setting damaged fast-tier copies aside")
+        for r, s, _, path, why in found:
+            line = (f"node {self.nodes[r]!r}: {path} is damaged ({why}); set aside as "
+                    f"{path}{DAMAGED_SUFFIX}")
+            skipped.append(line)
+            warnings.warn(TierWarning(f"pyckpt: fast-tier step {s}: {line}; the restore uses "
+                                      "the next good copy"), stacklevel=3)
+        return all_views
+
+    def _list_durable(self, have_fast: bool) -> tuple[list[int], str | None]:
+        """The committed durable steps (listed by rank 0, after checking the tier's job) and,
+        when ``have_fast`` (a fast-tier step to fall back on) and the listing failed or took
+        longer than :data:`DURABLE_LIST_DEADLINE_S`, why (with no steps). Without a fast-tier
+        step the listing waits the backend's full retry budget and its failure is raised."""
+        deadline = DURABLE_LIST_DEADLINE_S if have_fast else None
+
+        def listing() -> tuple[list[int], str | None]:
+            try:
+                self.store.check_job(deadline)
+                listed = self.store.list_steps(deadline)
+            except JobMismatchError:
+                raise
+            except Exception as e:
+                if deadline is None:
+                    raise
+                return [], f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
+            return sorted(s for s, done in listed.items() if done), None
+
+        got, _ = agree(listing, self._group, ranks="root",
+                       what=f"listing the durable steps of {self.store.url}")
+        assert got is not None
+        return got
+
+    def _set_aside_damaged(self, step: int, error: BaseException) -> list[str]:
+        """After a failed load of fast-tier ``step``: each node checks its copies of the step
+        (``pyckpt.json`` and every data file) and sets aside the damaged ones, so the next
+        attempt reads a replica (or, with none left, falls back to an older step or the
+        durable tier). Returns sentences naming each copy set aside (the same on every rank)."""
+        tier = self.tier
+        assert tier is not None
+
+        def check() -> list[str]:
+            out: list[str] = []
+            if not self._leader:
+                return out
+            view = tier.view(step)
+            bad = dict(view.damaged)
+            if view.metadata_error is not None:
+                bad[_format.METADATA_FILE] = view.metadata_error
+            else:
+                bad.update(tier.damaged_files(step))
+            for name, why in sorted(bad.items()):
+                path = tier.set_aside(step, name)
+                out.append(f"node {self.node!r}: {tier.file_path(step, name)} is damaged "
+                           f"({why}); set aside as {path}")
+            return out
+
+        _, found = agree(check, self._group, what=f"checking fast-tier step {step}'s copies")
+        return [line for lines in found for line in lines]
+
     def _fast_steps(self, views: Sequence[dict[int, StepView]]) -> tuple[dict[int, _FastStep], str]:
         """Fast-tier steps complete considering the surviving nodes, and why the newest step
         the fast tier has any trace of is not (a sentence for the warning)."""
@@ -765,7 +927,8 @@ class CheckpointManager:
     def _load_fast(self, state: Any, step: int, save_id: str) -> RestoreInfo:
         info = RestoreInfo(step, "fast")
         self._prepare_dirs(step, save_id)
-        self._node_local_load(state, step, info)
+        agree(lambda: self._node_local_load(state, step, info), self._group,
+              what=f"restoring fast-tier step {step}")
         return info
 
     def _load_durable(self, state: Any, step: int,

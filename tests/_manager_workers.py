@@ -229,10 +229,21 @@ def main(spec_path: str) -> None:
                                    storage_options=spec.get("storage_options"), **options)
     if spec["action"] == "train":
         futures = []
-        for step in spec["steps"]:
-            fut = mgr.save(step, make_state(step, world, device=device))
-            futures.append(None if fut is None else step)
-        mgr.wait()
+        try:
+            for step in spec["steps"]:
+                fut = mgr.save(step, make_state(step, world, device=device))
+                futures.append(None if fut is None else step)
+            mgr.wait()
+        except Exception as e:
+            if not spec.get("record_error"):
+                raise
+            out["error"] = {"type": type(e).__name__, "errno": getattr(e, "errno", None),
+                            "filename": getattr(e, "filename", None), "text": str(e)}
+            mgr.close()
+            with open(os.path.join(root, "results", f"{spec['tag']}-{rank}.json"), "w") as fh:
+                json.dump(out, fh)
+            dist.destroy_process_group()
+            return
         out["saved"] = [s for s in futures if s is not None]
         out["footprint"] = mgr.footprint()
         out["last_save"] = vars(mgr.last_save) if mgr.last_save else None

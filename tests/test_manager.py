@@ -8,8 +8,10 @@ nodes, pieces and processes, and check every restore bit for bit.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -62,7 +64,8 @@ def _marked(tmp: Path) -> list[int]:
 
 def _committed(tmp: Path) -> list[int]:
     d = tmp / "durable"
-    return sorted(int(p.name[5:]) for p in d.iterdir() if (p / METADATA_FILE).is_file())
+    return sorted(int(p.name[5:]) for p in d.iterdir()
+                  if p.name.startswith("step-") and (p / METADATA_FILE).is_file())
 
 
 def _train(mgr: pyckpt.CheckpointManager, steps: range) -> list[int]:
@@ -141,6 +144,87 @@ def test_a_lost_data_file_is_read_from_durable(tmp_path: Path) -> None:
         assert mgr.store.direct_loads == 1 and mgr.store.data_files_fetched == 0
         assert mgr.store.data_bytes_read == size
         assert mgr.last_restore is not None and mgr.last_restore.bytes_durable == size
+
+
+def _damage(path: Path, how: str) -> None:
+    if how == "flip":
+        data = bytearray(path.read_bytes())
+        data[len(data) // 2] ^= 0x40
+        path.write_bytes(bytes(data))
+    else:
+        os.truncate(path, path.stat().st_size // 2)
+
+
+@pytest.mark.parametrize("how", ["flip", "truncate"])
+@pytest.mark.parametrize("persisted", [True, False])
+def test_a_damaged_fast_tier_file_is_set_aside_for_the_next_good_source(
+    tmp_path: Path, how: str, persisted: bool
+) -> None:
+    # One node, no replica: a damaged data file of step 8 leaves the durable copy of step 8
+    # (only that file is fetched) or, when step 8 was not persisted, the older fast step 6.
+    kw: dict[str, Any] = {"persist_every": 4 if persisted else 100}
+    with _mgr(tmp_path, **kw) as mgr:
+        _train(mgr, range(10))
+    step_dir = tmp_path / "local" / "step-8"
+    name = sorted(n for n in os.listdir(step_dir) if is_data_file(n))[0]
+    _damage(step_dir / name, how)
+    with _mgr(tmp_path, **kw) as mgr:
+        sd = _state(0, zeros=True)
+        with pytest.warns(pyckpt.TierWarning) as caught:
+            got = mgr.restore(sd)
+        assert got == (8 if persisted else 6)
+        assert _same(sd, _state(got))
+        text = " | ".join(str(w.message) for w in caught)
+        assert f"{step_dir / name} is damaged" in text and "node " in text, text
+        if persisted:  # set aside, not deleted (a restore of step 6 drops step 8 as newer)
+            assert (step_dir / f"{name}.damaged").is_file()
+        info = mgr.last_restore
+        assert info is not None and any(name in s for s in info.skipped), info
+        if persisted:
+            # (one process writes one data file: none of step 8 is left, read directly)
+            assert info.tier == "durable" and mgr.store.direct_loads == 1
+        else:
+            assert info.tier == "fast" and mgr.store.data_bytes_read == 0
+    with _mgr(tmp_path, **kw) as mgr, warnings.catch_warnings():  # the next restart too
+        warnings.simplefilter("ignore", pyckpt.TierWarning)
+        sd = _state(0, zeros=True)
+        assert mgr.restore(sd) == got and _same(sd, _state(got))
+
+
+def test_a_second_job_on_one_durable_tier_is_refused(tmp_path: Path) -> None:
+    with _mgr(tmp_path, job="A") as a:
+        _train(a, range(10))
+    assert (tmp_path / "durable" / _tier_io.JOB_DIR / METADATA_FILE).is_file()
+    before = _committed(tmp_path)
+    assert before == [4, 8]
+    # Job B, its own fast tier, the same durable tier: its restore never returns A's step 8...
+    for job in ("B", None):
+        with _mgr(tmp_path, local=tmp_path / "local-b", job=job) as b:
+            with pytest.raises(pyckpt.JobMismatchError, match="job 'A'") as ei:
+                b.restore(_state(0, zeros=True))
+            assert ei.value.owner == "A" and ei.value.job == job
+            assert ei.value.location == str(tmp_path / "durable")
+    # ...and its persistence writes nothing there (its retention would delete A's steps).
+    b = _mgr(tmp_path, local=tmp_path / "local-b", job="B")
+    try:
+        with pytest.raises(pyckpt.JobMismatchError, match="'A'.*'B'"):
+            for s in range(10):
+                b.save(s, _state(100 + s))
+            b.wait()
+    finally:
+        with contextlib.suppress(pyckpt.JobMismatchError):
+            b.close()
+    assert _committed(tmp_path) == before
+    assert not [p for p in (tmp_path / "durable").rglob("*") if "100" in p.name]
+    with pytest.raises(pyckpt.JobMismatchError, match="job 'A'"):  # durable only: at once
+        pyckpt.CheckpointManager(tmp_path / "durable", job="B", fsync=False)
+    # Job A restarts (on new machines) and gets its own step back.
+    shutil.rmtree(tmp_path / "local")
+    with _mgr(tmp_path, job="A") as a:
+        sd = _state(0, zeros=True)
+        with pytest.warns(pyckpt.TierWarning, match="step 8"):
+            assert a.restore(sd) == 8
+        assert _same(sd, _state(8))
 
 
 def test_budget_refuses_a_save_before_writing(tmp_path: Path) -> None:
@@ -555,6 +639,62 @@ def test_nodes_sharing_a_file_system_lose_one_node_with_local_per_node(tmp_path:
             assert info["bytes_peer"] == 0 and info["bytes_local"] > 0, res
 
 
+@multinode
+def test_damaged_fast_tier_copies_are_skipped_for_the_replica(tmp_path: Path) -> None:
+    # Node 0's own copy of rank 0's file of step 3 has a flipped byte, and node 1's
+    # pyckpt.json of step 3 is garbage: the restore reads rank 0's file from node 1's replica
+    # and node 1 uses node 0's metadata, bit-exact, with warnings naming both copies. (Durable
+    # step 3 does not exist: persist_every=2.)
+    spec = {"manager": _FAST, "local_per_node": True, "namespace": False}
+    _run(tmp_path, "train", "train", steps=[1, 2, 3], **spec)
+    own = sorted(n for n in _files(_node_dir(tmp_path, 0, 3)) if data_file_rank(n) == 0)
+    assert len(own) == 1 and own[0] in _files(_node_dir(tmp_path, 1, 3))  # replicated
+    _damage(_node_dir(tmp_path, 0, 3) / own[0], "flip")
+    (_node_dir(tmp_path, 1, 3) / METADATA_FILE).write_bytes(b"{not json")
+    _run(tmp_path, "restore", "restore", **spec)
+    for r in range(WORLD):
+        res = result(str(tmp_path), "restore", r)
+        assert res["step"] == 3 and res["bad"] == [] and res["info"]["tier"] == "fast", res
+        text = " | ".join(m for _, m in res["warnings"])
+        assert {w[0] for w in res["warnings"]} == {"TierWarning"}, res["warnings"]
+        assert f"{_node_dir(tmp_path, 0, 3) / own[0]} is damaged" in text, text
+        assert f"{_node_dir(tmp_path, 1, 3) / METADATA_FILE} is damaged" in text, text
+        assert res["durable_data_bytes_read"] == 0
+    assert (_node_dir(tmp_path, 0, 3) / f"{own[0]}.damaged").is_file()
+    assert (_node_dir(tmp_path, 1, 3) / f"{METADATA_FILE}.damaged").is_file()
+
+
+@multinode
+def test_a_full_disk_while_receiving_a_replica_names_the_file_node_and_step(
+    tmp_path: Path,
+) -> None:
+    # Node 1's fast tier is a tmpfs with room for its own rank's files but not for the
+    # replica of node 0's: the error keeps its errno and names the file, the node and the step.
+    import subprocess
+
+    from _manager_workers import launch
+
+    if _REFUSAL is not None:
+        pytest.skip(_REFUSAL)
+    n1 = tmp_path / "nodes" / "n1"
+    n1.mkdir(parents=True)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16k", "tmpfs", str(n1)], check=True)
+    try:
+        spec = {"manager": dict(_FAST, persist_every=100), "local_per_node": True,
+                "namespace": False, "record_error": True, "tag": "train", "action": "train",
+                "steps": [1]}
+        codes = launch(str(tmp_path), 2, 1, spec)
+        assert codes == [0, 0], [log_of(str(tmp_path), "train", r) for r in range(2)]
+        errors = [result(str(tmp_path), "train", r).get("error") for r in range(2)]
+    finally:
+        subprocess.run(["umount", "-l", str(n1)], check=False)
+    mine = errors[1]
+    assert mine is not None and mine["type"] == "OSError" and mine["errno"] == 28, errors
+    assert mine["filename"].startswith(str(n1 / "step-1") + os.sep), mine
+    assert "step 1" in mine["text"] and "node '1'" in mine["text"] and "rank 0" in mine["text"]
+    assert errors[0] is not None and errors[0]["errno"] == 28, errors  # raised on every rank
+
+
 def _s3_durable(request: pytest.FixtureRequest, kind: str) -> tuple[str | None, Any]:
     if kind == "dir":
         return None, None
@@ -563,6 +703,40 @@ def _s3_durable(request: pytest.FixtureRequest, kind: str) -> tuple[str | None, 
     srv = started("tiers")
     request.addfinalizer(srv.close)
     return "s3://tiers/run-1", srv.storage_options()
+
+
+def test_durable_tier_down_or_frozen_restores_the_fast_tier_with_a_warning(
+    tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
+    import signal
+    import time
+
+    from _s3server import started
+
+    srv = started("tiers")
+    request.addfinalizer(srv.close)
+    kw: dict[str, Any] = {"storage_options": srv.storage_options(), "job": "A"}
+    with pyckpt.CheckpointManager("s3://tiers/run-1", local=tmp_path / "local", replicas=0,
+                                  save_every=2, persist_every=4, fsync=False, **kw) as mgr:
+        _train(mgr, range(10))
+        assert mgr.steps() == {"local": [6, 8], "durable": [0, 4, 8]}
+    for how in ("frozen", "down"):
+        if how == "frozen":
+            os.killpg(srv.proc.pid, signal.SIGSTOP)
+        else:
+            os.killpg(srv.proc.pid, signal.SIGCONT)
+            srv.kill()
+        with pyckpt.CheckpointManager("s3://tiers/run-1", local=tmp_path / "local", replicas=0,
+                                      save_every=2, persist_every=4, fsync=False, **kw) as mgr:
+            sd = _state(0, zeros=True)
+            t0 = time.monotonic()
+            with pytest.warns(pyckpt.TierWarning, match="could not be listed") as caught:
+                assert mgr.restore(sd) == 8
+            elapsed = time.monotonic() - t0
+            assert _same(sd, _state(8))
+            assert "s3://tiers/run-1" in str(caught[0].message)
+            assert mgr.last_restore is not None and mgr.last_restore.tier == "fast"
+            assert elapsed < 30, (how, elapsed)  # the listing gives up after 10 s
 
 
 @multinode

@@ -233,3 +233,50 @@ def test_a_store_that_stays_stalled_fails_typed_naming_the_url(s3: Any, proxy: A
     # two attempts (one retry) of 1 s each, plus one re-issue by pyckpt of the same.
     assert time.monotonic() - t0 < 25
     assert proxy.stalled >= 2
+
+
+# ----------------------------------------------------------------------------- after the commit
+
+
+def test_clean_up_after_the_commit_does_not_wait_for_a_store_that_went_down(
+    s3: Any, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A save whose store goes down right after its metadata PUT is committed: removing the
+    earlier save's objects gives up within seconds (it once retried for minutes), logs what it
+    left, and the next save removes them."""
+    from pyckpt.backends.s3 import S3Backend
+
+    url = f"s3://{BUCKET}/c-{uuid.uuid4().hex[:8]}"
+    prefix = url.split("/", 3)[3]
+    small = {"w": torch.arange(1000, dtype=torch.float32)}
+    pyckpt.save(small, url)
+    first = set(s3.keys(BUCKET, prefix + "/"))
+    real = S3Backend.put_metadata
+    killed: list[bool] = []
+
+    def put_metadata(self: Any, encoded: bytes, state: Any) -> None:
+        real(self, encoded, state)
+        if not killed:
+            killed.append(True)
+            s3.kill()  # committed; the store is gone before the clean-up starts
+
+    monkeypatch.setattr(S3Backend, "put_metadata", put_metadata)
+    sd = {"w": torch.arange(1000, dtype=torch.float32) * 2}
+    t0 = time.monotonic()
+    try:
+        with caplog.at_level("WARNING", logger="pyckpt"):
+            pyckpt.save(sd, url)
+        elapsed = time.monotonic() - t0
+    finally:
+        monkeypatch.setattr(S3Backend, "put_metadata", real)
+        s3.start()
+    assert killed
+    assert elapsed < 30, elapsed  # the clean-up's requests give up after 5 s (was ~130 s)
+    assert any("committed" in r.getMessage() and "left for the next save" in r.getMessage()
+               and prefix in r.getMessage() for r in caplog.records), caplog.text
+    out = {"w": torch.zeros(1000)}
+    pyckpt.load(out, url)
+    assert torch.equal(out["w"], sd["w"])  # the committed save is the one restored
+    assert first & set(s3.keys(BUCKET, prefix + "/")) - {f"{prefix}/pyckpt.json"}  # left
+    pyckpt.save(sd, url)  # the next save removes them
+    assert not first & set(s3.keys(BUCKET, prefix + "/")) - {f"{prefix}/pyckpt.json"}

@@ -288,6 +288,10 @@ def is_stale(name: str, keep: Iterable[str] | set[str], metadata_temps: bool = T
     return False
 
 
+#: Seconds each request of the clean-up after a commit may take, retries included, on a
+#: backend that reaches a remote store (``with_deadline``).
+CLEAN_UP_DEADLINE_S = 5.0
+
 _warned: set[tuple[str, str]] = set()
 _warned_lock = threading.Lock()
 
@@ -308,19 +312,25 @@ def _warn_once(backend: Backend, e: BaseException) -> None:
 
 
 def clean_up(backend: Backend, keep: Iterable[str], *, metadata_temps: bool = True) -> list[str]:
-    """Removes what a committed save made stale (:func:`is_stale`). Never raises: the save is
-    committed; a failure is logged once per location and error type, and what is left is
-    removed by the next save. Returns the names removed.
+    """Removes what a committed save made stale (:func:`is_stale`). Never raises, and never
+    waits long: the save is committed; on a remote store each request gives up after
+    :data:`CLEAN_UP_DEADLINE_S` (retries included), a failure is logged once per location and
+    error type, and what is left is removed by the next save. Returns the names removed.
 
     ``metadata_temps=False`` leaves temp files of the metadata alone: a caller that does not
     hold the place's lock (a node-local rank writing its copy while another rank of its node
     writes the same copy) must not remove another writer's temp file mid-write.
     """
     keep = set(keep)
+    # A backend whose requests may wait on a remote store (retries over minutes) is used
+    # through a client that gives up soon: the save is committed, and a store that went down
+    # right after must not hold the caller; what is left is removed by the next save.
+    quick = getattr(backend, "with_deadline", None)
+    target = quick(CLEAN_UP_DEADLINE_S) if quick is not None else backend
     try:
-        stale = [n for n in backend.list_names() if is_stale(n, keep, metadata_temps)]
+        stale = [n for n in target.list_names() if is_stale(n, keep, metadata_temps)]
         if stale:
-            backend.delete(stale)
+            target.delete(stale)
         return stale
     except Exception as e:
         _warn_once(backend, e)

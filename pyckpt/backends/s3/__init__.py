@@ -118,6 +118,16 @@ class S3Backend:
     def delete(self, names: Iterable[str]) -> None:
         self.loc.delete(names)
 
+    def with_deadline(self, seconds: float) -> S3Backend:
+        """The same prefix through a client that gives up after about ``seconds`` per request
+        (its retries included), for work that must not hold the caller once a save is
+        committed (:func:`~pyckpt.backends.base.clean_up`): a store that went down is not
+        waited for with the save's retry budget."""
+        options = dict(self.loc.storage_options)
+        options.update(max_retries=2, retry_timeout=seconds, timeout=f"{seconds:g}s",
+                       connect_timeout=f"{min(seconds, 5.0):g}s")
+        return S3Backend(self.location, options, part_bytes=self.part_bytes)
+
     # -- load ------------------------------------------------------------------------------
 
     def fetcher(self) -> Fetcher:
