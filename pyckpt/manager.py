@@ -401,9 +401,18 @@ class CheckpointManager:
         return fut
 
     @_peer_typed("_group", "CheckpointManager.restore")
-    def restore(self, state: Any) -> int | None:
+    def restore(self, state: Any, *, allow_partial: bool = False) -> int | None:
         """Loads the newest step complete in any tier into ``state`` (in place); returns the
         step, or None when no tier holds a complete step.
+
+        ``state`` is what :meth:`save` was given: a state dict whose top-level models and
+        optimizers (``{"model": model, "optim": optim, "step": 0}``) are loaded through
+        ``torch.distributed.checkpoint.state_dict`` (a fresh optimizer's state is created
+        first, so its moments are loaded) and updated in place, as are other ``Stateful``
+        values and the top-level values of ``state``. A load that would leave stored entries
+        unloaded under a key ``state`` holds (a fresh ``optim.state_dict()``, whose ``state``
+        is empty) raises :class:`pyckpt.PartialLoadError` on every rank before loading
+        anything, unless ``allow_partial``.
 
         The ranks agree on what each sees (one all-gather): a fast-tier step counts when its
         completion marker survives on some node and every data file is held by a surviving
@@ -425,9 +434,11 @@ class CheckpointManager:
 
         Raises:
             JobMismatchError: the durable tier belongs to another job (see ``job``).
+            PartialLoadError: see above.
         """
         self._check_open()
         self._drain()
+        dest, apply = _stateful.to_load(state)
         skipped: list[str] = []
         all_views = self._gather_views(skipped)
         fast, lacked = self._fast_steps(all_views)
@@ -450,7 +461,8 @@ class CheckpointManager:
                 return None
             if best_fast is not None and (best_durable is None or best_fast >= best_durable):
                 try:
-                    info = self._load_fast(state, best_fast, fast[best_fast].save_id)
+                    info = self._load_fast(dest, best_fast, fast[best_fast].save_id,
+                                           allow_partial)
                 except Exception as e:
                     if not _damage(e):
                         raise
@@ -475,10 +487,11 @@ class CheckpointManager:
                     warnings.warn(TierWarning(
                         f"pyckpt: restoring step {best_durable} from the durable tier "
                         f"{self.store.step_location(best_durable)}: {lacked}"), stacklevel=2)
-                info = self._load_durable(state, best_durable, all_views)
+                info = self._load_durable(dest, best_durable, all_views, allow_partial)
                 info.fast_tier_lacked = lacked if self.tier is not None else None
             break
         info.skipped[:0] = skipped
+        apply()
         self._drop_newer(info.step)
         self.last_restore = info
         return info.step
@@ -911,28 +924,30 @@ class CheckpointManager:
         agree(drop_stale, g, what=f"preparing to restore step {step}")
         agree(lambda: tier.ensure(step), g, what=f"preparing to restore step {step}")
 
-    def _node_local_load(self, state: Any, step: int, info: RestoreInfo) -> None:
+    def _node_local_load(self, state: Any, step: int, info: RestoreInfo,
+                         allow_partial: bool) -> None:
         assert self.tier is not None
         g = self._group
         # Not cooperative: each piece comes from this node's copy or from one holder's, and
         # last_restore reports local / peer bytes per rank (a cooperative read would mix them).
         reader = Reader(self.tier.step_dir(step), shared_filesystem=False,
-                        process_group=g.pg, cooperative=False)
+                        process_group=g.pg, cooperative=False, allow_partial=allow_partial)
         with reader, _single_process_quiet(), _typed_errors():
             dcp.load(state, storage_reader=reader, planner=load_planner(),
                      process_group=g.pg)
         info.bytes_peer = reader.bytes_from_peers
         info.bytes_local = max(0, reader.bytes_read - reader.bytes_from_peers)
 
-    def _load_fast(self, state: Any, step: int, save_id: str) -> RestoreInfo:
+    def _load_fast(self, state: Any, step: int, save_id: str,
+                   allow_partial: bool) -> RestoreInfo:
         info = RestoreInfo(step, "fast")
         self._prepare_dirs(step, save_id)
-        agree(lambda: self._node_local_load(state, step, info), self._group,
+        agree(lambda: self._node_local_load(state, step, info, allow_partial), self._group,
               what=f"restoring fast-tier step {step}")
         return info
 
-    def _load_durable(self, state: Any, step: int,
-                      views: Sequence[dict[int, StepView]]) -> RestoreInfo:
+    def _load_durable(self, state: Any, step: int, views: Sequence[dict[int, StepView]],
+                      allow_partial: bool) -> RestoreInfo:
         info = RestoreInfo(step, "durable")
         g = self._group
         partial = self.tier is not None and any(v[step].present for v in views if step in v)
@@ -951,7 +966,7 @@ class CheckpointManager:
             held = {n for v in views if step in v for n in v[step].present if n in files}
             partial = bool(held)
         if not partial:
-            with Reader(self.store.step_location(step),
+            with Reader(self.store.step_location(step), allow_partial=allow_partial,
                         storage_options=self.store.storage_options or None) as reader, \
                     _single_process_quiet(), _typed_errors():
                 dcp.load(state, storage_reader=reader, planner=load_planner(),
@@ -985,7 +1000,7 @@ class CheckpointManager:
         fetched, _ = agree(fetch, g, what=f"fetching step {step}'s lost files from "
                                           f"{self.store.url}")
         info.bytes_durable = fetched or 0
-        self._node_local_load(state, step, info)
+        self._node_local_load(state, step, info, allow_partial)
         return info
 
     def _drop_newer(self, step: int | None) -> None:

@@ -189,3 +189,65 @@ def _fresh_optimizer_on_every_rank(rank: int, world: int, path: str) -> str:
 def test_every_rank_raises(tmp_path: Path) -> None:
     assert run_distributed(_fresh_optimizer_on_every_rank, 2, str(tmp_path / "ck")) == [
         "optim.state", "optim.state"]
+
+
+# -- CheckpointManager -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("fast_tier", [True, False])
+def test_manager_restore_of_a_fresh_optimizer_state_dict_raises(
+    tmp_path: Path, fast_tier: bool
+) -> None:
+    local = str(tmp_path / "fast") if fast_tier else None
+    model, optim = _trained()
+    with pyckpt.CheckpointManager(tmp_path / "durable", local, replicas=0) as mgr:
+        mgr.save(3, {"model": model.state_dict(), "optim": optim.state_dict()})
+    model, optim = _make()
+    state = {"model": model.state_dict(), "optim": optim.state_dict()}
+    with pyckpt.CheckpointManager(tmp_path / "durable", local, replicas=0) as mgr:
+        with pytest.raises(pyckpt.PartialLoadError, match=r"'optim\.state'"):
+            mgr.restore(state)
+        assert mgr.restore(state, allow_partial=True) == 3
+    trained, _ = _trained()
+    for k, v in trained.state_dict().items():
+        assert torch.equal(model.state_dict()[k], v), k
+
+
+@pytest.mark.parametrize("fast_tier", [True, False])
+def test_manager_takes_the_model_and_optimizer_and_resumes_bit_identically(
+    tmp_path: Path, fast_tier: bool
+) -> None:
+    local = str(tmp_path / "fast") if fast_tier else None
+    model, optim = _make()
+    expected = _train(model, optim, 6)
+
+    model, optim = _make()
+    _train(model, optim, 3)
+    with pyckpt.CheckpointManager(tmp_path / "durable", local, replicas=0) as mgr:
+        mgr.save(3, {"model": model, "optim": optim, "step": 3})
+    model, optim = _make()
+    state = {"model": model, "optim": optim, "step": 0}
+    with pyckpt.CheckpointManager(tmp_path / "durable", local, replicas=0) as mgr:
+        assert mgr.restore(state) == 3
+    assert state["step"] == 3 and state["model"] is model and state["optim"] is optim
+    assert _train(model, optim, 3) == expected[3:]
+
+
+def _manager_objects_on_two_nodes(rank: int, world: int, root: str) -> list[float]:
+    model, optim = _make()
+    _train(model, optim, 3)
+    local = root + "/fast-{node}"
+    with pyckpt.CheckpointManager(root + "/durable", local, replicas=1, node=rank) as mgr:
+        mgr.save(3, {"model": model, "optim": optim})
+    model, optim = _make()
+    with pyckpt.CheckpointManager(root + "/durable", local, replicas=1, node=rank) as mgr:
+        assert mgr.restore({"model": model, "optim": optim}) == 3
+        assert mgr.last_restore is not None and mgr.last_restore.tier == "fast"
+    return _train(model, optim, 3)
+
+
+def test_manager_objects_resume_on_two_nodes(tmp_path: Path) -> None:
+    model, optim = _make()
+    expected = _train(model, optim, 6)[3:]
+    assert run_distributed(_manager_objects_on_two_nodes, 2, str(tmp_path)) == [
+        expected, expected]
