@@ -20,7 +20,7 @@ import pytest
 
 pytest.importorskip("accelerate")
 
-from dist_utils import run_distributed  # noqa: E402
+from dist_utils import run_distributed
 
 pytestmark = pytest.mark.distributed
 
@@ -252,44 +252,45 @@ def _gpu_script(tmp: Path) -> str:
         from accelerate.utils import FullyShardedDataParallelPlugin
         from pyckpt.integrations import accelerate as integ
 
-        def run(install):
-            plugin = FullyShardedDataParallelPlugin(
-                fsdp_version=2, state_dict_type="SHARDED_STATE_DICT")
-            acc = Accelerator(fsdp_plugin=plugin)
-            assert acc.distributed_type.value == "FSDP", acc.distributed_type
-            handle = integ.install(acc) if install else None
-            def build(seed):
-                torch.manual_seed(seed)
-                m = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.ReLU(),
-                                        torch.nn.Linear(32, 1))
-                o = torch.optim.AdamW(m.parameters(), lr=1e-2)
-                return acc.prepare(m, o)
-            def train(m, o, steps):
-                out = []
-                for s in steps:
-                    g = torch.Generator().manual_seed(s)
-                    x, y = torch.randn(4, 8, generator=g), torch.randn(4, 1, generator=g)
-                    loss = ((m(x.cuda()) - y.cuda()) ** 2).mean()
-                    acc.backward(loss); o.step(); o.zero_grad(); out.append(loss.item())
-                return out
-            path = os.path.join({str(tmp)!r}, "pyckpt" if install else "accelerate")
+        plugin = FullyShardedDataParallelPlugin(
+            fsdp_version=2, state_dict_type="SHARDED_STATE_DICT")
+        acc = Accelerator(fsdp_plugin=plugin)
+        assert acc.distributed_type.value == "FSDP", acc.distributed_type
+
+        def build(seed):
+            acc.free_memory()
+            torch.manual_seed(seed)
+            m = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.ReLU(),
+                                    torch.nn.Linear(32, 1))
+            o = torch.optim.AdamW(m.parameters(), lr=1e-2)
+            return acc.prepare(m, o)
+
+        def train(m, o, steps):
+            out = []
+            for s in steps:
+                g = torch.Generator().manual_seed(s)
+                x, y = torch.randn(4, 8, generator=g), torch.randn(4, 1, generator=g)
+                loss = ((m(x.cuda()) - y.cuda()) ** 2).mean()
+                acc.backward(loss); o.step(); o.zero_grad(); out.append(loss.item())
+            return out
+
+        def run(name):
+            path = os.path.join({str(tmp)!r}, name)
             m, o = build(0)
             first = train(m, o, range({SAVE_AT}))
             acc.save_state(path)
             m, o = build(1)
             acc.load_state(path)
             losses = first + train(m, o, range({SAVE_AT}, {STEPS}))
-            files = sorted(os.listdir(os.path.join(path, "pytorch_model_fsdp_0")))
-            if handle:
-                handle.uninstall()
-            acc.free_memory()
-            return losses, files
-        straight = None
-        mine, mine_files = run(True)
-        theirs, their_files = run(False)
+            return losses, sorted(os.listdir(os.path.join(path, "pytorch_model_fsdp_0")))
+
+        straight = train(*build(0), range({STEPS}))
+        with integ.install(acc):
+            mine, mine_files = run("pyckpt")
+        theirs, their_files = run("accelerate")
         assert "pyckpt.json" in mine_files, mine_files
         assert ".metadata" in their_files, their_files
-        assert mine == theirs, (mine, theirs)
+        assert mine == theirs == straight, (mine, theirs, straight)
         print("OK", mine)
         """)
 
