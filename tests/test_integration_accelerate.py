@@ -306,3 +306,16 @@ def test_fsdp_save_state_on_gpu(tmp_path: Path) -> None:
                           text=True, timeout=300, cwd=tmp_path, env=env)
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "OK" in proc.stdout
+
+
+def test_docs_example_runs(tmp_path: Path) -> None:
+    import re
+
+    doc = Path(__file__).resolve().parent.parent / "docs" / "integrations" / "accelerate.md"
+    blocks = re.findall(r"^```python\n(.*?)^```$", doc.read_text(), re.S | re.M)
+    assert len(blocks) == 1
+    proc = _python(blocks[0], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    step = tmp_path / "ckpt" / "step-1"
+    assert (step / "pyckpt_state" / "pyckpt.json").is_file()
+    assert not (step / "model.safetensors").exists()
