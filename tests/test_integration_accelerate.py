@@ -230,13 +230,20 @@ def test_untested_version_warns_once(tmp_path: Path) -> None:
         import warnings
         import accelerate
         accelerate.__version__ = "1.99.0"
+        import accelerate.accelerator as aa
         from accelerate import Accelerator
         from pyckpt.integrations import accelerate as integ
-        acc, other = Accelerator(cpu=True), object()
+        acc = Accelerator(cpu=True)
+        before = (aa.save_fsdp_model, aa.save_accelerator_state, acc.save_state)
         with warnings.catch_warnings(record=True) as seen:
             warnings.simplefilter("always")
+            handle = integ.install(acc)
+            assert aa.save_fsdp_model is not before[0] and "save_state" in vars(acc)
+            handle.uninstall()
             integ.install(acc).uninstall()
-            integ.install(acc).uninstall()
+        # Uninstalled: accelerate's functions are back where they were looked up.
+        assert (aa.save_fsdp_model, aa.save_accelerator_state) == before[:2]
+        assert "save_state" not in vars(acc)
         mine = [w for w in seen if issubclass(w.category, integ.UntestedVersionWarning)]
         print(len(mine), mine[0].message if mine else "")
         """, tmp_path)
