@@ -33,13 +33,16 @@ from pyckpt.integrations.lightning import (  # noqa: E402
 )
 
 EPOCHS = 2
+# Read once: Lightning's teardown removes WORLD_SIZE from the environment.
+WORLD = int(os.environ["WORLD_SIZE"])
+RANK = int(os.environ["RANK"])
 
 
 def data() -> DataLoader:
     gen = torch.Generator().manual_seed(1)
-    x = torch.randn(32, 16, generator=gen)
+    x = torch.randn(32, 16, generator=gen)  # 2 steps per epoch on each of 2 ranks
     y = x @ torch.randn(16, 4, generator=gen) + 0.1 * torch.randn(32, 4, generator=gen)
-    return DataLoader(TensorDataset(x, y), batch_size=8, shuffle=False)  # 2 steps per rank
+    return DataLoader(TensorDataset(x, y), batch_size=8, shuffle=False)
 
 
 class Tiny(pl.LightningModule):
@@ -71,7 +74,8 @@ class Tiny(pl.LightningModule):
 def trainer(strategy: Any, ckpt_dir: str | None, plugins: list[Any] | None = None) -> pl.Trainer:
     callbacks = [] if ckpt_dir is None else [
         ModelCheckpoint(dirpath=ckpt_dir, save_top_k=-1, every_n_epochs=1)]
-    return pl.Trainer(accelerator="cpu", devices=2, strategy=strategy, plugins=plugins,
+    return pl.Trainer(accelerator=os.environ.get("PYCKPT_TEST_ACCELERATOR", "cpu"),
+                      devices=WORLD, strategy=strategy, plugins=plugins,
                       max_epochs=EPOCHS, callbacks=callbacks, logger=False,
                       enable_checkpointing=ckpt_dir is not None, enable_progress_bar=False,
                       enable_model_summary=False, num_sanity_val_steps=0, deterministic=True)
@@ -84,9 +88,17 @@ def run(make_strategy: Any, ckpt_dir: str, plugins: Any = None, parallel: bool =
     trainer(make_strategy(), ckpt_dir, plugins() if plugins else None).fit(full, data())
     first = os.path.join(ckpt_dir, sorted(os.listdir(ckpt_dir))[0])
     resumed = Tiny(parallel)
-    trainer(make_strategy(), None, plugins() if plugins else None).fit(
-        resumed, data(), ckpt_path=first)
-    return {"full": full.losses, "resumed": resumed.losses, "first": first}
+    again = trainer(make_strategy(), None, plugins() if plugins else None)
+    again.fit(resumed, data(), ckpt_path=first)
+    out = {"full": full.losses, "resumed": resumed.losses, "first": first}
+    options = getattr(again.strategy, "writer_options", None)
+    if options is not None:  # a pyckpt strategy: a save refused by the writer, as the user sees it
+        options["overwrite"] = False
+        try:
+            again.save_checkpoint(first)
+        except Exception as e:
+            out["refused"] = type(e).__name__
+    return out
 
 
 def stored(path: str) -> dict[str, Any]:
@@ -109,7 +121,7 @@ def ddp() -> dict[str, Any]:
     first = res["pyckpt"]["first"]
     res["stored"] = stored(first)
     # A plain pyckpt.load (one process) of weights and optimizer moments.
-    if int(os.environ["RANK"]) == 0:
+    if RANK == 0:
         model = Tiny()
         sd = {"state_dict": {k: torch.zeros_like(v) for k, v in model.state_dict().items()}}
         ref = torch.load(os.path.join(res["lightning"]["first"]), weights_only=True)
@@ -168,5 +180,5 @@ def model_parallel() -> dict[str, Any]:
 if __name__ == "__main__":
     scenario = sys.argv[1]
     result = {"ddp": ddp, "fsdp": fsdp, "model_parallel": model_parallel}[scenario]()
-    with open(os.path.join(sys.argv[2], f"{scenario}-{os.environ['RANK']}.json"), "w") as f:
+    with open(os.path.join(sys.argv[2], f"{scenario}-{RANK}.json"), "w") as f:
         json.dump(result, f)
