@@ -23,10 +23,10 @@ import pytest
 
 pytest.importorskip("lightning")
 
-import torch  # noqa: E402
-from _ports import free_port  # noqa: E402
+import torch
+from _ports import free_port
 
-import pyckpt  # noqa: E402
+import pyckpt
 
 lightning_mod = pytest.importorskip("pyckpt.integrations.lightning")
 

@@ -381,7 +381,8 @@ class PyckptFSDPStrategy(FSDPStrategy):
                  writer_options: Mapping[str, Any] | None = None,
                  state_dict_type: str = "sharded", **kwargs: Any) -> None:
         _check_version()
-        super().__init__(*args, state_dict_type=state_dict_type, **kwargs)  # type: ignore[arg-type]
+        kwargs["state_dict_type"] = state_dict_type
+        super().__init__(*args, **kwargs)
         self.writer_options = _writer_options(compression, writer_options)
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any,
