@@ -239,8 +239,8 @@ def _writer_options(compression: str | None,
 class PyckptCheckpointIO(CheckpointIO):
     """A Lightning ``CheckpointIO`` writing each checkpoint as a pyckpt checkpoint directory.
 
-    For the strategies that save through a ``CheckpointIO`` (single device, DDP, and FSDP with
-    ``state_dict_type="full"``): Lightning calls :meth:`save_checkpoint` on rank 0 only, so the
+    For the strategies that save through a ``CheckpointIO`` (single device, DDP; not FSDP's
+    ``state_dict_type="full"``, whose load expects a file): Lightning calls :meth:`save_checkpoint` on rank 0 only, so the
     save runs in that process alone; :meth:`load_checkpoint` runs on every rank.
 
         trainer = Trainer(plugins=[PyckptCheckpointIO(compression="zstd")], ...)
