@@ -42,8 +42,15 @@ if ! "$PY" -c 'import torch, sys; sys.exit(torch.__version__.split("+")[0] != "2
 fi
 
 echo "[pyckpt setup] building and installing pyckpt"
+# The build requirements live in the venv and the build runs without pip's isolated build
+# environment: an isolated one has a new temporary path on every run, its pybind11 include
+# directory changes every compile command, and ninja then rebuilds every object. Here the
+# build directory (build/<wheel tag>, pyproject.toml) is reused: a run with nothing changed
+# compiles nothing, a one-file change recompiles that file.
+"$PY" -m pip install -q --disable-pip-version-check "scikit-build-core>=0.11" "pybind11>=3" \
+  "cmake>=3.26" ninja 2>&1 | { grep -v "$QUIET_PIP" || true; }
 # The CUDA runtime test double (pyckpt/_testing) is built only on request: the tests need it.
-"$PY" -m pip install -q --disable-pip-version-check \
+PATH="$(dirname "$PY"):$PATH" "$PY" -m pip install -q --disable-pip-version-check --no-build-isolation \
   -Ccmake.define.PYCKPT_BUILD_TESTING_RUNTIME=ON ".[test,bench,model,demo,fuzz,sanitize,lint,s3,s3-test,s3-bench]" 2>&1 \
   | { grep -v "$QUIET_PIP" || true; }
 # Checked from outside the checkout, whose pyckpt/ (without the built _C) would shadow the install.
