@@ -772,9 +772,8 @@ def agree_then_root(
     that finishes last sends its report straight into the root's waiting buffer and is answered
     without waiting on another rank in between. An all-gather after ``fn`` waits on the idle
     ranks too: with gloo its last rank to arrive needs a message back from each rank that was
-    already waiting (and asleep), and on the 2-core VM the two rounds after a 19 MiB export's
-    copies took 1.2-1.6 ms against 0.56-0.63 ms for these messages (medians;
-    ``benchmarks/export_tail.py``, BENCHMARKS.md).
+    already waiting (and asleep): the two rounds after an export's copies took longer than these
+    messages (``benchmarks/export_tail.py``; BENCHMARKS.md, "The rounds after the copies").
 
     When the root itself finishes ``fn`` last, the reports are already in when it does, and
     only its answer is on the way to the end: one message instead of two. A caller that knows
@@ -921,8 +920,8 @@ class _Waiter:
     cannot come from the work's own timeout. The thread waits; the caller waits for each work
     with :meth:`wait`, bounded as a collective is (:func:`_wait_bounded`).
 
-    Reused from call to call (:meth:`acquire`, :meth:`release`): starting a thread cost 0.1 ms
-    of a 19 MiB export on the 2-core VM. A call that leaves a work unfinished (its peer was
+    Reused from call to call (:meth:`acquire`, :meth:`release`): starting a thread per call was
+    a measurable part of a small export (BENCHMARKS.md, "The rounds after the copies"). A call that leaves a work unfinished (its peer was
     lost) retires its waiter, whose thread may stay blocked in that work; concurrent calls get
     waiters of their own. The interpreter's exit ends the parked one (an exit handler
     registered after :mod:`pyckpt._daemons`'s runs before it).

@@ -12,8 +12,8 @@ The same holds per tensor: a save, load or export of a model with thousands of t
 handful of objects per tensor and chunk (write and read items, parsed metadata, stitcher items),
 and the collections they trigger walk every live object of the process, the training job's
 included. With 4,000 tensors of 16 KiB in one process (``benchmarks/many_tensors.py``) they
-were more than half of ``pyckpt.save`` (589-607 -> 260-278 ms), ``pyckpt.load`` (602-612 ->
-236-246 ms) and ``pyckpt.consolidate`` (350-357 -> 168-180 ms from a zstd checkpoint).
+were more than half of ``pyckpt.save``, ``pyckpt.load`` and ``pyckpt.consolidate``
+(BENCHMARKS.md, "Many tensors").
 So :func:`pyckpt.save`, :func:`pyckpt.load` and :func:`pyckpt.consolidate` pause the collector
 for the whole call (what they build dies with the call, before any collection walks it); the
 storage hooks DCP calls (local plans, ``write_data``, ``read_data``, metadata) and every read of

@@ -475,7 +475,7 @@ def reserve_pinned(
 ) -> int:
     """Allocates staging memory ahead, so that even the first ``async_save`` finds it ready.
 
-    Page-locking memory is slow (about 1.6 GB/s on an H100 host) and synchronises the device;
+    Page-locking memory is slow (BENCHMARKS.md, "GPU staging") and synchronises the device;
     call this once before training, with the state dict you will save (the same nested dict you
     pass to ``dcp.async_save``) or a number of bytes.
 

@@ -419,8 +419,7 @@ def _copy_threads(threads: int | None, group: Group) -> int:
     """Native copy threads for this rank: ``threads`` when given, else
     :func:`pyckpt._knobs.shared_threads` for the group's ranks on this host
     (:func:`pyckpt._knobs.ranks_on_host`). Ranks of one host that each start ``min(8, cpus)``
-    threads only queue for the same cores: on 2 cores, 2 ranks x 2 threads exported 19 MiB from
-    a zstd checkpoint in 18-19 ms, 2 x 1 in 15-16 ms."""
+    threads only queue for the same cores (BENCHMARKS.md, "Export at the demo's sizes")."""
     if threads is not None:
         if int(threads) < 1:
             raise ValueError(f"threads must be >= 1, got {threads}")

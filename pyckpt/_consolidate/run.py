@@ -50,7 +50,8 @@ def create_outputs(plan: _Plan, dst: str, indices: Sequence[int] | None = None) 
                 os.ftruncate(fd, f.size)
                 if f.size > len(f.header):
                     # Reserve the blocks now: ENOSPC surfaces before any copy, and writes into
-                    # allocated extents skip per-page delayed allocation (measured ~1.5x faster).
+                    # allocated extents skip per-page delayed allocation (BENCHMARKS.md,
+                    # "Small and medium exports").
                     os.posix_fallocate(fd, len(f.header), f.size - len(f.header))
             finally:
                 os.close(fd)

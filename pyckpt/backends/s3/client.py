@@ -43,11 +43,10 @@ MAX_PART_BYTES = 5 << 30
 DEFAULT_MAX_CONCURRENCY = 8
 # Raw bytes per chunk of a checkpoint saved to an object store (files: 4 MiB). A resharded load
 # fetches whole chunks, so a rank downloads up to one chunk more than it needs at each end of
-# every slice it loads: at 512 KiB that stays within 1.1x for slices of 10 MiB and more (an
-# FSDP shard of a 4096 x 4096 bf16 weight loaded by 3 ranks is 10.7 MiB; at 4 MiB chunks its
-# middle rank fetched 1.5x). Chunks are merged into ranged GETs of about ``_RANGE_BYTES``, so
-# smaller chunks add no requests; they cost ~60 bytes of metadata each and ~10% more client CPU
-# on a zstd save (BENCHMARKS.md).
+# every slice it loads: 512 KiB keeps that small for the slices an FSDP shard loads, where 4 MiB
+# chunks did not. Chunks are merged into ranged GETs of about ``_RANGE_BYTES``, so smaller chunks
+# add no requests; they cost ~60 bytes of metadata each and some client CPU on a zstd save
+# (both measured in BENCHMARKS.md, "Object stores (S3 API)").
 DEFAULT_CHUNK_BYTES = 512 << 10
 
 # storage_options keys that are secrets (scrubbed from every message) and keys of the client.
