@@ -14,10 +14,19 @@
 #   6. lint        ruff, mypy on pyckpt/, clang-format on csrc/ and tests/cpp/
 #   7. wheel       scripts/check_wheel.sh: builds the distribution wheel (zstd linked statically)
 #                  and checks with readelf that its extension has no libzstd.so dependency
+# --quick (first argument): the fast lane, a few minutes on 2 cores: the tests stage only, without
+# the slow lane (tests marked `slow`: multi-process fault, crash and kill tests, fuzzing, the
+# demo; tests/conftest.py), and no tests-serial. CI runs everything.
 # Extra arguments go to the stage-1 pytest run. PYCKPT_TEST_STAGES (default
 # "lint wheel tests benchmarks fuzz sanitize cpp") selects stages, e.g. PYCKPT_TEST_STAGES=tests.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+quick=0
+if [ "${1:-}" = "--quick" ]; then
+  quick=1
+  shift
+  set -- -m "not slow" "$@"
+fi
 # stage_done NAME: how long the stage took and the run so far (a CI run should stay under ~25 min).
 stage_start=$SECONDS
 stage_done() {
@@ -30,6 +39,7 @@ stage_done setup
 # installed package, never the source tree.
 export PYTHONDEVMODE=1 HYPOTHESIS_PROFILE=${HYPOTHESIS_PROFILE:-ci}
 STAGES=${PYCKPT_TEST_STAGES:-lint wheel tests benchmarks fuzz sanitize cpp}
+[ "$quick" = 1 ] && STAGES=tests
 status=0
 
 # run_stage_pytest NAME MAY_BE_EMPTY CMD...: a run that collected nothing (pytest exit 5) fails unless
@@ -86,8 +96,10 @@ if has_stage tests; then
   ignore=()
   for f in $SERIAL; do ignore+=(--ignore="$f"); done
   run_stage_pytest tests 0 .venv/bin/pytest -p no:cacheprovider --rootdir=. -c pyproject.toml \
-    -n "${PYCKPT_TEST_WORKERS:-2}" --dist loadfile --no-loadscope-reorder tests "${ignore[@]}" "$@"
-  # With a selection in "$@" (-k ...), these may hold none of it.
+    -n "${PYCKPT_TEST_WORKERS:-2}" --dist loadfile --no-loadscope-reorder --durations=30 tests \
+    "${ignore[@]}" "$@"
+  # With a selection in "$@" (-k ...), these may hold none of it; the quick lane skips them.
+  [ "$quick" = 1 ] && exit $status
   # shellcheck disable=SC2086
   run_stage_pytest tests-serial "$([ $# -gt 0 ] && echo 1 || echo 0)" .venv/bin/pytest \
     -p no:cacheprovider --rootdir=. -c pyproject.toml $SERIAL "$@"

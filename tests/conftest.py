@@ -100,17 +100,32 @@ def _module_order(item: pytest.Item) -> int:
         return len(_LONGEST_FIRST)
 
 
+# The slow lane: whole modules of multi-process fault, crash and kill tests, fuzzing and the
+# demo, marked ``slow`` here (single slow tests elsewhere carry ``@pytest.mark.slow``). CI runs
+# every test; ``bash scripts/test.sh --quick`` deselects these (-m "not slow").
+_SLOW_MODULES = frozenset((
+    "test_peer_faults.py",
+    "test_manager_peers.py",
+    "test_crash_safety.py",
+    "test_consolidate_crash.py",
+    "test_s3_retries.py",
+    "test_fuzz_metadata.py",
+    "test_attack_harness.py",
+    "test_train_demo.py",
+    "test_daemons.py",
+    "test_disk_full.py",
+))
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     items.sort(key=_module_order)  # stable: each module's tests, and the other modules, keep order
     skip_gpu = pytest.mark.skip(reason="needs a CUDA device")
-    skip_slow = pytest.mark.skip(reason="slow; set PYCKPT_SLOW_TESTS=1 to run")
     has_cuda = _cuda_available()
-    run_slow = os.environ.get("PYCKPT_SLOW_TESTS") == "1"
     for item in items:
         if "gpu" in item.keywords and not has_cuda:
             item.add_marker(skip_gpu)
-        if "slow" in item.keywords and not run_slow:
-            item.add_marker(skip_slow)
+        if item.path.name in _SLOW_MODULES:
+            item.add_marker(pytest.mark.slow)
 
 
 @pytest.fixture
