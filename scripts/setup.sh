@@ -3,7 +3,8 @@
 #   - system packages: libzstd-dev, pkg-config, a C++ compiler, python3-venv, openssl (apt, only
 #     if missing)
 #   - a virtual environment in .venv with torch==2.13.0 (CPU) and pyckpt built from this checkout
-#     (non-editable, with the test/bench/model/demo/fuzz/sanitize/lint/s3/s3-test/s3-bench extras)
+#     (non-editable, with the test/bench/model/demo/fuzz/sanitize/lint/s3/s3-test/s3-bench extras
+#     and the trainers' extras: accelerate, lightning)
 # Usage: scripts/setup.sh            (PYTHON=python3.11 scripts/setup.sh to pick an interpreter)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -50,8 +51,14 @@ echo "[pyckpt setup] building and installing pyckpt"
 "$PY" -m pip install -q --disable-pip-version-check "scikit-build-core>=0.11" "pybind11>=3" \
   "cmake>=3.26" ninja 2>&1 | { grep -v "$QUIET_PIP" || true; }
 # The CUDA runtime test double (pyckpt/_testing) is built only on request: the tests need it.
+# The trainers' extras are tested against the real packages; the constraint keeps any of their
+# requirements from replacing torch 2.13.0 (a bare 'torch' would pull a multi-GB CUDA build).
+constraint=$(mktemp)
+trap 'rm -f "$constraint"' EXIT
+echo "torch==2.13.0" >"$constraint"
 PATH="$(dirname "$PY"):$PATH" "$PY" -m pip install -q --disable-pip-version-check --no-build-isolation \
-  -Ccmake.define.PYCKPT_BUILD_TESTING_RUNTIME=ON ".[test,bench,model,demo,fuzz,sanitize,lint,s3,s3-test,s3-bench]" 2>&1 \
+  -c "$constraint" -Ccmake.define.PYCKPT_BUILD_TESTING_RUNTIME=ON \
+  ".[test,bench,model,demo,fuzz,sanitize,lint,s3,s3-test,s3-bench,accelerate,lightning]" 2>&1 \
   | { grep -v "$QUIET_PIP" || true; }
 # Checked from outside the checkout, whose pyckpt/ (without the built _C) would shadow the install.
 (cd / && "$PY" -c 'import pyckpt, pyckpt._C; print("[pyckpt setup] pyckpt", pyckpt.__version__, "with zstd", pyckpt._C.zstd_version)')
