@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import shutil
 import subprocess
 import sys
 import warnings
@@ -116,7 +117,9 @@ def _policies_worker(rank: int, world: int, tmp: str) -> dict[str, Any]:
     final = {hf_name(k): v.to(torch.bfloat16) for k, v in _full_model(job).items()}
     job.close()
     torch.distributed.barrier()
-    out: dict[str, Any] = {"final": final if rank == 0 else None}
+    if rank == 0:  # tensors do not cross the result queue once the rank exits: a file does
+        torch.save(final, os.path.join(tmp, "final.pt"))
+    out: dict[str, Any] = {}
     folder = os.path.join(tmp, "ckpt")
     out["steps"] = sorted(os.listdir(folder))
     out["hf_files"] = sorted(os.listdir(os.path.join(folder, "step-5")))
@@ -134,29 +137,31 @@ def _policies_worker(rank: int, world: int, tmp: str) -> dict[str, Any]:
 def test_keep_latest_k_hf_export_load_step_and_exclude(tmp_path: Any) -> None:
     results = run_distributed(_policies_worker, 2, str(tmp_path))
     for r in results:
-        # keep_latest_k=3: steps 3, 4 and the last (HF) save; step 1, 2 purged.
-        assert r["steps"] == ["step-3", "step-4", "step-5"]
-        assert r["hf_files"] == ["config.json", "model-00001-of-00002.safetensors",
+        # keep_latest_k=3: the save of step 4 purged step 1; torchtitan's last save (the HF
+        # export of step 5) returns before purging.
+        assert r["steps"] == ["step-2", "step-3", "step-4", "step-5"]
+        # The files the adapter's index names (no hidden export source left behind).
+        assert r["hf_files"] == ["model-00001-of-00002.safetensors",
                                  "model-00002-of-00002.safetensors",
-                                 "model.safetensors.index.json"] or r["hf_files"] == [
-            "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors",
-            "model.safetensors.index.json"]
+                                 "model.safetensors.index.json"]
         assert r["loaded"] == (3, 0)
-    # The export loads in transformers, bit-exact in the export dtype.
-    from transformers import LlamaConfig, LlamaForCausalLM
+    # The export loads in transformers (with the model's config.json next to it, as torchtitan
+    # users copy it from hf_assets_path), bit-exact in the export dtype.
+    from transformers import LlamaForCausalLM
 
     export = os.path.join(tmp_path, "ckpt", "step-5")
-    config = LlamaConfig.from_pretrained(os.path.join(tmp_path, "assets"))
-    model = LlamaForCausalLM.from_pretrained(export, config=config, dtype=torch.bfloat16)
+    shutil.copy(os.path.join(tmp_path, "assets", "config.json"), export)
+    model = LlamaForCausalLM.from_pretrained(export, dtype=torch.bfloat16)
     got = model.state_dict()
-    final = results[0]["final"]
+    final = torch.load(os.path.join(tmp_path, "final.pt"))
     assert set(got) == set(final)
     for name, tensor in final.items():
         assert torch.equal(got[name], tensor), name
 
 
-def _s3_worker(rank: int, world: int, tmp: str, url: str) -> dict[str, Any]:
+def _s3_worker(rank: int, world: int, tmp: str, url: str, env: dict[str, str]) -> dict[str, Any]:
     _quiet()
+    os.environ.update(env)  # the server's endpoint and keys (ranks start from a forkserver)
     from _torchtitan_workers import Job
     from torchtitan.components.checkpoint import CheckpointManager
 
@@ -171,8 +176,10 @@ def _s3_worker(rank: int, world: int, tmp: str, url: str) -> dict[str, Any]:
     assert job.checkpointer.load()
     got += job.train(4)
     job.close()
+    from fsspec.core import url_to_fs
     from torchtitan.tools import filesystem
 
+    url_to_fs(url)[0].invalidate_cache()  # fsspec's listing cache predates the last saves
     return {"want": want, "got": got, "steps": sorted(filesystem.listdir(url))}
 
 
@@ -182,17 +189,7 @@ def test_s3_folder(tmp_path: Any) -> None:
 
     srv = started("titan")
     try:
-        env = srv.env()
-        old = {k: os.environ.get(k) for k in env}
-        os.environ.update(env)
-        try:
-            results = run_distributed(_s3_worker, 2, str(tmp_path), "s3://titan/run")
-        finally:
-            for k, v in old.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
+        results = run_distributed(_s3_worker, 2, str(tmp_path), "s3://titan/run", srv.env())
     finally:
         srv.close()
     for r in results:

@@ -180,6 +180,18 @@ def _is_step_checkpoint(path: str) -> bool:
     )
 
 
+def _forget_listings(folder: str) -> None:
+    """Drops fsspec's cached listings of a remote ``folder``: pyckpt writes objects with its own
+    client, so fsspec never learns of them, and a listing cached earlier (the purge's, a load's)
+    would hide the steps saved since (the purge would keep too many, ranks could resume from
+    different steps)."""
+    if filesystem.is_remote(folder):
+        from fsspec.core import url_to_fs
+
+        fs, path = url_to_fs(folder)
+        fs.invalidate_cache(path)
+
+
 def _local_rank() -> int:
     return int(os.environ.get("LOCAL_RANK", dist.get_rank() if dist.is_initialized() else 0))
 
@@ -217,6 +229,10 @@ class PyckptCheckpointManager(CheckpointManager):
         trusted_load: bool = False
         """True: non-tensor values are unpickled with full pickle, not weights-only."""
 
+        cooperative_load: bool | None = None
+        """pyckpt.Reader's cooperative: stored bytes several ranks load read once and shared
+        over the job's group (None: pyckpt decides per load; see docs/REPLICATED.md)."""
+
         def __post_init__(self) -> None:
             CheckpointManager.Config.__post_init__(self)
             compression = (self.compression or "none").lower()
@@ -235,6 +251,7 @@ class PyckptCheckpointManager(CheckpointManager):
         self.overwrite = config.overwrite
         self.shared_filesystem = config.shared_filesystem
         self.trusted_load = config.trusted_load
+        self.cooperative_load = config.cooperative_load
 
     # -- storage --------------------------------------------------------------------------
 
@@ -353,6 +370,7 @@ class PyckptCheckpointManager(CheckpointManager):
             checkpoint_id,
             threads=self.threads,
             shared_filesystem=self.shared_filesystem,
+            cooperative=self.cooperative_load,
             allow_partial=False,
         )
         with _typed_errors():
@@ -373,6 +391,7 @@ class PyckptCheckpointManager(CheckpointManager):
         import re
 
         folder = folder or self.folder
+        _forget_listings(folder)
         if not filesystem.isdir(folder):
             return -1
         steps = []
@@ -381,6 +400,10 @@ class PyckptCheckpointManager(CheckpointManager):
             if match and _is_step_checkpoint(filesystem.join(folder, name)):
                 steps.append(int(match.group(1)))
         return max(steps) if steps else -1
+
+    def _purge_stale_checkpoints(self) -> None:
+        _forget_listings(self.folder)
+        super()._purge_stale_checkpoints()
 
     def _should_purge(self) -> bool:
         if self.shared_filesystem:
