@@ -21,7 +21,8 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.checkpoint.stateful import Stateful
 
-VOCAB, DIM, HIDDEN, LAYERS, HEADS = 64, 32, 64, 2, 4
+DIM = int(os.environ.get("PYCKPT_TT_DIM", "32"))  # the benchmark makes it larger
+VOCAB, HIDDEN, LAYERS, HEADS = 64, 2 * DIM, 2, 4
 SEQ, BATCH = 8, 2
 
 

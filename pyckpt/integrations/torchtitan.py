@@ -158,7 +158,7 @@ def _typed_future(fut: Future[Any]) -> Future[Any]:
         try:
             with _typed_errors():
                 result = f.result()
-        except BaseException as e:  # noqa: BLE001 - handed to the waiter, typed
+        except BaseException as e:
             typed.set_exception(e)
         else:
             typed.set_result(result)
