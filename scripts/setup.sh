@@ -4,7 +4,7 @@
 #     if missing)
 #   - a virtual environment in .venv with torch==2.13.0 (CPU) and pyckpt built from this checkout
 #     (non-editable, with the test/bench/model/demo/fuzz/sanitize/lint/s3/s3-test/s3-bench extras
-#     and the trainers' extras: accelerate, lightning)
+#     and the trainers' extras: accelerate, lightning, torchtitan)
 # Usage: scripts/setup.sh            (PYTHON=python3.11 scripts/setup.sh to pick an interpreter)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -58,7 +58,7 @@ trap 'rm -f "$constraint"' EXIT
 echo "torch==2.13.0" >"$constraint"
 PATH="$(dirname "$PY"):$PATH" "$PY" -m pip install -q --disable-pip-version-check --no-build-isolation \
   -c "$constraint" -Ccmake.define.PYCKPT_BUILD_TESTING_RUNTIME=ON \
-  ".[test,bench,model,demo,fuzz,sanitize,lint,s3,s3-test,s3-bench,accelerate,lightning]" 2>&1 \
+  ".[test,bench,model,demo,fuzz,sanitize,lint,s3,s3-test,s3-bench,accelerate,lightning,torchtitan]" 2>&1 \
   | { grep -v "$QUIET_PIP" || true; }
 # Checked from outside the checkout, whose pyckpt/ (without the built _C) would shadow the install.
 (cd / && "$PY" -c 'import pyckpt, pyckpt._C; print("[pyckpt setup] pyckpt", pyckpt.__version__, "with zstd", pyckpt._C.zstd_version)')
