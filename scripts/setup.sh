@@ -51,11 +51,13 @@ echo "[pyckpt setup] building and installing pyckpt"
 "$PY" -m pip install -q --disable-pip-version-check "scikit-build-core>=0.11" "pybind11>=3" \
   "cmake>=3.26" ninja 2>&1 | { grep -v "$QUIET_PIP" || true; }
 # The CUDA runtime test double (pyckpt/_testing) is built only on request: the tests need it.
-# The trainers' extras are tested against the real packages; the constraint keeps any of their
-# requirements from replacing torch 2.13.0 (a bare 'torch' would pull a multi-GB CUDA build).
+# The trainers' extras are tested against the real packages; the constraints keep any of their
+# requirements from replacing torch 2.13.0 (a bare 'torch' would pull a multi-GB CUDA build), and
+# settle fsspec for pip's resolver: torchtitan's datasets caps it at 2026.2.0, each s3fs release
+# pins its own fsspec exactly, and pip gives up (ResolutionImpossible) searching that alone.
 constraint=$(mktemp)
 trap 'rm -f "$constraint"' EXIT
-echo "torch==2.13.0" >"$constraint"
+printf '%s\n' "torch==2.13.0" "fsspec<=2026.2.0" "s3fs<=2026.2.0" >"$constraint"
 PATH="$(dirname "$PY"):$PATH" "$PY" -m pip install -q --disable-pip-version-check --no-build-isolation \
   -c "$constraint" -Ccmake.define.PYCKPT_BUILD_TESTING_RUNTIME=ON \
   ".[test,bench,model,demo,fuzz,sanitize,lint,s3,s3-test,s3-bench,accelerate,lightning,torchtitan]" 2>&1 \

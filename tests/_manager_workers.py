@@ -233,6 +233,8 @@ def main(spec_path: str) -> None:
             for step in spec["steps"]:
                 fut = mgr.save(step, make_state(step, world, device=device))
                 futures.append(None if fut is None else step)
+                if fut is not None and step % mgr.persist_every == 0:
+                    mgr.wait()  # every due step reaches the durable tier (none superseded)
             mgr.wait()
         except Exception as e:
             if not spec.get("record_error"):
