@@ -175,7 +175,9 @@ MemorySources: TypeAlias = Mapping[str, tuple[int, Sequence[tuple[int, Buffer]]]
 def read_requests(
     requests: Sequence[ReadRequest], pool: ThreadPool, sources: MemorySources | None = None
 ) -> tuple[int, int]: ...
-def read_stored(requests: Sequence[ReadRequest], pool: ThreadPool) -> tuple[int, int]: ...
+def read_stored(
+    requests: Sequence[ReadRequest], pool: ThreadPool, sources: MemorySources | None = None
+) -> tuple[int, int]: ...
 def verify_segments(
     name: str, segments: Sequence[ReadSegment], pool: ThreadPool,
     sources: MemorySources | None = None,

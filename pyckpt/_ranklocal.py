@@ -53,7 +53,7 @@ def set_up(path: str | None, location: str, rank: Any, overwrite: bool) -> int:
     the rank.
 
     Args:
-        path: the checkpoint's local directory (``Backend.local_dir``); None for a location
+        path: the checkpoint's local directory (``Backend.location`` where ``in_place``); None for a location
             that is not a directory (an object store, a memory store).
         location: the checkpoint's location as the user gave it, for messages.
 

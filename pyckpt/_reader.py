@@ -31,13 +31,7 @@ from torch.futures import Future
 
 from pyckpt import _format, _gc, _knobs, _partial, _ranklocal
 from pyckpt._collective import group_info
-from pyckpt._format import DTYPE_SIZES, METADATA_FILE
-from pyckpt._loadplan import indexed_tensor_metadata
-from pyckpt._native import _check_pinned_pool_bytes, _Native
-from pyckpt._staging import DeviceStaging, is_device_tensor
-from pyckpt.backends import Backend, node_local_choice, open_backend
-from pyckpt.backends.base import ReadRequest
-from pyckpt.backends.coop import (
+from pyckpt._coop import (
     CoopPlan,
     LoadNode,
     assign,
@@ -47,6 +41,12 @@ from pyckpt.backends.coop import (
     holders_of,
     pays_off,
 )
+from pyckpt._format import DTYPE_SIZES, METADATA_FILE
+from pyckpt._loadplan import indexed_tensor_metadata
+from pyckpt._native import _check_pinned_pool_bytes, _Native
+from pyckpt._staging import DeviceStaging, is_device_tensor
+from pyckpt.backends import Backend, node_local_choice, open_backend
+from pyckpt.backends.base import ReadRequest
 from pyckpt.errors import PartialLoadError, PartialLoadWarning
 
 __all__ = ["Reader"]
@@ -197,12 +197,12 @@ class Reader(StorageReader):
     def bytes_from_peers(self) -> int:
         """Stored bytes of a node-local checkpoint received from other ranks by this reader so
         far (0 for a shared directory or an object store)."""
-        return int(getattr(self._backend, "bytes_from_peers", 0))
+        return int(self._backend.bytes_from_peers)
 
     @property
     def bytes_fetched(self) -> int:
         """Bytes downloaded from an object store by this reader so far (0 for files)."""
-        return int(getattr(self._backend, "bytes_fetched", 0))
+        return int(self._backend.bytes_fetched)
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         """Reads and validates ``pyckpt.json`` (the checkpoint is looked at here, not when the
@@ -227,8 +227,9 @@ class Reader(StorageReader):
         self._rank_local = None
         if "rank" in kwargs and self._metadata_error is not None:
             try:  # a rank-local checkpoint (dcp.save(use_collectives=False)): this rank's part
-                rank_local = _ranklocal.fallback(self._backend.local_dir, kwargs["rank"],
-                                                 self._metadata_error)
+                backend = self._backend
+                rank_local = _ranklocal.fallback(backend.location if backend.in_place else None,
+                                                 kwargs["rank"], self._metadata_error)
             except Exception as e:
                 self._metadata_error = e  # raised, typed, by set_up_storage_reader
             if rank_local is None:
@@ -297,8 +298,8 @@ class Reader(StorageReader):
 
     def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
         """A cooperative load (several ranks, ``cooperative`` True, or None and
-        :func:`pyckpt.backends.coop.pays_off`): chooses the one reader of each stored chunk that
-        several ranks want (:func:`pyckpt.backends.coop.assign`) and hands each rank its part
+        :func:`pyckpt._coop.pays_off`): chooses the one reader of each stored chunk that
+        several ranks want (:func:`pyckpt._coop.assign`) and hands each rank its part
         in ``LoadPlan.storage_data`` (None on every rank when the load is not cooperative)."""
         self._check_partial(plans)
         nodes = [p.storage_data.node if isinstance(p.storage_data, LoadNode) else None
@@ -494,12 +495,11 @@ class Reader(StorageReader):
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
         try:
-            local_dir = open_backend(checkpoint_id).local_dir
+            backend = open_backend(checkpoint_id)
         except (ValueError, TypeError):  # another scheme: not a checkpoint this reader loads
             return False
-        if local_dir is None:  # a store: looked at when the load starts
-            return True
-        return os.path.isfile(os.path.join(local_dir, METADATA_FILE))
+        # a store is looked at when the load starts; a directory must hold the metadata now
+        return not backend.in_place or os.path.isfile(backend.url_of(METADATA_FILE))
 
 
 def _strides(sizes: Any) -> list[int]:

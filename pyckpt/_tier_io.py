@@ -45,8 +45,8 @@ from typing import Any
 
 from pyckpt import _format
 from pyckpt._format import METADATA_FILE
+from pyckpt._paths import fsync_dir, temp_name, write_atomic
 from pyckpt.backends import Backend, SaveState, child_location, commit_save, open_backend
-from pyckpt.backends.posix import PosixBackend, fsync_dir, temp_name, write_atomic
 from pyckpt.errors import (
     CheckpointFormatError,
     ConcurrentSaveError,
@@ -177,19 +177,20 @@ class LocalTier:
     """
 
     def __init__(self, root: str | os.PathLike[str], fsync: bool = True) -> None:
-        if open_backend(root).local_dir is None:  # a URL: refused, never taken for a path
+        if not open_backend(root).in_place:  # a URL: refused, never taken for a path
             raise ValueError(f"local={os.fspath(root)!r}: the fast tier is a directory on "
                              "each node, not a URL")
         self.root = os.path.abspath(os.fspath(root))
         self.fsync = fsync
-        self._dir = PosixBackend(self.root, fsync=fsync)
+        self._dir = open_backend(self.root, fsync=fsync)
 
     def step_dir(self, step: int) -> str:
         return os.path.join(self.root, step_name(step))
 
-    def backend(self, step: int) -> PosixBackend:
-        """The POSIX backend of step ``step``'s directory on this node."""
-        return PosixBackend(self.step_dir(step), fsync=self.fsync, node_local=True)
+    def backend(self, step: int) -> Any:
+        """The backend of step ``step``'s directory on this node (a directory's backend, whose
+        ``read_index`` also takes ``all_files``)."""
+        return open_backend(self.step_dir(step), fsync=self.fsync)
 
     def steps(self) -> list[int]:
         """Steps with a directory on this node, ascending."""
@@ -412,15 +413,15 @@ class DurableTier:
         self._owner: str | None = None
         self._job_checked = False
         base = open_backend(location, self._options or None, fsync=fsync)
-        if base.local_dir is not None:
+        if base.in_place:
             if self._options:
                 raise ValueError(f"{base.location}: storage_options are for object-store URLs")
-            if os.path.exists(base.local_dir) and not os.path.isdir(base.local_dir):
+            if os.path.exists(base.location) and not os.path.isdir(base.location):
                 raise NotADirectoryError(errno.ENOTDIR, "the durable tier must be a directory",
-                                         base.local_dir)
+                                         base.location)
         self.base: Backend = base
         # A path made absolute (a later chdir does not move the tier); a URL as normalised.
-        self.url = base.location if base.local_dir is None else os.path.abspath(base.local_dir)
+        self.url = os.path.abspath(base.location) if base.in_place else base.location
         self._backends: dict[int, Backend] = {}
         self.data_bytes_read = 0
         self.data_files_fetched = 0
@@ -441,8 +442,7 @@ class DurableTier:
 
     def _job_backend(self, deadline_s: float | None) -> Backend:
         backend = open_backend(self.job_location(), self._options or None, fsync=self.fsync)
-        quick = getattr(backend, "with_deadline", None)
-        return quick(deadline_s) if deadline_s is not None and quick is not None else backend
+        return backend.with_deadline(deadline_s) if deadline_s is not None else backend
 
     def read_job(self, deadline_s: float | None = None) -> str | None:
         """The job named by the marker (None: no marker); ``deadline_s`` as for
@@ -543,9 +543,8 @@ class DurableTier:
                 restore that has a fast-tier step to fall back on.
         """
         base = self.base
-        quick = getattr(base, "with_deadline", None)
-        if deadline_s is not None and quick is not None:
-            base = quick(deadline_s)
+        if deadline_s is not None:
+            base = base.with_deadline(deadline_s)
         out = {}
         for name, committed in base.list_children().items():
             s = parse_step(name)

@@ -118,7 +118,7 @@ def _bounded_if_node_local(reader: Reader) -> Any:
     """A node-local load (every read batch one exchange round all ranks take part in): the
     group's timeout lowered to the peer bound for the load (pyckpt._collective.bounded_group)."""
     backend = reader.backend
-    if backend.node_local and not getattr(backend, "auto", False):
+    if backend.collective_loads:
         return bounded_group(reader.process_group)
     return contextlib.nullcontext()
 

@@ -39,8 +39,7 @@ from pyckpt._reader import Reader
 from pyckpt._staging import DeviceStaging, block_bytes_for, is_device_tensor
 from pyckpt._stored_size import Encoding, WriterMeta
 from pyckpt._tensors import local_view, resolved
-from pyckpt.backends import Backend, SaveState, commit_save, open_backend
-from pyckpt.backends.s3.upload import check_part_bytes
+from pyckpt.backends import Backend, SaveState, check_part_bytes, commit_save, open_backend
 from pyckpt.errors import UnsupportedDtypeError
 
 if TYPE_CHECKING:
@@ -424,8 +423,8 @@ class Writer(StorageWriter):
         save.is_coordinator = is_coordinator
         backend = self._backend(save.path)
         if kwargs.get("use_collectives", True) is False and _world_size() > 1:
-            save.rank = _ranklocal.set_up(backend.local_dir, save.path, kwargs.get("rank"),
-                                          self.overwrite)
+            save.rank = _ranklocal.set_up(backend.location if backend.in_place else None,
+                                          save.path, kwargs.get("rank"), self.overwrite)
         # A directory's lock, or the object-store condition (docs/OBJECT_STORES.md).
         save.state = backend.begin_save(is_coordinator, self.overwrite)
 
@@ -491,9 +490,9 @@ class Writer(StorageWriter):
             raise RuntimeError("pyckpt.Writer.write_data called without prepare_global_plan")
         save.save_id = rank_plan.save_id or save.save_id  # the coordinator's, on every rank
         backend = self._backend(save.path)
-        if backend.node_local and not save.is_coordinator and save.rank is None:
-            # writes its copy after the commit
-            cast(Any, backend).expect_metadata(rank_plan.save_id)
+        if not save.is_coordinator and save.rank is None:
+            # a node-local rank writes its copy of the metadata after the commit
+            backend.expect_metadata(rank_plan.save_id)
         fut: Future[list[WriteResult]] = Future()
         if not plan.items:
             fut.set_result([])
@@ -608,18 +607,18 @@ class Writer(StorageWriter):
                 files, encoded = self._document(metadata, results, save)
             backend = self._backend(save.path)
             if save.rank is not None:
-                assert backend.local_dir is not None  # checked by _ranklocal.set_up
+                assert backend.in_place  # checked by _ranklocal.set_up
                 fsync = self.fsync if self.fsync is not None else _knobs.fsync()
-                _ranklocal.commit(backend.local_dir, save.rank, files, encoded, fsync)
+                _ranklocal.commit(backend.location, save.rank, files, encoded, fsync)
                 save.finished = True
                 return
             assert save.state is not None
             commit_save(backend, files, encoded, save.state)
             save.finished = True
-            if backend.node_local:  # every other rank writes its copy (pyckpt.backends.peer)
-                metadata.storage_data = cast(Any, backend).publish(
-                    _save_id_of(files) or save.save_id, encoded, files
-                )
+            # node-local: every other rank writes its copy (pyckpt.backends.peer)
+            published = backend.publish(_save_id_of(files) or save.save_id, encoded, files)
+            if published is not None:
+                metadata.storage_data = published
         finally:
             save.end()  # a committed save stays this thread's current one (its save_id)
             tls = self._thread_state()

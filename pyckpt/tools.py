@@ -67,8 +67,7 @@ def _rank_bytes(index: _format.CheckpointIndex, backend: Backend) -> dict[int, i
         rank = _format.data_file_rank(name)
         # Files are measured (stat); objects were checked against a listing when the index
         # was read: no second request.
-        size = recorded if backend.local_dir is None else os.stat(
-            os.path.join(backend.local_dir, name)).st_size
+        size = os.stat(backend.url_of(name)).st_size if backend.in_place else recorded
         out[rank] = out.get(rank, 0) + size
     return dict(sorted(out.items()))
 
@@ -151,8 +150,8 @@ def verify(path: str | os.PathLike[str], threads: int | None = None,
     try:
         index = backend.read_index()
     except FileNotFoundError as e:
-        left = leftovers(path) if backend.local_dir is not None else {}
-        if not left or e.filename != os.path.join(backend.local_dir or "", _format.METADATA_FILE):
+        left = leftovers(path) if backend.in_place else {}
+        if not left or e.filename != backend.url_of(_format.METADATA_FILE):
             raise
         raise FileNotFoundError(
             e.errno, f"{e.strerror}; the directory holds only what saves that did not commit "
@@ -160,7 +159,7 @@ def verify(path: str | os.PathLike[str], threads: int | None = None,
             e.filename) from e
     apply_native_settings()
     pool = _C.ThreadPool(threads or _knobs.read_threads())
-    report = VerifyReport(leftovers=leftovers(path, index) if backend.local_dir else {})
+    report = VerifyReport(leftovers=leftovers(path, index) if backend.in_place else {})
     try:
         work: list[tuple[str, list[Any], int]] = [
             (b.fqn, b.segments, b.nbytes) for b in index.bytes_items.values()
@@ -204,8 +203,7 @@ def leftovers(path: str | os.PathLike[str],
     data files the committed ``index`` does not name, and a lock file alone in a directory
     holding nothing else. The checkpoint (if any) is intact; the next save removes them.
     A temp file of a live process (a save running now) is not listed."""
-    from pyckpt.backends.base import TEMP_MARKER
-    from pyckpt.backends.posix import LOCK_FILE
+    from pyckpt._paths import LOCK_FILE, TEMP_MARKER
 
     directory = os.fspath(path)
     try:
@@ -312,7 +310,7 @@ def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], *,
 
     src_s = os.fspath(src)
     reader: Any
-    if open_backend(src_s).local_dir is None:  # stores hold pyckpt checkpoints only
+    if not open_backend(src_s).in_place:  # stores hold pyckpt checkpoints only
         src_fmt, reader = "pyckpt", Reader(src_s)
     elif os.path.isfile(os.path.join(src_s, _format.METADATA_FILE)):
         src_fmt, reader = "pyckpt", Reader(src_s)
@@ -322,7 +320,7 @@ def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], *,
         raise FileNotFoundError(2, "no pyckpt.json or DCP .metadata: not a checkpoint", src_s)
     target = str(choice("to", to, ("pyckpt", "dcp"))) if to else (
         "dcp" if src_fmt == "pyckpt" else "pyckpt")
-    if open_backend(dst).local_dir is None and target == "dcp":  # refuses gs:// etc. too
+    if not open_backend(dst).in_place and target == "dcp":  # refuses gs:// etc. too
         raise ValueError("converting to DCP's format writes a local directory, not an "
                          f"object-store URL ({os.fspath(dst)!r})")
     if not overwrite:
@@ -358,7 +356,7 @@ def _committed_identity(dst: str | os.PathLike[str], target: str) -> Any:
     metadata file's inode, size and time (a commit renames a new file into place), or the save
     id of a pyckpt checkpoint in an object store."""
     backend = open_backend(dst)
-    if backend.local_dir is None:
+    if not backend.in_place:
         try:
             return backend.read_index().save_id
         except Exception:
@@ -378,7 +376,7 @@ def _refuse_existing(dst: str | os.PathLike[str]) -> None:
 
     message = "the destination is not empty; pass --overwrite (overwrite=True) to replace it"
     backend = open_backend(dst)
-    if backend.local_dir is not None:
+    if backend.in_place:
         path = os.fspath(dst)
         if os.path.isdir(path):
             with os.scandir(path) as it:

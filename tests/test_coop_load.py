@@ -38,7 +38,7 @@ from dist_utils import run_distributed
 
 import pyckpt
 from pyckpt import _knobs
-from pyckpt.backends.coop import assign, pays_off, wanted_across_nodes
+from pyckpt._coop import assign, pays_off, wanted_across_nodes
 
 pytestmark = pytest.mark.distributed
 
@@ -210,17 +210,21 @@ def test_node_id_is_the_managers(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 class _Place:
-    """A backend as :func:`pays_off` sees it: a directory or (``local_dir=None``) a store."""
+    """A backend as :func:`pays_off` sees it: a directory (its ranks share a page cache) or a
+    store."""
 
-    def __init__(self, local_dir: str | None) -> None:
-        self.local_dir = local_dir
+    def __init__(self, directory: bool) -> None:
+        self.shares_page_cache = directory
+
+    def holders(self) -> None:
+        return None
 
 
 def test_default_rule() -> None:
     shared = {("f", 0): 10, ("f", 10): 10}
     own = [{("g", 0): 10}, {("g", 10): 10}, {("g", 20): 10}, {("g", 30): 10}]
     replicated = [dict(shared) for _ in range(4)]
-    directory, store = _Place("/ckpt"), _Place(None)
+    directory, store = _Place(True), _Place(False)
 
     def never() -> Any:
         raise AssertionError("one node: the chunks are not looked at")

@@ -201,3 +201,64 @@ def test_the_tier_check_finds_offences(tmp_path: Path) -> None:
                    '    u = f"s3://{p}"\n')
     # is_remote(, scheme_of(, "memory://", "s3://" (twice: here and in _offences), the import
     assert len(_tier_offences(bad, {"pyckpt.backends.s3.client"})) == 6
+
+
+# Backends side by side behind one protocol (issue 44 item 1): above the seam no module names
+# a place's kind (the old ``local_dir`` / ``node_local`` attributes, a concrete backend class,
+# an ``isinstance`` against one) or imports a concrete backend; what the layers above need to
+# know is a method or property of ``pyckpt.backends.base.Backend``. Each backend imports only
+# the protocol (and modules below the seam), never another backend.
+_SEAM = "pyckpt.backends"
+_PROTOCOL_MODULES = {"pyckpt.backends", "pyckpt.backends.base"}
+_PLACE_ATTRIBUTES = {"local_dir", "node_local"}
+_BACKEND_CLASSES = {"PosixBackend", "PeerBackend", "S3Backend", "MemoryBackend"}
+
+
+def _concrete(module: str) -> bool:
+    return module.startswith(_SEAM + ".") and module not in _PROTOCOL_MODULES
+
+
+def _backend_of(module: str) -> str:
+    """The backend a module of ``pyckpt.backends`` belongs to (``s3`` for ``s3.client``)."""
+    return module[len(_SEAM) + 1:].split(".")[0]
+
+
+def _place_offences(path: Path, imports: set[str]) -> list[str]:
+    tree = ast.parse(path.read_text(), str(path))
+    out = [f"{path.name}: imports {m}" for m in sorted(imports) if _concrete(m)]
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and node.attr in _PLACE_ATTRIBUTES:
+            out.append(f"{path.name}:{node.lineno}: .{node.attr}")
+        elif isinstance(node, ast.Constant) and node.value in _PLACE_ATTRIBUTES:
+            out.append(f"{path.name}:{node.lineno}: {node.value!r}")  # getattr(b, "local_dir")
+        elif isinstance(node, ast.Name) and node.id in _BACKEND_CLASSES:
+            out.append(f"{path.name}:{node.lineno}: {node.id}")
+    return out
+
+
+def test_no_place_branching_or_concrete_backend_above_the_seam() -> None:
+    modules, graph = _modules(), _graph()
+    offences = []
+    for name, path in modules.items():
+        if name == _SEAM or name.startswith(_SEAM + "."):
+            continue
+        offences += _place_offences(path, graph[name])
+    assert offences == []
+
+
+def test_the_place_check_finds_offences(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.py"
+    bad.write_text("if b.local_dir is None or getattr(b, 'node_local', False):\n"
+                   "    x = isinstance(b, PeerBackend)\n")
+    assert len(_place_offences(bad, {"pyckpt.backends.s3.upload", "pyckpt.backends.base"})) == 4
+
+
+def test_backends_import_only_the_protocol() -> None:
+    graph = _graph()
+    offences = []
+    for name, imports in graph.items():
+        if not _concrete(name):
+            continue
+        offences += [f"{name} imports {m}" for m in sorted(imports)
+                     if _concrete(m) and _backend_of(m) != _backend_of(name)]
+    assert offences == []

@@ -219,18 +219,19 @@ at least 4096).)pbdoc");
 
   m.def(
       "read_stored",
-      [](py::handle requests, ThreadPool& pool) {
+      [](py::handle requests, ThreadPool& pool, py::handle sources) {
         const std::vector<ReadRequest> reqs = requests_from_py(requests);
+        const MemorySources memory(sources);
         ReadStats st;
         {
           InterruptWatch watch;  // Ctrl-C between chunks
           GilRelease nogil;
-          st = read_stored(reqs, pool);
+          st = read_stored(reqs, pool, memory.opener());
         }
         return py::make_tuple(st.bytes_read, st.chunks_decoded);
       },
-      py::arg("requests"), py::arg("pool"),
-      R"pbdoc(Read the stored (still encoded) bytes of every chunk of each request's segments back to back into dst_ptr, verifying each checksum without decoding; returns (bytes_read, chunks). SAFETY: each dst_ptr must point to the sum of the segments' stored_len bytes, kept alive until this returns.)pbdoc");
+      py::arg("requests"), py::arg("pool"), py::arg("sources") = py::none(),
+      R"pbdoc(Read the stored (still encoded) bytes of every chunk of each request's segments back to back into dst_ptr, verifying each checksum without decoding; returns (bytes_read, chunks). `sources` as for read_requests. SAFETY: each dst_ptr must point to the sum of the segments' stored_len bytes, kept alive until this returns.)pbdoc");
 
   m.def(
       "verify_segments",

@@ -35,10 +35,10 @@ from pyckpt._consolidate.run import (
 )
 from pyckpt._consolidate.scan import ScannedTensors, _Tensor, is_pyckpt, scan
 from pyckpt._consolidate.staged import consolidate_staged
+from pyckpt._exchange import discover
 from pyckpt._export import AUTO
 from pyckpt._native import apply_native_settings
 from pyckpt.backends import open_backend
-from pyckpt.backends.peer import discover
 
 __all__ = ["consolidate", "ConsolidationResult", "INDEX_NAME", "select_tensors"]
 
@@ -304,10 +304,10 @@ def _consolidate(
     src_backend = open_backend(src, shared_filesystem=shared_filesystem,
                                process_group=process_group)
     dst_backend = open_backend(dst)
-    if src_backend.local_dir is None or dst_backend.local_dir is None:  # staged via temp files
+    if not (src_backend.in_place and dst_backend.in_place):  # staged via temp files
         return cast(ConsolidationResult, consolidate_staged(
             consolidate, src_backend, dst_backend, process_group=process_group,
-            node_local=src_backend.node_local, batch_bytes=batch_bytes, fqn_to_file=fqn_to_file,
+            batch_bytes=batch_bytes, fqn_to_file=fqn_to_file,
             max_file_bytes=max_file_bytes, threads=threads, fsync=fsync, progress=progress,
             input_mode=input_mode, select=select, strip_prefix=strip_prefix, rename=rename,
             dtype=dtype, dedup_tied=dedup_tied))
@@ -320,10 +320,10 @@ def _consolidate(
         _options.choice("input_mode", input_mode, _INPUT_MODES))
 
     if dedup_tied is None:  # tied heads written once (as save_pretrained), where it can tell
-        dedup_tied = not src_backend.node_local
+        dedup_tied = not src_backend.exchanges_chunks
     spec = _export.make_spec(select, strip_prefix, rename, dtype, dedup_tied)
 
-    if src_backend.node_local:
+    if src_backend.exchanges_chunks:
         return _consolidate_nodelocal(
             src, dst, group, fqn_to_file, max_file_bytes, nthreads, do_fsync, progress, mode,
             DEFAULT_BATCH_BYTES if batch_bytes is None else int(batch_bytes), start, spec,

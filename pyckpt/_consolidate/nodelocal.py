@@ -3,7 +3,7 @@
 Output files are whole-file assigned to ranks by bytes (``make_plan(whole_files=True)``); each
 rank creates, writes and commits its files in its own ``dst``. The stitch items of a rank that
 read chunks of data files held by another rank are served over the process group
-(:class:`pyckpt.backends.peer.Exchange`) in batches of at most ``batch_bytes`` stored bytes: the owner
+(:class:`pyckpt._exchange.Exchange`) in batches of at most ``batch_bytes`` stored bytes: the owner
 reads and verifies the stored (compressed) bytes, they travel with one ``all_to_all_single``
 per round, the receiver stages the batch in a hidden file next to its outputs (the stitcher
 reads its sources through files) and stitches from it natively: checksum verified again,
@@ -19,8 +19,8 @@ from typing import Any
 
 from pyckpt._consolidate.plan import _Plan
 from pyckpt._consolidate.run import ProgressFn, StitchItem, stitch, stitch_items
+from pyckpt._exchange import Exchange, Need, PeerFiles, peer_source
 from pyckpt.backends.base import stored_len
-from pyckpt.backends.peer import Exchange, Need, PeerFiles, peer_source
 from pyckpt.errors import PyckptError
 
 __all__ = ["run_share_nodelocal", "DEFAULT_BATCH_BYTES"]

@@ -19,7 +19,7 @@ from typing import Any, NamedTuple
 from pyckpt import _C, _gc, _paths
 from pyckpt._consolidate.plan import INDEX_NAME, _byte_geometry, _OutFile, _Plan
 from pyckpt._consolidate.scan import _Tensor
-from pyckpt.backends.posix import fsync_dir, fsync_file
+from pyckpt._paths import fsync_dir, fsync_file
 from pyckpt.errors import PyckptError, UnsupportedDtypeError
 
 __all__ = [

@@ -48,10 +48,9 @@ def _name_the_source(e: BaseException, src: Backend) -> None:
 
 
 def consolidate_staged(run: Callable[..., Any], src: Backend, dst: Backend, *,
-                       process_group: Any, node_local: bool = False,
-                       batch_bytes: int | None = None, **kwargs: Any) -> Any:
-    """:func:`pyckpt.consolidate` where ``src`` or ``dst`` has no local directory
-    (``local_dir`` is None: ``s3://``, ``memory://``).
+                       process_group: Any, batch_bytes: int | None = None, **kwargs: Any) -> Any:
+    """:func:`pyckpt.consolidate` where ``src`` or ``dst`` cannot be opened in place by the
+    native consolidator (``Backend.in_place`` is False: ``s3://``, ``memory://``).
 
     One process: a source checkpoint is staged into a temp directory (``Backend.stage``), the
     outputs are written into one and then stored through ``dst`` (the index last, with one
@@ -76,15 +75,16 @@ def consolidate_staged(run: Callable[..., Any], src: Backend, dst: Backend, *,
     group = group_info(process_group)
     with tempfile.TemporaryDirectory(prefix=_TEMP_PREFIX) as tmp:
         staged = os.path.join(tmp, "src")
-        local_src = src.local_dir or staged
-        local_dst = dst.local_dir or os.path.join(tmp, "dst")
+        local_src = src.location if src.in_place else staged
+        local_dst = dst.location if dst.in_place else os.path.join(tmp, "dst")
         try:
             if group.world == 1:
-                if src.local_dir is None:
+                if not src.in_place:
                     src.stage(staged)
                 res = run(local_src, local_dst, process_group=process_group,
-                          shared_filesystem=not node_local, batch_bytes=batch_bytes, **kwargs)
-                if dst.local_dir is not None:
+                          shared_filesystem=not src.exchanges_chunks, batch_bytes=batch_bytes,
+                          **kwargs)
+                if dst.in_place:
                     return res
                 dst.check()
                 files = [dst.put_file(p) for p in res.files]
@@ -93,7 +93,7 @@ def consolidate_staged(run: Callable[..., Any], src: Backend, dst: Backend, *,
             return _on_ranks(run, src, dst, group, process_group, local_src, local_dst, staged,
                              batch_bytes, kwargs)
         except Exception as e:
-            if src.local_dir is None:
+            if not src.in_place:
                 _name_the_source(e, src)  # rewritten in place; raised with its traceback
             raise
 
@@ -107,7 +107,7 @@ def _on_ranks(run: Callable[..., Any], src: Backend, dst: Backend, group: Any,
         raise ValueError(
             "dedup_tied is not supported by pyckpt.consolidate with s3:// URLs on several ranks"
         )
-    if src.local_dir is not None:
+    if src.in_place:
         def check_source() -> None:
             from pyckpt._consolidate.scan import is_pyckpt
 
@@ -121,9 +121,9 @@ def _on_ranks(run: Callable[..., Any], src: Backend, dst: Backend, group: Any,
         agree(check_source, group, ranks="root", what="checking the source")
 
     def prepare() -> None:
-        if dst.local_dir is None:
+        if not dst.in_place:
             dst.check()
-        if src.local_dir is None:
+        if not src.in_place:
             names = src.stage(staged, (group.rank, group.world))
             logger.info(
                 "rank %d/%d downloaded %d data object(s) of %s", group.rank, group.world,
@@ -133,7 +133,7 @@ def _on_ranks(run: Callable[..., Any], src: Backend, dst: Backend, group: Any,
     agree(prepare, group, what="downloading the source")
     res = run(local_src, local_dst, process_group=process_group, shared_filesystem=False,
               batch_bytes=batch_bytes, **kwargs)
-    if dst.local_dir is not None:
+    if dst.in_place:
         return res
     uploaded: list[str] = []
 

@@ -24,8 +24,8 @@ from typing import Any, Literal
 from pyckpt import _options
 from pyckpt.backends.base import Backend, SaveState, clean_up, commit_save
 
-__all__ = ["Backend", "SaveState", "child_location", "clean_up", "commit_save", "is_remote",
-           "node_local_choice", "open_backend", "scheme_of"]
+__all__ = ["Backend", "SaveState", "check_part_bytes", "child_location", "clean_up",
+           "commit_save", "is_remote", "node_local_choice", "open_backend", "scheme_of"]
 
 # Schemes served, and any other "scheme://" (two letters or more, so no drive letter): refused,
 # never taken for a local path.
@@ -75,6 +75,17 @@ def child_location(location: str | os.PathLike[str], name: str) -> str:
     if scheme_of(path) is None:
         return os.path.join(os.path.abspath(path), name)
     return f"{path.rstrip('/')}/{name}"
+
+
+def check_part_bytes(part_bytes: int | None) -> int:
+    """A multipart part size for object stores, validated (None: the default, 16 MiB).
+
+    Raises:
+        ValueError: outside the store's limits.
+    """
+    from pyckpt.backends.s3.upload import check_part_bytes as check
+
+    return check(part_bytes)
 
 
 def node_local_choice(value: Any) -> bool | Literal["auto"]:
@@ -138,5 +149,5 @@ def open_backend(
         return PosixBackend(path, direct_io=direct_io, fsync=fsync)
     from pyckpt.backends.peer import PeerBackend
 
-    local = PosixBackend(path, direct_io=direct_io, fsync=fsync, node_local=True)
+    local = PosixBackend(path, direct_io=direct_io, fsync=fsync)
     return PeerBackend(local, process_group, auto=shared_filesystem == "auto")

@@ -28,6 +28,7 @@ from pyckpt import _format, _ranklocal
 from pyckpt._collective import add_note
 from pyckpt._format import METADATA_FILE
 from pyckpt._partition import largest_first
+from pyckpt._paths import TEMP_MARKER
 
 __all__ = [
     "Backend",
@@ -59,8 +60,6 @@ class ReadRequest(NamedTuple):
     dst: int  # address of hi - lo writable bytes
 
 
-# Marker of a temp file of an interrupted atomic write (``<name>.tmp-<pid>-<n>``).
-TEMP_MARKER = ".tmp-"
 
 
 @dataclass
@@ -135,9 +134,21 @@ class Backend(Protocol):
     Attributes:
         location: the checkpoint's location as the user gave it (named by every error).
         default_chunk_bytes: raw bytes per chunk when the writer was given none.
-        node_local: each rank's copy holds only its node's data (ranks exchange chunks).
-        local_dir: the directory holding the checkpoint when native code may read it in place
-            (consolidation), else None (the backend stages it: :meth:`stage`).
+        in_place: native code opens the checkpoint's files where they are: ``location`` is a
+            local directory and :meth:`url_of` a path in it (consolidation, rank-local saves,
+            leftover listings). False: files are staged (:meth:`stage`) and stored
+            (:meth:`put_file`) through the backend.
+        exchanges_chunks: each rank's place holds only part of the data files (a node-local
+            checkpoint); loads and exports get the rest from the other ranks (:meth:`reads`,
+            :meth:`holders`), and the metadata reaches every rank's place after the commit
+            (:meth:`publish`).
+        collective_loads: every read batch of a load is a round all ranks of the group take part
+            in (a node-local checkpoint not read with ``shared_filesystem="auto"``).
+        shares_page_cache: ranks on one node reading the same stored bytes fetch them from
+            storage about once (a file system's page cache); False where each rank's read is
+            paid (an object store, an in-memory store).
+        bytes_fetched: stored bytes downloaded from data objects by this backend's loads.
+        bytes_from_peers: stored bytes received from other ranks by this backend's loads.
     """
 
     @property
@@ -147,10 +158,27 @@ class Backend(Protocol):
     def default_chunk_bytes(self) -> int: ...
 
     @property
-    def node_local(self) -> bool: ...
+    def in_place(self) -> bool: ...
 
     @property
-    def local_dir(self) -> str | None: ...
+    def exchanges_chunks(self) -> bool: ...
+
+    @property
+    def collective_loads(self) -> bool: ...
+
+    @property
+    def shares_page_cache(self) -> bool: ...
+
+    @property
+    def bytes_fetched(self) -> int: ...
+
+    @property
+    def bytes_from_peers(self) -> int: ...
+
+    def with_deadline(self, seconds: float) -> Backend:
+        """This place through a client whose requests give up after about ``seconds``, retries
+        included (a backend reaching a remote store); ``self`` for every other backend."""
+        ...
 
     # -- save ------------------------------------------------------------------------------
     def begin_save(self, is_coordinator: bool, overwrite: bool) -> SaveState:
@@ -170,6 +198,18 @@ class Backend(Protocol):
 
     def metadata_is(self, encoded: bytes) -> bool | None:
         """Whether the stored ``pyckpt.json`` is exactly ``encoded``; None when unknown."""
+        ...
+
+    def expect_metadata(self, save_id: str) -> None:
+        """A rank other than the coordinator has written its data of save ``save_id``: where
+        each rank's place keeps its own copy of the metadata (``exchanges_chunks``), it writes
+        that copy when the coordinator's commit arrives (:meth:`publish`); else nothing."""
+        ...
+
+    def publish(self, save_id: str, document: bytes, files: Iterable[str]) -> Any:
+        """After the coordinator's commit: what DCP's ``Metadata.storage_data`` carries to every
+        rank so that each writes its copy of the metadata (node-local); None: nothing to carry
+        (every rank reads the one committed copy)."""
         ...
 
     # -- names -----------------------------------------------------------------------------
@@ -192,7 +232,9 @@ class Backend(Protocol):
 
     def read_requests(self, requests: list[Any], pool: Any) -> tuple[int, int]:
         """As ``_C.read_requests``: reads, verifies and decodes the chunks overlapping each
-        request into the caller's buffer; returns (stored bytes read, chunks decoded)."""
+        request into the caller's buffer; returns (stored bytes read, chunks decoded). Reads
+        only what this rank's place holds, never with a collective (:meth:`reads` is the load
+        session that may exchange chunks with other ranks)."""
         ...
 
     def verify_segments(self, name: str, segments: list[Any], pool: Any) -> tuple[int, int]:
@@ -210,6 +252,11 @@ class Backend(Protocol):
         """One load's read session: yields the function ``Reader.read_data`` calls with each
         batch of requests (:func:`direct_reads` for most backends; exchange rounds with the
         other ranks for a node-local checkpoint)."""
+        ...
+
+    def holders(self) -> Callable[[str], Sequence[int]] | None:
+        """After :meth:`read_index`: data file name -> the group ranks whose place holds it
+        (the readers a cooperative load may choose); None where every rank reads every file."""
         ...
 
     # -- consolidation ---------------------------------------------------------------------
@@ -325,8 +372,7 @@ def clean_up(backend: Backend, keep: Iterable[str], *, metadata_temps: bool = Tr
     # A backend whose requests may wait on a remote store (retries over minutes) is used
     # through a client that gives up soon: the save is committed, and a store that went down
     # right after must not hold the caller; what is left is removed by the next save.
-    quick = getattr(backend, "with_deadline", None)
-    target = quick(CLEAN_UP_DEADLINE_S) if quick is not None else backend
+    target = backend.with_deadline(CLEAN_UP_DEADLINE_S)
     try:
         stale = [n for n in target.list_names() if is_stale(n, keep, metadata_temps)]
         if stale:

@@ -20,6 +20,7 @@ from typing import Any
 
 from pyckpt import _C, _format
 from pyckpt._format import METADATA_FILE
+from pyckpt._paths import write_atomic
 from pyckpt.backends.base import (
     NativeBlockSink,
     SaveState,
@@ -28,7 +29,6 @@ from pyckpt.backends.base import (
     direct_reads,
     stage_shares,
 )
-from pyckpt.backends.posix import write_atomic
 from pyckpt.errors import CheckpointFormatError, ConcurrentSaveError
 
 __all__ = ["MemoryBackend", "drop"]
@@ -71,9 +71,13 @@ class MemoryBackend:
     like a directory's: one save per store from set-up to commit, a second one fails at set-up
     with ``BlockingIOError``; the commit is conditional on the metadata set-up saw."""
 
-    node_local = False
     default_chunk_bytes = 4 << 20
-    local_dir = None
+    in_place = False
+    exchanges_chunks = False
+    shares_page_cache = False  # every rank's read is paid, as from an object store
+    collective_loads = False
+    bytes_fetched = 0
+    bytes_from_peers = 0
 
     def __init__(self, url: str) -> None:
         parts = url[len(SCHEME):].strip("/").split("/")  # memory://name[/child...]
@@ -150,6 +154,18 @@ class MemoryBackend:
         data = {seg[0]: self.files.get(seg[0].rsplit("/", 1)[-1], b"") for seg in segments}
         return {url: (len(b), [(0, b)]) for url, b in data.items()}
 
+    def with_deadline(self, seconds: float) -> MemoryBackend:
+        return self
+
+    def expect_metadata(self, save_id: str) -> None:
+        pass
+
+    def publish(self, save_id: str, document: bytes, files: Iterable[str]) -> Any:
+        return None
+
+    def holders(self) -> None:
+        return None
+
     def read_requests(self, requests: list[Any], pool: Any) -> tuple[int, int]:
         return _C.read_requests(requests, pool, self._sources(s for r in requests for s in r[1]))
 
@@ -157,9 +173,7 @@ class MemoryBackend:
         return direct_reads(self, pool)
 
     def read_stored(self, requests: list[Any], pool: Any) -> tuple[int, int]:
-        from pyckpt.backends.coop import read_stored_from
-
-        return read_stored_from(requests, pool, self._sources(s for r in requests for s in r[1]))
+        return _C.read_stored(requests, pool, self._sources(s for r in requests for s in r[1]))
 
     def verify_segments(self, name: str, segments: list[Any], pool: Any) -> tuple[int, int]:
         return _C.verify_segments(name, segments, pool, self._sources(segments))

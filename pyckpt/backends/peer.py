@@ -8,19 +8,11 @@ load time (:func:`discover`): every rank lists the files it has, the lists are a
 each file is served by the lowest rank holding it. That works whatever the node layout, for a
 load at the same or at another world size.
 
-Chunks travel as stored (compressed or raw) over the process group in rounds
-(:class:`Exchange`): in each round every rank all-gathers what it needs from whom; each owner
-reads those chunks' stored bytes natively and verifies their checksums (``_C.read_stored``);
-the bytes move with one ``all_to_all_single``; each receiver verifies again and decodes natively
-straight into its destination (``_C.read_requests(sources=...)``: the received buffer is a
-``MemorySource`` whose bytes the chunk path uses in place). Every rank takes part in every round;
-a rank with nothing left to fetch keeps serving until all are done (:meth:`Exchange.finish`).
-Errors are agreed on: a failure on any rank (reading, verifying, decoding) is raised on every
-rank at the next round, so no rank is left waiting in a collective.
-
-The same rounds carry cooperative loads (:mod:`pyckpt.backends.coop`): there a chunk is served
-by the rank chosen to read it (:meth:`Exchange.owner_of`) through the backend, and a chunk
-several ranks ask for in one round is read once.
+Chunks of files other ranks hold travel as stored (compressed or raw) over the process group
+in rounds (:class:`pyckpt._exchange.Exchange`, shared with cooperative loads,
+:mod:`pyckpt._coop`, and node-local consolidation). This module holds the backend itself: the
+local directory (handed in by :func:`pyckpt.backends.open_backend`), the metadata copies
+published to every rank after a commit, and the read sessions.
 
 The group must support CPU tensors (gloo; for an NCCL training group pass a gloo group).
 """
@@ -28,371 +20,40 @@ The group must support CPU tensors (gloo; for an NCCL training group pass a gloo
 from __future__ import annotations
 
 import contextlib
-import errno
-import os
 import threading
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
-from pyckpt import _C, _format
-from pyckpt._collective import (
-    Group,
-    add_note,
-    all_gather,
-    all_to_all_single,
-    broadcast,
-    group_info,
-    portable,
+from pyckpt import _format
+from pyckpt._collective import group_info
+from pyckpt._exchange import (  # re-exported: where they were public
+    Exchange,
+    Need,
+    PeerFiles,
+    discover,
+    peer_source,
+    read_requests,
+    writer_rank,
 )
-from pyckpt.backends.base import (
-    ReadRequest,
-    SaveState,
-    clean_up,
-    overlapping_chunks,
-    stored_len,
-)
-from pyckpt.backends.posix import PosixBackend
+from pyckpt.backends.base import Backend, SaveState, clean_up
 
-__all__ = ["Exchange", "PeerBackend", "PeerFiles", "discover", "read_requests"]
-
-# One chunk wanted from its owner: (file basename, chunk record tuple, codec params tuple[,
-# the name of a tensor it belongs to, for the owner's error messages]).
-Need = tuple[Any, ...]
-
-
-class PeerFiles:
-    """Where the data files of a node-local checkpoint are, from this rank's point of view.
-
-    Attributes:
-        root: this rank's checkpoint directory.
-        group: the process group.
-        owners: data file basename -> group rank that serves it.
-        local: basenames present in ``root``.
-        everywhere: every rank of the group holds every data file of the checkpoint (one
-            shared directory, or complete copies): nothing needs to travel between ranks.
-    """
-
-    def __init__(self, root: str, group: Group, owners: dict[str, int], local: set[str],
-                 everywhere: bool = False, holders: dict[str, list[int]] | None = None) -> None:
-        self.root = root
-        self.group = group
-        self.owners = owners
-        self.local = local
-        self.everywhere = everywhere
-        # data file basename -> every group rank holding it (readers of a cooperative load)
-        self.holders = holders if holders is not None else {}
-
-    def owner(self, path: str) -> int:
-        """Group rank holding the data file ``path`` (this rank when it is local)."""
-        name = os.path.basename(path)
-        if name in self.local:
-            return self.group.rank
-        return self.owners[name]
-
-
-def writer_rank(name: str) -> int:
-    """The rank that wrote data file ``name`` (from ``<rank>-<k>.<save_id>.pyckpt``)."""
-    return int(name.split("-", 1)[0])
-
-
-def discover(root: str, group: Group) -> tuple[_format.CheckpointIndex, PeerFiles]:
-    """Reads this rank's copy of the metadata and finds which rank holds each data file.
-
-    Collective: every rank of ``group`` must call it once at the same point. A rank whose
-    directory has no ``pyckpt.json`` (a node added since the save, or whose copy was lost) gets
-    the copy of the lowest rank that has one, validated the same way. Any rank's failure is
-    raised on every rank.
-
-    Raises:
-        FileNotFoundError: no rank has ``pyckpt.json``, or a data file is held by no rank (its
-            ``filename``; the message names the rank that wrote it).
-        CheckpointFormatError: the ranks' copies of ``pyckpt.json`` belong to different saves, or
-            a copy is damaged.
-    """
-    meta = os.path.join(root, _format.METADATA_FILE)
-    index: _format.CheckpointIndex | None = None
-    error: BaseException | None = None
-    try:
-        index = _format.read_index(root, all_files=False)
-    except FileNotFoundError as e:
-        if e.filename != meta:
-            error = e
-    except Exception as e:
-        error = e
-    try:
-        present = sorted(n for n in os.listdir(root) if _format.is_data_file(n))
-    except FileNotFoundError:
-        present = []
-    mine = (None if index is None else index.save_id, present,
-            None if error is None else portable(error))
-    gathered = all_gather(mine, group, what="reading the node-local metadata")
-    if error is not None:
-        raise error
-    for r, (_, _, remote) in enumerate(gathered):
-        if remote is not None:
-            add_note(remote, f"pyckpt: reading the node-local metadata failed on rank {r}")
-            raise remote
-    save_ids = {r: sid for r, (sid, _, _) in enumerate(gathered) if sid is not None}
-    if not save_ids:
-        raise FileNotFoundError(
-            errno.ENOENT,
-            f"not a complete pyckpt checkpoint on any rank: {_format.METADATA_FILE} is missing",
-            meta,
-        )
-    if len(set(save_ids.values())) != 1:
-        from pyckpt.errors import CheckpointFormatError
-
-        raise CheckpointFormatError(
-            f"{root}: the ranks' copies of {_format.METADATA_FILE} belong to different saves "
-            f"(save id by rank: {save_ids}); a save did not complete on every node"
-        )
-    if len(save_ids) < group.world:  # some ranks have no copy: the lowest holder sends it
-        src = min(save_ids)
-        document = None
-        if group.rank == src:
-            with open(meta, "rb") as fh:
-                document = fh.read()
-        document = broadcast(document, group, src, what="sending the node-local metadata")
-        if index is None:
-            index = _format.read_index(root, all_files=False, document=document)
-    assert index is not None
-    owners: dict[str, int] = {}
-    holders: dict[str, list[int]] = {}
-    for r, (_, names, _) in enumerate(gathered):
-        for name in names:
-            owners.setdefault(name, r)
-            holders.setdefault(name, []).append(r)
-    for name in sorted(index.files):
-        if name not in owners:
-            raise FileNotFoundError(
-                errno.ENOENT,
-                f"data file {name} of the node-local checkpoint {root!r}, written by rank "
-                f"{writer_rank(name)}, is held by no rank of the group (that node's directory "
-                "is missing or incomplete)",
-                os.path.join(root, name),
-            )
-    wanted = set(index.files)
-    everywhere = all(wanted <= set(names) for _, names, _ in gathered)
-    return index, PeerFiles(root, group, owners, set(index.local_files), everywhere, holders)
-
-
-class Exchange:
-    """Rounds of chunk transfers between the ranks of a node-local checkpoint.
-
-    Every rank calls :meth:`fetch` any number of times (one round each), then :meth:`finish`,
-    which keeps serving the others until every rank has finished. A rank must not call
-    collectives of its own in between.
-    """
-
-    def __init__(self, files: PeerFiles, pool: Any) -> None:
-        self.files = files
-        self.pool = pool
-        self.bytes_received = 0
-        self.bytes_sent = 0
-        self.bytes_read = 0  # stored bytes this rank read from storage for the others
-        self._round = 0
-        # Set once a round has raised a failure: every rank raised it in that same round, so
-        # no further round may run (a rank calling finish() then would wait for the others).
-        self._failed = False
-
-    def fetch(self, needs: Sequence[Need]) -> tuple[dict[str, Any], list[int]]:
-        """One round: fetches ``needs`` (grouped and ordered by owner as given).
-
-        Returns:
-            ``(memory, offsets)``: source name -> received buffer (a ``uint8`` tensor) for
-            ``_C.read_requests(sources=...)``, and for each need the offset of its stored bytes in
-            the buffer named ``peer_source(owner)``.
-        """
-        memory, offsets, _ = self._step(list(needs), done=False, error=None)
-        return memory, offsets
-
-    def finish(self, error: BaseException | None = None) -> None:
-        """Serves the other ranks until all are done; raises the first failure of any rank.
-
-        After a round has already raised a failure (on every rank at once), returns at once.
-        """
-        if self._failed:
-            return
-        while True:
-            _, _, all_done = self._step([], done=True, error=error)
-            error = None
-            if all_done:
-                return
-
-    # -- one round ---------------------------------------------------------------------------
-
-    def _step(
-        self, needs: list[Need], done: bool, error: BaseException | None
-    ) -> tuple[dict[str, Any], list[int], bool]:
-        import torch
-
-        group = self.files.group
-        me = group.rank
-        self._round += 1
-        wire = [(self.owner_of(n), *n) for n in needs]
-        gathered = all_gather((wire, done, None if error is None else portable(error)), group,
-                              what="a node-local transfer")
-        self._raise_first(gathered, me, error, "a node-local transfer")
-        all_done = all(d for _, d, _ in gathered)
-        if all(not w for w, _, _ in gathered):
-            return {}, [], all_done
-
-        # Owner side: read and verify what each rank wants from this one, back to back.
-        send_sizes = [sum(stored_len(n[2]) for n in gathered[r][0] if n[0] == me)
-                      for r in range(group.world)]
-        send = torch.empty(sum(send_sizes), dtype=torch.uint8)
-        read_error: BaseException | None = None
-        try:
-            # Each chunk is read once per round, however many ranks asked for it.
-            first: dict[tuple[str, int], int] = {}  # chunk -> its position in `send`
-            copies: list[tuple[int, int, int]] = []  # (from, to, length) within `send`
-            requests = []
-            pos = 0
-            for r in range(group.world):
-                # One request per chunk, named after its tensor (an error names it); a chunk
-                # several ranks asked for in this round is read once and copied.
-                for o, name, rec, params, *label in gathered[r][0]:
-                    if o != me:
-                        continue
-                    n = stored_len(rec)
-                    at = first.setdefault((name, rec[0]), pos)
-                    if at == pos:
-                        seg = (self.path_of(name), 0, params, [rec])
-                        what = label[0] if label else f"chunks for rank {r}"
-                        requests.append((what, [seg], 0, 0, send.data_ptr() + pos))
-                    else:
-                        copies.append((at, pos, n))
-                    pos += n
-            if requests:
-                self.bytes_read += self.read_stored([tuple(q) for q in requests])[0]
-            for src, dst, n in copies:
-                send[dst:dst + n] = send[src:src + n]
-        except Exception as e:
-            read_error = e
-        statuses = all_gather((None, True, None if read_error is None else portable(read_error)),
-                              group, what="a node-local transfer")
-        self._raise_first(statuses, me, read_error, "reading chunks for a peer")
-
-        # Receiver side: what each owner sends, in the order asked.
-        recv_sizes = [0] * group.world
-        offsets = []
-        for owner, _, rec, *_ in wire:
-            offsets.append(recv_sizes[owner])
-            recv_sizes[owner] += stored_len(rec)
-        recv = torch.empty(sum(recv_sizes), dtype=torch.uint8)
-        all_to_all_single(recv, send, recv_sizes, send_sizes, group, what="a node-local transfer")
-        self.bytes_sent += sum(send_sizes)
-        self.bytes_received += sum(recv_sizes)
-        memory = {}
-        start = 0
-        for owner, size in enumerate(recv_sizes):
-            if size:
-                memory[peer_source(owner)] = recv[start:start + size].numpy()
-            start += size
-        return memory, offsets, all_done
-
-    # -- what a subclass may change: who serves a chunk, and how its owner reads it ---------
-
-    def owner_of(self, need: Need) -> int:
-        """Group rank that serves ``need`` (default: the rank holding its file)."""
-        return self.files.owner(os.path.join(self.files.root, need[0]))
-
-    def path_of(self, name: str) -> str:
-        """The segment path of data file ``name`` on the serving rank."""
-        return os.path.join(self.files.root, name)
-
-    def read_stored(self, requests: list[Any]) -> tuple[int, int]:
-        """As ``_C.read_stored`` (files in this rank's directory)."""
-        return _C.read_stored(requests, self.pool)
-
-    def _raise_first(self, gathered: list[tuple[Any, bool, BaseException | None]], me: int,
-                     mine: BaseException | None, what: str) -> None:
-        try:
-            _raise_first(gathered, me, mine, what)
-        except BaseException:
-            self._failed = True
-            raise
-
-
-def peer_source(owner: int) -> str:
-    """Name of the in-memory source holding the bytes received from ``owner`` in a round."""
-    return f"<chunks from rank {owner}>"
-
-
-def _raise_first(
-    gathered: list[tuple[Any, bool, BaseException | None]],
-    me: int,
-    mine: BaseException | None,
-    what: str,
-) -> None:
-    if mine is not None:
-        raise mine
-    for r, (_, _, err) in enumerate(gathered):
-        if err is not None and r != me:
-            add_note(err, f"pyckpt: {what} failed on rank {r}")
-            raise err
-
-
-def read_requests(
-    exchange: Exchange, requests: Sequence[tuple[Any, ...]], pool: Any
-) -> tuple[int, int]:
-    """``_C.read_requests`` for a node-local checkpoint: one :meth:`Exchange.fetch` round.
-
-    Chunks of local files are read from disk; the chunks of other ranks' files that overlap a
-    request are fetched from their owners and decoded from the received buffer. Collective: one
-    round per call (see :class:`Exchange`).
-    """
-    files = exchange.files
-    needs: list[Need] = []
-    where: dict[tuple[str, int], int] = {}  # (file, file_offset) -> index in needs
-    plans = []
-    for name, segments, lo, hi, dst in requests:
-        remote: dict[int, list[tuple[int, Any]]] = {}
-        local = []
-        for si, seg in enumerate(segments):
-            if files.owner(seg[0]) == files.group.rank:
-                local.append(seg)
-            else:
-                remote[si] = []
-        for a, _b, si, rec in overlapping_chunks(segments, lo, hi):
-            picked = remote.get(si)
-            if picked is None:
-                continue
-            key = (os.path.basename(segments[si][0]), rec[0])
-            if key not in where:
-                where[key] = len(needs)
-                needs.append((key[0], tuple(rec), segments[si][2], name))
-            picked.append((a, rec))
-        remote_segs = list(remote.items())
-        plans.append((name, segments, lo, hi, dst, local, remote_segs))
-    memory, offsets = exchange.fetch(needs)
-    out = []
-    for name, segments, lo, hi, dst, local, remote_segs in plans:
-        segs = list(local)
-        for si, picked in remote_segs:
-            path, _, params, _ = segments[si]
-            owner = files.owner(path)
-            for a, rec in picked:
-                off = offsets[where[(os.path.basename(path), rec[0])]]
-                segs.append((peer_source(owner), a, params, [(off, *tuple(rec)[1:])]))
-        out.append(ReadRequest(name, segs, lo, hi, dst))
-    sources = {name: (buf.nbytes, [(0, buf)]) for name, buf in memory.items()}
-    return _C.read_requests(out, pool, sources)
-
+__all__ = ["Exchange", "Need", "PeerBackend", "PeerFiles", "discover", "peer_source",
+           "read_requests", "writer_rank"]
 
 # ----------------------------------------------------------------------------- saving
 
-# save id -> (this rank's checkpoint directory, fsync) of node-local saves waiting for the
+# save id -> this rank's directory (its backend) of node-local saves waiting for the
 # coordinator's metadata on this process (a non-coordinator rank between write_data and the end
 # of dcp.save).
-_expected: dict[str, tuple[str, bool]] = {}
+_expected: dict[str, Backend] = {}
 _expected_lock = threading.Lock()
 
 
-def expect_metadata(save_id: str, root: str, fsync: bool) -> None:
-    """Registers a node-local save whose metadata this (non-coordinator) rank will write."""
+def expect_metadata(save_id: str, local: Backend) -> None:
+    """Registers a node-local save whose metadata this (non-coordinator) rank will write into
+    ``local`` (its directory)."""
     with _expected_lock:
-        _expected[save_id] = (root, fsync)
+        _expected[save_id] = local
 
 
 class PublishedMetadata:
@@ -427,15 +88,14 @@ def _publish(save_id: str, document: bytes, files: list[str]) -> PublishedMetada
     with _expected_lock:
         target = _expected.pop(save_id, None)
     if target is not None:
-        write_metadata_copy(target[0], document, set(files), target[1])
+        write_metadata_copy(target, document, set(files))
     return PublishedMetadata(save_id, document, files)
 
 
-def write_metadata_copy(root: str, document: bytes, files: set[str], fsync: bool) -> None:
-    """Writes ``pyckpt.json`` (atomically, fsynced) into ``root`` unless it already holds exactly
-    ``document``, then removes data files of earlier saves there (not in ``files``); a failure
-    of that clean-up is a warning (the save is committed), as on every backend."""
-    local = PosixBackend(root, fsync=fsync, node_local=True)
+def write_metadata_copy(local: Backend, document: bytes, files: set[str]) -> None:
+    """Writes ``pyckpt.json`` (atomically, fsynced) into ``local`` unless it already holds
+    exactly ``document``, then removes data files of earlier saves there (not in ``files``); a
+    failure of that clean-up is a warning (the save is committed), as on every backend."""
     if not local.metadata_is(document):
         # A copy that cannot be written leaves this node's data files alone: they belong to a
         # save committed on the coordinator.
@@ -462,13 +122,15 @@ class PeerBackend:
             process) reads are plain local reads, with no rounds.
     """
 
-    node_local = True
+    in_place = True  # this rank's directory
+    exchanges_chunks = True
+    shares_page_cache = True
+    bytes_fetched = 0
 
-    def __init__(self, local: PosixBackend, process_group: Any = None, *,
+    def __init__(self, local: Any, process_group: Any = None, *,
                  auto: bool = False) -> None:
         self.local = local
         self.location = local.location
-        self.local_dir = local.path
         self.default_chunk_bytes = local.default_chunk_bytes
         self.process_group = process_group
         self.auto = auto
@@ -494,7 +156,7 @@ class PeerBackend:
 
     def expect_metadata(self, save_id: str) -> None:
         """A non-coordinator rank: writes its copy when the coordinator's commit arrives."""
-        expect_metadata(save_id, self.local.path, self.local._fsync())
+        expect_metadata(save_id, self.local)
 
     def publish(self, save_id: str, document: bytes, files: Iterable[str]) -> PublishedMetadata:
         """What the coordinator puts into DCP's ``Metadata.storage_data`` after its commit."""
@@ -543,8 +205,22 @@ class PeerBackend:
         exchange.finish()
 
     def read_requests(self, requests: list[Any], pool: Any) -> tuple[int, int]:
-        with self.reads(pool) as read:
-            return read(requests)
+        """This rank's own files only (no collective): exchange rounds run in :meth:`reads`."""
+        return self.local.read_requests(requests, pool)
+
+    @property
+    def collective_loads(self) -> bool:
+        return not self.auto
+
+    def holders(self) -> Callable[[str], list[int]] | None:
+        """After :meth:`read_index` found files held by some ranks only: who holds each."""
+        files = self.files
+        if files is None:
+            return None
+        return lambda name: files.holders.get(name, [files.owners[name]])
+
+    def with_deadline(self, seconds: float) -> PeerBackend:
+        return self
 
     def verify_segments(self, name: str, segments: list[Any], pool: Any) -> tuple[int, int]:
         return self.local.verify_segments(name, segments, pool)

@@ -20,8 +20,6 @@ import fcntl
 import hashlib
 import logging
 import os
-import shutil
-import threading
 import time
 import weakref
 from collections.abc import Iterable, Iterator, Mapping
@@ -29,9 +27,9 @@ from typing import Any, cast
 
 from pyckpt import _C, _format, _knobs, _paths, _ranklocal
 from pyckpt._format import METADATA_FILE
+from pyckpt._paths import LOCK_FILE, copy_atomic, fsync_dir, temp_name, write_atomic
 from pyckpt.backends.base import (
     ANY,
-    TEMP_MARKER,
     SaveState,
     check_name,
     delete_checkpoint,
@@ -45,7 +43,6 @@ logger = logging.getLogger("pyckpt.backends")
 
 # Lock file in a checkpoint directory: a save's coordinator holds an exclusive flock on it from
 # set-up to finish, so two saves into one directory never interleave (the second one fails).
-LOCK_FILE = ".pyckpt.lock"
 # Aligned blocks between encoding and O_DIRECT writes (one being filled, two in flight).
 DIRECT_BLOCK_BYTES = 8 << 20
 DIRECT_BLOCKS = 3
@@ -183,68 +180,6 @@ def _digest(path: str) -> str | None:
         return None
 
 
-def temp_name(path: str) -> str:
-    """A sibling temp name of ``path``, unique per process and thread (``<path>.tmp-<pid>-<n>``,
-    which :func:`~pyckpt.backends.base.is_stale` recognises)."""
-    return f"{path}{TEMP_MARKER}{os.getpid()}-{threading.get_ident()}"
-
-
-def fsync_file(path: str) -> None:
-    """Makes the contents of file ``path`` durable."""
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def fsync_dir(path: str) -> None:
-    """Makes the entries of directory ``path`` (a rename into it) durable."""
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _atomic(path: str, fsync: bool, fill: Any) -> int:
-    """Makes file ``path`` through a temp file: ``fill(temp path)`` writes it and returns its
-    size; then fsync (``fsync``), rename, directory fsync. Nothing is left under a final or
-    temp name when it fails."""
-    tmp = temp_name(path)
-    try:
-        size = int(fill(tmp))
-        if fsync:
-            fsync_file(tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
-    if fsync:
-        fsync_dir(os.path.dirname(path) or ".")
-    return size
-
-
-def write_atomic(path: str, data: bytes, fsync: bool) -> None:
-    """Writes ``data`` as file ``path`` atomically (temp + fsync + rename + directory fsync)."""
-    def fill(tmp: str) -> int:
-        with open(tmp, "wb") as f:
-            return f.write(data)
-
-    _atomic(path, fsync, fill)
-
-
-def copy_atomic(src: str, dst: str, fsync: bool) -> int:
-    """Copies file ``src`` to ``dst`` atomically (as :func:`write_atomic`; the kernel's copy
-    where it has one); returns its size."""
-    def fill(tmp: str) -> int:
-        shutil.copyfile(src, tmp)
-        return os.path.getsize(tmp)
-
-    return _atomic(dst, fsync, fill)
-
-
 class PosixBackend:
     """A checkpoint directory (:class:`~pyckpt.backends.base.Backend`).
 
@@ -252,18 +187,21 @@ class PosixBackend:
         path: the directory (created by the first save).
         direct_io: ``"auto"``, ``"on"`` or ``"off"`` for data files (None: ``PYCKPT_DIRECT_IO``).
         fsync: fsync data and metadata (None: ``PYCKPT_FSYNC``).
-        node_local: the directory holds only this node's data files (set by
-            :class:`~pyckpt.backends.peer.PeerBackend`, which wraps this one).
     """
 
     default_chunk_bytes = 4 << 20
+    in_place = True
+    exchanges_chunks = False  # a node-local directory is wrapped by the peer backend
+    shares_page_cache = True
+    collective_loads = False
+    bytes_fetched = 0
+    bytes_from_peers = 0
 
     def __init__(self, path: str, *, direct_io: str | None = None, fsync: bool | None = None,
-                 node_local: bool = False) -> None:
-        self.path = self.location = self.local_dir = path
+                 ) -> None:
+        self.path = self.location = path
         self.direct_io = direct_io
         self.fsync = fsync
-        self.node_local = node_local
         self._direct_blocks: Any = None  # aligned blocks of the data-file writer, reused
 
     def __repr__(self) -> str:
@@ -392,6 +330,18 @@ class PosixBackend:
     def read_index(self, *, all_files: bool = True) -> _format.CheckpointIndex:
         return _format.read_index(self.path, all_files=all_files)
 
+    def with_deadline(self, seconds: float) -> PosixBackend:
+        return self
+
+    def expect_metadata(self, save_id: str) -> None:
+        pass
+
+    def publish(self, save_id: str, document: bytes, files: Iterable[str]) -> Any:
+        return None
+
+    def holders(self) -> None:
+        return None
+
     def read_requests(self, requests: list[Any], pool: Any) -> tuple[int, int]:
         return _C.read_requests(requests, pool)
 
@@ -405,7 +355,7 @@ class PosixBackend:
         return _C.verify_segments(name, segments, pool)
 
     def stage(self, directory: str, share: tuple[int, int] | None = None) -> list[str]:
-        """A directory needs no staging: the consolidator reads it in place (``local_dir``)."""
+        """A directory needs no staging: the consolidator reads it in place (``in_place``)."""
         raise NotImplementedError(f"{self.path}: a directory is consolidated in place")
 
     def check(self) -> None:

@@ -21,8 +21,8 @@ from typing import Any
 
 from pyckpt import _format
 from pyckpt._format import METADATA_FILE
+from pyckpt._paths import temp_name
 from pyckpt.backends.base import ANY, SaveState, check_name, delete_checkpoint, direct_reads
-from pyckpt.backends.posix import temp_name
 from pyckpt.backends.s3.client import (
     DEFAULT_CHUNK_BYTES,
     DEFAULT_MAX_CONCURRENCY,
@@ -45,9 +45,12 @@ class S3Backend:
     :class:`~pyckpt.errors.ConcurrentSaveError` and removes only its own objects.
     """
 
-    node_local = False
+    in_place = False  # objects: staged into a local directory for the native consolidator
+    exchanges_chunks = False
+    shares_page_cache = False  # every rank's GET is paid and fetched
+    collective_loads = False
+    bytes_from_peers = 0
     default_chunk_bytes = DEFAULT_CHUNK_BYTES
-    local_dir = None  # objects: staged into a local directory for the native consolidator
 
     def __init__(self, url: str, storage_options: Mapping[str, Any] | None = None, *,
                  part_bytes: int | None = None) -> None:
@@ -141,6 +144,15 @@ class S3Backend:
 
     def read_index(self) -> _format.CheckpointIndex:
         return read_index(self.loc)
+
+    def expect_metadata(self, save_id: str) -> None:
+        pass
+
+    def publish(self, save_id: str, document: bytes, files: Iterable[str]) -> Any:
+        return None
+
+    def holders(self) -> None:
+        return None
 
     def read_requests(self, requests: list[Any], pool: Any) -> tuple[int, int]:
         return self.fetcher().read_requests(requests, pool)

@@ -200,10 +200,8 @@ class Fetcher:
 
     def read_stored(self, requests: list[Any], pool: Any) -> tuple[int, int]:
         """As :func:`pyckpt._C.read_stored`: the chunks' stored bytes, fetched and verified."""
-        from pyckpt.backends.coop import read_stored_from
-
         rs = [(seg[0], c[0], c[0] + stored_len(c)) for r in requests for seg in r[1] for c in seg[3]]
-        return read_stored_from(requests, pool, self._download(_coalesce(rs)))
+        return _C.read_stored(requests, pool, self._download(_coalesce(rs)))
 
     def verify_segments(self, name: str, segments: list[Any], pool: Any) -> tuple[int, int]:
         """As :func:`pyckpt._C.verify_segments`, one segment at a time (bounded memory)."""

@@ -13,7 +13,7 @@ store). A cooperative load reads each stored chunk once:
    carries a :class:`CoopPlan`: who reads the chunks it wants from others.
 2. Reading (:func:`cooperative_reads`): each rank reads what it reads itself straight into its
    destinations (the backend's ordinary reads); the rest travels in rounds of the node-local
-   :class:`~pyckpt.backends.peer.Exchange`: the reader reads the chunk's stored (compressed)
+   :class:`~pyckpt._exchange.Exchange`: the reader reads the chunk's stored (compressed)
    bytes and verifies them, the bytes move over the process group, the receiver verifies again
    and decodes into its destination. A rank asks for at most ``window`` stored bytes per round
    (and at most ``window / (N - 1)`` from one reader, at least one chunk), so what is in flight
@@ -33,19 +33,18 @@ damaged file) raises its error, and every other rank raises the same error at th
 from __future__ import annotations
 
 import contextlib
-import ctypes
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from pyckpt import _C
 from pyckpt._collective import Group
+from pyckpt._exchange import Exchange, Need, PeerFiles, peer_source
 from pyckpt._partition import largest_first
 from pyckpt.backends.base import Backend, ReadRequest, overlapping_chunks, stored_len
-from pyckpt.backends.peer import Exchange, Need, PeerBackend, PeerFiles, peer_source
 
 __all__ = ["CoopPlan", "LoadNode", "assign", "chunks_of", "cooperative_reads", "first_round",
-           "holders_of", "pays_off", "plan_uses", "read_stored_from", "wanted_across_nodes"]
+           "holders_of", "pays_off", "plan_uses", "wanted_across_nodes"]
 
 # A stored chunk: (data file basename, file offset of its stored bytes).
 Key = tuple[str, int]
@@ -118,7 +117,7 @@ def pays_off(backend: Backend, nodes: Sequence[str | None],
     """
     if holders_of(backend) is not None:
         return True, "node-local checkpoint"
-    if backend.local_dir is None:
+    if not backend.shares_page_cache:
         return True, "object store"
     if None not in nodes and len(set(nodes)) == 1:
         return False, f"every rank on node {nodes[0]!r}, file system"
@@ -138,12 +137,8 @@ def chunks_of(spans: Sequence[tuple[Sequence[Any], int, int]]) -> dict[Key, int]
 
 def holders_of(backend: Backend) -> Callable[[str], Sequence[int]] | None:
     """For a node-local checkpoint: data file basename -> the ranks holding it; None where every
-    rank reads every file (a shared directory, an object store)."""
-    files = getattr(backend, "files", None) if isinstance(backend, PeerBackend) else None
-    if files is None:
-        return None
-    holders = files.holders
-    return lambda name: holders.get(name, [files.owners[name]])
+    rank reads every file (a shared directory, an object store): :meth:`Backend.holders`."""
+    return backend.holders()
 
 
 def assign(
@@ -202,34 +197,6 @@ def assign(
             for w in wants]
 
 
-def read_stored_from(requests: Sequence[Any], pool: Any,
-                     sources: Mapping[str, tuple[int, list[tuple[int, Any]]]]) -> tuple[int, int]:
-    """As ``_C.read_stored`` for stored bytes already in memory (``sources`` as for
-    ``_C.read_requests``: downloaded ranges of objects): every chunk is verified
-    (``_C.verify_segments``), then its stored bytes are copied back to back into the request's
-    destination."""
-    nread = nchunks = 0
-    for name, segments, _lo, _hi, dst in requests:
-        r, c = _C.verify_segments(name, list(segments), pool, sources)
-        nread += r
-        nchunks += c
-        pos = 0
-        for seg in segments:
-            ranges = sources[seg[0]][1]
-            for rec in seg[3]:
-                n = stored_len(rec)
-                start = int(rec[0])
-                for off, buf in ranges:
-                    view = memoryview(buf).cast("B")
-                    if off <= start and start + n <= off + len(view):
-                        ctypes.memmove(dst + pos, bytes(view[start - off:start - off + n]), n)
-                        break
-                else:  # verify_segments found every chunk: unreachable unless sources changed
-                    raise RuntimeError(f"tensor {name!r}: chunk at {start} of {seg[0]} not fetched")
-                pos += n
-    return nread, nchunks
-
-
 class _CoopExchange(Exchange):
     """Exchange rounds in which each chunk is served by its assigned reader, read through the
     backend (files, objects, memory)."""
@@ -247,10 +214,7 @@ class _CoopExchange(Exchange):
         return self.backend.url_of(name)
 
     def read_stored(self, requests: list[Any]) -> tuple[int, int]:
-        backend = self.backend
-        if isinstance(backend, PeerBackend):
-            backend = backend.local
-        return backend.read_stored(requests, self.pool)
+        return self.backend.read_stored(requests, self.pool)
 
 
 # One use of an exchanged chunk by a request: (request name, raw_a, lo, hi, dst address).
@@ -272,7 +236,7 @@ class _Session:
 
     def __init__(self, backend: Backend, exchange: _CoopExchange, plan: CoopPlan, pool: Any,
                  needs: dict[Key, Need], uses: dict[Key, int]) -> None:
-        self.direct = backend.local if isinstance(backend, PeerBackend) else backend
+        self.direct = backend  # read_requests: this rank's own reads, never a collective
         self.exchange = exchange
         self.plan = plan
         self.pool = pool
