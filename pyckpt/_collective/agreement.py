@@ -100,5 +100,3 @@ def agree(
     bad_rank, remote = failed[0]
     add_note(remote, f"pyckpt: {what} failed on rank {bad_rank}")
     raise remote
-
-

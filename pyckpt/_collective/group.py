@@ -116,4 +116,3 @@ def _device(pg: Any) -> Any:
     if dist.get_backend(pg) == "nccl":  # object collectives then travel as CUDA tensors
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
-

@@ -393,4 +393,3 @@ def bounded_group(process_group: Any) -> Iterator[None]:
     finally:
         if backend is not None:
             backend.set_timeout(before)
-

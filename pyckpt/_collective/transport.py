@@ -149,4 +149,3 @@ def all_to_all_single(recv: Any, send: Any, recv_sizes: list[int], send_sizes: l
     pg = _pg(group)
     _run(group, what, _options("AllToAllOptions"),
          lambda opts: pg.alltoall_base(recv, send, list(recv_sizes), list(send_sizes), opts))
-

@@ -71,4 +71,3 @@ class RestoreInfo:
     bytes_durable: int = 0
     fast_tier_lacked: str | None = None
     skipped: list[str] = field(default_factory=list)
-

@@ -36,12 +36,10 @@ __all__ = ["Restoring", "DURABLE_LIST_DEADLINE_S", "damaged"]
 DURABLE_LIST_DEADLINE_S = 10.0
 
 
-
 def damaged(exc: BaseException) -> bool:
     """Whether a failed fast-tier load may be a damaged copy (a checksum, format or I/O error
     of a file), rather than a lost peer or an interrupt."""
     return find_error(exc, (CheckpointFormatError, CompressionError, OSError)) is not None
-
 
 
 @dataclass
@@ -49,7 +47,6 @@ class _FastStep:
     save_id: str
     files: dict[str, int]
     holders: dict[str, list[str]] = field(default_factory=dict)
-
 
 
 def _raise_any(errors: Sequence[BaseException | None], me: int, mine: BaseException | None,
@@ -62,11 +59,9 @@ def _raise_any(errors: Sequence[BaseException | None], me: int, mine: BaseExcept
             raise err
 
 
-
 class Restoring(ManagerBase):
     """The steps of :meth:`pyckpt.CheckpointManager.restore` (collective, on the fast-tier
     group)."""
-
 
     def _gather_views(self, skipped: list[str]) -> list[dict[int, StepView]]:
         """What every rank sees of its node's fast tier (one all-gather). Copies the scan found

@@ -40,7 +40,6 @@ def _state_bytes(state: Any) -> int:
     return total
 
 
-
 def _check_steps(steps: Sequence[int]) -> None:
     """Raises StepMismatchError (the same on every rank: ``steps`` is every rank's step, as
     gathered) when the ranks passed different steps to one save."""
@@ -55,7 +54,6 @@ def _check_steps(steps: Sequence[int]) -> None:
         f"the ranks passed different steps to CheckpointManager.save ({said}); nothing of this "
         "save was written or committed in any tier (every rank must save the same step)",
         dict(enumerate(steps)))
-
 
 
 class Saving(Persistence):
