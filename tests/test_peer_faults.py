@@ -29,14 +29,14 @@ from _nodelocal_workers import namespace_refusal
 from _ports import free_port
 from dist_utils import RankProcess
 
-from pyckpt import _collective
+from pyckpt._collective import liveness
 
 pytestmark = pytest.mark.distributed
 
 PEER_TIMEOUT_S = 8
 # The documented bound on a survivor's wait: PYCKPT_PEER_TIMEOUT, plus the check-in that names
 # the lost rank, plus the same for the one further collective a failing round may have started.
-BOUND_S = 2 * (PEER_TIMEOUT_S + _collective.CHECK_IN_S) + 10  # + 10 s of load on 2 shared cores
+BOUND_S = 2 * (PEER_TIMEOUT_S + liveness.CHECK_IN_S) + 10  # + 10 s of load on 2 shared cores
 POINTS = 3
 
 _REFUSAL = namespace_refusal()
@@ -269,7 +269,7 @@ def test_a_silent_rank_that_never_reports_is_lost_in_time(root: int) -> None:
     assert f"lost rank {silent} of 2 during consolidation on rank {root}" in message, message
     # The 2 s bound, 2.5 beats to see the silence, the check-in that names the rank, and slack
     # for 2 loaded cores (rank 1 stays silent for 25 s, past all of it).
-    bound = 2.0 + 2.5 * _collective.HEARTBEAT_S + _collective.CHECK_IN_S + 10.0
+    bound = 2.0 + 2.5 * liveness.HEARTBEAT_S + liveness.CHECK_IN_S + 10.0
     assert results[root]["waited"] <= bound, results[root]
 
 

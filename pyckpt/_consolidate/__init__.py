@@ -357,17 +357,21 @@ def _consolidate(
             prepare_index(plan, dst, do_fsync)
         return copied
 
-    # Every rank agrees that every share is in, then rank 0 commits (the index is ready) and
-    # tells every rank the outcome and how long the commit took.
+    # Every rank agrees that every share is in, then the last rank commits (rank 0 wrote the
+    # index while the others copied: the commit only renames) and every rank hears the outcome
+    # and how long the commit took.
+    root = world - 1
+
     def timed_commit() -> tuple[list[str], float]:
         t0 = time.perf_counter()
         return commit(plan, dst, do_fsync, index_ready=True), time.perf_counter() - t0
 
     rank_bytes, _ = agree(share, group, on_failure=cleanup, what="consolidation")
-    committed, _ = agree(timed_commit, group, ranks="root", on_failure=cleanup, what="commit")
+    committed, _ = agree(timed_commit, group, ranks="root", on_failure=cleanup, what="commit",
+                         root=root)
     assert committed is not None
     finals, commit_s = committed
-    if rank != 0:
+    if rank != root:
         finals = [os.path.join(dst, f.name) for f in plan.files]
     clock.split("wait", "commit", commit_s)
     seconds = time.perf_counter() - start
