@@ -15,7 +15,8 @@ from collections.abc import Callable
 from typing import Any
 
 from pyckpt import _C, _gc, _knobs
-from pyckpt._format_schema import _describe, _Duplicate, _Validator
+from pyckpt._format_json import _describe, _Duplicate
+from pyckpt._format_schema import _Validator
 from pyckpt._format_spec import (
     _JUST_INT,
     _SEAL_LEN,

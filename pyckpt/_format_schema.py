@@ -6,7 +6,6 @@ Imported through :mod:`pyckpt._format`; :func:`pyckpt._format.read_index` drives
 
 from __future__ import annotations
 
-import dataclasses
 import errno
 import json
 import math
@@ -17,11 +16,21 @@ from operator import itemgetter
 from typing import TYPE_CHECKING, Any
 
 from pyckpt import _C
+from pyckpt._format_json import (
+    _PIECE_FIELDS,
+    _TENSOR_FIELDS,
+    _describe,
+    _dims_ok,
+    _Duplicate,
+    _Key,
+    _member,
+    _Path,
+    _untuple,
+)
 from pyckpt._format_spec import (
     _BYTES_DTYPE,
     _BYTES_KEYS,
     _GROUPING,
-    _JUST_INT,
     _MAX_FILE_BYTES,
     _MAX_GRID_CELLS,
     _MAX_IRREGULAR_PIECES,
@@ -62,86 +71,6 @@ from pyckpt.errors import CheckpointFormatError, UnsupportedDtypeError
 if TYPE_CHECKING:
     from pyckpt._C import CodecParams
 
-
-class _Duplicate:
-    """Stands for a JSON object that repeats a key (reported with its key path later)."""
-
-    __slots__ = ("key",)
-
-    def __init__(self, key: str) -> None:
-        self.key = key
-
-
-
-def _describe(value: Any) -> str:
-    if isinstance(value, _Duplicate):
-        return f"an object that repeats the key {value.key!r}"
-    if isinstance(value, (dict, list)):
-        return "an object" if isinstance(value, dict) else "a list"
-    text = repr(value)
-    return text if len(text) <= 40 else text[:37] + "..."
-
-
-def _member(path: str, key: str) -> str:
-    return f"{path}.{key}" if path else key
-
-
-def _dims_ok(dims: list[Any]) -> bool:
-    """Every entry an exact int (not a bool) in [0, MAX_NUMEL]: the common case, checked with
-    C-level loops (the validator's per-entry loop then only runs to report a failure)."""
-    return not dims or (set(map(type, dims)) == _JUST_INT and min(dims) >= 0
-                        and max(dims) <= MAX_NUMEL)
-
-
-def _fields(cls: type) -> tuple[type, tuple[str, ...]]:
-    """(cls, its field names in order): how the native reader makes instances without __init__
-    (see ``_C.PyckptIndex.materialize``), which only holds for a plain slots dataclass."""
-    if "__post_init__" in vars(cls) or not hasattr(cls, "__slots__"):
-        raise TypeError(f"{cls.__name__} must stay a plain slots dataclass")
-    return cls, tuple(f.name for f in dataclasses.fields(cls))
-
-
-_TENSOR_FIELDS = _fields(StoredTensor)
-_PIECE_FIELDS = _fields(StoredPiece)
-
-
-def _untuple(obj: dict[str, Any]) -> Any:
-    """``json.loads`` object hook: a tagged tuple ``{"__tuple__": [...]}`` becomes a tuple (the
-    native reader checked that such objects have that key alone, holding a list)."""
-    return tuple(obj["__tuple__"]) if "__tuple__" in obj else obj
-
-
-class _Path:
-    """A key path spelled out only when a message needs it: ``{base}{member}[{n}]`` (no index
-    when ``n`` is None)."""
-
-    __slots__ = ("base", "member", "n")
-
-    def __init__(self, base: object, member: str, n: int | None = None) -> None:
-        self.base, self.member, self.n = base, member, n
-
-    def __str__(self) -> str:
-        if self.n is None:
-            return f"{self.base}{self.member}"
-        return f"{self.base}{self.member}[{self.n}]"
-
-    def __format__(self, spec: str) -> str:
-        return format(str(self), spec)
-
-
-class _Key:
-    """A key path spelled out only when a message needs it: ``{base}[{key!r}]``."""
-
-    __slots__ = ("base", "key")
-
-    def __init__(self, base: object, key: str) -> None:
-        self.base, self.key = base, key
-
-    def __str__(self) -> str:
-        return f"{self.base}[{self.key!r}]"
-
-    def __format__(self, spec: str) -> str:
-        return format(str(self), spec)
 
 
 # Files with at most this many chunk bounds (2 per chunk) are checked for packing in Python.

@@ -121,12 +121,23 @@ def joins_during_the_check_worker(rank: int, world: int) -> Any:
     return out
 
 
+def _step_then_commit(step: Any, commit: Any, group: Any, what: str = "operation",
+                      root: int = 0) -> tuple[Any, Any]:
+    """An export's agreement: every rank's step agreed, then ``root``'s commit (its result on
+    ``root``, None on the others)."""
+    from pyckpt._collective import agree
+
+    value, _ = agree(step, group, what=what)
+    done, _ = agree(commit, group, ranks="root", what="commit", root=root)
+    return value, done if group.rank == root else None
+
+
 def report_busy_worker(rank: int, world: int, busy_s: float) -> Any:
-    """agree_then_root (an export's copy, then its commit) where rank 1's step works
-    ``busy_s`` seconds, longer than the peer timeout: rank 0 waits for its report. Returns what
+    """An export's agreement (its copy, then its commit) where rank 1's step works ``busy_s``
+    seconds, longer than the peer timeout: rank 0 waits for it. Returns what
     each rank got, the seconds the call took and, on rank 1, when its work ended."""
     from pyckpt import _knobs
-    from pyckpt._collective import agree_then_root, all_gather, group_info
+    from pyckpt._collective import all_gather, group_info
 
     group = group_info(None)
     out: dict[str, Any] = {}
@@ -140,7 +151,7 @@ def report_busy_worker(rank: int, world: int, busy_s: float) -> Any:
     with _knobs.override(peer_timeout=2):
         all_gather(rank, group)
         t0 = time.monotonic()
-        value, root_value, _ = agree_then_root(step, lambda: "committed", group)
+        value, root_value = _step_then_commit(step, lambda: "committed", group)
     out["end"] = time.monotonic()
     out["waited"] = out["end"] - t0
     out["got"] = (value, root_value)
@@ -149,11 +160,11 @@ def report_busy_worker(rank: int, world: int, busy_s: float) -> Any:
 
 def report_silent_worker(rank: int, world: int, root: int = 0) -> Any:
     """The rank that is not ``root`` stops beating (as a stopped or wedged process does) and
-    never reports; the root, waiting for its report in agree_then_root, must raise
+    never reports; the root, waiting for it in an export's agreement, must raise
     PeerLostError naming it, within the peer timeout and the checks after it. Returns the
     root's error and how long it waited (an export roots at its last rank, rank 1 here)."""
     from pyckpt import _daemons, _knobs
-    from pyckpt._collective import agree_then_root, all_gather, group_info
+    from pyckpt._collective import all_gather, group_info
     from pyckpt.errors import PeerLostError
 
     group = group_info(None)
@@ -166,8 +177,8 @@ def report_silent_worker(rank: int, world: int, root: int = 0) -> Any:
             return out
         t0 = time.monotonic()
         try:
-            agree_then_root(lambda: 0, lambda: "committed", group, what="consolidation",
-                            root=root)
+            _step_then_commit(lambda: 0, lambda: "committed", group, what="consolidation",
+                              root=root)
             out["error"] = None
         except PeerLostError as e:
             out["error"] = (str(e), e.rank, e.operation)

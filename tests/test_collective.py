@@ -1,4 +1,4 @@
-"""pyckpt's bounded collectives (pyckpt/_collective.py) on a real one-rank gloo group."""
+"""pyckpt's bounded collectives (pyckpt/_collective/) on a real one-rank gloo group."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import torch.distributed as dist
 from _ports import free_port
 
 from pyckpt import _collective
+from pyckpt._collective import liveness
 from pyckpt.errors import PeerLostError
 
 
@@ -25,8 +26,8 @@ def group() -> Iterator[_collective.Group]:
     finally:
         # Marked lost (if a test has not): its heartbeat thread stops, and the entry keeps the
         # group object alive, so no later group can reuse its id.
-        with _collective._lost_lock:
-            _collective._lost.setdefault(id(pg), (pg, "the end of a test", None))
+        with liveness._lost_lock:
+            liveness._lost.setdefault(id(pg), (pg, "the end of a test", None))
         dist.destroy_process_group()
 
 
@@ -62,7 +63,7 @@ def test_a_collective_that_completes_as_the_poll_times_out_is_not_a_lost_peer(
         seen.append(_CompletesDuringThePoll(dist.all_reduce(buf, async_op=True)))
         return seen[0]
 
-    _collective._run(group, "a test collective", None, start)  # no PeerLostError
+    liveness._run(group, "a test collective", None, start)  # no PeerLostError
     assert seen[0].timed_waits == 1
     assert torch.equal(buf, torch.arange(4))
     # The group is still usable: the next collective goes through.
@@ -78,7 +79,7 @@ def test_a_collective_that_failed_still_raises_peer_lost(group: _collective.Grou
             return True
 
     with pytest.raises(PeerLostError, match="a test collective"):
-        _collective._run(group, "a test collective", None, lambda options: Failed())
+        liveness._run(group, "a test collective", None, lambda options: Failed())
 
 
 def test_heartbeat_does_not_keep_a_destroyed_group_alive() -> None:
@@ -96,12 +97,12 @@ def test_heartbeat_does_not_keep_a_destroyed_group_alive() -> None:
     before = {t for t in threading.enumerate() if t.name == "pyckpt-peer-heartbeat"}
     _collective.all_gather(1, _collective.group_info(None))  # starts the heartbeat
     beats = {t for t in threading.enumerate() if t.name == "pyckpt-peer-heartbeat"} - before
-    assert len(beats) == 1 and pg in _collective._beating
+    assert len(beats) == 1 and pg in liveness._beating
     ref = weakref.ref(pg)
     del pg
     dist.destroy_process_group()
     gc.collect()
     assert ref() is None, gc.get_referrers(ref())
     (thread,) = beats
-    thread.join(_collective.HEARTBEAT_S + 10)  # it notices at its next beat
+    thread.join(liveness.HEARTBEAT_S + 10)  # it notices at its next beat
     assert not thread.is_alive()

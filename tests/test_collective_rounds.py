@@ -10,8 +10,7 @@ import pytest
 from dist_utils import run_distributed
 
 from pyckpt import _collective as coll
-from pyckpt._collective import group_info
-from pyckpt.errors import PyckptError
+from pyckpt._collective import group_info, transport
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
@@ -19,7 +18,7 @@ pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 def rounds_worker(rank: int, world: int) -> dict[str, Any]:
     group = group_info(None)
     out: dict[str, Any] = {}
-    big = bytes(range(256)) * (coll.BROADCAST_INLINE // 128)  # past both kinds' inline bytes
+    big = bytes(range(256)) * (transport.BROADCAST_INLINE // 128)  # past both kinds' inline bytes
     # Small and large outcomes, from every rank and from rank 0.
     _, out["small_all"] = coll.agree(lambda: rank * 10, group)
     _, out["large_all"] = coll.agree(lambda: big[: rank * 3000 + 1], group)
@@ -34,7 +33,7 @@ def rounds_worker(rank: int, world: int) -> dict[str, Any]:
 
     def fail_on_one() -> int:
         if rank == 1:
-            raise KeyError("x" * (2 * coll.GATHER_INLINE))
+            raise KeyError("x" * (2 * transport.GATHER_INLINE))
         return rank
 
     try:
@@ -55,14 +54,14 @@ def rounds_worker(rank: int, world: int) -> dict[str, Any]:
 
 def test_rounds_move_small_and_large_outcomes_and_failures() -> None:
     results = run_distributed(rounds_worker, 2)
-    big = bytes(range(256)) * (coll.BROADCAST_INLINE // 128)
+    big = bytes(range(256)) * (transport.BROADCAST_INLINE // 128)
     for rank, r in enumerate(results):
         assert r["small_all"] == [0, 10]
         assert r["large_all"] == [big[:1], big[:3001]]
         assert r["small_root"] == {"plan": 0}
         assert r["large_root"] == (big, 0)
         assert r["from_1"] == ("s", 1) and r["large_from_1"] == (big, 1)
-        assert r["raised"][:2] == ("KeyError", 2 * coll.GATHER_INLINE + 2), r["raised"]
+        assert r["raised"][:2] == ("KeyError", 2 * transport.GATHER_INLINE + 2), r["raised"]
         assert r["root_raised"][0] == "ZeroDivisionError"
         assert r["cleaned"] == [rank, rank]
         assert r["after"] == [0, 1]
@@ -85,18 +84,18 @@ def test_rounds_in_one_process() -> None:
 
 def test_gather_inline_bytes_shrink_in_large_groups() -> None:
     # A first collective moves world x inline bytes to every rank: bounded for thousands of ranks.
-    assert coll.gather_inline(2) == coll.gather_inline(512) == coll.GATHER_INLINE == 512
-    assert coll.gather_inline(1024) == 256
-    assert coll.gather_inline(4096) == coll.gather_inline(100_000) == coll.GATHER_INLINE_MIN
+    assert transport.gather_inline(2) == transport.gather_inline(512) == transport.GATHER_INLINE == 512
+    assert transport.gather_inline(1024) == 256
+    assert transport.gather_inline(4096) == transport.gather_inline(100_000) == transport.GATHER_INLINE_MIN
     for world in (2, 64, 513, 4096, 8192):
-        assert world * coll.gather_inline(world) <= max(coll.GATHER_INLINE_TOTAL,
-                                                        world * coll.GATHER_INLINE_MIN)
+        assert world * transport.gather_inline(world) <= max(transport.GATHER_INLINE_TOTAL,
+                                                        world * transport.GATHER_INLINE_MIN)
 
 
 def small_inline_worker(rank: int, world: int) -> list[Any]:
     # Inline bytes as small as a 4096-rank group gets: short and long outcomes mixed.
     group = group_info(None)
-    return coll.all_gather("r" * (rank * 100), group, inline=coll.GATHER_INLINE_MIN)
+    return coll.all_gather("r" * (rank * 100), group, inline=transport.GATHER_INLINE_MIN)
 
 
 def test_all_gather_with_the_smallest_inline_bytes() -> None:
@@ -104,25 +103,21 @@ def test_all_gather_with_the_smallest_inline_bytes() -> None:
         assert r == ["", "r" * 100, "r" * 200]
 
 
-def report_worker(rank: int, world: int, via: str, root_rank: int) -> dict[str, Any]:
-    """agree_then_root on 3 ranks with ``root_rank`` as the root: successes, failures of a
-    rank's step (short and past the inline bytes, one rank and two), failures of the root's
-    step (likewise), each followed by a round that shows the group still in step. ``via``:
-    "messages" (gloo's path) or "rounds" (the two rounds of collectives NCCL groups take, run
-    here on gloo)."""
+def commit_worker(rank: int, world: int, root_rank: int) -> dict[str, Any]:
+    """An export's agreement on 3 ranks: every rank's step agreed with ``agree``, then
+    ``root_rank``'s commit with ``agree(ranks="root")``. Successes, failures of a rank's step
+    (short and past the inline bytes, one rank and two), failures of the root's step
+    (likewise), each followed by a round that shows the group still in step."""
     group = group_info(None)
-    if via == "rounds":
-        def agree_then_root(fn: Any, root_fn: Any, group: Any, *, on_failure: Any = None,
-                            what: str = "operation", root_what: str = "commit") -> Any:
-            return coll._agree_then_root_rounds(fn, root_fn, group, on_failure, what, root_what,
-                                                root_rank)
-    else:
-        def agree_then_root(fn: Any, root_fn: Any, group: Any, *, on_failure: Any = None,
-                            what: str = "operation", root_what: str = "commit") -> Any:
-            return coll.agree_then_root(fn, root_fn, group, on_failure=on_failure, what=what,
-                                        root_what=root_what, root=root_rank)
+
+    def agree_then_commit(fn: Any, root_fn: Any, *, on_failure: Any = None) -> Any:
+        value, _ = coll.agree(fn, group, on_failure=on_failure, what="step")
+        done, _ = coll.agree(root_fn, group, ranks="root", on_failure=on_failure,
+                             what="commit", root=root_rank)
+        return value, done
+
     out: dict[str, Any] = {"cleaned": [], "root_ran": []}
-    long = "y" * (3 * coll.REPORT_INLINE)
+    long = "y" * (3 * transport.GATHER_INLINE)
 
     def root(tag: str, fail: BaseException | None = None) -> Any:
         def run() -> Any:
@@ -135,7 +130,7 @@ def report_worker(rank: int, world: int, via: str, root_rank: int) -> dict[str, 
     def cleanup(tag: str) -> Any:
         return lambda: out["cleaned"].append(tag)
 
-    out["ok"] = agree_then_root(lambda: rank * 10, root("ok"), group, what="step")
+    out["ok"] = agree_then_commit(lambda: rank * 10, root("ok"))
     cases: list[tuple[str, Any, Any]] = [
         ("one rank", {2}, None),
         ("one rank, long", {2}, long),
@@ -146,58 +141,38 @@ def report_worker(rank: int, world: int, via: str, root_rank: int) -> dict[str, 
     for tag, failing, root_error in cases:
         def step(tag: str = tag, failing: set[int] = failing) -> int:
             if rank in failing:
-                raise KeyError(f"{tag} on rank {rank} " + ("y" * 3 * coll.REPORT_INLINE
-                                                          if "long" in tag else ""))
+                raise KeyError(f"{tag} on rank {rank} " + (long if "long" in tag else ""))
             return rank
         try:
-            agree_then_root(step, root(tag, root_error), group, on_failure=cleanup(tag),
-                            what="step", root_what="commit")
+            agree_then_commit(step, root(tag, root_error), on_failure=cleanup(tag))
             out[tag] = "no error"
         except (KeyError, ZeroDivisionError) as e:
             out[tag] = (type(e).__name__, str(e)[:40], len(str(e)),
                         list(getattr(e, "__notes__", [])))
         _, out[f"after {tag}"] = coll.agree(lambda: rank, group)
-    out["again"] = agree_then_root(lambda: rank, root("again"), group)
-    # Every call above reused one waiting thread, parked between calls; the exit handler's
-    # close ends it (else the interpreter's exit would wait for it).
-    import threading
-
-    waiting = [t for t in threading.enumerate() if t.name == "pyckpt-report-wait"]
-    out["waiting threads"] = len(waiting)
-    out["exit handler"] = coll._Waiter._exit_registered
-    coll._Waiter._close_parked()
-    for t in waiting:
-        t.join(5.0)
-    out["ended"] = not any(t.is_alive() for t in waiting)
     return out
 
 
-@pytest.mark.parametrize("via", ["messages", "rounds"])
-@pytest.mark.parametrize("root", [0, 2])  # an export's root is its last rank
-def test_agree_then_root_has_agree_s_outcomes_on_every_rank(via: str, root: int) -> None:
-    results = run_distributed(report_worker, 3, via, root)
+@pytest.mark.parametrize("root", [0, 2])
+def test_a_step_then_a_root_commit_has_the_same_outcomes_on_every_rank(root: int) -> None:
+    results = run_distributed(commit_worker, 3, root)
     tags = ["one rank", "one rank, long", "two ranks", "root", "root, long"]
+    long = 3 * transport.GATHER_INLINE
     for rank, r in enumerate(results):
-        value, root_value, seconds = r["ok"]
+        value, root_value = r["ok"]
         assert value == rank * 10
-        assert root_value == ({"committed": "ok"} if rank == root else None)
-        assert seconds >= 0 and seconds == results[root]["ok"][2]  # the root's, on every rank
-        # root_fn ran on the root only, and only when every rank's step succeeded.
-        assert r["root_ran"] == (["ok", "root", "root, long", "again"] if rank == root else [])
+        assert root_value == {"committed": "ok"}  # the root's result, on every rank
+        # The commit ran on the root only, and only when every rank's step succeeded.
+        assert r["root_ran"] == (["ok", "root", "root, long"] if rank == root else [])
         assert r["cleaned"] == tags  # every failure cleaned up on every rank
         for tag in tags:
             assert r[f"after {tag}"] == [0, 1, 2]
-        assert r["again"][0] == rank
-        if via == "messages":
-            assert r["waiting threads"] == 1 and r["exit handler"] and r["ended"], r
-        else:
-            assert r["waiting threads"] == 0, r
         # A failing rank raises its own error as it was; the others the lowest failing rank's,
         # with a note naming it and the step.
         for tag in ("one rank", "one rank, long"):
             kind, text, size, notes = r[tag]
             assert kind == "KeyError" and text.startswith(f"'{tag} on rank 2"), r[tag]
-            assert size > 3 * coll.REPORT_INLINE if "long" in tag else size < 100
+            assert size > long if "long" in tag else size < 100
             assert notes == ([] if rank == 2 else ["pyckpt: step failed on rank 2"])
         kind, text, _, notes = r["two ranks"]
         assert text.startswith(f"'two ranks on rank {1 if rank != 2 else 2}"), r["two ranks"]
@@ -205,77 +180,13 @@ def test_agree_then_root_has_agree_s_outcomes_on_every_rank(via: str, root: int)
         for tag in ("root", "root, long"):
             kind, text, size, notes = r[tag]
             assert kind == "ZeroDivisionError", r[tag]
-            assert size == (3 * coll.REPORT_INLINE if "long" in tag else len("commit broke"))
+            assert size == (long if "long" in tag else len("commit broke"))
             assert notes == ([] if rank == root else [f"pyckpt: commit failed on rank {root}"])
 
 
 def test_a_root_outside_the_group_is_refused() -> None:
     ran: list[str] = []
-    for call in (lambda: coll.agree_then_root(lambda: ran.append("fn"), lambda: "done",
-                                              group_info(None), root=1),
-                 lambda: coll.agree(lambda: ran.append("fn"), group_info(None), ranks="root",
-                                    root=-1)):
+    for root in (1, -1):
         with pytest.raises(ValueError, match=r"root must be a rank of the group \(0\.\.0\)"):
-            call()
+            coll.agree(lambda: ran.append("fn"), group_info(None), ranks="root", root=root)
     assert ran == []  # refused before any step ran
-
-
-def test_agree_then_root_in_one_process() -> None:
-    group = group_info(None)
-    value, root_value, seconds = coll.agree_then_root(lambda: 5, lambda: "done", group)
-    assert (value, root_value) == (5, "done") and seconds >= 0
-    cleaned: list[int] = []
-    with pytest.raises(KeyError):
-        coll.agree_then_root(lambda: {}["k"], lambda: cleaned.append(2), group,
-                             on_failure=lambda: cleaned.append(1))
-    assert cleaned == [1]  # the root step did not run
-
-
-def interrupted_worker(rank: int, world: int, victim: int, root: int) -> dict[str, Any]:
-    """agree_then_root on 3 ranks, rooted at ``root``, where rank ``victim``'s step is
-    interrupted (Ctrl-C)."""
-    import threading
-    import time
-
-    group = group_info(None)
-    out: dict[str, Any] = {}
-
-    def step() -> int:
-        if rank == victim:
-            raise KeyboardInterrupt
-        return rank
-
-    t0 = time.monotonic()
-    try:
-        coll.agree_then_root(step, lambda: "committed", group, what="consolidation", root=root)
-        out["raised"] = None
-    except KeyboardInterrupt:
-        out["raised"] = "KeyboardInterrupt"
-    except PyckptError as e:
-        out["raised"] = ("PyckptError", str(e), list(getattr(e, "__notes__", [])))
-    out["seconds"] = time.monotonic() - t0
-    # Every message of the call was matched: the group is still in step, and no thread is left
-    # waiting for one.
-    _, out["after"] = coll.agree(lambda: rank, group)
-    waiting = [t for t in threading.enumerate() if t.name == "pyckpt-report-wait"]
-    coll._Waiter._close_parked()
-    for t in waiting:
-        t.join(5.0)
-    out["threads left"] = sum(t.is_alive() for t in waiting)
-    return out
-
-
-@pytest.mark.parametrize(("victim", "root"), [(0, 0), (1, 0), (2, 2), (0, 2)])
-def test_an_interrupted_rank_fails_the_step_on_the_others_at_once(victim: int, root: int) -> None:
-    results = run_distributed(interrupted_worker, 3, victim, root)
-    for rank, r in enumerate(results):
-        if rank == victim:
-            assert r["raised"] == "KeyboardInterrupt", r
-        else:
-            kind, message, notes = r["raised"]
-            assert kind == "PyckptError", r
-            assert f"KeyboardInterrupt on rank {victim} during consolidation" in message
-            assert notes == [f"pyckpt: consolidation failed on rank {victim}"], notes
-        assert r["seconds"] < 30, r  # not a peer timeout: told, not detected
-        assert r["after"] == [0, 1, 2]
-        assert r["threads left"] == 0, r

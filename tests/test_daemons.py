@@ -19,13 +19,14 @@ _SCRIPT = textwrap.dedent(
     import sys
     import torch.distributed as dist
     from pyckpt import _collective
+    from pyckpt._collective import liveness
 
-    _collective.HEARTBEAT_S = 0.0
+    liveness.HEARTBEAT_S = 0.0
     store = dist.TCPStore("127.0.0.1", 0, 1, True, wait_for_workers=False)
     dist.init_process_group("gloo", store=store, rank=0, world_size=1)
     group = _collective.group_info(None)
-    _collective._start_heartbeat(group)
-    beats = _collective._pg(group).get_group_store()
+    liveness._start_heartbeat(group)
+    beats = liveness._pg(group).get_group_store()
     while beats.add("pyckpt/peer-beat/0", 0) < 200:  # the thread is beating
         pass
     print("done", flush=True)

@@ -247,7 +247,7 @@ def test_budget_refuses_a_save_before_writing(tmp_path: Path) -> None:
 def test_failed_save_never_looks_complete_and_keeps_the_last_complete_step(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import pyckpt.manager as manager
+    import pyckpt._manager.save as manager
 
     real = manager.replicate
 

@@ -22,14 +22,14 @@ import pytest
 from _child_env import child_env
 from _ports import free_port
 
-from pyckpt import _collective
+from pyckpt._collective import liveness
 
 pytestmark = pytest.mark.distributed
 
 PEER_TIMEOUT_S = 3
 # The bound of the survivor's wait after the fault: the peer bound, the heartbeat check, the
 # check-in that names the rank, and slack for 2 shared cores.
-BOUND_S = PEER_TIMEOUT_S + 2.5 * _collective.HEARTBEAT_S + _collective.CHECK_IN_S + 15
+BOUND_S = PEER_TIMEOUT_S + 2.5 * liveness.HEARTBEAT_S + liveness.CHECK_IN_S + 15
 # How long the survivor's interpreter may take to exit after reporting.
 EXIT_S = 20.0
 WORKER = str(Path(__file__).with_name("_manager_peer_workers.py"))

@@ -42,20 +42,23 @@ def _staging_failure(rank: int, world: int, root: str) -> dict[str, Any]:
     import threading
 
     from pyckpt import manager as manager_module
+    from pyckpt._manager import persist, restore, save
 
     caller = threading.get_ident()
     collectives: list[str] = []
-    real = {name: getattr(manager_module, name) for name in ("all_gather", "agree")}
+    modules = [manager_module, save, persist, restore]
+    real = {(m, name): getattr(m, name) for m in modules for name in ("all_gather", "agree")
+            if hasattr(m, name)}
 
-    def counting(name: str) -> Any:
+    def counting(key: tuple[Any, str]) -> Any:
         def call(*a: Any, **k: Any) -> Any:
             if threading.get_ident() == caller:
-                collectives.append(name)
-            return real[name](*a, **k)
+                collectives.append(key[1])
+            return real[key](*a, **k)
         return call
 
-    for name in real:
-        setattr(manager_module, name, counting(name))
+    for key in real:
+        setattr(key[0], key[1], counting(key))
     try:
         fut = mgr.save(1, _state(1))
         assert fut is not None and fut.result(timeout=120) == 1
@@ -78,8 +81,8 @@ def _staging_failure(rank: int, world: int, root: str) -> dict[str, Any]:
         mgr.wait()
         out["steps"] = mgr.steps()["local"]
     finally:
-        for name, fn in real.items():
-            setattr(manager_module, name, fn)
+        for (module, name), fn in real.items():
+            setattr(module, name, fn)
     mgr.close()
     dist.barrier()
     return out

@@ -29,14 +29,14 @@ from _nodelocal_workers import namespace_refusal
 from _ports import free_port
 from dist_utils import RankProcess
 
-from pyckpt import _collective
+from pyckpt._collective import liveness
 
 pytestmark = pytest.mark.distributed
 
 PEER_TIMEOUT_S = 8
 # The documented bound on a survivor's wait: PYCKPT_PEER_TIMEOUT, plus the check-in that names
 # the lost rank, plus the same for the one further collective a failing round may have started.
-BOUND_S = 2 * (PEER_TIMEOUT_S + _collective.CHECK_IN_S) + 10  # + 10 s of load on 2 shared cores
+BOUND_S = 2 * (PEER_TIMEOUT_S + liveness.CHECK_IN_S) + 10  # + 10 s of load on 2 shared cores
 POINTS = 3
 
 _REFUSAL = namespace_refusal()
@@ -244,8 +244,8 @@ def test_a_rank_that_joins_during_the_heartbeat_check_and_leaves_is_not_lost() -
 
 
 def test_a_rank_busy_longer_than_the_timeout_before_its_report_is_not_lost() -> None:
-    """The same for agree_then_root (an export's copy and commit): rank 0 waits for the report
-    of a rank that works 9 s (timeout 2 s) and still beats, then both get the outcome."""
+    """The same for an export's agreement (its copy, then its commit): rank 0 waits for a rank
+    that works 9 s (timeout 2 s) and still beats, then both get the outcome."""
     from _peer_fault_workers import report_busy_worker
     from dist_utils import run_distributed
 
@@ -255,11 +255,10 @@ def test_a_rank_busy_longer_than_the_timeout_before_its_report_is_not_lost() -> 
     assert results[0]["waited"] >= 3 * 2.0
 
 
-@pytest.mark.parametrize("root", [0, 1])  # an export's root is its last rank
+@pytest.mark.parametrize("root", [0, 1])
 def test_a_silent_rank_that_never_reports_is_lost_in_time(root: int) -> None:
-    """A rank that stops beating and never sends its report: the root raises PeerLostError
-    naming it within the bound, though the receive of that report stays posted (a timed wait
-    on it would close the group's connections)."""
+    """A rank that stops beating and never joins the export's agreement: the root raises
+    PeerLostError naming it within the bound."""
     from _peer_fault_workers import report_silent_worker
     from dist_utils import run_distributed
 
@@ -270,7 +269,7 @@ def test_a_silent_rank_that_never_reports_is_lost_in_time(root: int) -> None:
     assert f"lost rank {silent} of 2 during consolidation on rank {root}" in message, message
     # The 2 s bound, 2.5 beats to see the silence, the check-in that names the rank, and slack
     # for 2 loaded cores (rank 1 stays silent for 25 s, past all of it).
-    bound = 2.0 + 2.5 * _collective.HEARTBEAT_S + _collective.CHECK_IN_S + 10.0
+    bound = 2.0 + 2.5 * liveness.HEARTBEAT_S + liveness.CHECK_IN_S + 10.0
     assert results[root]["waited"] <= bound, results[root]
 
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any, cast
 
 from pyckpt import _C, _export, _gc, _knobs, _options, _progress
-from pyckpt._collective import Group, agree, agree_then_root, group_info
+from pyckpt._collective import Group, agree, group_info
 from pyckpt._consolidate.nodelocal import DEFAULT_BATCH_BYTES, run_share_nodelocal
 from pyckpt._consolidate.plan import INDEX_NAME, _Plan, make_plan
 from pyckpt._consolidate.run import (
@@ -357,15 +357,20 @@ def _consolidate(
             prepare_index(plan, dst, do_fsync)
         return copied
 
-    # Each rank reports its share to the last rank, which commits once every share is in and
-    # answers every rank (two messages per rank; see agree_then_root). The last rank is the root
-    # because it is the likeliest to finish last: rank 0 starts copying first (the others wait
-    # for its plan) and, with the index written while the others copy, has the least left to do.
-    # The commit then follows the last copy without a message in between.
+    # Every rank agrees that every share is in, then the last rank commits (rank 0 wrote the
+    # index while the others copied: the commit only renames) and every rank hears the outcome
+    # and how long the commit took.
     root = world - 1
-    rank_bytes, finals, commit_s = agree_then_root(
-        share, lambda: commit(plan, dst, do_fsync, index_ready=True), group,
-        on_failure=cleanup, what="consolidation", root_what="commit", root=root)
+
+    def timed_commit() -> tuple[list[str], float]:
+        t0 = time.perf_counter()
+        return commit(plan, dst, do_fsync, index_ready=True), time.perf_counter() - t0
+
+    rank_bytes, _ = agree(share, group, on_failure=cleanup, what="consolidation")
+    committed, _ = agree(timed_commit, group, ranks="root", on_failure=cleanup, what="commit",
+                         root=root)
+    assert committed is not None
+    finals, commit_s = committed
     if rank != root:
         finals = [os.path.join(dst, f.name) for f in plan.files]
     clock.split("wait", "commit", commit_s)

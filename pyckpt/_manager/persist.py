@@ -1,0 +1,116 @@
+"""Persistence of :class:`pyckpt.CheckpointManager`: copying committed fast-tier steps to
+the durable tier in the background, one at a time, a newer due step superseding a pending one.
+"""
+
+from __future__ import annotations
+
+from pyckpt import _format
+from pyckpt._collective import add_note, agree
+from pyckpt._manager.groups import peer_typed
+from pyckpt._manager.retention import Retention
+from pyckpt.backends import SaveState
+from pyckpt.errors import PyckptError
+
+__all__ = ["Persistence"]
+
+
+class Persistence(Retention):
+    """Queues and runs the durable tier's copies of fast-tier steps (on the persistence thread
+    and group)."""
+
+    def _queue_persist(self, step: int, files: dict[str, int],
+                       holders: dict[str, list[str]]) -> None:
+        """Makes committed fast-tier step ``step`` the pending persistence (superseding an
+        older pending one) and queues a persistence task; never waits for the durable tier."""
+        with self._pinned_lock:
+            dropped = [s for s, _, _ in self._pending if s != step]
+            self._pending = [(step, files, holders)]
+            busy = self._in_flight
+        for s in dropped:
+            self._notice(f"pyckpt: fast-tier step {s} was not persisted to {self.store.url}: "
+                         f"step {step} supersedes it (the durable tier was still busy"
+                         + (f" persisting step {busy})" if busy is not None else ")"))
+        self._persist_future = self._persist_ex.submit(self._persist_next, step)
+
+    def _persist_next(self, due: int) -> int | None:
+        """One persistence task (one per due step, run in order on every rank): the ranks
+        agree on the newest step every rank has pending (their pending steps can differ for a
+        moment: each rank queues a step once its fast-tier commit returns) and persist it;
+        pending steps older than it are superseded. None when no step is pending everywhere
+        (an earlier task took it, or a later one will)."""
+        g, step = self._persist_group, None
+        try:
+            with self._pinned_lock:
+                mine = [s for s, _, _ in self._pending]
+            _, lists = agree(lambda: mine, g, what=f"choosing the step to persist ({due} due)")
+            common = set(lists[0]).intersection(*lists[1:]) if lists and lists[0] else set()
+            if not common:
+                return None
+            step = max(common)
+            with self._pinned_lock:
+                superseded = [s for s, _, _ in self._pending if s < step]
+                _, files, holders = next(e for e in self._pending if e[0] == step)
+                self._pending = [e for e in self._pending if e[0] > step]
+                self._in_flight = step
+            for s in superseded:
+                self._notice(f"pyckpt: fast-tier step {s} was not persisted to "
+                             f"{self.store.url}: step {step} supersedes it")
+            return self._persist(step, files, holders)
+        except Exception as e:
+            add_note(e, f"pyckpt: persisting step {step if step is not None else due} to "
+                        f"{self.store.url} failed (the newest step persisted by this manager: "
+                        f"{self.last_persisted})")
+            with self._pinned_lock:
+                self._failures.append(e)
+            raise
+        finally:
+            if step is not None:
+                with self._pinned_lock:
+                    self._in_flight = None
+
+    @peer_typed("_persist_group", "persisting a step")
+    def _persist(self, step: int, files: dict[str, int], holders: dict[str, list[str]]) -> int:
+        """Copies fast-tier step ``step`` to the durable tier: each rank uploads the files
+        assigned to it (balanced by bytes among the ranks whose node holds the file), then
+        rank 0 commits ``pyckpt.json`` there and applies durable retention."""
+        tier, g, store = self.tier, self._persist_group, self.store
+        assert tier is not None
+        states: list[SaveState] = []  # this rank's save set-up (rank 0's: lock / condition)
+        document: list[bytes] = []  # rank 0: the metadata, read before any upload
+        try:
+            loads = [0] * g.world
+            mine = []
+            for name in sorted(files, key=lambda n: (-files[n], n)):
+                ranks = [r for r, n in enumerate(self.nodes) if n in holders[name]]
+                r = min(ranks, key=lambda i: (loads[i], i))
+                loads[r] += files[name]
+                if r == g.rank:
+                    mine.append(name)
+
+            def upload() -> None:
+                if g.rank == 0:  # the metadata of the very files uploaded (a re-save of this
+                    # step moves a new copy in place: its files have other names)
+                    with open(tier.file_path(step, _format.METADATA_FILE), "rb") as fh:
+                        document.append(fh.read())
+                    idx = _format.read_index(tier.step_dir(step), all_files=False,
+                                             document=document[0])
+                    if dict(idx.files) != files:
+                        raise PyckptError(f"fast-tier step {step} ({tier.step_dir(step)}) was "
+                                          "saved again before it was persisted; the new copy "
+                                          "is persisted instead")
+                states.append(store.begin(step, g.rank == 0))
+                for name in mine:
+                    store.put_file(step, tier.file_path(step, name))
+
+            agree(upload, g, what=f"persisting step {step} to {store.url}")
+
+            def commit() -> None:
+                store.commit(step, document[0], files, states.pop())
+                self._retain_durable()
+
+            agree(commit, g, ranks="root", what=f"committing step {step} to {store.url}")
+            self.last_persisted = step
+            return step
+        finally:
+            for state in states:
+                state.end()
