@@ -22,7 +22,7 @@ import logging
 import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple, Protocol, runtime_checkable
+from typing import Any, NamedTuple, Protocol, TypeVar, runtime_checkable
 
 from pyckpt import _format, _ranklocal
 from pyckpt._collective import add_note
@@ -32,6 +32,7 @@ from pyckpt._paths import TEMP_MARKER
 
 __all__ = [
     "Backend",
+    "WholePlace",
     "DataSink",
     "NativeBlockSink",
     "ReadRequest",
@@ -122,6 +123,28 @@ class NativeBlockSink:
     @property
     def size(self) -> int:
         return int(self._native.size)
+
+
+_P = TypeVar("_P")
+
+
+class WholePlace:
+    """The protocol's answers for a place every rank reads whole (a shared directory, an
+    object prefix, an in-memory store): no client with a deadline of its own, no per-rank copy
+    of the metadata to write or carry, no holders to choose among. A backend of that kind
+    derives from this; a node-local one (:mod:`pyckpt.backends.peer`) answers itself."""
+
+    def with_deadline(self: _P, seconds: float) -> _P:
+        return self
+
+    def expect_metadata(self, save_id: str) -> None:
+        return None
+
+    def publish(self, save_id: str, document: bytes, files: Iterable[str]) -> Any:
+        return None
+
+    def holders(self) -> None:
+        return None
 
 
 @runtime_checkable

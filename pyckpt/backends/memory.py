@@ -24,6 +24,7 @@ from pyckpt._paths import write_atomic
 from pyckpt.backends.base import (
     NativeBlockSink,
     SaveState,
+    WholePlace,
     check_name,
     delete_checkpoint,
     direct_reads,
@@ -66,7 +67,7 @@ class _Sink(NativeBlockSink):
             self._native.abort()
 
 
-class MemoryBackend:
+class MemoryBackend(WholePlace):
     """One in-process store (:class:`~pyckpt.backends.base.Backend`). Saves are serialised
     like a directory's: one save per store from set-up to commit, a second one fails at set-up
     with ``BlockingIOError``; the commit is conditional on the metadata set-up saw."""
@@ -153,18 +154,6 @@ class MemoryBackend:
     def _sources(self, segments: Iterable[Any]) -> dict[str, Any]:  # the bytes, lent as is
         data = {seg[0]: self.files.get(seg[0].rsplit("/", 1)[-1], b"") for seg in segments}
         return {url: (len(b), [(0, b)]) for url, b in data.items()}
-
-    def with_deadline(self, seconds: float) -> MemoryBackend:
-        return self
-
-    def expect_metadata(self, save_id: str) -> None:
-        pass
-
-    def publish(self, save_id: str, document: bytes, files: Iterable[str]) -> Any:
-        return None
-
-    def holders(self) -> None:
-        return None
 
     def read_requests(self, requests: list[Any], pool: Any) -> tuple[int, int]:
         return _C.read_requests(requests, pool, self._sources(s for r in requests for s in r[1]))

@@ -31,6 +31,7 @@ from pyckpt._paths import LOCK_FILE, copy_atomic, fsync_dir, temp_name, write_at
 from pyckpt.backends.base import (
     ANY,
     SaveState,
+    WholePlace,
     check_name,
     delete_checkpoint,
     direct_reads,
@@ -180,7 +181,7 @@ def _digest(path: str) -> str | None:
         return None
 
 
-class PosixBackend:
+class PosixBackend(WholePlace):
     """A checkpoint directory (:class:`~pyckpt.backends.base.Backend`).
 
     Args:
@@ -329,18 +330,6 @@ class PosixBackend:
 
     def read_index(self, *, all_files: bool = True) -> _format.CheckpointIndex:
         return _format.read_index(self.path, all_files=all_files)
-
-    def with_deadline(self, seconds: float) -> PosixBackend:
-        return self
-
-    def expect_metadata(self, save_id: str) -> None:
-        pass
-
-    def publish(self, save_id: str, document: bytes, files: Iterable[str]) -> Any:
-        return None
-
-    def holders(self) -> None:
-        return None
 
     def read_requests(self, requests: list[Any], pool: Any) -> tuple[int, int]:
         return _C.read_requests(requests, pool)

@@ -22,7 +22,14 @@ from typing import Any
 from pyckpt import _format
 from pyckpt._format import METADATA_FILE
 from pyckpt._paths import temp_name
-from pyckpt.backends.base import ANY, SaveState, check_name, delete_checkpoint, direct_reads
+from pyckpt.backends.base import (
+    ANY,
+    SaveState,
+    WholePlace,
+    check_name,
+    delete_checkpoint,
+    direct_reads,
+)
 from pyckpt.backends.s3.client import (
     DEFAULT_CHUNK_BYTES,
     DEFAULT_MAX_CONCURRENCY,
@@ -36,7 +43,7 @@ from pyckpt.backends.s3.upload import DataUpload, _plain_key, check_part_bytes, 
 __all__ = ["S3Backend"]
 
 
-class S3Backend:
+class S3Backend(WholePlace):
     """A checkpoint under an object-store prefix (:class:`~pyckpt.backends.base.Backend`).
 
     No lock: a save records the ETag of the metadata it replaces, and its commit is a PUT
@@ -144,15 +151,6 @@ class S3Backend:
 
     def read_index(self) -> _format.CheckpointIndex:
         return read_index(self.loc)
-
-    def expect_metadata(self, save_id: str) -> None:
-        pass
-
-    def publish(self, save_id: str, document: bytes, files: Iterable[str]) -> Any:
-        return None
-
-    def holders(self) -> None:
-        return None
 
     def read_requests(self, requests: list[Any], pool: Any) -> tuple[int, int]:
         return self.fetcher().read_requests(requests, pool)
