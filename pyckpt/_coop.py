@@ -72,15 +72,21 @@ class CoopPlan:
 
 @dataclass(frozen=True)
 class LoadNode:
-    """A rank's node, carried in its local ``LoadPlan.storage_data`` to the coordinator (so the
-    default needs no collective of its own; replaced there by the rank's :class:`CoopPlan` or
-    None).
+    """A rank's node and the checkpoint it loads, carried in its local ``LoadPlan.storage_data``
+    to the coordinator (so the default needs no collective of its own; replaced there by the
+    rank's :class:`CoopPlan` or None).
 
     Attributes:
-        node: :func:`pyckpt._knobs.node_id` of the rank (its ``GROUP_RANK`` or host name).
+        node: :func:`pyckpt._knobs.node_id` of the rank (its ``GROUP_RANK`` or host name), when
+            the load decides by itself whether to be cooperative (else None).
+        save_id: the save id of the checkpoint the rank loads; a cooperative load needs one
+            checkpoint on every rank.
+        path: where the rank loads it from (named by the error when the save ids differ).
     """
 
-    node: str
+    node: str | None
+    save_id: str | None = None
+    path: str = ""
 
 
 def wanted_across_nodes(wants: Sequence[Mapping[Key, int]],

@@ -47,7 +47,7 @@ from pyckpt._native import _check_pinned_pool_bytes, _Native
 from pyckpt._staging import DeviceStaging, is_device_tensor
 from pyckpt.backends import Backend, node_local_choice, open_backend
 from pyckpt.backends.base import ReadRequest
-from pyckpt.errors import PartialLoadError, PartialLoadWarning
+from pyckpt.errors import PartialLoadError, PartialLoadWarning, PyckptError
 
 __all__ = ["Reader"]
 
@@ -157,6 +157,7 @@ class Reader(StorageReader):
         self._rank_local: int | None = None  # loading this rank's part of a rank-local save
         self.allow_partial = allow_partial
         self._stored_keys: list[str] = []  # keys a load may read (for the partial-load check)
+        self._save_id: str | None = None  # of the checkpoint whose metadata was read last
 
     def close(self) -> None:
         """Stops the native worker threads (pinned staging memory belongs to the process:
@@ -269,6 +270,7 @@ class Reader(StorageReader):
             sd_md[fqn] = BytesStorageMetadata()
             storage[MetadataIndex(fqn)] = sb
         self._storage = storage
+        self._save_id = index.save_id
         self._stored_keys = [fqn for fqn, st in index.tensors.items()
                              if all(n > 0 for n in st.shape)] + list(index.bytes_items)
         return Metadata(
@@ -290,11 +292,11 @@ class Reader(StorageReader):
         self._storage = metadata.storage_data
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
-        """With ``cooperative=None``, names this rank's node (:func:`pyckpt._knobs.node_id`) in
-        the plan's ``storage_data`` for :meth:`prepare_global_plan` (no collective of its own)."""
-        if self.cooperative is None:
-            return dataclasses.replace(plan, storage_data=LoadNode(_knobs.node_id()))
-        return plan
+        """Names the checkpoint this rank loads (its save id) and, with ``cooperative=None``,
+        its node (:func:`pyckpt._knobs.node_id`) in the plan's ``storage_data`` for
+        :meth:`prepare_global_plan` (no collective of its own)."""
+        node = _knobs.node_id() if self.cooperative is None else None
+        return dataclasses.replace(plan, storage_data=LoadNode(node, self._save_id, self.path))
 
     def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
         """A cooperative load (several ranks, ``cooperative`` True, or None and
@@ -302,14 +304,16 @@ class Reader(StorageReader):
         several ranks want (:func:`pyckpt._coop.assign`) and hands each rank its part
         in ``LoadPlan.storage_data`` (None on every rank when the load is not cooperative)."""
         self._check_partial(plans)
-        nodes = [p.storage_data.node if isinstance(p.storage_data, LoadNode) else None
+        named = [p.storage_data if isinstance(p.storage_data, LoadNode) else None
                  for p in plans]
+        nodes = [n.node if n is not None else None for n in named]
         plans = [dataclasses.replace(p, storage_data=None)
                  if isinstance(p.storage_data, LoadNode) else p for p in plans]
         if self.cooperative is False or len(plans) < 2 or self._rank_local is not None:
             return plans  # a rank-local checkpoint: each rank knows and reads only its own part
         if group_info(self.process_group).world != len(plans):
             return plans  # DCP's group is not this reader's: no exchange over it
+        _one_checkpoint(named)
         wants: list[dict[Any, int]] | None = None
 
         def wanted() -> list[dict[Any, int]]:
@@ -500,6 +504,17 @@ class Reader(StorageReader):
             return False
         # a store is looked at when the load starts; a directory must hold the metadata now
         return not backend.in_place or os.path.isfile(backend.url_of(METADATA_FILE))
+
+
+def _one_checkpoint(named: list[LoadNode | None]) -> None:
+    """Refuses a cooperative load whose ranks load different checkpoints (a rank restarted from
+    another step): its chunks would be planned against one rank's metadata."""
+    ids = {n.save_id for n in named if n is not None}
+    if len(ids) > 1:
+        loads = "; ".join(f"rank {r}: {n.path} (save {n.save_id})"
+                          for r, n in enumerate(named) if n is not None)
+        raise PyckptError(f"pyckpt: the ranks of one load read different checkpoints ({loads}); "
+                          "every rank must load the same one")
 
 
 def _strides(sizes: Any) -> list[int]:

@@ -337,3 +337,34 @@ def test_read_stored_serves_the_same_verified_bytes_from_files_and_memory(tmp_pa
         assert got[0] == on_disk and got[1] == on_disk
     finally:
         drop(places[1])
+
+
+def load_different_checkpoints(rank: int, world: int, root: str) -> tuple[str, str]:
+    """Each rank saves its own checkpoint of the same structure (a rank that resumed from
+    another step), then all load cooperatively, each from its own."""
+    import torch
+
+    path = os.path.join(root, f"step-{rank}")
+    state = {"w": torch.full((4096,), float(rank))}
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    # Saved without collectives across ranks: one rank at a time, each its own checkpoint.
+    for r in range(world):
+        if r == rank:
+            dcp.save(state, storage_writer=pyckpt.Writer(path), no_dist=True)
+        dist.barrier()
+    into = {"w": torch.zeros(4096)}
+    try:
+        dcp.load(into, storage_reader=pyckpt.Reader(path, cooperative=True))
+    except BaseException as e:
+        err = pyckpt.find_error(e, pyckpt.PyckptError)
+        return (type(err).__name__, str(err)) if err is not None else (type(e).__name__, str(e))
+    return ("loaded", str(into["w"][0].item()))
+
+
+def test_ranks_loading_different_checkpoints_cooperatively_are_refused(tmp_path: Path) -> None:
+    out = run_distributed(load_different_checkpoints, 2, str(tmp_path))
+    for kind, text in out:
+        assert kind == "PyckptError", out
+        assert "read different checkpoints" in text and "step-0" in text and "step-1" in text
