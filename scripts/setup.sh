@@ -4,7 +4,7 @@
 #     if missing)
 #   - a virtual environment in .venv with torch==2.13.0 (CPU) and pyckpt built from this checkout
 #     (non-editable, with the test/bench/model/demo/fuzz/sanitize/lint/s3/s3-test/s3-bench extras
-#     and the trainers' extras: accelerate, lightning, torchtitan)
+#     and the trainers' extras: accelerate, lightning; torchtitan with its checkpointing needs)
 # Usage: scripts/setup.sh            (PYTHON=python3.11 scripts/setup.sh to pick an interpreter)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -50,17 +50,22 @@ echo "[pyckpt setup] building and installing pyckpt"
 # compiles nothing, a one-file change recompiles that file.
 "$PY" -m pip install -q --disable-pip-version-check "scikit-build-core>=0.11" "pybind11>=3" \
   "cmake>=3.26" ninja 2>&1 | { grep -v "$QUIET_PIP" || true; }
-# The CUDA runtime test double (pyckpt/_testing) is built only on request: the tests need it.
-# The trainers' extras are tested against the real packages; the constraints keep any of their
-# requirements from replacing torch 2.13.0 (a bare 'torch' would pull a multi-GB CUDA build), and
-# settle fsspec for pip's resolver: torchtitan's datasets caps it at 2026.2.0, each s3fs release
-# pins its own fsspec exactly, and pip gives up (ResolutionImpossible) searching that alone.
+# The trainers' extras are tested against the real packages; the constraint keeps any of their
+# requirements from replacing torch 2.13.0 (a bare 'torch' would pull a multi-GB CUDA build).
 constraint=$(mktemp)
 trap 'rm -f "$constraint"' EXIT
-printf '%s\n' "torch==2.13.0" "fsspec<=2026.2.0" "s3fs<=2026.2.0" >"$constraint"
+echo "torch==2.13.0" >"$constraint"
+# The CUDA runtime test double (pyckpt/_testing) is built only on request: the tests need it.
 PATH="$(dirname "$PY"):$PATH" "$PY" -m pip install -q --disable-pip-version-check --no-build-isolation \
   -c "$constraint" -Ccmake.define.PYCKPT_BUILD_TESTING_RUNTIME=ON \
-  ".[test,bench,model,demo,fuzz,sanitize,lint,s3,s3-test,s3-bench,accelerate,lightning,torchtitan]" 2>&1 \
+  ".[test,bench,model,demo,fuzz,sanitize,lint,s3,s3-test,s3-bench,accelerate,lightning]" 2>&1 \
   | { grep -v "$QUIET_PIP" || true; }
+# torchtitan (the `torchtitan` extra) with what its checkpoint, optimizer and state-dict-adapter
+# modules import: its training-data and logging requirements (datasets with pyarrow and pandas,
+# wandb, tensorboard) are not used by checkpointing and would double the setup time.
+"$PY" -m pip install -q --disable-pip-version-check -c "$constraint" --no-deps \
+  "torchtitan>=0.3.0,<0.4" 2>&1 | { grep -v "$QUIET_PIP" || true; }
+"$PY" -m pip install -q --disable-pip-version-check -c "$constraint" \
+  tyro spmd_types torch_checkpointing einops 2>&1 | { grep -v "$QUIET_PIP" || true; }
 # Checked from outside the checkout, whose pyckpt/ (without the built _C) would shadow the install.
 (cd / && "$PY" -c 'import pyckpt, pyckpt._C; print("[pyckpt setup] pyckpt", pyckpt.__version__, "with zstd", pyckpt._C.zstd_version)')
