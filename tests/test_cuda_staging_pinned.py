@@ -73,7 +73,8 @@ def _load_equal(path, expect: dict) -> None:
         },
         "step": torch.tensor(0),
     }
-    with pyckpt.Reader(path) as r:
+    # The tensors are what is compared: the optimizer's param_groups (plain values) stay behind.
+    with pyckpt.Reader(path, allow_partial=True) as r:
         dcp.load(out, storage_reader=r, no_dist=True)
     for k, v in expect["model"].items():
         assert torch.equal(out["model"][k], v), k

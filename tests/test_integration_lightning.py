@@ -11,7 +11,6 @@ launch its own.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import textwrap
@@ -24,6 +23,7 @@ import pytest
 pytest.importorskip("lightning")
 
 import torch
+from _child_env import child_env
 from _ports import free_port
 
 import pyckpt
@@ -36,7 +36,6 @@ pytestmark = pytest.mark.filterwarnings(
 )
 
 _WORKER = Path(__file__).with_name("_lightning_workers.py")
-_ROOT = Path(__file__).resolve().parents[1]
 
 
 def _launch(scenario: str, out: Path, world: int = 2, accelerator: str = "cpu",
@@ -44,11 +43,12 @@ def _launch(scenario: str, out: Path, world: int = 2, accelerator: str = "cpu",
     port = free_port()
     procs = []
     for rank in range(world):
-        env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
-                   PYCKPT_TEST_ACCELERATOR=accelerator, CUBLAS_WORKSPACE_CONFIG=":4096:8",
-                   NODE_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                   PYTHONPATH=os.pathsep.join([str(_ROOT), os.environ.get("PYTHONPATH", "")]),
-                   OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+        # The pyckpt this test imported (the installed one in CI, never the checkout's copy
+        # without its built extension).
+        env = child_env(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
+                        PYCKPT_TEST_ACCELERATOR=accelerator, CUBLAS_WORKSPACE_CONFIG=":4096:8",
+                        NODE_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                        OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
         env.pop("PYTHONDEVMODE", None)
         procs.append(subprocess.Popen([sys.executable, str(_WORKER), scenario, str(out)],
                                       env=env, cwd=out, stdout=subprocess.PIPE,
@@ -188,7 +188,7 @@ def test_import_without_lightning_names_the_extra() -> None:
         else:
             print("imported")
     """)
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(_ROOT), os.environ.get("PYTHONPATH", "")]))
+    env = child_env()
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                          timeout=120, check=True).stdout
     assert "ERR" in out and "pip install pyckpt[lightning]" in out
