@@ -65,7 +65,8 @@ PATH="$(dirname "$PY"):$PATH" "$PY" -m pip install -q --disable-pip-version-chec
 # wandb, tensorboard) are not used by checkpointing and would double the setup time.
 "$PY" -m pip install -q --disable-pip-version-check -c "$constraint" --no-deps \
   "torchtitan>=0.3.0,<0.4" 2>&1 | { grep -v "$QUIET_PIP" || true; }
+# pip reports the requirements left out (datasets, tensorboard, torchdata, wandb) as missing.
 "$PY" -m pip install -q --disable-pip-version-check -c "$constraint" \
-  tyro spmd_types torch_checkpointing einops 2>&1 | { grep -v "$QUIET_PIP" || true; }
+  tyro "spmd_types==0.2.3" torch_checkpointing einops 2>&1 | { grep -v "$QUIET_PIP" || true; }
 # Checked from outside the checkout, whose pyckpt/ (without the built _C) would shadow the install.
 (cd / && "$PY" -c 'import pyckpt, pyckpt._C; print("[pyckpt setup] pyckpt", pyckpt.__version__, "with zstd", pyckpt._C.zstd_version)')
