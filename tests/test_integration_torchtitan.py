@@ -37,6 +37,21 @@ def _full_model(job: Any) -> dict[str, torch.Tensor]:
     return {k: v.full_tensor().clone() for k, v in job.model.state_dict().items()}
 
 
+def _save_restart_resume(config: Any, tmp: str, stop: int, end: int) -> list[float]:
+    """Trains to step ``stop`` checkpointing through ``config``, restarts with fresh objects,
+    loads and trains on to ``end``; returns every step's loss."""
+    from _torchtitan_workers import Job
+
+    job = Job(config, tmp)
+    got: list[float] = job.train(stop)
+    job.close()
+    job = Job(config, tmp)
+    assert job.checkpointer.load()
+    got += job.train(end)
+    job.close()
+    return got
+
+
 def _resume_worker(rank: int, world: int, tmp: str, mode: str) -> dict[str, Any]:
     """An uninterrupted run, then torchtitan's own checkpointing and pyckpt's, each saving at
     steps 2 and 4, restarted after step 4 (fresh objects) and resumed to step 6."""
@@ -169,13 +184,7 @@ def _s3_worker(rank: int, world: int, tmp: str, url: str, env: dict[str, str]) -
 
     want = Job(CheckpointManager.Config(enable=False), tmp).train(4)
     config = PyckptCheckpointManager.Config(enable=True, folder=url, interval=1, keep_latest_k=2)
-    job = Job(config, tmp)
-    got = job.train(2)
-    job.close()
-    job = Job(config, tmp)
-    assert job.checkpointer.load()
-    got += job.train(4)
-    job.close()
+    got = _save_restart_resume(config, tmp, 2, 4)
     from fsspec.core import url_to_fs
     from torchtitan.tools import filesystem
 
@@ -261,13 +270,7 @@ def _pinned_worker(rank: int, world: int, tmp: str) -> dict[str, Any]:
     config = PyckptCheckpointManager.Config(enable=True, folder="ckpt", interval=2,
                                             async_mode="async_with_pinned_mem",
                                             keep_latest_k=0)
-    job = Job(config, tmp)
-    got = job.train(2)
-    job.close()
-    job = Job(config, tmp)
-    assert job.checkpointer.load()
-    got += job.train(4)
-    job.close()
+    got = _save_restart_resume(config, tmp, 2, 4)
     return {"want": want, "got": got,
             "files": sorted(os.listdir(os.path.join(tmp, "ckpt", "step-2")))}
 
