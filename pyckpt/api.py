@@ -23,8 +23,8 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata
 
-from pyckpt import _gc, _progress, _stateful
-from pyckpt._collective import bounded_group, peer_errors
+from pyckpt import _gc, _progress, _savedrive, _stateful
+from pyckpt._collective import bounded_group, group_info, peer_errors
 from pyckpt._loadplan import LoadPlanner
 from pyckpt.planner import SavePlanner
 from pyckpt.storage import Reader, Writer
@@ -138,6 +138,12 @@ def save(
     FSDP ``NO_SHARD``, ``Replicate()`` DTensors, HSDP replicas) is written in balanced byte
     ranges by all the ranks that hold it.
 
+    Plans are cached: a save whose state has the structure of this process group's previous
+    save (keys, shapes, dtypes, placements; same world size, destination kind and options)
+    reuses its plans after one small check that every rank agrees, instead of gathering every
+    rank's plan to rank 0 again (:mod:`pyckpt._savedrive`). Any difference on any rank plans
+    again, on every rank.
+
     Args:
         state_dict: The (possibly nested) state dict, as for ``dcp.save``. Top-level values
             may be modules and optimizers themselves (``{"model": model, "optim": optim}``):
@@ -187,12 +193,8 @@ def _save(
             _progress.native_counter(report, totals):
         if report is not None:
             _progress.count_writer(writer, totals)
-        return dcp.save(
-            state_dict,
-            storage_writer=writer,
-            planner=SavePlanner(check_replicas=check_replicas),
-            process_group=process_group,
-        )
+        return _savedrive.save(state_dict, writer, SavePlanner(check_replicas=check_replicas),
+                               group_info(process_group))
 
 
 def load(

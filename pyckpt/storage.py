@@ -452,6 +452,22 @@ class Writer(StorageWriter):
             )
         return out
 
+    def destination_key(self) -> tuple[Any, ...]:
+        """What about this writer's destination a cached save plan depends on (the kind of
+        place and the encoding, not the path: successive checkpoints of one job share plans)."""
+        backend = self._backend(self._current().path)
+        return (type(backend).__name__, backend.in_place, self.shared_filesystem,
+                self._encoding())
+
+    def renew_plan(self, plan: SavePlan, save_id: str) -> SavePlan:
+        """A final plan of an earlier save (from :meth:`prepare_global_plan`) for the save
+        ``save_id``: the same items and byte ranges, this save's data-file names."""
+        rank_plan = plan.storage_data
+        if not isinstance(rank_plan, _RankPlan):
+            raise RuntimeError("pyckpt.Writer.renew_plan: not a plan of prepare_global_plan")
+        return dataclasses.replace(plan, storage_data=dataclasses.replace(rank_plan,
+                                                                          save_id=save_id))
+
     def _encoding(self) -> Encoding:
         level = self.level if self.level is not None else _knobs.zstd_level()
         return Encoding(self.compression, level, self.byte_grouping, self.raw_threshold)

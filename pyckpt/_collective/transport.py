@@ -11,7 +11,7 @@ from typing import Any
 from pyckpt._collective.group import Group, _device, _pg
 from pyckpt._collective.liveness import _run
 
-__all__ = ["broadcast", "all_gather", "all_to_all_single", "gather_inline"]
+__all__ = ["broadcast", "all_gather", "all_to_all_single", "gather_inline", "gather", "scatter"]
 
 
 def _options(name: str) -> Any:
@@ -149,3 +149,109 @@ def all_to_all_single(recv: Any, send: Any, recv_sizes: list[int], send_sizes: l
     pg = _pg(group)
     _run(group, what, _options("AllToAllOptions"),
          lambda opts: pg.alltoall_base(recv, send, list(recv_sizes), list(send_sizes), opts))
+
+
+def _p2p(group: Group, what: str, send: bool, tensor: Any, peer: int) -> None:
+    """One point-to-point transfer over the bounded wait (the options only carry a timeout)."""
+    pg = _pg(group)
+    _run(group, what, _options("AllgatherOptions"),
+         lambda _opts: (pg.send if send else pg.recv)([tensor], peer, _TAIL_TAG))
+
+
+_TAIL_TAG = 0x7C3
+
+
+def gather(obj: Any, group: Group, root: int = 0, what: str = "a gather",
+           inline: int | None = None) -> list[Any] | None:
+    """Every rank's ``obj`` on group rank ``root`` (indexed by group rank), None elsewhere.
+
+    One collective in which each rank sends a frame of ``inline`` bytes (default
+    :func:`gather_inline`): a rank whose pickle is longer sends the rest to ``root`` point to
+    point. A rank other than ``root`` sends what its own object needs and receives nothing.
+
+    Raises:
+        PeerLostError: a rank died or did not answer within :func:`bound_s`.
+    """
+    if not group.distributed:
+        return [obj]
+    import torch
+
+    if inline is None:
+        inline = gather_inline(group.world)
+    pg = _pg(group)
+    dev = _device(pg)
+    data = pickle.dumps(obj)
+    mine = _frame(data, inline, dev)
+    is_root = group.rank == root
+    outs = [torch.empty_like(mine) for _ in range(group.world)] if is_root else []
+
+    def start(opts: Any) -> Any:
+        opts.rootRank = root
+        return pg.gather([outs] if is_root else [], [mine], opts)
+
+    _run(group, what, _options("GatherOptions"), start)
+    if not is_root:
+        if len(data) > inline:
+            rest = torch.frombuffer(bytearray(data[inline:]), dtype=torch.uint8).to(dev)
+            _p2p(group, what, True, rest, root)
+        return None
+    parts = [_unframe(o, inline) for o in outs]
+    values: list[Any] = []
+    for r, (length, head) in enumerate(parts):
+        if r == root:
+            values.append(obj)
+            continue
+        if length > inline:
+            rest = torch.empty(length - inline, dtype=torch.uint8, device=dev)
+            _p2p(group, what, False, rest, r)
+            head += _to_bytes(rest, length - inline)
+        values.append(pickle.loads(head))
+    return values
+
+
+def scatter(objs: list[Any] | None, group: Group, root: int = 0, what: str = "a scatter",
+            inline: int | None = None) -> Any:
+    """``objs[rank]`` of group rank ``root`` on every rank (``objs`` is read on ``root`` only).
+
+    One collective of ``inline``-byte frames (default :func:`gather_inline`); a longer object
+    travels on from ``root`` point to point, so a rank receives what its own object needs.
+
+    Raises:
+        PeerLostError: a rank died or did not answer within :func:`bound_s`.
+    """
+    if not group.distributed:
+        assert objs is not None
+        return objs[0]
+    import torch
+
+    if inline is None:
+        inline = gather_inline(group.world)
+    pg = _pg(group)
+    dev = _device(pg)
+    is_root = group.rank == root
+    datas: list[bytes] = []
+    frames: list[Any] = []
+    if is_root:
+        assert objs is not None and len(objs) == group.world
+        datas = [pickle.dumps(o) for o in objs]
+        frames = [_frame(d, inline, dev) for d in datas]
+    mine = torch.empty(_LEN.size + inline, dtype=torch.uint8, device=dev)
+
+    def start(opts: Any) -> Any:
+        opts.rootRank = root
+        return pg.scatter([mine], [frames] if is_root else [], opts)
+
+    _run(group, what, _options("ScatterOptions"), start)
+    if is_root:
+        for r, d in enumerate(datas):
+            if r != root and len(d) > inline:
+                rest = torch.frombuffer(bytearray(d[inline:]), dtype=torch.uint8).to(dev)
+                _p2p(group, what, True, rest, r)
+        assert objs is not None
+        return objs[root]
+    length, head = _unframe(mine, inline)
+    if length > inline:
+        rest = torch.empty(length - inline, dtype=torch.uint8, device=dev)
+        _p2p(group, what, False, rest, root)
+        head += _to_bytes(rest, length - inline)
+    return pickle.loads(head)

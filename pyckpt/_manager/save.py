@@ -10,9 +10,8 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-import torch.distributed.checkpoint as dcp
 
-from pyckpt import _format
+from pyckpt import _format, _savedrive
 from pyckpt._collective import agree, all_gather
 from pyckpt._manager.groups import peer_typed
 from pyckpt._manager.info import SaveInfo
@@ -20,7 +19,6 @@ from pyckpt._manager.persist import Persistence
 from pyckpt._replicate import node_order, replicate, ring_targets
 from pyckpt._tensors import local_view
 from pyckpt._tier_io import LocalTier
-from pyckpt.api import _single_process_quiet, _typed_errors
 from pyckpt.errors import PyckptError, StepMismatchError, TierBudgetError
 from pyckpt.planner import SavePlanner
 
@@ -81,10 +79,10 @@ class Saving(Persistence):
         agree(lambda: work.prepare(step) if self._leader else None, g,
               what=f"preparing fast-tier step {step}")
         path = work.ensure(step)  # the node's leader made it: this only checks
-        with _single_process_quiet(), _typed_errors():
-            dcp.save(staged, storage_writer=self._fast_writer, checkpoint_id=path,
-                     planner=SavePlanner(check_replicas=self.check_replicas),  # type: ignore[arg-type]
-                     process_group=g.pg)
+        self._fast_writer.reset(path)
+        _savedrive.save(staged, self._fast_writer,
+                        SavePlanner(check_replicas=self.check_replicas),  # type: ignore[arg-type]
+                        g)
         info.write_s = time.perf_counter() - t0
         t1 = time.perf_counter()
         index = _format.read_index(path, all_files=False)
@@ -149,11 +147,11 @@ class Saving(Persistence):
 
         _, steps = agree(staged_ok, g, what=f"staging the state for step {step}")
         _check_steps(steps)  # before anything is written
-        with _single_process_quiet(), _typed_errors():
-            dcp.save(staged, storage_writer=self._durable_writer,
-                     checkpoint_id=self.store.step_location(step),
-                     planner=SavePlanner(check_replicas=self.check_replicas),  # type: ignore[arg-type]
-                     process_group=g.pg)
+        assert self._durable_writer is not None
+        self._durable_writer.reset(self.store.step_location(step))
+        _savedrive.save(staged, self._durable_writer,
+                        SavePlanner(check_replicas=self.check_replicas),  # type: ignore[arg-type]
+                        g)
         info.write_s = time.perf_counter() - t0
         agree(self._retain_durable, g, ranks="root", what="deleting old durable steps")
         self.last_persisted = step

@@ -1,0 +1,281 @@
+"""The save driver of :func:`pyckpt.save` and the :class:`pyckpt.CheckpointManager`: DCP's
+save steps, run through the public ``SavePlanner`` / ``StorageWriter`` interfaces, with the plans
+cached while the state's structure is unchanged.
+
+``dcp.save`` gathers every rank's local plan to the coordinator and scatters the global plan
+back on every save, although nothing about the layout changed since the last one. Here:
+
+* **the first save of a structure** does the same (pickled plans over :func:`gather` and
+  :func:`scatter`, each rank sending and receiving its own plan only, never the padded maximum
+  of all), and every rank caches its final plan under a *generation* the coordinator draws;
+* **a later save** still makes its local plan (the cheap, local part) and compares its
+  structure (keys, chunk offsets and sizes, dtypes and the other tensor properties, the
+  flattening map) with the cached one. One gather of a few numbers per rank (hit or miss, the
+  generation, the replica check) and one broadcast of the decision (go, and the save id) then
+  confirm that *every* rank still holds the structure the coordinator planned: if any rank
+  differs, or a rank's cache is from another generation, every rank plans again. The key of a
+  cache also holds the world size, the rank, the destination's kind (backend, shared or
+  node-local, compression) and the planner's settings, so changing any of them replans;
+* **the replica check** (:class:`pyckpt.SavePlanner`'s ``check_replicas``) still runs on every
+  save. The first plan groups the ranks by the set of replicated items they hold; when those
+  sets are disjoint (DDP, FSDP ``NO_SHARD``: one set; HSDP: one per shard group), each rank sends
+  one hash of its items' digests, and the coordinator compares the hashes within each group.
+  A difference makes every rank plan again, which names the item and the ranks
+  (:class:`pyckpt.errors.ReplicaMismatchError`). Overlapping sets are never cached.
+
+The write results still travel to the coordinator, whose metadata names every chunk, and the
+coordinator commits; failures follow :func:`pyckpt._collective.agree`'s rule (a failing rank
+raises its own exception, the others the lowest failing rank's, with a note naming it).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
+
+from pyckpt._collective import Group, add_note, portable
+from pyckpt._collective.transport import broadcast, gather, scatter
+
+__all__ = ["save", "stats", "clear_cache"]
+
+T = TypeVar("T")
+
+#: Inline bytes of the decision broadcast (a tag and a save id fit; an error goes on in a
+#: second collective).
+_DECISION_INLINE = 96
+
+
+@dataclass
+class _Plans:
+    """One rank's cached plan of one structure."""
+
+    structure: tuple[Any, ...]
+    generation: int  # 0: the coordinator did not cache this structure
+    central: SavePlan  # this rank's final plan from the coordinator
+    metadata: Metadata  # the global metadata of the structure
+    replica_class: int  # -1: this rank holds no replicated item checked
+
+
+#: Process group -> cache key -> plans. Weak: a destroyed group's plans go with it.
+_by_group: weakref.WeakKeyDictionary[Any, dict[tuple[Any, ...], _Plans]] = \
+    weakref.WeakKeyDictionary()
+
+#: Counters (for tests and benchmarks): saves planned in full, saves on cached plans.
+stats = {"planned": 0, "cached": 0}
+
+
+def clear_cache() -> None:
+    """Forgets every cached plan of this process (the next save of each group plans again)."""
+    _by_group.clear()
+
+
+def _structure(plan: SavePlan) -> tuple[Any, ...]:
+    """What of a local plan the global plan depends on, comparable with ``==``."""
+    items = []
+    for item in plan.items:
+        td = item.tensor_data
+        tensor = None if td is None else (tuple(td.chunk.offsets), tuple(td.chunk.sizes),
+                                          td.properties, tuple(td.size))
+        items.append((item.index.fqn, None if item.index.offset is None
+                      else tuple(item.index.offset), item.index.index, item.type, tensor))
+    return tuple(items), repr(plan.planner_data)
+
+
+def _replica_hash(plan: SavePlan) -> tuple[frozenset[Any], int]:
+    """The replicated items this rank's plan digested, and one hash of their digests."""
+    digests = getattr(plan, "replica_digests", None) or {}
+    h = hashlib.blake2b(digest_size=8)
+    for key in sorted(digests, key=repr):
+        h.update(repr((key, digests[key])).encode())
+    return frozenset(digests), int.from_bytes(h.digest(), "little") >> 1
+
+
+def _replica_classes(plans: list[SavePlan]) -> list[int] | None:
+    """Each rank's class (ranks holding the same set of replicated items), -1 for none; None
+    when two classes share an item (a per-item comparison is then needed every save)."""
+    classes: dict[frozenset[Any], int] = {}
+    out = []
+    for plan in plans:
+        keys, _ = _replica_hash(plan)
+        if not keys:
+            out.append(-1)
+            continue
+        out.append(classes.setdefault(keys, len(classes)))
+    seen: set[Any] = set()
+    for keys in classes:
+        if seen & keys:
+            return None
+        seen |= keys
+    return out
+
+
+def _attempt(fn: Callable[[], T]) -> tuple[T | None, BaseException | None]:
+    try:
+        return fn(), None
+    except Exception as e:  # a KeyboardInterrupt propagates at once
+        return None, e
+
+
+def _raise_first(mine: BaseException | None, failed: list[tuple[int, BaseException]],
+                 what: str) -> None:
+    """Raises this rank's own failure, else the lowest failing rank's (with a note)."""
+    if mine is not None:
+        raise mine
+    if failed:
+        rank, remote = min(failed, key=lambda f: f[0])
+        add_note(remote, f"pyckpt: {what} failed on rank {rank}")
+        raise remote
+
+
+def save(state_dict: dict[str, Any], writer: Any, planner: SavePlanner, group: Group,
+         destination: tuple[Any, ...] = ()) -> Metadata:
+    """Saves ``state_dict`` with ``writer`` (a :class:`pyckpt.Writer`) and ``planner`` on
+    every rank of ``group``; returns the global metadata (on every rank).
+
+    ``destination`` adds to the cache key what the writer's kind does not tell (the caller's
+    settings that change the plan).
+    """
+    coordinator = group.rank == 0
+    planner.set_up_planner(state_dict, storage_meta=writer.storage_meta(),
+                           is_coordinator=coordinator)
+    writer.set_up_storage_writer(coordinator, rank=group.rank, use_collectives=True)
+    local, error = _attempt(lambda: writer.prepare_local_plan(planner.create_local_plan()))
+
+    cache = None
+    key: tuple[Any, ...] = ()
+    if group.distributed:
+        import torch.distributed as dist
+
+        pg = group.pg if group.pg is not None else dist.group.WORLD
+        cache = _by_group.setdefault(pg, {})
+        key = (group.rank, group.world, type(planner), _planner_key(planner),
+               writer.destination_key(), destination)
+
+    central: SavePlan | None = None
+    metadata: Metadata | None = None
+    if cache is not None:
+        central, metadata = _confirm(cache, key, local, error, group, writer)
+    if central is None:
+        central, metadata = _plan(cache, key, local, error, group, planner, writer)
+    assert metadata is not None
+
+    results, error = _attempt(lambda: _write(writer, planner, central))
+    gathered = gather((results, None if error is None else portable(error)), group,
+                      what="the save's writes")
+    outcome: Any = None
+    if coordinator:
+        assert gathered is not None
+        failed = [(r, e) for r, (_, e) in enumerate(gathered) if e is not None]
+        if failed:
+            outcome = ("failed", failed[:1])
+        else:
+            _, error = _attempt(lambda: writer.finish(metadata, [res for res, _ in gathered]))
+            if error is not None:
+                outcome = ("failed", [(0, portable(error))])
+    outcome = broadcast(outcome, group, what="the save's commit", inline=_DECISION_INLINE)
+    if outcome is not None:
+        _raise_first(error, outcome[1], "the save")
+    return metadata
+
+
+def _planner_key(planner: Any) -> tuple[Any, ...]:
+    return tuple(getattr(planner, name, None) for name in (
+        "flatten_state_dict", "flatten_sharded_tensors", "split_alignment", "check_replicas",
+        "dedup_save_to_lowest_rank"))
+
+
+def _write(writer: Any, planner: SavePlanner, central: SavePlan) -> Any:
+    final = planner.finish_plan(central)
+    fut = writer.write_data(final, planner)
+    fut.wait()
+    return fut.value()
+
+
+def _confirm(cache: dict[tuple[Any, ...], _Plans], key: tuple[Any, ...],
+             local: SavePlan | None, error: BaseException | None, group: Group,
+             writer: Any) -> tuple[SavePlan | None, Metadata | None]:
+    """The steady state: every rank confirms that its cached plan still holds (one gather of a
+    few numbers, one small broadcast). Returns this rank's cached plan renewed for this save,
+    or (None, None) when every rank must plan again."""
+    cached = cache.get(key)
+    hit = (error is None and local is not None and cached is not None
+           and cached.generation != 0 and cached.structure == _structure(local))
+    probe = (False, 0, -1, 0)
+    if hit:
+        assert cached is not None and local is not None
+        _, rhash = _replica_hash(local)
+        probe = (True, cached.generation, cached.replica_class, rhash)
+    probes = gather(probe, group, what="the save's plan check")
+    decision: Any = None
+    if group.rank == 0:
+        assert probes is not None
+        generations = {p[1] for p in probes}
+        agreed = all(p[0] for p in probes) and len(generations) == 1
+        hashes: dict[int, set[int]] = {}
+        for _, _, cls, h in probes:
+            if cls >= 0:
+                hashes.setdefault(cls, set()).add(h)
+        if agreed and all(len(hs) == 1 for hs in hashes.values()):
+            decision = ("go", writer.save_id)
+    decision = broadcast(decision, group, what="the save's plan check", inline=_DECISION_INLINE)
+    if decision is None:
+        return None, None
+    assert cached is not None
+    stats["cached"] += 1
+    return writer.renew_plan(cached.central, decision[1]), cached.metadata
+
+
+def _plan(cache: dict[tuple[Any, ...], _Plans] | None, key: tuple[Any, ...],
+          local: SavePlan | None, error: BaseException | None, group: Group,
+          planner: SavePlanner, writer: Any) -> tuple[SavePlan, Metadata]:
+    """The full plan: local plans to the coordinator, each rank's final plan back."""
+    stats["planned"] += 1
+    if cache is not None:
+        cache.pop(key, None)  # never a stale plan, whatever happens below
+    plans = gather((local, None if error is None else portable(error)), group,
+                   what="the save's planning")
+    replies: list[Any] | None = None
+    metadata: Metadata | None = None
+    own: BaseException | None = None  # the coordinator's failure of the global step
+    if group.rank == 0:
+        assert plans is not None
+        failed = [(r, e) for r, (_, e) in enumerate(plans) if e is not None]
+        if failed:
+            replies = [("failed", failed[:1])] * group.world
+        else:
+            local_plans = [p for p, _ in plans]
+
+            def global_step() -> tuple[list[SavePlan], Metadata]:
+                all_plans, md = planner.create_global_plan(local_plans)
+                return writer.prepare_global_plan(all_plans), md
+
+            out, own = _attempt(global_step)
+            if own is not None:
+                replies = [("failed", [(0, portable(own))])] * group.world
+            else:
+                assert out is not None
+                all_plans, metadata = out
+                classes = _replica_classes(local_plans)
+                generation = random.getrandbits(62) + 1 if classes is not None else 0
+                classes = classes or [-1] * group.world
+                replies = [("plan", p, generation, c) for p, c in zip(all_plans, classes)]
+    reply = scatter(replies, group, what="the save's planning")
+    if reply[0] == "failed":
+        _raise_first(error if error is not None else own, reply[1], "the save's planning")
+    _, central, generation, replica_class = reply
+    # Every rank returns the metadata, as dcp.save does (the first save of a structure only:
+    # later ones return the cached copy).
+    metadata = broadcast(metadata, group, what="the save's metadata")
+    assert local is not None and metadata is not None
+    if cache is not None and generation:
+        cache[key] = _Plans(_structure(local), generation, central, metadata, replica_class)
+    return central, metadata
+
+

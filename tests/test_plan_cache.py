@@ -1,0 +1,204 @@
+"""Cached save plans (pyckpt._savedrive) on 3 real gloo ranks: an unchanged structure reuses
+its plans, every change on any rank plans again on every rank, and every save loads back
+bit-exactly. Also the gather / scatter collectives the driver uses."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import pytest
+import torch
+from dist_utils import run_distributed
+
+WORLD = 3
+
+
+def _state(rank: int, world: int, seed: int, *, extra: bool = False,
+           dtype: torch.dtype = torch.float32, rows: int = 12) -> dict[str, Any]:
+    """A sharded DTensor (dim-0 over every rank), replicated plain tensors and a step."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world,))
+    g = torch.Generator().manual_seed(seed)
+    full = torch.randn(rows * world, 8, generator=g).to(dtype)
+    sd: dict[str, Any] = {
+        "w": distribute_tensor(full, mesh, [Shard(0)]),
+        "norm": torch.randn(64, generator=g).to(dtype),  # the same on every rank (replicated)
+        "emb": torch.randn(300, 16, generator=g),
+        "step": seed,
+    }
+    if extra:
+        sd[f"only_rank{rank}"] = torch.full((5,), float(rank))
+    return sd
+
+
+def _fresh_like(sd: dict[str, Any]) -> dict[str, Any]:
+    from torch.distributed.tensor import DTensor
+
+    out: dict[str, Any] = {}
+    for k, v in sd.items():
+        if isinstance(v, DTensor):
+            out[k] = DTensor.from_local(torch.zeros_like(v.to_local()), v.device_mesh,
+                                        v.placements, shape=v.shape, stride=v.stride())
+        elif isinstance(v, torch.Tensor):
+            out[k] = torch.zeros_like(v)
+        else:
+            out[k] = -1
+    return out
+
+
+def _check_load(sd: dict[str, Any], path: str) -> None:
+    import pyckpt
+    from torch.distributed.tensor import DTensor
+
+    dest = _fresh_like(sd)
+    pyckpt.load(dest, path)
+    for k, v in sd.items():
+        got = dest[k]
+        if isinstance(v, DTensor):
+            assert torch.equal(got.to_local(), v.to_local()), k
+        elif isinstance(v, torch.Tensor):
+            assert got.dtype == v.dtype and torch.equal(got, v), k
+        else:
+            assert got == v, k
+
+
+def _save_counting(sd: dict[str, Any], path: str, **kw: Any) -> str:
+    """Saves; returns "planned" or "cached" (what this rank's driver did)."""
+    import pyckpt
+    from pyckpt import _savedrive
+
+    before = dict(_savedrive.stats)
+    pyckpt.save(sd, path, **kw)
+    done = [k for k in ("planned", "cached") if _savedrive.stats[k] != before[k]]
+    assert len(done) == 1, (before, _savedrive.stats)
+    return done[0]
+
+
+def _sequence_worker(rank: int, world: int, root: str) -> list[tuple[str, str]]:
+    """Saves a sequence of states; records what each save did on this rank."""
+    seen: list[tuple[str, str]] = []
+
+    def step(name: str, sd: dict[str, Any], **kw: Any) -> None:
+        path = os.path.join(root, name)
+        seen.append((name, _save_counting(sd, path, **kw)))
+        _check_load(sd, path)
+
+    step("first", _state(rank, world, 1))
+    step("same", _state(rank, world, 2))
+    step("same_again", _state(rank, world, 3))
+    # one rank alone adds a key: every rank plans again
+    step("one_rank_changes", _state(rank, world, 4, extra=rank == 1))
+    step("back", _state(rank, world, 5))
+    step("back_cached", _state(rank, world, 6))
+    step("dtype", _state(rank, world, 7, dtype=torch.bfloat16))
+    step("shape", _state(rank, world, 8, dtype=torch.bfloat16, rows=13))
+    step("shape_cached", _state(rank, world, 9, dtype=torch.bfloat16, rows=13))
+    step("zstd", _state(rank, world, 10, dtype=torch.bfloat16, rows=13), compression="zstd")
+    step("zstd_cached", _state(rank, world, 11, dtype=torch.bfloat16, rows=13),
+         compression="zstd")
+    return seen
+
+
+def test_unchanged_structure_reuses_plans_and_every_change_replans_everywhere(
+        tmp_path: Any) -> None:
+    results = run_distributed(_sequence_worker, WORLD, str(tmp_path))
+    expected = [("first", "planned"), ("same", "cached"), ("same_again", "cached"),
+                ("one_rank_changes", "planned"), ("back", "planned"),
+                ("back_cached", "cached"), ("dtype", "planned"), ("shape", "planned"),
+                ("shape_cached", "cached"), ("zstd", "planned"), ("zstd_cached", "cached")]
+    for rank, seen in enumerate(results):
+        assert seen == expected, f"rank {rank}: {seen}"
+
+
+def _world_change_worker(rank: int, world: int, root: str) -> list[str]:
+    """The same structure saved by the whole group, then by a 2-rank subgroup: another world
+    size plans again (and loads back), then caches in its turn."""
+    import torch.distributed as dist
+
+    out = [_save_counting({"t": torch.arange(10.0)}, os.path.join(root, "all"))]
+    out.append(_save_counting({"t": torch.arange(10.0)}, os.path.join(root, "all2")))
+    sub = dist.new_group([0, 1])
+    if rank < 2:
+        for name in ("sub", "sub2"):
+            sd = {"t": torch.arange(10.0) + 1}
+            out.append(_save_counting(sd, os.path.join(root, name), process_group=sub))
+            import pyckpt
+
+            dest = {"t": torch.zeros(10)}
+            pyckpt.load(dest, os.path.join(root, name), process_group=sub)
+            assert torch.equal(dest["t"], sd["t"])
+    dist.barrier()
+    return out
+
+
+def test_another_world_size_plans_again(tmp_path: Any) -> None:
+    results = run_distributed(_world_change_worker, WORLD, str(tmp_path))
+    assert results[0] == results[1] == ["planned", "cached", "planned", "cached"]
+    assert results[2] == ["planned", "cached"]
+
+
+def _replica_worker(rank: int, world: int, root: str) -> str:
+    import pyckpt
+    from pyckpt.errors import ReplicaMismatchError
+
+    sd = _state(rank, world, 1)
+    _save_counting(sd, os.path.join(root, "a"))
+    assert _save_counting(sd, os.path.join(root, "b")) == "cached"
+    if rank == 2:  # this rank's replica drifts: the cached plan must not hide it
+        sd["norm"] = sd["norm"] + 1
+    with pytest.raises(ReplicaMismatchError) as info:
+        pyckpt.save(sd, os.path.join(root, "c"))
+    assert "'norm'" in str(info.value)
+    return "raised"
+
+
+def test_a_replica_that_drifts_after_plans_were_cached_is_refused(tmp_path: Any) -> None:
+    assert run_distributed(_replica_worker, WORLD, str(tmp_path)) == ["raised"] * WORLD
+    assert not (tmp_path / "c" / "pyckpt.json").exists()
+
+
+def _failure_worker(rank: int, world: int, root: str) -> str:
+    import pyckpt
+    from pyckpt.errors import UnsupportedDtypeError
+
+    sd = _state(rank, world, 1)
+    _save_counting(sd, os.path.join(root, "a"))
+    if rank == 1:
+        sd[f"bad{rank}"] = torch.eye(3).to_sparse()
+    with pytest.raises(UnsupportedDtypeError, match="'bad1'") as info:
+        pyckpt.save(sd, os.path.join(root, "b"))
+    notes = "\n".join(getattr(info.value, "__notes__", []))
+    if rank != 1:
+        assert "rank 1" in notes, notes
+    return "raised"
+
+
+def test_a_write_failure_on_one_rank_reaches_every_rank_typed(tmp_path: Any) -> None:
+    assert run_distributed(_failure_worker, WORLD, str(tmp_path)) == ["raised"] * WORLD
+    assert not (tmp_path / "b" / "pyckpt.json").exists()
+    assert (tmp_path / "a" / "pyckpt.json").exists()
+
+
+def _transport_worker(rank: int, world: int) -> Any:
+    from pyckpt._collective import group_info
+    from pyckpt._collective.transport import gather, scatter
+
+    g = group_info(None)
+    # rank r's object: r * 300 bytes (rank 0's fits the inline frame, the others do not)
+    mine = bytes([rank]) * (rank * 300)
+    got = gather(mine, g, root=1, inline=100)
+    if rank == 1:
+        assert got == [bytes([r]) * (r * 300) for r in range(world)]
+    else:
+        assert got is None
+    objs = [("for", r, b"x" * (r * 500)) for r in range(world)] if rank == 2 else None
+    back = scatter(objs, g, root=2, inline=64)
+    assert back == ("for", rank, b"x" * (rank * 500))
+    return "ok"
+
+
+def test_gather_and_scatter_carry_objects_longer_than_the_inline_frame() -> None:
+    assert run_distributed(_transport_worker, WORLD) == ["ok"] * WORLD
