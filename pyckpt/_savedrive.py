@@ -169,7 +169,7 @@ def save(state_dict: dict[str, Any], writer: Any, planner: SavePlanner, group: G
     results, error = _attempt(lambda: _write(writer, planner, central))
     gathered = gather((results, None if error is None else portable(error)), group,
                       what="the save's writes")
-    outcome: Any = None
+    outcome: Any = ("ok", None)
     if coordinator:
         assert gathered is not None
         failed = [(r, e) for r, (_, e) in enumerate(gathered) if e is not None]
@@ -177,11 +177,15 @@ def save(state_dict: dict[str, Any], writer: Any, planner: SavePlanner, group: G
             outcome = ("failed", failed[:1])
         else:
             _, error = _attempt(lambda: writer.finish(metadata, [res for res, _ in gathered]))
-            if error is not None:
-                outcome = ("failed", [(0, portable(error))])
+            # What the commit leaves in the metadata travels to every rank: a node-local
+            # save's document, which each rank writes into its own directory as it arrives
+            # (pyckpt.backends.peer.PublishedMetadata).
+            outcome = (("ok", metadata.storage_data) if error is None
+                       else ("failed", [(0, portable(error))]))
     outcome = broadcast(outcome, group, what="the save's commit", inline=_DECISION_INLINE)
-    if outcome is not None:
+    if outcome[0] == "failed":
         _raise_first(error, outcome[1], "the save")
+    metadata.storage_data = outcome[1]
     return metadata
 
 
