@@ -30,7 +30,7 @@ from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
 from pyckpt import _format, _gc, _knobs, _partial, _ranklocal
-from pyckpt._collective import group_info
+from pyckpt._collective import coordination_info, group_info
 from pyckpt._coop import (
     CoopPlan,
     LoadNode,
@@ -378,7 +378,7 @@ class Reader(StorageReader):
             names = [item.storage_index.fqn for item in plan.items]  # as spans (error messages)
             order = sorted(range(len(spans)), key=lambda i: first_round(spans[i], coop))
             plan = dataclasses.replace(plan, items=[plan.items[i] for i in order])
-            group = group_info(self.process_group)
+            group = coordination_info(self.process_group)  # gloo, even for an NCCL group
             with cooperative_reads(self._backend, coop, group, pool, spans,
                                    names) as session:
                 result = self._read_data(plan, planner, session)
