@@ -15,8 +15,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(HERE, "..", "tests"))
 
-from bench_coord_bytes import METHODS, SAVES, main
-from dist_utils import run_distributed
+from bench_coord_bytes import METHODS, SAVES, main  # noqa: E402
+from dist_utils import run_distributed  # noqa: E402
 
 pytestmark = pytest.mark.distributed
 

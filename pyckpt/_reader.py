@@ -80,8 +80,9 @@ class Reader(StorageReader):
             all-gather over ``process_group`` when the load starts): when every rank sees
             every file, the load reads as with True; otherwise as with False. A single process
             reads as with True.
-        process_group: the group of the load (default: the default group); for node-local
-            and cooperative loads it must carry CPU tensors (gloo).
+        process_group: the group of the load (default: the default group); node-local and
+            cooperative loads exchange over :func:`pyckpt.coordination_group` of it (gloo,
+            the same ranks), so an NCCL group works too.
         cooperative: True: stored bytes that several ranks load (DDP, FSDP ``NO_SHARD``, HSDP
             replicas, ``Replicate()`` DTensors, any overlap) are read from storage by one rank,
             verified there and sent to the others over ``process_group`` still compressed;

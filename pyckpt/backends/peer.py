@@ -14,7 +14,7 @@ in rounds (:class:`pyckpt._exchange.Exchange`, shared with cooperative loads,
 local directory (handed in by :func:`pyckpt.backends.open_backend`), the metadata copies
 published to every rank after a commit, and the read sessions.
 
-The group must support CPU tensors (gloo; for an NCCL training group pass a gloo group).
+Exchanges run on :func:`pyckpt.coordination_group` of the group (gloo, even for NCCL).
 """
 
 from __future__ import annotations
