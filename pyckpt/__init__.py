@@ -8,6 +8,7 @@ Public API (torch-dependent names are imported lazily, so ``import pyckpt`` stay
   number of saving ranks (indexed stored chunks), weights-only for non-tensor values.
 * :func:`save` / :func:`load` -- one-line conveniences using the above.
 * :func:`consolidate` -- rank-partitioned export to Hugging Face safetensors.
+* :func:`coordination_group` -- the gloo group (same ranks) checkpoint coordination runs on.
 * :func:`find_error` -- pyckpt's error inside DCP's ``CheckpointException`` wrapper.
 * :class:`CheckpointManager` -- node-local fast tier with peer replicas, durable tier, retention.
 * :func:`reserve_pinned` / :func:`release_pinned` / :func:`set_pinned_limit` /
@@ -56,6 +57,7 @@ __all__ = [
     "save",
     "load",
     "consolidate",
+    "coordination_group",
     "CheckpointManager",
     "reserve_pinned",
     "release_pinned",
@@ -92,6 +94,7 @@ _LAZY = {
     "save": "pyckpt.api",
     "load": "pyckpt.api",
     "CheckpointManager": "pyckpt.manager",
+    "coordination_group": "pyckpt._collective.group",
     "reserve_pinned": "pyckpt._pinned",
     "release_pinned": "pyckpt._pinned",
     "set_pinned_limit": "pyckpt._pinned",

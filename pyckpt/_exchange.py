@@ -16,7 +16,7 @@ fetch keeps serving until all are done (:meth:`Exchange.finish`). Errors are agr
 failure on any rank (reading, verifying, decoding) is raised on every rank at the next round,
 so no rank is left waiting in a collective.
 
-The group must support CPU tensors (gloo; for an NCCL training group pass a gloo group).
+The group must support CPU tensors: callers pass pyckpt.coordination_group's (gloo) group.
 """
 
 from __future__ import annotations

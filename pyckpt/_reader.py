@@ -30,7 +30,7 @@ from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
 from pyckpt import _format, _gc, _knobs, _partial, _ranklocal
-from pyckpt._collective import group_info
+from pyckpt._collective import coordination_info, group_info
 from pyckpt._coop import (
     CoopPlan,
     LoadNode,
@@ -80,8 +80,9 @@ class Reader(StorageReader):
             all-gather over ``process_group`` when the load starts): when every rank sees
             every file, the load reads as with True; otherwise as with False. A single process
             reads as with True.
-        process_group: the group of the load (default: the default group); for node-local
-            and cooperative loads it must carry CPU tensors (gloo).
+        process_group: the group of the load (default: the default group); node-local and
+            cooperative loads exchange over :func:`pyckpt.coordination_group` of it (gloo,
+            the same ranks), so an NCCL group works too.
         cooperative: True: stored bytes that several ranks load (DDP, FSDP ``NO_SHARD``, HSDP
             replicas, ``Replicate()`` DTensors, any overlap) are read from storage by one rank,
             verified there and sent to the others over ``process_group`` still compressed;
@@ -378,7 +379,7 @@ class Reader(StorageReader):
             names = [item.storage_index.fqn for item in plan.items]  # as spans (error messages)
             order = sorted(range(len(spans)), key=lambda i: first_round(spans[i], coop))
             plan = dataclasses.replace(plan, items=[plan.items[i] for i in order])
-            group = group_info(self.process_group)
+            group = coordination_info(self.process_group)  # gloo, even for an NCCL group
             with cooperative_reads(self._backend, coop, group, pool, spans,
                                    names) as session:
                 result = self._read_data(plan, planner, session)

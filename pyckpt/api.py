@@ -24,7 +24,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata
 
 from pyckpt import _gc, _progress, _savedrive, _stateful
-from pyckpt._collective import bounded_group, group_info, peer_errors
+from pyckpt._collective import bounded_group, coordination_group, group_info, peer_errors
 from pyckpt._loadplan import LoadPlanner
 from pyckpt.planner import SavePlanner
 from pyckpt.storage import Reader, Writer
@@ -150,7 +150,9 @@ def save(
             they are saved through ``torch.distributed.checkpoint.state_dict`` (the optimizer
             keyed by parameter name), and other ``Stateful`` values through ``state_dict()``.
         path: Checkpoint directory; created if missing.
-        process_group: Process group of the save (default: the default group, if any).
+        process_group: Process group of the save (default: the default group, if any). The
+            save's coordination runs on :func:`pyckpt.coordination_group` of it (the group
+            itself when it is gloo), so an NCCL group costs no GPU memory.
         check_replicas: Refuse (:class:`pyckpt.ReplicaMismatchError`, before anything is
             written) replicated tensors whose copies differ across ranks. ``True`` /
             ``"sample"``: compare a sample of at most 1 MiB per tensor; ``"full"``: every
@@ -187,6 +189,8 @@ def _save(
     writer_options: dict[str, Any],
 ) -> Metadata:
     totals = [0]  # this rank's planned bytes, known once DCP has planned
+    # The save's exchanges run on a gloo group with the same ranks (host memory, even for NCCL).
+    process_group = coordination_group(process_group)
     with peer_errors(process_group, "pyckpt.save"), Writer(path, **writer_options) as writer, \
             _single_process_quiet(), _typed_errors(), \
             _progress.job(progress, "save", process_group) as report, \
@@ -228,7 +232,8 @@ def load(
             optimizer's state is created first, so its moments are loaded.
         path: Checkpoint directory written by :func:`save` or ``dcp.save`` with
             :class:`pyckpt.Writer`.
-        process_group: Process group of the load (default: the default group, if any).
+        process_group: Process group of the load (default: the default group, if any); as
+            for :func:`save`, coordination runs on :func:`pyckpt.coordination_group` of it.
         trusted: Unpickle non-tensor values with ``weights_only=False`` (DCP's default): only
             for checkpoints from a trusted source, whose values hold other Python types.
         storage_options: for an ``s3://`` path: client settings overriding the ``AWS_*``
@@ -263,6 +268,7 @@ def load(
         Errors are the lowest failing rank's own exception, re-raised from DCP's
         ``CheckpointException`` (attached as ``__cause__``).
     """
+    process_group = coordination_group(process_group)  # as in save()
     reader_options = {"shared_filesystem": shared_filesystem, "process_group": process_group,
                       "storage_options": storage_options, "cooperative": cooperative,
                       "allow_partial": allow_partial}

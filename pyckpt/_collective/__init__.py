@@ -1,7 +1,7 @@
 """Small collectives over a ``torch.distributed`` process group (objects, not tensors).
 
 Three subsystems, one module each: :mod:`.group` (a process's place in a group, pyckpt's own
-groups), :mod:`.liveness` (bounded waits, heartbeats, telling which rank was lost),
+groups, the gloo group derived from a user's group for coordination), :mod:`.liveness` (bounded waits, heartbeats, telling which rank was lost),
 :mod:`.transport` (broadcast, all-gather, all-to-all of pickled objects over the bounded wait)
 and :mod:`.agreement` (:func:`agree`: run a step, agree on its outcome, raise the same error
 everywhere). This package re-exports what the rest of pyckpt uses.
@@ -26,10 +26,17 @@ No collective here waits forever on a lost rank (docs/RELIABILITY.md, "Peers tha
 """
 
 from pyckpt._collective.agreement import add_note, agree, portable
-from pyckpt._collective.group import Group, bound_s, group_info, peer_group
+from pyckpt._collective.group import (
+    Group,
+    bound_s,
+    coordination_group,
+    coordination_info,
+    group_info,
+    peer_group,
+)
 from pyckpt._collective.liveness import bounded_group, is_peer_failure, peer_errors
 from pyckpt._collective.transport import all_gather, all_to_all_single, broadcast
 
 __all__ = ["Group", "group_info", "broadcast", "all_gather", "all_to_all_single", "bound_s",
            "peer_errors", "bounded_group", "peer_group", "portable", "add_note", "agree",
-           "is_peer_failure"]
+           "is_peer_failure", "coordination_group", "coordination_info"]

@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import sys
+import threading
 import weakref
 from dataclasses import dataclass
 from datetime import timedelta
@@ -13,7 +14,8 @@ from typing import Any
 
 from pyckpt import _knobs
 
-__all__ = ["Group", "group_info", "bound_s", "peer_group"]
+__all__ = ["Group", "group_info", "bound_s", "peer_group", "coordination_group",
+           "coordination_info"]
 
 
 @dataclass(frozen=True)
@@ -103,10 +105,123 @@ def peer_group(ranks: list[int]) -> Any:
     if not job or job <= 0:
         job = dist.default_pg_timeout.total_seconds()
     bound = min(float(_knobs.peer_timeout()), job)
-    pg = dist.new_group(list(ranks), backend="gloo", use_local_synchronization=True,
-                        timeout=timedelta(seconds=bound))
+    pg = _new_gloo_group(list(ranks), timedelta(seconds=bound))
     _patience[pg] = job
     return pg
+
+
+def _new_gloo_group(ranks: list[int], timeout: timedelta) -> Any:
+    """A new gloo group over the global ``ranks``: the one place pyckpt makes a group.
+
+    Over the whole world every rank calls it, and torch names the group by the count of
+    groups made that way (the same on every rank). Over fewer ranks only the members call it
+    (``use_local_synchronization``): torch then names it by a hash of the ranks and of the
+    number of groups this process knows, so ranks that later make a local group together must
+    have made the same groups before (torch's rule for such groups).
+    """
+    import torch.distributed as dist
+
+    whole = sorted(ranks) == list(range(dist.get_world_size()))
+    return dist.new_group(list(ranks), backend="gloo", timeout=timeout,
+                          use_local_synchronization=not whole)
+
+
+def _cpu_capable(pg: Any) -> bool:
+    """Whether object collectives on ``pg`` travel in host memory (gloo, or a group with a CPU
+    backend beside its accelerator one): torch then picks the CPU for them."""
+    import torch
+    import torch.distributed as dist
+
+    try:
+        return torch.device("cpu") in pg._device_types
+    except Exception:  # another torch: the backend's name
+        return "gloo" in str(dist.get_backend(pg))
+
+
+def _timeout_of(pg: Any) -> timedelta:
+    """The default timeout of ``pg``'s collectives (torch's default where it cannot be read)."""
+    import torch.distributed as dist
+
+    try:
+        for device in pg._device_types:
+            timeout = pg._get_backend(device).options._timeout
+            if timeout.total_seconds() > 0:
+                return timedelta(seconds=timeout.total_seconds())
+    except Exception:  # another backend or torch version
+        pass
+    return dist.default_pg_timeout
+
+
+# User group -> weak reference to the gloo group derived from it (coordination_group). Weak
+# both ways: torch's registry keeps a group until destroy_process_group(), which must free it
+# (tearing a gloo group down at interpreter exit can abort a process whose work is done).
+_derived: weakref.WeakKeyDictionary[Any, weakref.ReferenceType[Any]] = (
+    weakref.WeakKeyDictionary())
+_derived_lock = threading.Lock()
+
+
+def coordination_group(group: Any = None) -> Any:
+    """A gloo (CPU) process group with the ranks of ``group``, for checkpoint coordination.
+
+    DCP's planning and result exchanges and pyckpt's own exchanges move small pickled objects;
+    on an NCCL group each of them travels through GPU memory (torch allocates device buffers
+    for every ``gather_object``). On the group returned here they stay in host memory.
+    :func:`pyckpt.save`, :func:`pyckpt.load` and :func:`pyckpt.consolidate` use it by
+    themselves; with DCP directly, pass it on::
+
+        dcp.save(state, storage_writer=pyckpt.Writer(path),
+                 process_group=pyckpt.coordination_group(pg))
+
+    The group is made once per ``group`` object and returned again by later calls (it lives
+    as long as ``group`` does, until ``destroy_process_group``). Making it is collective: the
+    first call for a ``group`` must be made by every member of ``group``, at the same point of
+    the program (every member of the world for the default group); non-members need not call.
+    Its default timeout is ``group``'s own.
+
+    Args:
+        group: the user's process group (default: the default group).
+
+    Returns:
+        ``group`` itself when it already carries CPU tensors (gloo, or a group with a CPU
+        backend), else the derived gloo group; None in a single process (no default group).
+
+    Raises:
+        ValueError: ``group`` was given but ``torch.distributed`` is not initialised, or this
+            process is not a member of ``group``.
+    """
+    if group is None and "torch.distributed" not in sys.modules:
+        return None  # a single process (see group_info)
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        if group is not None:
+            raise ValueError("process_group given but torch.distributed is not initialised")
+        return None
+    pg = group if group is not None else dist.group.WORLD
+    if dist.get_rank(pg) < 0:
+        raise ValueError(
+            f"pyckpt: this process (global rank {dist.get_rank()}) is not a member of the "
+            "process group it was asked to checkpoint with; only the group's ranks may call "
+            "pyckpt.save / pyckpt.load / pyckpt.coordination_group with it")
+    if _cpu_capable(pg):
+        return pg
+    with _derived_lock:
+        made = _derived.get(pg)
+        derived = made() if made is not None else None
+        if derived is None:
+            ranks = dist.get_process_group_ranks(pg)
+            if ranks != sorted(ranks):  # torch's groups hold their ranks in order
+                raise ValueError(f"pyckpt: cannot derive a gloo group from a process group "
+                                 f"whose ranks are not in ascending order: {ranks}")
+            derived = _new_gloo_group(ranks, _timeout_of(pg))
+            _derived[pg] = weakref.ref(derived)
+    return derived
+
+
+def coordination_info(process_group: Any) -> Group:
+    """:func:`group_info` of :func:`coordination_group` of ``process_group``: for pyckpt's own
+    exchanges, which every rank of the group starts at the same point."""
+    return group_info(coordination_group(process_group))
 
 
 def _device(pg: Any) -> Any:

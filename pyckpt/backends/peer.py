@@ -14,7 +14,7 @@ in rounds (:class:`pyckpt._exchange.Exchange`, shared with cooperative loads,
 local directory (handed in by :func:`pyckpt.backends.open_backend`), the metadata copies
 published to every rank after a commit, and the read sessions.
 
-The group must support CPU tensors (gloo; for an NCCL training group pass a gloo group).
+Exchanges run on :func:`pyckpt.coordination_group` of the group (gloo, even for NCCL).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 from pyckpt import _format
-from pyckpt._collective import group_info
+from pyckpt._collective import coordination_info
 from pyckpt._exchange import (  # re-exported: where they were public
     Exchange,
     Need,
@@ -117,7 +117,8 @@ class PeerBackend:
 
     Args:
         local: this rank's directory.
-        process_group: the group (None: the default group); it must carry CPU tensors.
+        process_group: the group (None: the default group); its exchanges run on
+            :func:`pyckpt.coordination_group` of it (gloo, even for an NCCL group).
         auto: ``shared_filesystem="auto"``: when every rank sees every file (or in a single
             process) reads are plain local reads, with no rounds.
     """
@@ -178,7 +179,7 @@ class PeerBackend:
     def read_index(self) -> _format.CheckpointIndex:
         """Collective on a group: every rank validates its copy, the holders of every file are
         agreed on (:func:`discover`). One process with ``auto``: a plain local read."""
-        group = group_info(self.process_group)
+        group = coordination_info(self.process_group)  # gloo, even for an NCCL group
         self.files = None
         if self.auto and not group.distributed:
             return self.local.read_index()

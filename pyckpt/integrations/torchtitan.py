@@ -70,6 +70,7 @@ from torch.distributed.checkpoint.state_dict_saver import (
     AsyncSaveResponse,
 )
 
+from pyckpt._collective import coordination_group
 from pyckpt._consolidate import consolidate
 from pyckpt._loadplan import LoadPlanner
 from pyckpt.errors import find_error
@@ -312,9 +313,9 @@ class PyckptCheckpointManager(CheckpointManager):
                 ret = _typed_future(response)
         else:
             with _typed_errors():
-                dcp.save(
-                    state_dict, storage_writer=self._writer(checkpoint_id), planner=SavePlanner()
-                )
+                # Coordination on a gloo group with the training's ranks (no GPU memory).
+                dcp.save(state_dict, storage_writer=self._writer(checkpoint_id),
+                         planner=SavePlanner(), process_group=coordination_group())
         if enable_garbage_collection:
             GarbageCollection.collect("GC collection invoked by checkpointer.")
         return ret
@@ -327,7 +328,8 @@ class PyckptCheckpointManager(CheckpointManager):
         mapping = self.sd_adapter.fqn_to_index_mapping
         source = filesystem.join(checkpoint_id, _HF_SOURCE)
         with _typed_errors():
-            dcp.save(hf_state_dict, storage_writer=self._writer(source), planner=SavePlanner())
+            dcp.save(hf_state_dict, storage_writer=self._writer(source), planner=SavePlanner(),
+                     process_group=coordination_group())
         consolidate(
             source,
             checkpoint_id,
@@ -366,8 +368,10 @@ class PyckptCheckpointManager(CheckpointManager):
         if from_hf or not _is_pyckpt(checkpoint_id):
             super().dcp_load(state_dict, checkpoint_id, from_hf, from_quantized)
             return
+        group = coordination_group()
         reader = Reader(
             checkpoint_id,
+            process_group=group,
             threads=self.threads,
             shared_filesystem=self.shared_filesystem,
             cooperative=self.cooperative_load,
@@ -378,6 +382,7 @@ class PyckptCheckpointManager(CheckpointManager):
                 state_dict,
                 storage_reader=reader,
                 planner=LoadPlanner(trusted=self.trusted_load),
+                process_group=group,
             )
         # torchtitan flattens the model's entries into the top level: load them into it.
         if MODEL in self.states:
