@@ -129,8 +129,10 @@ def test_derived_group_is_made_once_and_reused(tmp_path: Path) -> None:
         assert r["made_by_second"] == 0 and r["made_in_all"] == 1 and r["same"], r
         assert r["gloo"] == "gloo" and r["ranks"] == [0, 1], r
         assert r["timeout_s"] == 123.0, r  # the user group's own timeout
-        # Every object collective of both saves and the load ran on the derived group.
-        assert r["groups_seen"] == ["derived"] and r["calls"] >= 6, r
+        # Every object collective of the load (DCP's planning) ran on the derived group; the
+        # saves' own exchanges (pyckpt._savedrive) would fail on the fake backend, so saves
+        # that succeed ran theirs on it too.
+        assert r["groups_seen"] == ["derived"] and r["calls"] >= 3, r
         assert r["loaded"], r
 
 
