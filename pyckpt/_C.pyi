@@ -347,11 +347,6 @@ class PyckptIndex:
 def parse_pyckpt_index(doc: bytes | bytearray | memoryview, origin: str) -> PyckptIndex: ...
 def pyckpt_index_tables() -> tuple[dict[str, Any], dict[str, tuple[int, int, str]]]: ...
 
-class StitchProgress:
-    def __init__(self) -> None: ...
-    @property
-    def bytes(self) -> int: ...
-
 _StitchSource = int | tuple[tuple[int, int, int, int, tuple[int, ...]], CodecParams]
 # The optional last field casts elements on the way: None or (from, to) safetensors float dtype
 # names among F64, F32, F16, BF16 (to: not F64); item_bytes is then the source element size.
@@ -369,14 +364,14 @@ def stitch(
     task_bytes: int,
     input_mode: str,
     fsync: bool,
-    progress: StitchProgress | None = None,
     *,
     partial: bool = False,
 ) -> dict[str, int]: ...
 def convert_floats(src: Buffer, from_dtype: str, to_dtype: str, out: Buffer) -> None: ...
 
 class ProgressCounter:
-    """Raw bytes finished by the native saves, loads and verifies of the threads it is set on."""
+    """Raw bytes finished by the native saves, loads, verifies and stitches of the threads it is
+    set on (the one native progress counter type)."""
     def __init__(self) -> None: ...
     @property
     def bytes(self) -> int: ...

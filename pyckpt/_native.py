@@ -1,14 +1,18 @@
 """The native collaborators a Writer or Reader owns: the worker thread pool and the GPU staging.
 
-Thread ownership (one model for I/O work, docs/ARCHITECTURE.md): each Writer and each Reader
-owns one native ``ThreadPool`` (made on first use, stopped by ``close()``), and every encode,
-write, read, verify and decode of that object runs on it with the GIL released. A backend only
-moves bytes; where its client has its own concurrency (obstore's uploads and GETs) that stays
-inside the backend.
+Native worker threads (one of the thread models of docs/ARCHITECTURE.md, "Threads"): this is
+the only module that makes a native ``ThreadPool``. Each Writer and each Reader owns one (made
+on first use, stopped by ``close()``), and every encode, write, read, verify and decode of that
+object runs on it with the GIL released; work outside a Writer or Reader (consolidation, a
+verify, the manager's copy check) takes one for the call (:func:`call_pool`). A backend only
+moves bytes; where its client has its own concurrency (obstore's uploads) that stays inside the
+client.
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from pyckpt import _C, _knobs
@@ -16,7 +20,7 @@ from pyckpt import _C, _knobs
 if TYPE_CHECKING:  # imports torch: only when a Writer or Reader stages (consolidate does not)
     from pyckpt._staging import DeviceStaging
 
-__all__ = ["_Native", "_check_pinned_pool_bytes", "apply_native_settings"]
+__all__ = ["_Native", "_check_pinned_pool_bytes", "apply_native_settings", "call_pool"]
 
 
 def apply_native_settings() -> None:
@@ -25,6 +29,22 @@ def apply_native_settings() -> None:
     the bytes per file read call (``PYCKPT_READ_BYTES``)."""
     _C.set_host_cache_limit(_knobs.host_cache_bytes())
     _C.set_read_piece_bytes(_knobs.read_bytes())
+
+
+def _new_pool(threads: int) -> Any:
+    """A native pool of ``threads`` workers (started on first use): the one constructor."""
+    return _C.ThreadPool(threads)
+
+
+@contextlib.contextmanager
+def call_pool(threads: int) -> Iterator[Any]:
+    """A native pool of ``threads`` workers for one call, stopped (its threads joined) when the
+    block ends, normally or not."""
+    pool = _new_pool(threads)
+    try:
+        yield pool
+    finally:
+        pool.shutdown()
 
 
 def _check_pinned_pool_bytes(value: int | None) -> None:
@@ -58,7 +78,7 @@ class _Native:
     def pool(self) -> Any:
         if self._pool is None:
             apply_native_settings()
-            self._pool = _C.ThreadPool(self._threads or self._default())
+            self._pool = _new_pool(self._threads or self._default())
         return self._pool
 
     def staging(self, block_bytes: int | None = None) -> DeviceStaging:

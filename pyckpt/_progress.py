@@ -9,7 +9,8 @@
 * In a process group only rank 0 draws (``Progress(..., group=...)``); the others stay silent.
 
 Native work reports through a counter the core advances as chunks finish
-(:func:`native_counter`), read by a small poller thread; nothing here touches the data path.
+(:func:`native_counter`: one ``_C.ProgressCounter``, read by one poller thread per job, the
+progress thread model of docs/ARCHITECTURE.md, "Threads"); nothing here touches the data path.
 """
 
 from __future__ import annotations
@@ -241,21 +242,37 @@ def job(progress: ProgressArg | Progress, desc: str, process_group: Any = None
         view.finish()
 
 
+Counting = Callable[[], contextlib.AbstractContextManager[None]]
+
+
 @contextlib.contextmanager
-def native_counter(callback: Callable[[int, int], None] | None, total: int | list[int]
-                   ) -> Iterator[None]:
-    """Counts the raw bytes the native saves/loads/verifies started on this thread finish, and
-    reports ``callback(done, total)`` from a poller thread about every 0.1 s while the block
-    runs. ``total`` may be a one-element list filled in later (a save learns its share when
-    DCP has planned); nothing is reported while it is 0. No-op without a callback."""
+def native_counter(callback: Callable[[int, int], None] | None, total: int | list[int], *,
+                   whole_block: bool = True) -> Iterator[Counting]:
+    """Counts the raw bytes the native saves/loads/verifies/stitches started on this thread
+    finish, and reports ``callback(done, total)`` from a poller thread about every 0.1 s while
+    the block runs, then once more when it ends normally. ``total`` may be a one-element list
+    filled in later (a save learns its share when DCP has planned); nothing is reported while
+    it is 0. No-op without a callback.
+
+    Yields ``counting``: ``with counting():`` counts the native calls of that block only. With
+    ``whole_block=False`` nothing else is counted (a consolidation counts its stitches, not the
+    chunk exchanges between them)."""
     if callback is None:
-        yield
+        yield contextlib.nullcontext
         return
     from pyckpt import _C
 
     totals = total if isinstance(total, list) else [total]
     counter = _C.ProgressCounter()
     stop = threading.Event()
+
+    @contextlib.contextmanager
+    def counting() -> Iterator[None]:
+        _C.set_progress_counter(counter)
+        try:
+            yield
+        finally:
+            _C.set_progress_counter(None)
 
     def report() -> None:
         if totals[0] > 0:
@@ -266,12 +283,14 @@ def native_counter(callback: Callable[[int, int], None] | None, total: int | lis
             report()
 
     poller = threading.Thread(target=poll, name="pyckpt-progress", daemon=True)
-    _C.set_progress_counter(counter)
     poller.start()
     try:
-        yield
+        if whole_block:
+            with counting():
+                yield counting
+        else:
+            yield counting
     finally:
-        _C.set_progress_counter(None)
         stop.set()
         poller.join()
     report()

@@ -18,14 +18,13 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 import torch
 from torch.distributed.checkpoint.metadata import StorageMeta
 
-from pyckpt import _C, _format, _knobs
+from pyckpt import _C, _background, _format, _knobs
 from pyckpt._replicas import _flat_bytes, _to_host
 
 if TYPE_CHECKING:
@@ -142,8 +141,5 @@ def stored_sizes(
         stored = sum(record[4][1::2])  # the planes' stored lengths
         return max(1, -(-stored * n // sample.size))  # scaled up to the tensor, rounded up
 
-    nthreads = min(threads if threads is not None else _knobs.num_threads(), len(flats))
-    if nthreads <= 1:
-        return [estimate(i) for i in range(len(flats))]
-    with ThreadPoolExecutor(nthreads) as pool:
-        return list(pool.map(estimate, range(len(flats)), chunksize=16))
+    nthreads = threads if threads is not None else _knobs.num_threads()
+    return _background.map_parallel(estimate, range(len(flats)), nthreads)

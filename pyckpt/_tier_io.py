@@ -326,7 +326,7 @@ class LocalTier:
         """Data files of ``step`` on this node that fail their checks (the size the metadata
         records; every chunk's size and checksum): name -> what is wrong. Empty when this
         node's metadata cannot be read (that is reported by :meth:`view`)."""
-        from pyckpt import _C
+        from pyckpt import _C, _native
 
         d = self.step_dir(step)
         try:
@@ -340,8 +340,7 @@ class LocalTier:
             for seg in segs:
                 segments.setdefault(os.path.basename(os.fspath(seg[0])), []).append(seg)
         out: dict[str, str] = {}
-        pool = _C.ThreadPool(2)
-        try:
+        with _native.call_pool(2) as pool:
             for name in sorted(n for n in os.listdir(d) if n in index.files):
                 try:
                     size = os.path.getsize(os.path.join(d, name))
@@ -351,8 +350,6 @@ class LocalTier:
                     _C.verify_segments(name, segments.get(name, []), pool)
                 except (PyckptError, OSError, ValueError, RuntimeError) as e:
                     out[name] = f"{type(e).__name__}: {e}"
-        finally:
-            pool.shutdown()
         return out
 
     def set_aside(self, step: int, name: str) -> str:

@@ -263,7 +263,7 @@ def direct_write_bandwidth(directory: str | os.PathLike[str], nbytes: int,
     consecutive offsets (os.pwrite releases the GIL), so the device always has work queued, as
     a tuned writer would. Falls back to buffered writes where the filesystem refuses O_DIRECT.
     """
-    from concurrent.futures import ThreadPoolExecutor
+    from pyckpt import _background
 
     path = Path(directory) / "direct_write_probe.bin"
     bufs = [mmap.mmap(-1, block) for _ in range(queue_depth)]  # page-aligned, as O_DIRECT needs
@@ -282,8 +282,7 @@ def direct_write_bandwidth(directory: str | os.PathLike[str], nbytes: int,
 
     try:
         t0 = time.perf_counter()
-        with ThreadPoolExecutor(queue_depth) as ex:
-            list(ex.map(writer, range(queue_depth)))
+        _background.map_parallel(writer, range(queue_depth), queue_depth)
         os.fsync(fd)
         elapsed = time.perf_counter() - t0
     finally:

@@ -14,11 +14,11 @@ import threading
 import time
 import warnings
 from collections.abc import Mapping
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from concurrent.futures import wait as wait_futures
 from typing import Any
 
-from pyckpt import _stateful
+from pyckpt import _background, _stateful
 from pyckpt._collective import agree, all_gather
 from pyckpt._manager.groups import own_group, peer_typed
 from pyckpt._manager.info import RestoreInfo, SaveInfo, local_path, node_identity
@@ -154,8 +154,8 @@ class CheckpointManager(Saving, Restoring):
                                 Writer(self.store.url, compression,
                                        storage_options=self.store.storage_options or None,
                                        **options))
-        self._save_ex = ThreadPoolExecutor(1, thread_name_prefix="pyckpt-manager-save")
-        self._persist_ex = ThreadPoolExecutor(1, thread_name_prefix="pyckpt-manager-persist")
+        self._save_ex = _background.lane("pyckpt-manager-save")
+        self._persist_ex = _background.lane("pyckpt-manager-persist")
         self._fast_future: Future[int] | None = None
         self._persist_future: Future[int | None] | None = None  # the newest persistence task
         self._pinned_lock = threading.Lock()  # guards the fields below (several threads)

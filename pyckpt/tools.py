@@ -11,7 +11,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
-from pyckpt import _C, _format, _knobs, _progress
+from pyckpt import _format, _knobs, _native, _progress
 from pyckpt._collective import add_note
 from pyckpt._knobs import worker_bytes  # PYCKPT_WORKER_BYTES, for the CLI's worker count
 from pyckpt._native import apply_native_settings
@@ -158,9 +158,8 @@ def verify(path: str | os.PathLike[str], threads: int | None = None,
             f"left ({', '.join(sorted(left))}): the next save into it removes them",
             e.filename) from e
     apply_native_settings()
-    pool = _C.ThreadPool(threads or _knobs.read_threads())
     report = VerifyReport(leftovers=leftovers(path, index) if backend.in_place else {})
-    try:
+    with _native.call_pool(threads or _knobs.read_threads()) as pool:
         work: list[tuple[str, list[Any], int]] = [
             (b.fqn, b.segments, b.nbytes) for b in index.bytes_items.values()
         ]
@@ -181,8 +180,6 @@ def verify(path: str | os.PathLike[str], threads: int | None = None,
                     # is) marks that item corrupt, names it and the reason, and the other
                     # items still run.
                     report.errors[name] = f"{type(e).__name__}: {e}"
-    finally:
-        pool.shutdown()
     return report
 
 

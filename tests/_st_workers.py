@@ -30,8 +30,16 @@ def progress_seen_during_stitch(items: list[Any], task_bytes: int, total: int,
 
     seen: set[int] = set()
     for _ in range(3):
-        prog = _C.StitchProgress()
-        t = threading.Thread(target=_C.stitch, args=(items, 1, task_bytes, "pread", False, prog))
+        prog = _C.ProgressCounter()
+
+        def run(prog: Any = prog) -> None:
+            _C.set_progress_counter(prog)  # the stitch adds its output bytes to it
+            try:
+                _C.stitch(items, 1, task_bytes, "pread", False)
+            finally:
+                _C.set_progress_counter(None)
+
+        t = threading.Thread(target=run)
         t.start()
         observed = set()
         while t.is_alive():

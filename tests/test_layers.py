@@ -7,6 +7,8 @@
 - Only the backend selection module and the backends read URL schemes or branch on the
   node-local choice: ``is_url(``, the literal ``"s3://"`` and ``shared_filesystem`` in a
   condition appear nowhere else.
+- Threads are started only by the owner module of their model (docs/ARCHITECTURE.md,
+  "Threads"), and the native layer has one progress counter type.
 """
 
 from __future__ import annotations
@@ -297,3 +299,80 @@ def test_the_line_limit_check_finds_long_files(tmp_path: Path) -> None:
     (pkg / "short.py").write_text("x = 1\n" * MAX_LINES)
     (pkg / "long.py").write_text("x = 1\n" * (MAX_LINES + 1))
     assert _long_files(pkg, MAX_LINES) == [f"pkg/long.py: {MAX_LINES + 1} lines"]
+
+
+# The thread models (docs/ARCHITECTURE.md, "Threads"): what starts threads (a call, or a base
+# class) -> the only modules that may use it. Native workers: _native; Python-side background
+# work: _background; daemons with the exit discipline: _daemons; the progress poller (over the
+# one native counter type): _progress.
+_THREAD_STARTERS = {
+    "ThreadPool": {"pyckpt._native"},
+    "ThreadPoolExecutor": {"pyckpt._background"},
+    "ProcessPoolExecutor": set(),
+    "Thread": {"pyckpt._daemons", "pyckpt._progress"},
+    "Timer": set(),
+    "start_new_thread": set(),
+    "ProgressCounter": {"pyckpt._progress"},
+}
+# C++ files that may start threads: the pool itself, the POSIX writer's I/O thread, the two
+# native fan-outs that size a pool from their caller's thread count (stitch, block digests),
+# and the test double of the CUDA runtime.
+_NATIVE_THREAD_FILES = {
+    "core/thread_pool.hpp", "core/thread_pool.cpp", "core/posix_storage.cpp",
+    "core/stitcher.cpp", "core/checksum.cpp", "testing/fake_cudart.cpp",
+}
+CSRC = PKG.parent / "csrc"
+
+
+def _thread_offences(path: Path, name: str) -> list[str]:
+    tree = ast.parse(path.read_text(), str(path))
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call):
+            exprs = [node.func]
+        elif isinstance(node, ast.ClassDef):
+            exprs = list(node.bases)
+        else:
+            continue
+        for e in exprs:
+            what = e.attr if isinstance(e, ast.Attribute) else getattr(e, "id", "")
+            if what in _THREAD_STARTERS and name not in _THREAD_STARTERS[what]:
+                out.append(f"{path.name}:{node.lineno}: {ast.unparse(e)}")
+    return out
+
+
+def test_threads_are_started_only_by_their_models_owner() -> None:
+    offences = []
+    for name, path in _modules().items():
+        offences += _thread_offences(path, name)
+    assert offences == []
+
+
+def test_the_thread_check_finds_offences(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.py"
+    bad.write_text("import threading\n"
+                   "from concurrent.futures import ThreadPoolExecutor\n"
+                   "pool = _C.ThreadPool(2)\n"
+                   "ex = ThreadPoolExecutor(4)\n"
+                   "t = threading.Thread(target=print)\n"
+                   "class Worker(threading.Thread):\n"
+                   "    pass\n")
+    assert len(_thread_offences(bad, "pyckpt.bad")) == 4
+    assert len(_thread_offences(bad, "pyckpt._background")) == 3
+
+
+def test_native_threads_start_only_in_their_files() -> None:
+    starts = re.compile(r"std::thread\s*\(|std::thread\s+\w+|std::async|pthread_create|"
+                        r"\bThreadPool\s+\w+\s*[({]")
+    found = set()
+    for path in sorted(CSRC.rglob("*.[ch]pp")):
+        code = "\n".join(line.split("//")[0] for line in path.read_text().splitlines())
+        if starts.search(code):
+            found.add(path.relative_to(CSRC).as_posix())
+    assert found - _NATIVE_THREAD_FILES == set()
+    assert "core/posix_storage.cpp" in found  # the pattern does find thread starts
+
+
+def test_one_native_progress_counter_type() -> None:
+    stub = (PKG / "_C.pyi").read_text()
+    assert re.findall(r"^class (\w*Progress\w*)", stub, re.M) == ["ProgressCounter"]

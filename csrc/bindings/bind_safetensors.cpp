@@ -1,7 +1,6 @@
 // Bindings of the safetensors header parser/emitter and the stitcher: argument conversion only.
 #include <pybind11/stl.h>
 
-#include <atomic>
 #include <map>
 #include <stdexcept>
 
@@ -15,11 +14,6 @@
 namespace pyckpt::bindings {
 
 namespace {
-
-/** A byte counter that stitch() advances while another Python thread reads it. */
-struct StitchProgress {
-  std::atomic<std::uint64_t> bytes{0};
-};
 
 py::dict header_to_py(const StHeader& h) {
   py::dict meta;
@@ -181,16 +175,10 @@ void bind_safetensors(py::module_& m) {
       py::arg("name"), py::arg("shape"), py::arg("blocks"),
       R"pbdoc(Raise CheckpointFormatError unless (offsets, sizes, origin) blocks tile the shape.)pbdoc");
 
-  py::class_<StitchProgress>(m, "StitchProgress",
-                             R"pbdoc(Bytes copied so far by a running stitch(); thread-safe.)pbdoc")
-      .def(py::init<>())
-      .def_property_readonly(
-          "bytes", [](const StitchProgress& p) { return p.bytes.load(std::memory_order_relaxed); });
-
   m.def(
       "stitch",
       [](const py::sequence& items, std::size_t threads, std::size_t task_bytes,
-         const std::string& input_mode, bool fsync, StitchProgress* progress, bool partial) {
+         const std::string& input_mode, bool fsync, bool partial) {
         std::vector<StitchItem> work;
         work.reserve(items.size());
         for (py::handle item : items) work.push_back(item_from_py(item));
@@ -207,10 +195,9 @@ void bind_safetensors(py::module_& m) {
         }
         opts.fsync = fsync;
         opts.partial = partial;
-        opts.progress = progress ? &progress->bytes : nullptr;
         StitchStats s;
         {
-          InterruptWatch watch;  // Ctrl-C between tasks
+          InterruptWatch watch;  // Ctrl-C between tasks; the thread's ProgressCounter
           GilRelease release;
           s = stitch(work, opts);
         }
@@ -221,8 +208,8 @@ void bind_safetensors(py::module_& m) {
         return out;
       },
       py::arg("items"), py::arg("threads"), py::arg("task_bytes"), py::arg("input_mode"),
-      py::arg("fsync"), py::arg("progress") = nullptr, py::kw_only(), py::arg("partial") = false,
-      R"pbdoc(Copy shard blocks or decoded chunks into pre-sized outputs (partial=True: the encoded-chunk items of a tensor may cover only part of its range, the rest coming in other calls); items are (name, shape, offsets, sizes, item_bytes, src_path, src_offset | (chunk, params), out_path, out_offset, lo, hi, block_lo, block_hi[, None | (from_dtype, to_dtype)]).)pbdoc");
+      py::arg("fsync"), py::kw_only(), py::arg("partial") = false,
+      R"pbdoc(Copy shard blocks or decoded chunks into pre-sized outputs (partial=True: the encoded-chunk items of a tensor may cover only part of its range, the rest coming in other calls); output bytes are added to the thread's ProgressCounter (set_progress_counter); items are (name, shape, offsets, sizes, item_bytes, src_path, src_offset | (chunk, params), out_path, out_offset, lo, hi, block_lo, block_hi[, None | (from_dtype, to_dtype)]).)pbdoc");
 
   m.def(
       "convert_floats",

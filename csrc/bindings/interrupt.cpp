@@ -17,7 +17,8 @@ struct PendingError {
 };
 thread_local PendingError t_pending;
 
-/** Raw bytes finished by the native calls of the thread(s) it is set on; read from any thread. */
+/** Raw bytes finished by the native calls of the thread(s) it is set on; read from any thread.
+ * The one native progress counter type (saves, loads, verifies, stitches). */
 struct ProgressCounter {
   std::shared_ptr<std::atomic<std::uint64_t>> bytes =
       std::make_shared<std::atomic<std::uint64_t>>(0);
@@ -69,7 +70,7 @@ void raise_cancelled() {
 void bind_interrupt(py::module_& m) {
   py::class_<ProgressCounter>(
       m, "ProgressCounter",
-      R"pbdoc(Raw bytes finished by the native saves, loads and verifies of the threads it is set on (set_progress_counter); readable from any thread.)pbdoc")
+      R"pbdoc(Raw bytes finished by the native saves, loads, verifies and stitches of the threads it is set on (set_progress_counter); readable from any thread.)pbdoc")
       .def(py::init<>())
       .def_property_readonly("bytes", [](const ProgressCounter& c) {
         return c.bytes->load(std::memory_order_relaxed);

@@ -71,8 +71,8 @@ void poll_interrupt();
 /**
  * @brief Installs a progress counter on the calling thread for this object's lifetime: long
  *        operations started on this thread add the raw bytes they have finished to it (a save:
- *        bytes encoded and appended; a load or verify: bytes delivered or checked). A null
- *        counter installs nothing.
+ *        bytes encoded and appended; a load or verify: bytes delivered or checked; a stitch:
+ *        output bytes written). A null counter installs nothing.
  * @note The counter must outlive the scope; it is updated from worker threads (relaxed adds).
  */
 class ScopedProgressCounter {

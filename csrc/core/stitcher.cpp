@@ -680,7 +680,8 @@ StitchStats stitch(const std::vector<StitchItem>& items, const StitchOptions& op
     const std::size_t nsingle = tasks.size() + chunk_tasks.size();
     const std::size_t ntasks = nsingle + batches.size();
     const InputMode mode = options.input;
-    std::atomic<std::uint64_t>* progress = options.progress;
+    // The caller's progress counter (cancel.hpp), if any: bytes done, added per task.
+    std::atomic<std::uint64_t>* const progress = progress_counter();
     const auto run_one = [&](std::size_t i) {
       std::uint64_t done = 0;
       if (i < tasks.size()) {

@@ -177,7 +177,6 @@ struct StitchOptions {
   /// by other calls, e.g. as chunks arrive from peer ranks): the Coverage check is skipped, and
   /// the caller checks that the calls' byte counts add up.
   bool partial = false;
-  std::atomic<std::uint64_t>* progress = nullptr;  ///< bytes done, updated per task (may be null)
 };
 
 /** @brief What stitch() did. */
@@ -211,6 +210,8 @@ struct StitchStats {
  * @param items the copies; items may share inputs and outputs; their destinations must not overlap.
  * @param options see StitchOptions.
  * @return counters.
+ * The calling thread's progress counter (cancel.hpp, ScopedProgressCounter), if one is
+ * installed, gets the output bytes of each task as it finishes.
  * Inputs and outputs are opened as PosixFile (posix_storage.hpp): regular files only, no symlink
  * followed at the last path component, no wait on a FIFO. Encoded chunks go through the shared
  * chunk path (chunk_io.hpp: validated against the input's size and kMaxChunkBytes first).

@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, cast
 
-from pyckpt import _C, _export, _gc, _knobs, _options, _progress
+from pyckpt import _export, _gc, _knobs, _native, _options, _progress
 from pyckpt._collective import Group, agree, coordination_group, group_info
 from pyckpt._consolidate.nodelocal import DEFAULT_BATCH_BYTES, run_share_nodelocal
 from pyckpt._consolidate.plan import INDEX_NAME, _Plan, make_plan
@@ -480,7 +480,7 @@ def _consolidate_nodelocal(
     agree(lambda: create_outputs(plan, dst, mine), group, on_failure=cleanup, what="creating files")
     clock.end("plan")
     try:
-        with _C.ThreadPool(nthreads) as pool:
+        with _native.call_pool(nthreads) as pool:
             rank_bytes = run_share_nodelocal(
                 plan, src, dst, files, pool, nthreads, do_fsync, progress, mode, batch_bytes
             )

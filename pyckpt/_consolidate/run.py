@@ -12,11 +12,10 @@ import hashlib
 import json
 import os
 import tempfile
-import threading
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
-from pyckpt import _C, _gc, _paths
+from pyckpt import _C, _gc, _paths, _progress
 from pyckpt._consolidate.plan import INDEX_NAME, _byte_geometry, _OutFile, _Plan
 from pyckpt._consolidate.scan import _Tensor
 from pyckpt._paths import fsync_dir, fsync_file
@@ -245,39 +244,23 @@ def stitch(
     partial: bool = False,
 ) -> int:
     """Runs ``_C.stitch`` on each list of items ``batches`` yields, reporting progress over all
-    of them (``progress(done, total)`` about every 0.1 s); returns the bytes stitched.
-    ``partial``: a batch may supply only part of a tensor (the caller checks the total)."""
-    # (bytes of the finished batches, the running batch's counter): replaced as one object, so
-    # the poller never adds a finished batch's counter to a base that already holds it.
-    state = (0, _C.StitchProgress())
-    done = threading.Event()
-    poller = None
+    of them (``progress(0, total)`` first, ``progress(done, total)`` about every 0.1 s and at
+    the end); returns the bytes stitched. Only the stitches are counted, not the native reads
+    that produce the batches. ``partial``: a batch may supply only part of a tensor (the
+    caller checks the total)."""
     if progress is not None:
         progress(0, total)
-
-        def poll() -> None:
-            while not done.wait(0.1):
-                finished, running = state
-                progress(finished + running.bytes, total)
-
-        poller = threading.Thread(target=poll, name="pyckpt-consolidate-progress", daemon=True)
-        poller.start()
-    try:
+    done = 0
+    with _progress.native_counter(progress, total, whole_block=False) as counting:
         for items in batches:
             if not items:
                 continue
-            counter = _C.StitchProgress()
-            state = (state[0], counter)
-            stats = _C.stitch(items, threads, _TASK_BYTES, input_mode, fsync, counter,
-                              partial=partial)
-            state = (state[0] + int(stats["bytes"]), _C.StitchProgress())
-    finally:
-        done.set()
-        if poller is not None:
-            poller.join()
-    if progress is not None:
-        progress(state[0], total)
-    return state[0]
+            with counting():
+                stats = _C.stitch(items, threads, _TASK_BYTES, input_mode, fsync, partial=partial)
+            done += int(stats["bytes"])
+    if progress is not None and total == 0:  # native_counter reports nothing for an empty job
+        progress(done, total)
+    return done
 
 
 def tensor_digest(t: _Tensor, scratch_dir: str, threads: int, input_mode: str = "pread") -> bytes:

@@ -9,14 +9,13 @@ buffers through ``ChunkSource::view_at``).
 
 from __future__ import annotations
 
-import concurrent.futures
 import errno
 import os
 import threading
 from collections.abc import Iterable
 from typing import Any
 
-from pyckpt import _C, _format
+from pyckpt import _C, _background, _format
 from pyckpt._format import METADATA_FILE
 from pyckpt.backends.base import ReadRequest, overlapping_chunks, stage_shares, stored_len
 from pyckpt.backends.s3.client import Location, _obstore
@@ -161,15 +160,13 @@ class Fetcher:
                     f"{url}: data object is truncated: GET bytes {a}-{b - 1} returned "
                     f"{len(data)} bytes"
                 )
+            with self._lock:
+                self.bytes_fetched += len(data)
+                self.requests_made += 1
             return url, a, data
 
-        workers = min(_GET_CONCURRENCY, len(jobs))
-        with concurrent.futures.ThreadPoolExecutor(workers, "pyckpt-get") as ex:
-            for url, a, data in ex.map(fetch, jobs):
-                sources[url][1].append((a, data))
-                with self._lock:
-                    self.bytes_fetched += len(data)
-                    self.requests_made += 1
+        for url, a, data in _background.map_parallel(fetch, jobs, _GET_CONCURRENCY):
+            sources[url][1].append((a, data))
         return sources
 
     def read_requests(self, requests: list[Any], pool: Any) -> tuple[int, int]:
@@ -242,8 +239,7 @@ def stage_checkpoint(loc: Location, directory: str,
     names = list(index.files)
     if share is not None:
         names = stage_shares(index.files, share[1])[share[0]]
-    with concurrent.futures.ThreadPoolExecutor(max(1, min(8, len(names)))) as ex:
-        list(ex.map(fetch, names))
+    _background.map_parallel(fetch, names, 8)
     return names
 
 

@@ -1,0 +1,120 @@
+"""Python-side background work: the one module that makes Python worker threads for it.
+
+One of the thread models of docs/ARCHITECTURE.md ("Threads"). Two shapes of work use it:
+
+* **Fan-out inside one call** (:func:`map_parallel`): the ranged GETs of an S3 read batch, the
+  downloads that stage an S3 checkpoint, the compressed-size estimates of a save plan, the
+  disk probe of ``pyckpt.bench``. They share the process's one executor (threads named
+  ``pyckpt-bg``, started on demand up to :data:`MAX_WORKERS` and reused while idle) and the
+  calling thread, which takes items too: a call never waits for a helper that has not started,
+  so fan-outs nested inside each other, or many at once, cannot deadlock on a busy executor
+  (they only get less parallel). The call returns once every item that started has finished.
+* **Long-lived ordered work** (:func:`lane`): a lane is an executor with one thread of its own,
+  whose tasks run one at a time in the order submitted, all on that thread (thread-local state,
+  such as a Writer's save in progress or torch's current stream, stays with the lane). The
+  checkpoint manager's fast-tier saves and its persistence are one lane each. Its owner shuts it
+  down.
+
+Exit: both are :mod:`concurrent.futures` executors, so the interpreter's exit (threading's exit
+hook, before :mod:`atexit` handlers) lets the work already submitted finish and joins their
+threads. Ctrl-C in a fan-out's calling thread stops handing out items, waits for the ones
+running and raises. Threads that must *not* hold up the exit (loops in native calls that may
+never return) are :mod:`pyckpt._daemons`; the progress poller is :mod:`pyckpt._progress`.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Callable, Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_futures
+from typing import Any, TypeVar
+
+__all__ = ["MAX_WORKERS", "lane", "map_parallel"]
+
+T = TypeVar("T")
+R = TypeVar("R")
+
+# Threads of the shared executor, at most (they start only when work waits for one).
+MAX_WORKERS = 64
+
+_lock = threading.Lock()
+_shared: ThreadPoolExecutor | None = None
+
+
+def _executor() -> ThreadPoolExecutor:
+    global _shared
+    with _lock:
+        if _shared is None:
+            _shared = ThreadPoolExecutor(MAX_WORKERS, thread_name_prefix="pyckpt-bg")
+        return _shared
+
+
+def _forget_after_fork() -> None:
+    # A forked child has none of the parent's threads: it starts its own executor on demand.
+    global _lock, _shared
+    _lock = threading.Lock()
+    _shared = None
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_after_fork)
+
+
+def map_parallel(fn: Callable[[T], R], items: Iterable[T], workers: int) -> list[R]:
+    """``[fn(x) for x in items]`` on up to ``workers`` threads: the calling thread and helpers
+    of the shared executor, each taking the next item until none is left.
+
+    Returns the results in item order. When ``fn`` raises, no further item is started, the
+    running ones finish, and the failure of the first failing item (in item order) is raised.
+    With ``workers <= 1`` or a single item everything runs on the calling thread.
+    """
+    todo = list(items)
+    n = len(todo)
+    helpers = min(workers, n) - 1
+    if helpers <= 0:
+        return [fn(x) for x in todo]
+    results: list[Any] = [None] * n
+    errors: dict[int, BaseException] = {}
+    lock = threading.Lock()
+    taken = 0
+
+    def take() -> int | None:
+        nonlocal taken
+        with lock:
+            if errors or taken >= n:
+                return None
+            taken += 1
+            return taken - 1
+
+    def work() -> None:
+        while (i := take()) is not None:
+            try:
+                results[i] = fn(todo[i])
+            except BaseException as e:
+                with lock:
+                    errors[i] = e
+                return
+
+    ex = _executor()
+    futures: list[Future[None]] = [ex.submit(work) for _ in range(helpers)]
+    try:
+        work()
+    except BaseException as e:  # Ctrl-C outside fn (fn's own failures are recorded by work)
+        with lock:
+            errors.setdefault(-1, e)
+    finally:
+        # Helpers that have not started are cancelled (their items are done or skipped); only
+        # the running ones are waited for (a cancelled future counts as done only once the
+        # executor dequeues it, which a busy executor may never get to while we wait).
+        wait_futures([f for f in futures if not f.cancel()])
+    if errors:
+        raise errors[min(errors)]
+    return results
+
+
+def lane(name: str) -> ThreadPoolExecutor:
+    """A lane for long-lived ordered work: an executor with one thread named ``name``; its
+    owner shuts it down (``shutdown(wait=True)`` waits for the tasks submitted)."""
+    return ThreadPoolExecutor(1, thread_name_prefix=name)
