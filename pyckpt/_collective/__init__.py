@@ -25,11 +25,11 @@ No collective here waits forever on a lost rank (docs/RELIABILITY.md, "Peers tha
   operation the other ranks will never match.
 """
 
-from pyckpt._collective.agreement import add_note, agree, portable
+from pyckpt._collective.agreement import add_note, agree, portable, raise_first
 from pyckpt._collective.group import Group, bound_s, group_info, peer_group
 from pyckpt._collective.liveness import bounded_group, is_peer_failure, peer_errors
 from pyckpt._collective.transport import all_gather, all_to_all_single, broadcast
 
 __all__ = ["Group", "group_info", "broadcast", "all_gather", "all_to_all_single", "bound_s",
            "peer_errors", "bounded_group", "peer_group", "portable", "add_note", "agree",
-           "is_peer_failure"]
+           "raise_first", "is_peer_failure"]

@@ -4,14 +4,14 @@ everywhere."""
 from __future__ import annotations
 
 import pickle
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 from pyckpt._collective.group import Group
 from pyckpt._collective.transport import all_gather, broadcast
 from pyckpt.errors import PyckptError
 
-__all__ = ["agree", "portable", "add_note"]
+__all__ = ["agree", "portable", "add_note", "raise_first"]
 
 T = TypeVar("T")
 
@@ -30,6 +30,21 @@ def add_note(exc: BaseException, text: str) -> None:
     method = getattr(exc, "add_note", None)
     if method is not None:
         method(text)
+
+
+def raise_first(errors: Sequence[BaseException | None], mine: BaseException | None,
+                what: str) -> None:
+    """The failure every rank raises after an exchange of outcomes: this rank's own ``mine``
+    when it has one, else the lowest rank's entry of ``errors`` (every rank's failure, or None,
+    by group rank; as sent, so :func:`portable`), with a note naming that rank and ``what``.
+    Returns when no rank failed.
+    """
+    if mine is not None:
+        raise mine
+    for rank, remote in enumerate(errors):
+        if remote is not None:
+            add_note(remote, f"pyckpt: {what} failed on rank {rank}")
+            raise remote
 
 
 def _check_root(group: Group, root: int) -> None:
@@ -84,19 +99,14 @@ def agree(
     status = None if error is None else portable(error)
     if ranks == "root":
         value, status = broadcast((value, status), group, src=root, what=what)
-        failed = [] if status is None else [(root, status)]
+        statuses: list[BaseException | None] = [None] * root + [status]  # by rank
         values: list[Any] = [value]
     else:
         gathered = all_gather((value, status) if group.distributed else (None, status), group,
                               what=what)
-        failed = [(r, s) for r, (_, s) in enumerate(gathered) if s is not None]
+        statuses = [s for _, s in gathered]
         values = [v for v, _ in gathered] if group.distributed else [value]
-    if not failed:
-        return value, values
-    if on_failure is not None:
+    if on_failure is not None and any(s is not None for s in statuses):
         on_failure()
-    if error is not None:
-        raise error
-    bad_rank, remote = failed[0]
-    add_note(remote, f"pyckpt: {what} failed on rank {bad_rank}")
-    raise remote
+    raise_first(statuses, error, what)
+    return value, values
