@@ -16,6 +16,7 @@ from pyckpt import _format
 from pyckpt._collective import agree
 from pyckpt._manager.base import ManagerBase
 from pyckpt._manager.info import RestoreInfo
+from pyckpt._partition import largest_first
 from pyckpt._tier_io import DAMAGED_SUFFIX, StepView
 from pyckpt.api import _single_process_quiet, _typed_errors, load_planner
 from pyckpt.errors import (
@@ -245,13 +246,9 @@ class Restoring(ManagerBase):
         tier = self.tier
         self._prepare_dirs(step, save_id)
         missing = {n: s for n, s in files.items() if n not in held}
-        loads = [0] * g.world
-        mine = []
-        for name in sorted(missing, key=lambda n: (-missing[n], n)):
-            r = min(range(g.world), key=lambda i: (loads[i], i))
-            loads[r] += missing[name]
-            if r == g.rank:
-                mine.append(name)
+        names = sorted(missing, key=lambda n: (-missing[n], n))
+        fetchers = largest_first([missing[n] for n in names], g.world)
+        mine = [n for n, r in zip(names, fetchers) if r == g.rank]
 
         def fetch() -> int:
             total = 0
