@@ -30,7 +30,7 @@ from typing import Any
 
 from pyckpt import _C, _format
 from pyckpt._format import METADATA_FILE
-from pyckpt._paths import TEMP_MARKER
+from pyckpt._paths import TEMP_MARKER, regular_files
 from pyckpt.errors import CheckpointFormatError
 
 __all__ = ["metadata_file", "is_metadata_file", "set_up", "Part", "read_index", "fallback",
@@ -131,15 +131,7 @@ class Part:
 
     def list_names(self) -> dict[str, int]:
         """The directory's regular files, with sizes."""
-        out = {}
-        with os.scandir(self.location) as it:
-            for e in it:
-                try:  # another rank may remove its own files meanwhile
-                    if e.is_file(follow_symlinks=False):
-                        out[e.name] = e.stat(follow_symlinks=False).st_size
-                except FileNotFoundError:
-                    pass
-        return out
+        return regular_files(self.location)
 
     def delete(self, names: Iterable[str]) -> None:
         """Removes ``names`` (missing ones are skipped), ``pyckpt.json`` first: it may name
