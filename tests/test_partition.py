@@ -6,7 +6,7 @@ import pytest
 from hypothesis import example, given
 from hypothesis import strategies as st
 
-from pyckpt._partition import WHOLE_FILE_SLACK, largest_first, partition
+from pyckpt._partition import WHOLE_FILE_SLACK, largest_first, name_shares, partition
 
 ITEMS = st.sampled_from([1, 2, 4, 8])
 TENSOR = st.tuples(st.integers(0, 5000), ITEMS).map(lambda t: (t[0] * t[1], t[1]))
@@ -117,3 +117,13 @@ def test_largest_first_is_the_least_loaded_loop(sizes, bins, data):
         min_size=len(sizes), max_size=len(sizes)))
     assert largest_first(sizes, bins, loads=loads, allowed=allowed) == _least_loaded_loop(
         sizes, bins, loads, allowed)
+
+
+def test_name_shares_pinned():
+    """Names largest first (ties by name), each to the least loaded allowed bin: the upload and
+    fetch shares of the manager and the staging shares of a consolidation."""
+    sizes = {"e": 1, "d": 3, "c": 3, "b": 4, "a": 5}
+    assert name_shares(sizes, 2) == [["a", "d"], ["b", "c", "e"]]
+    assert name_shares({"x": 2, "y": 2, "z": 9}, 3,
+                       allowed=lambda n: [2] if n == "z" else [1, 2]) == [[], ["x", "y"], ["z"]]
+    assert name_shares({}, 2) == [[], []]

@@ -16,7 +16,7 @@ from pyckpt import _format
 from pyckpt._collective import agree
 from pyckpt._manager.base import ManagerBase
 from pyckpt._manager.info import RestoreInfo
-from pyckpt._partition import largest_first
+from pyckpt._partition import name_shares
 from pyckpt._tier_io import DAMAGED_SUFFIX, StepView
 from pyckpt.api import _single_process_quiet, _typed_errors, load_planner
 from pyckpt.errors import (
@@ -246,9 +246,7 @@ class Restoring(ManagerBase):
         tier = self.tier
         self._prepare_dirs(step, save_id)
         missing = {n: s for n, s in files.items() if n not in held}
-        names = sorted(missing, key=lambda n: (-missing[n], n))
-        fetchers = largest_first([missing[n] for n in names], g.world)
-        mine = [n for n, r in zip(names, fetchers) if r == g.rank]
+        mine = name_shares(missing, g.world)[g.rank]
 
         def fetch() -> int:
             total = 0

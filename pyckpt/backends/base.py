@@ -27,7 +27,7 @@ from typing import Any, NamedTuple, Protocol, TypeVar, runtime_checkable
 from pyckpt import _format, _ranklocal
 from pyckpt._collective import add_note
 from pyckpt._format import METADATA_FILE
-from pyckpt._partition import largest_first
+from pyckpt._partition import name_shares
 from pyckpt._paths import TEMP_MARKER
 
 __all__ = [
@@ -517,8 +517,4 @@ def overlapping_chunks(segments: Sequence[Any], lo: int, hi: int,
 def stage_shares(files: Mapping[str, int], world: int) -> list[list[str]]:
     """Data object names by rank: each object to exactly one rank, balanced by bytes (largest
     first, each to the least loaded rank, ties to the lower rank; deterministic)."""
-    names = sorted(files, key=lambda n: (-files[n], n))
-    shares: list[list[str]] = [[] for _ in range(world)]
-    for name, r in zip(names, largest_first([files[n] for n in names], world)):
-        shares[r].append(name)
-    return shares
+    return name_shares(files, world)
