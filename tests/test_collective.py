@@ -123,3 +123,11 @@ def test_raise_first_prefers_this_ranks_error_then_the_lowest_remote_one() -> No
     assert first.value is remote1
     assert getattr(remote1, "__notes__", []) == ["pyckpt: a step failed on rank 1"]
     assert not getattr(remote2, "__notes__", [])
+
+    # Some ranks' failures by rank (a coordinator's report), in any order: the lowest rank's.
+    remote3, remote5 = RuntimeError("three"), OSError("five")
+    with pytest.raises(RuntimeError) as lowest:
+        _collective.raise_first({5: remote5, 3: remote3}, None, "the commit")
+    assert lowest.value is remote3
+    assert getattr(remote3, "__notes__", []) == ["pyckpt: the commit failed on rank 3"]
+    _collective.raise_first({}, None, "the commit")

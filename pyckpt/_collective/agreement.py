@@ -4,7 +4,7 @@ everywhere."""
 from __future__ import annotations
 
 import pickle
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
 from pyckpt._collective.group import Group
@@ -32,16 +32,17 @@ def add_note(exc: BaseException, text: str) -> None:
         method(text)
 
 
-def raise_first(errors: Sequence[BaseException | None], mine: BaseException | None,
-                what: str) -> None:
+def raise_first(errors: Sequence[BaseException | None] | Mapping[int, BaseException | None],
+                mine: BaseException | None, what: str) -> None:
     """The failure every rank raises after an exchange of outcomes: this rank's own ``mine``
-    when it has one, else the lowest rank's entry of ``errors`` (every rank's failure, or None,
-    by group rank; as sent, so :func:`portable`), with a note naming that rank and ``what``.
-    Returns when no rank failed.
+    when it has one, else the failure of the lowest failing rank in ``errors`` (by group rank:
+    a list of every rank's failure or None, or a mapping of some ranks to theirs; as sent, so
+    :func:`portable`), with a note naming that rank and ``what``. Returns when no rank failed.
     """
     if mine is not None:
         raise mine
-    for rank, remote in enumerate(errors):
+    by_rank = sorted(errors.items()) if isinstance(errors, Mapping) else enumerate(errors)
+    for rank, remote in by_rank:
         if remote is not None:
             add_note(remote, f"pyckpt: {what} failed on rank {rank}")
             raise remote
@@ -99,14 +100,14 @@ def agree(
     status = None if error is None else portable(error)
     if ranks == "root":
         value, status = broadcast((value, status), group, src=root, what=what)
-        statuses: list[BaseException | None] = [None] * root + [status]  # by rank
+        statuses: dict[int, BaseException | None] = {root: status}  # by rank
         values: list[Any] = [value]
     else:
         gathered = all_gather((value, status) if group.distributed else (None, status), group,
                               what=what)
-        statuses = [s for _, s in gathered]
+        statuses = {r: s for r, (_, s) in enumerate(gathered)}
         values = [v for v, _ in gathered] if group.distributed else [value]
-    if on_failure is not None and any(s is not None for s in statuses):
+    if on_failure is not None and any(s is not None for s in statuses.values()):
         on_failure()
     raise_first(statuses, error, what)
     return value, values
