@@ -40,6 +40,8 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.multiprocessing as mp
 
+from pyckpt._format import CODECS
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
@@ -131,7 +133,7 @@ def main() -> None:
     ap.add_argument("--size-mib", type=float, default=None)
     ap.add_argument("--world", type=int, default=4)
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--compression", default="zstd", choices=["zstd", "none"])
+    ap.add_argument("--compression", default="zstd", choices=CODECS)
     ap.add_argument("--s3", action="store_true", help="load from a local SeaweedFS")
     ap.add_argument("--dir", default=None, help="where to save (default: a temp dir)")
     ap.add_argument("--json", default=None)

@@ -34,6 +34,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from _consolidate_data import nbytes, scale, state_dict, write_pyckpt
 
+from pyckpt._format import CODECS
+
 
 def _worker(rank: int, world: int, port: int, srcs: list[str], dsts: list[str], local: bool,
             batch: int, mfb: int, out: str) -> None:
@@ -114,7 +116,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--world", type=int, default=2)
     ap.add_argument("--dim", type=int, default=0)
-    ap.add_argument("--compression", default="zstd", choices=("zstd", "none"))
+    ap.add_argument("--compression", default="zstd", choices=CODECS)
     ap.add_argument("--batch-mib", type=float, default=64)
     ap.add_argument("--dir", default=None, help="work directory (default: a temp dir)")
     args = ap.parse_args()

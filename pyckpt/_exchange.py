@@ -29,11 +29,11 @@ from typing import Any
 from pyckpt import _C, _format
 from pyckpt._collective import (
     Group,
-    add_note,
     all_gather,
     all_to_all_single,
     broadcast,
     portable,
+    raise_first,
 )
 from pyckpt.backends.base import ReadRequest, overlapping_chunks, stored_len
 
@@ -111,12 +111,7 @@ def discover(root: str, group: Group) -> tuple[_format.CheckpointIndex, PeerFile
     mine = (None if index is None else index.save_id, present,
             None if error is None else portable(error))
     gathered = all_gather(mine, group, what="reading the node-local metadata")
-    if error is not None:
-        raise error
-    for r, (_, _, remote) in enumerate(gathered):
-        if remote is not None:
-            add_note(remote, f"pyckpt: reading the node-local metadata failed on rank {r}")
-            raise remote
+    raise_first([e for _, _, e in gathered], error, "reading the node-local metadata")
     save_ids = {r: sid for r, (sid, _, _) in enumerate(gathered) if sid is not None}
     if not save_ids:
         raise FileNotFoundError(
@@ -217,7 +212,7 @@ class Exchange:
         wire = [(self.owner_of(n), *n) for n in needs]
         gathered = all_gather((wire, done, None if error is None else portable(error)), group,
                               what="a node-local transfer")
-        self._raise_first(gathered, me, error, "a node-local transfer")
+        self._raise_first(gathered, error, "a node-local transfer")
         all_done = all(d for _, d, _ in gathered)
         if all(not w for w, _, _ in gathered):
             return {}, [], all_done
@@ -256,7 +251,7 @@ class Exchange:
             read_error = e
         statuses = all_gather((None, True, None if read_error is None else portable(read_error)),
                               group, what="a node-local transfer")
-        self._raise_first(statuses, me, read_error, "reading chunks for a peer")
+        self._raise_first(statuses, read_error, "reading chunks for a peer")
 
         # Receiver side: what each owner sends, in the order asked.
         recv_sizes = [0] * group.world
@@ -290,10 +285,12 @@ class Exchange:
         """As ``_C.read_stored`` (files in this rank's directory)."""
         return _C.read_stored(requests, self.pool)
 
-    def _raise_first(self, gathered: list[tuple[Any, bool, BaseException | None]], me: int,
+    def _raise_first(self, gathered: list[tuple[Any, bool, BaseException | None]],
                      mine: BaseException | None, what: str) -> None:
+        """:func:`~pyckpt._collective.raise_first` over a round's outcomes; a failure ends
+        the exchange (:meth:`finish` then returns at once)."""
         try:
-            _raise_first(gathered, me, mine, what)
+            raise_first([e for _, _, e in gathered], mine, what)
         except BaseException:
             self._failed = True
             raise
@@ -302,20 +299,6 @@ class Exchange:
 def peer_source(owner: int) -> str:
     """Name of the in-memory source holding the bytes received from ``owner`` in a round."""
     return f"<chunks from rank {owner}>"
-
-
-def _raise_first(
-    gathered: list[tuple[Any, bool, BaseException | None]],
-    me: int,
-    mine: BaseException | None,
-    what: str,
-) -> None:
-    if mine is not None:
-        raise mine
-    for r, (_, _, err) in enumerate(gathered):
-        if err is not None and r != me:
-            add_note(err, f"pyckpt: {what} failed on rank {r}")
-            raise err
 
 
 def read_requests(

@@ -41,6 +41,9 @@ from pyckpt._format_read import (  # noqa: F401 (_open_metadata, _parse)
 )
 from pyckpt._format_schema import _Validator  # noqa: F401 (subclassed by other backends)
 from pyckpt._format_spec import (
+    CODEC_NONE,
+    CODEC_ZSTD,
+    CODECS,
     DTYPE_SIZES,
     FORMAT_NAME,
     FORMAT_VERSION,
@@ -58,6 +61,7 @@ from pyckpt._format_spec import (
     MEMORY_FORMATS,
     METADATA_FILE,
     PLACE_BOUND_VERSION,
+    RAW_CODEC_PARAMS,
     RAW_THRESHOLD,
     READABLE_VERSIONS,
     CheckpointIndex,
@@ -106,6 +110,10 @@ __all__ = [
     "StoredBytes",
     "CheckpointIndex",
     "RAW_THRESHOLD",
+    "CODEC_NONE",
+    "CODEC_ZSTD",
+    "CODECS",
+    "RAW_CODEC_PARAMS",
     "codec_params_for",
     "codec_params_json",
     "chunk_place_seed",

@@ -44,6 +44,8 @@ from pyckpt._format_spec import (
     _TRANSFORM_CODES,
     _ZSTD_LEVELS,
     _ZSTD_MAX_RATIO,
+    CODEC_NONE,
+    CODEC_ZSTD,
     DTYPE_SIZES,
     MAX_CHUNK_BYTES,
     MAX_CHUNKS,
@@ -57,6 +59,7 @@ from pyckpt._format_spec import (
     MAX_SEGMENTS,
     MEMORY_FORMATS,
     PLACE_BOUND_VERSION,
+    RAW_CODEC_PARAMS,
     CheckpointIndex,
     StoredBytes,
     StoredPiece,
@@ -379,12 +382,12 @@ class _Validator:
         if len(params) != 4:
             raise self.fail(path, "must be [codec, level, elem_size, transform]")
         codec, level, elem_size, transform = params
-        if codec == "none" and type(codec) is str:
-            if params != ["none", 0, 1, "none"] or type(level) is not int or type(
+        if codec == CODEC_NONE and type(codec) is str:
+            if params != list(RAW_CODEC_PARAMS) or type(level) is not int or type(
                     elem_size) is not int:
-                raise self.fail(path, f"codec 'none' is stored as [\"none\", 0, 1, \"none\"], "
+                raise self.fail(path, f"codec 'none' is stored as {json.dumps(RAW_CODEC_PARAMS)}, "
                                       f"got {params}")
-        elif codec == "zstd" and type(codec) is str:
+        elif codec == CODEC_ZSTD and type(codec) is str:
             self.int_(level, f"{path}[1]", *_ZSTD_LEVELS)
             if type(transform) is not str or transform not in _TRANSFORM_CODES:
                 raise self.fail(f"{path}[3]", f"unknown transform {_describe(transform)}")
@@ -449,7 +452,7 @@ class _Validator:
             info = self.param_info[id(params)] = (params, params.codec, params.elem_size,
                                                   params.transform)
         _, codec, E, transform = info
-        group_code = _TRANSFORM_CODES[transform] if codec == "zstd" and E > 1 else 0
+        group_code = _TRANSFORM_CODES[transform] if codec == CODEC_ZSTD and E > 1 else 0
         total = 0
         for j, c in enumerate(chunks):
             if type(c) is not tuple:  # the parser compacts every well-formed record
@@ -486,7 +489,7 @@ class _Validator:
                 if mode == 0:
                     ok = length == n
                 elif mode == 1:
-                    ok = codec == "zstd" and 0 < length < n and n <= length * _ZSTD_MAX_RATIO
+                    ok = codec == CODEC_ZSTD and 0 < length < n and n <= length * _ZSTD_MAX_RATIO
                 else:
                     ok = False
                 if not ok:

@@ -84,6 +84,19 @@ DTYPE_SIZES: dict[str, int] = {
 
 MEMORY_FORMATS = ("contiguous_format", "channels_last", "channels_last_3d", "preserve_format")
 
+# ----------------------------------------------------------------------------------------------
+# Codecs (docs/FORMAT.md): the one table of their names. A segment's codec is one of CODECS,
+# which are also the values of the writers' ``compression=`` option and of the CLI's
+# ``--compression`` (None meaning CODEC_NONE); a zstd segment's transform is a key of
+# _TRANSFORM_CODES (the code its chunk records store).
+
+CODEC_NONE = "none"  # raw bytes
+CODEC_ZSTD = "zstd"  # a zstd frame per byte plane of a chunk
+CODECS = (CODEC_NONE, CODEC_ZSTD)
+#: How a segment of codec "none" is stored: ``[codec, level, elem_size, transform]``.
+RAW_CODEC_PARAMS = (CODEC_NONE, 0, 1, "none")
+_TRANSFORM_CODES = {"none": 0, "group": 1, "group_rotl1": 2}
+
 # Byte grouping per dtype: (planes, transform). Rotating left by one bit before grouping puts the
 # whole exponent of bf16/fp32 (and of each fp32 half of complex64) in one byte plane.
 _GROUPING: dict[str, tuple[int, str]] = {
@@ -102,7 +115,6 @@ _GROUPING: dict[str, tuple[int, str]] = {
     "uint16": (2, "group"),
 }
 
-_TRANSFORM_CODES = {"none": 0, "group": 1, "group_rotl1": 2}
 _BYTES_DTYPE = "uint8"  # BYTE_IO items are encoded as bytes
 
 # Exactly the names the writer produces: ranks and file numbers without leading zeros, a save id
@@ -183,7 +195,7 @@ def codec_params_for(
 
     Args:
         dtype_name: torch dtype name (key of :data:`DTYPE_SIZES`), or ``"bytes"``.
-        compression: ``None``/``"none"`` or ``"zstd"`` (checked by the writer).
+        compression: ``None`` or one of :data:`CODECS` (checked by the writer).
         level: zstd level.
         byte_grouping: group bytes by element (and rotate bf16/fp32) before compressing.
         raw_threshold: store a plane compressed only below this fraction of its raw size.
@@ -195,10 +207,10 @@ def codec_params_for(
         ValueError: ``level`` or ``raw_threshold`` out of range (from ``_C.CodecParams``, the
             one place codec params are checked).
     """
-    if compression in (None, "none"):
-        return _C.CodecParams("none", 0, 1, "none", raw_threshold)
+    if compression in (None, CODEC_NONE):
+        return _C.CodecParams(*RAW_CODEC_PARAMS, raw_threshold)
     planes, transform = _GROUPING.get(dtype_name, (1, "none")) if byte_grouping else (1, "none")
-    return _C.CodecParams("zstd", level, planes, transform, raw_threshold)
+    return _C.CodecParams(CODEC_ZSTD, level, planes, transform, raw_threshold)
 
 
 def codec_params_json(params: CodecParams) -> list[Any]:

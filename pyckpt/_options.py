@@ -10,6 +10,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from pyckpt._format import CODEC_NONE, CODECS
+
 __all__ = ["canonical", "choice", "compression", "direct_io"]
 
 
@@ -54,9 +56,10 @@ def choice(name: str, value: Any, accepted: Sequence[str], *, none_ok: bool = Fa
 
 
 def compression(value: Any) -> str | None:
-    """The ``compression`` option of a writer: ``None`` (or ``"none"``) for raw, ``"zstd"``."""
-    key = choice("compression", value, ("none", "zstd"), none_ok=True)
-    return None if key == "none" else key
+    """The ``compression`` option of a writer: ``None`` (or ``"none"``) for raw, or another of
+    the format's codecs (``"zstd"``); returns None or that codec."""
+    key = choice("compression", value, CODECS, none_ok=True)
+    return None if key == CODEC_NONE else key
 
 
 def direct_io(value: Any) -> str | None:

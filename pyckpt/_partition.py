@@ -15,9 +15,9 @@ imbalance is at most one element per cut.
 from __future__ import annotations
 
 import heapq
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 
-__all__ = ["WHOLE_FILE_SLACK", "partition"]
+__all__ = ["WHOLE_FILE_SLACK", "largest_first", "name_shares", "partition"]
 
 #: Accept a whole-file assignment when the most loaded rank is within this factor of the mean.
 WHOLE_FILE_SLACK = 1.05
@@ -70,6 +70,23 @@ def largest_first(
         load, r = heapq.heappop(heap)
         out.append(r)
         heapq.heappush(heap, (load + size, r))
+    return out
+
+
+def name_shares(sizes: Mapping[str, int], bins: int, *,
+                allowed: Callable[[str], Sequence[int]] | None = None) -> list[list[str]]:
+    """The names of ``sizes`` by bin, balanced by size: largest first (ties by name), each to
+    the least loaded bin (:func:`largest_first`); deterministic.
+
+    Args:
+        allowed: per name, the bins it may go to (default any).
+    """
+    names = sorted(sizes, key=lambda n: (-sizes[n], n))
+    bins_of = largest_first([sizes[n] for n in names], bins,
+                            allowed=None if allowed is None else [allowed(n) for n in names])
+    out: list[list[str]] = [[] for _ in range(bins)]
+    for name, b in zip(names, bins_of):
+        out[b].append(name)
     return out
 
 

@@ -11,10 +11,11 @@ import errno
 import os
 import shutil
 import threading
+from collections.abc import Callable
 from typing import Any
 
 __all__ = ["LOCK_FILE", "TEMP_MARKER", "copy_atomic", "fsync_dir", "fsync_file", "make_dir", "temp_name",
-           "write_atomic"]
+           "write_atomic", "regular_files"]
 
 # The lock file a directory's save holds from set-up to commit (the POSIX backend).
 LOCK_FILE = ".pyckpt.lock"
@@ -54,6 +55,23 @@ def make_dir(path: str, what: str = "a pyckpt checkpoint") -> None:
         else:
             msg = f"cannot create the directory for {what}: {blocker} is a file, not a directory"
         raise NotADirectoryError(errno.ENOTDIR, msg, path) from None
+
+
+def regular_files(directory: str, wanted: Callable[[str], bool] | None = None) -> dict[str, int]:
+    """The regular files of ``directory`` (no symbolic links) whose name ``wanted`` accepts
+    (default: all), with their sizes. A file removed meanwhile (by another rank of the node) is
+    left out."""
+    out = {}
+    with os.scandir(directory) as it:
+        for e in it:
+            if wanted is not None and not wanted(e.name):
+                continue
+            try:
+                if e.is_file(follow_symlinks=False):
+                    out[e.name] = e.stat(follow_symlinks=False).st_size
+            except FileNotFoundError:
+                pass
+    return out
 
 
 def temp_name(path: str) -> str:

@@ -11,11 +11,12 @@ collectives). pyckpt does the same with ``pyckpt.rank<r>.json``: the same docume
 * every data file it names was written by rank ``r`` (``<r>-<k>.<save_id>.pyckpt``);
 * the pieces of a tensor need not tile it (a rank holds only its shards); they must not overlap.
 
-Each rank commits on its own (data, fsync, then its metadata atomically), then removes the
-directory's ``pyckpt.json`` (a collective checkpoint this save replaces) and its own data files
-of earlier saves; it never touches another rank's files. There is no point at which every rank
-has committed, so while a rank-local save runs a load may find some ranks' new parts and other
-ranks' previous ones (each part is whole, with its own save id), exactly as with DCP.
+Each rank commits on its own (data, fsync, then its metadata atomically: the backends' commit
+rule on :class:`Part`), then removes the directory's ``pyckpt.json`` (a collective checkpoint
+this save replaces) and its own data files of earlier saves; it never touches another rank's
+files. There is no point at which every rank has committed, so while a rank-local save runs a
+load may find some ranks' new parts and other ranks' previous ones (each part is whole, with its
+own save id), exactly as with DCP.
 """
 
 from __future__ import annotations
@@ -24,13 +25,15 @@ import errno
 import math
 import os
 import re
+from collections.abc import Container, Iterable
 from typing import Any
 
 from pyckpt import _C, _format
 from pyckpt._format import METADATA_FILE
+from pyckpt._paths import TEMP_MARKER, regular_files
 from pyckpt.errors import CheckpointFormatError
 
-__all__ = ["metadata_file", "is_metadata_file", "set_up", "commit", "read_index", "fallback",
+__all__ = ["metadata_file", "is_metadata_file", "set_up", "Part", "read_index", "fallback",
            "check_coverage"]
 
 _NAME_RE = re.compile(r"pyckpt\.rank(0|[1-9][0-9]{0,9})\.json", re.ASCII)
@@ -91,45 +94,64 @@ def _holds(path: str, content: bytes) -> bool:
         return False
 
 
-def _remove(path: str, names: Any) -> None:
-    for name in names:
-        try:
-            os.unlink(os.path.join(path, name))
-        except FileNotFoundError:
-            pass
+class Part:
+    """Rank ``rank``'s part of a rank-local save into directory ``path``, as the backends' one
+    commit rule (:func:`pyckpt.backends.base.commit_save`) sees a place.
 
-
-def commit(path: str, rank: int, files: dict[str, int], encoded: bytes, fsync: bool) -> None:
-    """Commits rank ``rank``'s part of a rank-local save whose data files ``files`` are durable.
-
-    Writes ``pyckpt.rank<rank>.json`` atomically (temp + fsync + rename), then removes
-    ``pyckpt.json`` (the collective checkpoint this save replaces: it would otherwise be loaded
-    first) and the rank's own data and temp files of other saves. If the metadata cannot be
-    written, this save's data files are removed and the error propagates; the rank's previous
-    part stays loadable.
+    Its metadata is ``pyckpt.rank<rank>.json``, written unconditionally and atomically (temp +
+    fsync + rename): it replaces no other rank's part, so there is no condition to check. What
+    its commit makes stale (:meth:`is_stale`, removed by the rule's clean-up) is the
+    directory's ``pyckpt.json`` (the collective checkpoint this save replaces: it would
+    otherwise be loaded first) and the rank's own data and temp files of other saves; another
+    rank's files are never touched. A metadata write that fails leaves the rank's previous part
+    loadable.
     """
-    meta = os.path.join(path, metadata_file(rank))
-    try:
-        with _C.FileWriter(meta, "off", fsync) as fw:
+
+    def __init__(self, path: str, rank: int, fsync: bool) -> None:
+        self.location = path
+        self.rank = rank
+        self.fsync = fsync
+
+    def with_deadline(self, seconds: float) -> Part:
+        return self  # a local directory: no request waits on a remote store
+
+    def put_metadata(self, encoded: bytes, state: Any) -> None:
+        with _C.FileWriter(self.url_of(METADATA_FILE), "off", self.fsync) as fw:
             fw.append(encoded)
             fw.commit()
-    except BaseException:
-        if not _holds(meta, encoded):  # renamed into place before failing: committed
-            _remove(path, files)
-        raise
-    _remove(path, [METADATA_FILE])
-    prefix = f"{rank}-"
-    stale = []
-    for name in os.listdir(path):
+
+    def metadata_is(self, encoded: bytes) -> bool:
+        return _holds(self.url_of(METADATA_FILE), encoded)
+
+    def url_of(self, name: str) -> str:
+        """The path of ``name``; the part's metadata (``pyckpt.json`` to the commit rule) is
+        ``pyckpt.rank<rank>.json``."""
+        return os.path.join(self.location,
+                            metadata_file(self.rank) if name == METADATA_FILE else name)
+
+    def list_names(self) -> dict[str, int]:
+        """The directory's regular files, with sizes."""
+        return regular_files(self.location)
+
+    def delete(self, names: Iterable[str]) -> None:
+        """Removes ``names`` (missing ones are skipped), ``pyckpt.json`` first: it may name
+        this rank's data files of an earlier save."""
+        for name in sorted(names, key=lambda n: n != METADATA_FILE):
+            try:
+                os.unlink(os.path.join(self.location, name))
+            except FileNotFoundError:
+                pass
+
+    def is_stale(self, name: str, keep: Container[str]) -> bool:
+        """Whether this part's commit removes ``name``: ``pyckpt.json``, a data file of this
+        rank not in ``keep``, or a temp file of this rank's metadata or data files."""
+        if name == METADATA_FILE:
+            return True
         if _format.is_data_file(name):
-            if _format.data_file_rank(name) == rank and name not in files:
-                stale.append(name)
-        elif ".tmp-" in name:
-            base = name.split(".tmp-")[0]
-            if base == metadata_file(rank) or (base.startswith(prefix) and
-                                               _format.is_data_file(base)):
-                stale.append(name)
-    _remove(path, stale)
+            return _format.data_file_rank(name) == self.rank and name not in keep
+        base, marker, _ = name.partition(TEMP_MARKER)
+        return bool(marker) and (base == metadata_file(self.rank) or (
+            _format.is_data_file(base) and _format.data_file_rank(base) == self.rank))
 
 
 class _Validator(_format._Validator):

@@ -16,6 +16,7 @@ next collective, and nothing of a failed replication is left under a final name.
 
 from __future__ import annotations
 
+import functools
 import mmap
 import os
 from collections.abc import Sequence
@@ -23,7 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pyckpt import _C
-from pyckpt._collective import Group, add_note, agree, all_gather, portable
+from pyckpt._collective import Group, agree
 from pyckpt._tier_io import LocalTier, ReplicaFile
 
 __all__ = ["node_order", "ring_targets", "Transfer", "plan_transfers", "replicate", "Stats"]
@@ -98,15 +99,6 @@ def plan_transfers(own_files: Sequence[tuple[str, str]], node_of_rank: Sequence[
     return out
 
 
-def _raise_first(gathered: Sequence[Any], me: int, mine: BaseException | None, what: str) -> None:
-    if mine is not None:
-        raise mine
-    for r, err in enumerate(gathered):
-        if err is not None:
-            add_note(err, f"pyckpt: {what} failed on rank {r}")
-            raise err
-
-
 def _named(e: OSError, path: str, step: int, node: str, src: int) -> OSError:
     """``e`` (its errno, so its type) naming the replica file, the step, the node and the
     sender: a full disk while receiving a replica says where."""
@@ -128,6 +120,37 @@ def _window(stream: Sequence[Transfer], lo: int, hi: int) -> list[tuple[Transfer
     return out
 
 
+def _read_pieces(send: Any, pieces: Sequence[tuple[Transfer, int, int]],
+                 paths: dict[str, str]) -> None:
+    """Reads a round's ``pieces`` of this rank's files into the send buffer, back to back."""
+    buf = send.numpy()
+    pos = 0
+    for t, off, n in pieces:
+        with open(paths[t.name], "rb") as fh:
+            got = os.preadv(fh.fileno(), [memoryview(buf[pos:pos + n])], off)
+        if got != n:
+            raise OSError(f"{paths[t.name]}: short read ({got} of {n} bytes at {off})")
+        pos += n
+
+
+def _write_pieces(recv: Any, recv_pieces: Sequence[tuple[int, Sequence[tuple[Transfer, int, int]]]],
+                  files: dict[tuple[int, str], ReplicaFile], me: int, step: int,
+                  node: str) -> None:
+    """Writes what a round received (the receive buffer, in sender order) into the replica
+    files of this rank."""
+    rbuf = recv.numpy()
+    pos = 0
+    for src, pieces in recv_pieces:
+        for t, off, n in pieces:
+            if t.dst == me:
+                f = files[(src, t.name)]
+                try:
+                    f.write_at(off, rbuf[pos:pos + n])
+                except OSError as e:
+                    raise _named(e, f.path, step, node, src) from e
+                pos += n
+
+
 def replicate(group: Group, tier: LocalTier, step: int, own_files: Sequence[tuple[str, str]],
               node_of_rank: Sequence[str], replicas: int, window: int = DEFAULT_WINDOW) -> Stats:
     """Sends this rank's ``own_files`` to its partners and receives the files sent to it.
@@ -143,17 +166,10 @@ def replicate(group: Group, tier: LocalTier, step: int, own_files: Sequence[tupl
     if replicas == 0 or not group.distributed:
         return stats
     me = group.rank
-    plan: list[Transfer] = []
-    error: BaseException | None = None
-    try:
-        plan = plan_transfers(own_files, node_of_rank, me, replicas)
-    except Exception as e:
-        error = e
-    gathered = all_gather((plan, None if error is None else portable(error)), group)
-    _raise_first([None if r == me else e for r, (_, e) in enumerate(gathered)], me, error,
-                 "planning the replication")
+    _, plans = agree(lambda: plan_transfers(own_files, node_of_rank, me, replicas), group,
+                     what="planning the replication")
     # Each sender's stream, grouped by destination (the order all_to_all_single wants).
-    streams = [sorted(p, key=lambda t: t.dst) for p, _ in gathered]
+    streams = [sorted(p, key=lambda t: t.dst) for p in plans]
     incoming = [t for s in streams for t in s if t.dst == me]
     rounds = max((sum(t.size for t in s) for s in streams), default=0)
     rounds = -(-rounds // window) if rounds else 0
@@ -161,19 +177,15 @@ def replicate(group: Group, tier: LocalTier, step: int, own_files: Sequence[tupl
     files: dict[tuple[int, str], ReplicaFile] = {}
     node = node_of_rank[me]
     try:
-        error = None
-        try:
+        def open_replicas() -> None:
             for t in incoming:
                 try:
                     files[(t.src, t.name)] = tier.open_replica(step, t.name, t.size)
                 except OSError as e:
                     raise _named(e, os.path.join(tier.step_dir(step), t.name), step, node,
                                  t.src) from e
-        except Exception as e:
-            error = e
-        statuses = all_gather(None if error is None else portable(error), group)
-        _raise_first([None if r == me else s for r, s in enumerate(statuses)], me, error,
-                     "creating replica files")
+
+        agree(open_replicas, group, what="creating replica files")
         for k in range(rounds):
             lo, hi = k * window, (k + 1) * window
             send_pieces = _window(streams[me], lo, hi)
@@ -181,21 +193,8 @@ def replicate(group: Group, tier: LocalTier, step: int, own_files: Sequence[tupl
             for t, _, n in send_pieces:
                 send_sizes[t.dst] += n
             send = torch.empty(sum(send_sizes), dtype=torch.uint8)
-            error = None
-            try:
-                buf = send.numpy()
-                pos = 0
-                for t, off, n in send_pieces:
-                    with open(paths[t.name], "rb") as fh:
-                        got = os.preadv(fh.fileno(), [memoryview(buf[pos:pos + n])], off)  # type: ignore[arg-type]
-                    if got != n:
-                        raise OSError(f"{paths[t.name]}: short read ({got} of {n} bytes at {off})")
-                    pos += n
-            except Exception as e:
-                error = e
-            statuses = all_gather(None if error is None else portable(error), group)
-            _raise_first([None if r == me else s for r, s in enumerate(statuses)], me, error,
-                         "reading files to replicate")
+            agree(functools.partial(_read_pieces, send, send_pieces, paths), group,
+                  what="reading files to replicate")
             recv_pieces = [(src, _window(streams[src], lo, hi)) for src in range(group.world)]
             recv_sizes = [sum(n for t, _, n in pieces if t.dst == me) for _, pieces in recv_pieces]
             recv = torch.empty(sum(recv_sizes), dtype=torch.uint8)
@@ -203,24 +202,8 @@ def replicate(group: Group, tier: LocalTier, step: int, own_files: Sequence[tupl
             stats.rounds += 1
             stats.bytes_sent += sum(send_sizes)
             stats.bytes_received += sum(recv_sizes)
-            error = None
-            try:
-                rbuf = recv.numpy()
-                pos = 0
-                for src, pieces in recv_pieces:
-                    for t, off, n in pieces:
-                        if t.dst == me:
-                            f = files[(src, t.name)]
-                            try:
-                                f.write_at(off, rbuf[pos:pos + n])
-                            except OSError as e:
-                                raise _named(e, f.path, step, node, src) from e
-                            pos += n
-            except Exception as e:
-                error = e
-            statuses = all_gather(None if error is None else portable(error), group)
-            _raise_first([None if r == me else s for r, s in enumerate(statuses)], me, error,
-                         "writing received replicas")
+            agree(functools.partial(_write_pieces, recv, recv_pieces, files, me, step, node),
+                  group, what="writing received replicas")
 
         def check_and_commit() -> None:
             for t in incoming:

@@ -40,7 +40,7 @@ from typing import Any, TypeVar
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 
-from pyckpt._collective import Group, add_note, portable
+from pyckpt._collective import Group, portable, raise_first
 from pyckpt._collective.transport import broadcast, gather, scatter
 
 __all__ = ["save", "stats", "clear_cache"]
@@ -123,17 +123,6 @@ def _attempt(fn: Callable[[], T]) -> tuple[T | None, BaseException | None]:
         return None, e
 
 
-def _raise_first(mine: BaseException | None, failed: list[tuple[int, BaseException]],
-                 what: str) -> None:
-    """Raises this rank's own failure, else the lowest failing rank's (with a note)."""
-    if mine is not None:
-        raise mine
-    if failed:
-        rank, remote = min(failed, key=lambda f: f[0])
-        add_note(remote, f"pyckpt: {what} failed on rank {rank}")
-        raise remote
-
-
 def save(state_dict: dict[str, Any], writer: Any, planner: SavePlanner, group: Group,
          destination: tuple[Any, ...] = ()) -> Metadata:
     """Saves ``state_dict`` with ``writer`` (a :class:`pyckpt.Writer`) and ``planner`` on
@@ -184,7 +173,7 @@ def save(state_dict: dict[str, Any], writer: Any, planner: SavePlanner, group: G
                        else ("failed", [(0, portable(error))]))
     outcome = broadcast(outcome, group, what="the save's commit", inline=_DECISION_INLINE)
     if outcome[0] == "failed":
-        _raise_first(error, outcome[1], "the save")
+        raise_first(dict(outcome[1]), error, "the save")
     metadata.storage_data = outcome[1]
     return metadata
 
@@ -272,7 +261,7 @@ def _plan(cache: dict[tuple[Any, ...], _Plans] | None, key: tuple[Any, ...],
                 replies = [("plan", p, generation, c) for p, c in zip(all_plans, classes)]
     reply = scatter(replies, group, what="the save's planning")
     if reply[0] == "failed":
-        _raise_first(error if error is not None else own, reply[1], "the save's planning")
+        raise_first(dict(reply[1]), error if error is not None else own, "the save's planning")
     _, central, generation, replica_class = reply
     # Every rank returns the metadata, as dcp.save does (the first save of a structure only:
     # later ones return the cached copy).

@@ -59,7 +59,7 @@ class Encoding:
     @property
     def compresses(self) -> bool:
         """Whether stored sizes differ from raw sizes."""
-        return self.compression not in (None, "none")
+        return self.compression not in (None, _format.CODEC_NONE)
 
     def params(self, dtype_name: str) -> CodecParams:
         """The codec params of a tensor of ``dtype_name`` (a key of ``DTYPE_SIZES``)."""

@@ -308,8 +308,7 @@ def _cmd_convert(args: argparse.Namespace) -> int:
     _input_dir(args.src)
     from pyckpt import tools
 
-    compression = None if args.compression == "none" else args.compression
-    target = tools.convert(args.src, args.dst, to=args.to, compression=compression,
+    target = tools.convert(args.src, args.dst, to=args.to, compression=args.compression,
                            trusted=args.trusted, overwrite=args.overwrite)
     print(f"converted {args.src} -> {args.dst} ({target} format)")
     return 0
@@ -334,6 +333,8 @@ class _HelpFormatter(argparse.HelpFormatter):
 
 
 def _build_parser() -> argparse.ArgumentParser:
+    from pyckpt.tools import CODECS
+
     parser = argparse.ArgumentParser(
         prog="pyckpt", description="pyckpt checkpoint tools: inspect, verify, convert and export "
         "checkpoints saved with pyckpt (and DCP's formats), and compare pyckpt with DCP.",
@@ -431,7 +432,7 @@ def _build_parser() -> argparse.ArgumentParser:
         help="unpickle non-tensor values with torch.load(weights_only=False), which runs any "
         "code a crafted pickle holds: only for checkpoints from a trusted source",
     )
-    p.add_argument("--compression", choices=("zstd", "none"), default="zstd", type=str.lower,
+    p.add_argument("--compression", choices=CODECS, default="zstd", type=str.lower,
                    help="compression of a pyckpt target")
     p.add_argument("--overwrite", action="store_true",
                    help="replace what DST holds (without it, a DST that exists and is not empty "

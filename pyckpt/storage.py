@@ -622,13 +622,14 @@ class Writer(StorageWriter):
             with _gc.paused():  # one piece per rank and tensor at scale (see pyckpt._gc)
                 files, encoded = self._document(metadata, results, save)
             backend = self._backend(save.path)
-            if save.rank is not None:
+            assert save.state is not None
+            if save.rank is not None:  # this rank's part of a rank-local save
                 assert backend.in_place  # checked by _ranklocal.set_up
                 fsync = self.fsync if self.fsync is not None else _knobs.fsync()
-                _ranklocal.commit(backend.location, save.rank, files, encoded, fsync)
+                part = _ranklocal.Part(backend.location, save.rank, fsync)
+                commit_save(part, files, encoded, save.state, stale=part.is_stale)
                 save.finished = True
                 return
-            assert save.state is not None
             commit_save(backend, files, encoded, save.state)
             save.finished = True
             # node-local: every other rank writes its copy (pyckpt.backends.peer)

@@ -13,6 +13,7 @@ from typing import Any
 
 from pyckpt import _format, _knobs, _native, _progress
 from pyckpt._collective import add_note
+from pyckpt._format import CODECS  # the codec names: the CLI's --compression values
 from pyckpt._knobs import worker_bytes  # PYCKPT_WORKER_BYTES, for the CLI's worker count
 from pyckpt._native import apply_native_settings
 from pyckpt._options import choice
@@ -31,6 +32,7 @@ __all__ = [
     "Progress",
     "rate",
     "worker_bytes",
+    "CODECS",
 ]
 
 @dataclass
@@ -282,7 +284,8 @@ def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], *,
             ``s3://`` URL of a pyckpt checkpoint.
         dst: destination directory, or an ``s3://`` URL for ``to="pyckpt"``.
         to: ``"pyckpt"`` or ``"dcp"`` (any case); default: the other format.
-        compression: for ``to="pyckpt"``: ``None`` or ``"zstd"``.
+        compression: for ``to="pyckpt"``: ``None`` or one of :data:`CODECS` (``"none"``,
+            ``"zstd"``; any case), as for :class:`pyckpt.Writer`.
         trusted: unpickle non-tensor values with ``weights_only=False`` (as DCP's
             ``DefaultLoadPlanner`` does); by default ``weights_only=True``, see
             :func:`pyckpt.load`.

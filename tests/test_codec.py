@@ -460,3 +460,18 @@ def test_records_accept_lists() -> None:
     out = bytearray(len(raw))
     _C.decode_chunk(stored, as_list, params, out)
     assert bytes(out) == raw
+
+
+def test_the_formats_codec_table_is_the_native_cores() -> None:
+    """pyckpt._format's codec table (the writer's compression option, the CLI, the metadata
+    schema) names exactly the codecs and transforms the native core encodes."""
+    from pyckpt import _format
+    from pyckpt._format_spec import _TRANSFORM_CODES
+
+    assert _TRANSFORM_CODES == TRANSFORM_ID
+    for codec in _format.CODECS:
+        assert _C.CodecParams(codec).codec == codec
+    with pytest.raises(ValueError):
+        _C.CodecParams("lz4")
+    raw = _C.CodecParams(*_format.RAW_CODEC_PARAMS)
+    assert _format.codec_params_json(raw) == list(_format.RAW_CODEC_PARAMS)

@@ -106,3 +106,28 @@ def test_heartbeat_does_not_keep_a_destroyed_group_alive() -> None:
     (thread,) = beats
     thread.join(liveness.HEARTBEAT_S + 10)  # it notices at its next beat
     assert not thread.is_alive()
+
+
+def test_raise_first_prefers_this_ranks_error_then_the_lowest_remote_one() -> None:
+    """The one rule every exchange of outcomes ends with (agree, the node-local exchange, the
+    metadata discovery): this rank's own failure, else the lowest failing rank's, noted."""
+    _collective.raise_first([None, None, None], None, "a step")  # nobody failed: returns
+
+    mine, remote1, remote2 = OSError("mine"), KeyError("one"), ValueError("two")
+    with pytest.raises(OSError) as own:
+        _collective.raise_first([None, remote1, remote2], mine, "a step")
+    assert own.value is mine and not getattr(mine, "__notes__", [])
+
+    with pytest.raises(KeyError) as first:
+        _collective.raise_first([None, remote1, remote2], None, "a step")
+    assert first.value is remote1
+    assert getattr(remote1, "__notes__", []) == ["pyckpt: a step failed on rank 1"]
+    assert not getattr(remote2, "__notes__", [])
+
+    # Some ranks' failures by rank (a coordinator's report), in any order: the lowest rank's.
+    remote3, remote5 = RuntimeError("three"), OSError("five")
+    with pytest.raises(RuntimeError) as lowest:
+        _collective.raise_first({5: remote5, 3: remote3}, None, "the commit")
+    assert lowest.value is remote3
+    assert getattr(remote3, "__notes__", []) == ["pyckpt: the commit failed on rank 3"]
+    _collective.raise_first({}, None, "the commit")

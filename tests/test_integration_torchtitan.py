@@ -281,3 +281,18 @@ def test_async_with_pinned_mem_on_gpu(tmp_path: Any) -> None:
     for r in results:
         assert r["got"] == r["want"]
         assert "pyckpt.json" in r["files"]
+
+
+def test_the_compression_setting_offers_the_formats_codecs() -> None:
+    """The config's ``compression`` spells out pyckpt's codec table for torchtitan's parser,
+    and its check uses that table: a codec added to the format must be added here."""
+    import typing
+
+    from pyckpt import _format
+    from pyckpt.integrations.torchtitan import PyckptCheckpointManager
+
+    config = PyckptCheckpointManager.Config
+    assert typing.get_args(typing.get_type_hints(config)["compression"]) == _format.CODECS
+    assert config(compression="ZSTD").compression == "zstd"  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"Invalid compression: 'lz4' \(none or zstd\)"):
+        config(compression="lz4")  # type: ignore[arg-type]

@@ -50,8 +50,9 @@ def _fresh_like(sd: dict[str, Any]) -> dict[str, Any]:
 
 
 def _check_load(sd: dict[str, Any], path: str) -> None:
-    import pyckpt
     from torch.distributed.tensor import DTensor
+
+    import pyckpt
 
     dest = _fresh_like(sd)
     pyckpt.load(dest, path)

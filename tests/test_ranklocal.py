@@ -277,6 +277,54 @@ def test_rank_local_and_collective_saves_replace_each_other(tmp_path: Path) -> N
     assert len([n for n in os.listdir(tmp_path) if _format.is_data_file(n)]) == 2
 
 
+# ------------------------------------------------------------------------- commit of a part
+
+_OLD, _NEW = "a" * 12, "b" * 12
+
+
+def _part_dir(path: Path) -> None:
+    for name in ("pyckpt.json", "pyckpt.rank1.json", f"0-0.{_OLD}.pyckpt", f"1-0.{_OLD}.pyckpt",
+                 f"0-0.{_NEW}.pyckpt", "pyckpt.rank0.json.tmp-1-2", f"0-1.{_OLD}.pyckpt.tmp-3-4",
+                 f"1-1.{_OLD}.pyckpt.tmp-5-6", "pyckpt.rank1.json.tmp-7-8",
+                 "pyckpt.json.tmp-9-10", ".pyckpt.lock"):
+        (path / name).write_bytes(b"x")
+
+
+def test_a_part_commits_by_the_backends_rule_and_removes_only_its_own_stale_files(
+    tmp_path: Path,
+) -> None:
+    from pyckpt.backends.base import SaveState, commit_save
+
+    _part_dir(tmp_path)
+    part = _ranklocal.Part(str(tmp_path), 0, fsync=False)
+    commit_save(part, {f"0-0.{_NEW}.pyckpt": 1}, b"rank 0's document", SaveState(False),
+                stale=part.is_stale)
+    assert (tmp_path / "pyckpt.rank0.json").read_bytes() == b"rank 0's document"
+    # pyckpt.json (the collective checkpoint replaced) and rank 0's data and temp files of other
+    # saves are gone; rank 1's files and another writer's temp of pyckpt.json stay.
+    assert sorted(os.listdir(tmp_path)) == sorted([
+        ".pyckpt.lock", "pyckpt.rank0.json", "pyckpt.rank1.json", f"1-0.{_OLD}.pyckpt",
+        f"0-0.{_NEW}.pyckpt", f"1-1.{_OLD}.pyckpt.tmp-5-6", "pyckpt.rank1.json.tmp-7-8",
+        "pyckpt.json.tmp-9-10"])
+
+
+def test_a_part_whose_metadata_cannot_be_written_removes_only_this_saves_data(
+    tmp_path: Path,
+) -> None:
+    from pyckpt.backends.base import SaveState, commit_save
+
+    _part_dir(tmp_path)
+    (tmp_path / "pyckpt.rank0.json").mkdir()  # the rename onto it fails
+    before = set(os.listdir(tmp_path))
+    part = _ranklocal.Part(str(tmp_path), 0, fsync=False)
+    with pytest.raises(OSError):
+        commit_save(part, {f"0-0.{_NEW}.pyckpt": 1}, b"doc", SaveState(False),
+                    stale=part.is_stale)
+    after = set(os.listdir(tmp_path))
+    assert before - after == {f"0-0.{_NEW}.pyckpt"}
+    assert not {n for n in after - before if ".tmp-" not in n}  # at most the failed temp
+
+
 # ------------------------------------------------------------------------- save_id
 
 

@@ -4,14 +4,14 @@ everywhere."""
 from __future__ import annotations
 
 import pickle
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
 from pyckpt._collective.group import Group
 from pyckpt._collective.transport import all_gather, broadcast
 from pyckpt.errors import PyckptError
 
-__all__ = ["agree", "portable", "add_note"]
+__all__ = ["agree", "portable", "add_note", "raise_first"]
 
 T = TypeVar("T")
 
@@ -30,6 +30,22 @@ def add_note(exc: BaseException, text: str) -> None:
     method = getattr(exc, "add_note", None)
     if method is not None:
         method(text)
+
+
+def raise_first(errors: Sequence[BaseException | None] | Mapping[int, BaseException | None],
+                mine: BaseException | None, what: str) -> None:
+    """The failure every rank raises after an exchange of outcomes: this rank's own ``mine``
+    when it has one, else the failure of the lowest failing rank in ``errors`` (by group rank:
+    a list of every rank's failure or None, or a mapping of some ranks to theirs; as sent, so
+    :func:`portable`), with a note naming that rank and ``what``. Returns when no rank failed.
+    """
+    if mine is not None:
+        raise mine
+    by_rank = sorted(errors.items()) if isinstance(errors, Mapping) else enumerate(errors)
+    for rank, remote in by_rank:
+        if remote is not None:
+            add_note(remote, f"pyckpt: {what} failed on rank {rank}")
+            raise remote
 
 
 def _check_root(group: Group, root: int) -> None:
@@ -84,19 +100,14 @@ def agree(
     status = None if error is None else portable(error)
     if ranks == "root":
         value, status = broadcast((value, status), group, src=root, what=what)
-        failed = [] if status is None else [(root, status)]
+        statuses: dict[int, BaseException | None] = {root: status}  # by rank
         values: list[Any] = [value]
     else:
         gathered = all_gather((value, status) if group.distributed else (None, status), group,
                               what=what)
-        failed = [(r, s) for r, (_, s) in enumerate(gathered) if s is not None]
+        statuses = {r: s for r, (_, s) in enumerate(gathered)}
         values = [v for v, _ in gathered] if group.distributed else [value]
-    if not failed:
-        return value, values
-    if on_failure is not None:
+    if on_failure is not None and any(s is not None for s in statuses.values()):
         on_failure()
-    if error is not None:
-        raise error
-    bad_rank, remote = failed[0]
-    add_note(remote, f"pyckpt: {what} failed on rank {bad_rank}")
-    raise remote
+    raise_first(statuses, error, what)
+    return value, values

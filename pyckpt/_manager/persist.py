@@ -8,6 +8,7 @@ from pyckpt import _format
 from pyckpt._collective import add_note, agree
 from pyckpt._manager.groups import peer_typed
 from pyckpt._manager.retention import Retention
+from pyckpt._partition import name_shares
 from pyckpt.backends import SaveState
 from pyckpt.errors import PyckptError
 
@@ -78,14 +79,8 @@ class Persistence(Retention):
         states: list[SaveState] = []  # this rank's save set-up (rank 0's: lock / condition)
         document: list[bytes] = []  # rank 0: the metadata, read before any upload
         try:
-            loads = [0] * g.world
-            mine = []
-            for name in sorted(files, key=lambda n: (-files[n], n)):
-                ranks = [r for r, n in enumerate(self.nodes) if n in holders[name]]
-                r = min(ranks, key=lambda i: (loads[i], i))
-                loads[r] += files[name]
-                if r == g.rank:
-                    mine.append(name)
+            mine = name_shares(files, g.world, allowed=lambda name: [
+                r for r, node in enumerate(self.nodes) if node in holders[name]])[g.rank]
 
             def upload() -> None:
                 if g.rank == 0:  # the metadata of the very files uploaded (a re-save of this

@@ -13,9 +13,10 @@ from typing import Any
 import torch.distributed.checkpoint as dcp
 
 from pyckpt import _format
-from pyckpt._collective import add_note, agree, all_gather, portable
+from pyckpt._collective import agree
 from pyckpt._manager.base import ManagerBase
 from pyckpt._manager.info import RestoreInfo
+from pyckpt._partition import name_shares
 from pyckpt._tier_io import DAMAGED_SUFFIX, StepView
 from pyckpt.api import _single_process_quiet, _typed_errors, load_planner
 from pyckpt.errors import (
@@ -49,16 +50,6 @@ class _FastStep:
     holders: dict[str, list[str]] = field(default_factory=dict)
 
 
-def _raise_any(errors: Sequence[BaseException | None], me: int, mine: BaseException | None,
-               what: str) -> None:
-    if mine is not None:
-        raise mine
-    for r, err in enumerate(errors):
-        if err is not None and r != me:
-            add_note(err, f"pyckpt: {what} failed on rank {r}")
-            raise err
-
-
 class Restoring(ManagerBase):
     """The steps of :meth:`pyckpt.CheckpointManager.restore` (collective, on the fast-tier
     group)."""
@@ -69,17 +60,9 @@ class Restoring(ManagerBase):
         be read) are set aside on their node, each named in a ``TierWarning`` and in
         ``skipped``: the views already leave them out."""
         g = self._group
-        views: dict[int, StepView] = {}
-        error: BaseException | None = None
-        try:
-            if self.tier is not None:
-                views = self.tier.scan()
-        except Exception as e:
-            error = e
-        gathered = all_gather((views, None if error is None else portable(error)), g)
-        _raise_any([e for _, e in gathered], g.rank, error, "listing the fast tier")
-        all_views = [v for v, _ in gathered]
         tier = self.tier
+        _, all_views = agree(lambda: {} if tier is None else tier.scan(), g,
+                             what="listing the fast tier")
         found: list[tuple[int, int, str, str, str]] = []  # (rank, step, name, path, why)
         for r, v in enumerate(all_views):
             if self.nodes.index(self.nodes[r]) != r:
@@ -263,13 +246,7 @@ class Restoring(ManagerBase):
         tier = self.tier
         self._prepare_dirs(step, save_id)
         missing = {n: s for n, s in files.items() if n not in held}
-        loads = [0] * g.world
-        mine = []
-        for name in sorted(missing, key=lambda n: (-missing[n], n)):
-            r = min(range(g.world), key=lambda i: (loads[i], i))
-            loads[r] += missing[name]
-            if r == g.rank:
-                mine.append(name)
+        mine = name_shares(missing, g.world)[g.rank]
 
         def fetch() -> int:
             total = 0

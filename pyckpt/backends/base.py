@@ -27,11 +27,12 @@ from typing import Any, NamedTuple, Protocol, TypeVar, runtime_checkable
 from pyckpt import _format, _ranklocal
 from pyckpt._collective import add_note
 from pyckpt._format import METADATA_FILE
-from pyckpt._partition import largest_first
+from pyckpt._partition import name_shares
 from pyckpt._paths import TEMP_MARKER
 
 __all__ = [
     "Backend",
+    "CommitPlace",
     "WholePlace",
     "DataSink",
     "NativeBlockSink",
@@ -358,6 +359,9 @@ def is_stale(name: str, keep: Iterable[str] | set[str], metadata_temps: bool = T
     return False
 
 
+#: Which names a committed save removes, given the names it keeps (:func:`is_stale`'s shape).
+Stale = Callable[[str, set[str]], bool]
+
 #: Seconds each request of the clean-up after a commit may take, retries included, on a
 #: backend that reaches a remote store (``with_deadline``).
 CLEAN_UP_DEADLINE_S = 5.0
@@ -366,7 +370,28 @@ _warned: set[tuple[str, str]] = set()
 _warned_lock = threading.Lock()
 
 
-def _warn_once(backend: Backend, e: BaseException) -> None:
+class CommitPlace(Protocol):
+    """What the commit rule (:func:`commit_save`, :func:`clean_up`) uses of a place: every
+    :class:`Backend` has it, and so has one rank's part of a rank-local save
+    (:class:`pyckpt._ranklocal.Part`)."""
+
+    @property
+    def location(self) -> str: ...
+
+    def with_deadline(self, seconds: float) -> CommitPlace: ...
+
+    def put_metadata(self, encoded: bytes, state: SaveState) -> None: ...
+
+    def metadata_is(self, encoded: bytes) -> bool | None: ...
+
+    def url_of(self, name: str) -> str: ...
+
+    def list_names(self) -> dict[str, int]: ...
+
+    def delete(self, names: Iterable[str]) -> None: ...
+
+
+def _warn_once(backend: CommitPlace, e: BaseException) -> None:
     key = (backend.location, type(e).__name__)
     with _warned_lock:
         first = key not in _warned
@@ -381,11 +406,13 @@ def _warn_once(backend: Backend, e: BaseException) -> None:
         logger.debug("pyckpt: %s: clean-up failed again: %s", backend.location, e)
 
 
-def clean_up(backend: Backend, keep: Iterable[str], *, metadata_temps: bool = True) -> list[str]:
-    """Removes what a committed save made stale (:func:`is_stale`). Never raises, and never
-    waits long: the save is committed; on a remote store each request gives up after
-    :data:`CLEAN_UP_DEADLINE_S` (retries included), a failure is logged once per location and
-    error type, and what is left is removed by the next save. Returns the names removed.
+def clean_up(backend: CommitPlace, keep: Iterable[str], *, metadata_temps: bool = True,
+             stale: Stale | None = None) -> list[str]:
+    """Removes what a committed save made stale (:func:`is_stale`, or ``stale``). Never
+    raises, and never waits long: the save is committed; on a remote store each request gives
+    up after :data:`CLEAN_UP_DEADLINE_S` (retries included), a failure is logged once per
+    location and error type, and what is left is removed by the next save. Returns the names
+    removed.
 
     ``metadata_temps=False`` leaves temp files of the metadata alone: a caller that does not
     hold the place's lock (a node-local rank writing its copy while another rank of its node
@@ -397,19 +424,22 @@ def clean_up(backend: Backend, keep: Iterable[str], *, metadata_temps: bool = Tr
     # right after must not hold the caller; what is left is removed by the next save.
     target = backend.with_deadline(CLEAN_UP_DEADLINE_S)
     try:
-        stale = [n for n in target.list_names() if is_stale(n, keep, metadata_temps)]
-        if stale:
-            target.delete(stale)
-        return stale
+        names = [n for n in target.list_names()
+                 if (is_stale(n, keep, metadata_temps) if stale is None else stale(n, keep))]
+        if names:
+            target.delete(names)
+        return names
     except Exception as e:
         _warn_once(backend, e)
         return []
 
 
-def commit_save(backend: Backend, files: Mapping[str, int] | Iterable[str], encoded: bytes,
-                state: SaveState) -> None:
-    """The commit rule of every backend: the data files ``files`` are durable; write the
-    metadata (atomic, conditional on ``state``), then remove what it made stale.
+def commit_save(backend: CommitPlace, files: Mapping[str, int] | Iterable[str], encoded: bytes,
+                state: SaveState, *, stale: Stale | None = None) -> None:
+    """The commit rule of every backend (and of a rank-local save's part,
+    :class:`pyckpt._ranklocal.Part`): the data files ``files`` are durable; write the metadata
+    (atomic, conditional on ``state``), then remove what it made stale (:func:`is_stale`, or
+    ``stale(name, files)``).
 
     A metadata write that failed may still have landed (an answer lost on the way back), so a
     failure is followed by a look at the stored metadata: if it is this save's, the save has
@@ -444,7 +474,7 @@ def commit_save(backend: Backend, files: Mapping[str, int] | Iterable[str], enco
             raise
         logger.warning("pyckpt: %s: writing the metadata reported a failure but the stored "
                        "metadata is this save's: committed", url)
-    clean_up(backend, names)
+    clean_up(backend, names, stale=stale)
 
 
 
@@ -487,8 +517,4 @@ def overlapping_chunks(segments: Sequence[Any], lo: int, hi: int,
 def stage_shares(files: Mapping[str, int], world: int) -> list[list[str]]:
     """Data object names by rank: each object to exactly one rank, balanced by bytes (largest
     first, each to the least loaded rank, ties to the lower rank; deterministic)."""
-    names = sorted(files, key=lambda n: (-files[n], n))
-    shares: list[list[str]] = [[] for _ in range(world)]
-    for name, r in zip(names, largest_first([files[n] for n in names], world)):
-        shares[r].append(name)
-    return shares
+    return name_shares(files, world)

@@ -306,18 +306,8 @@ class PosixBackend(WholePlace):
     def list_names(self) -> dict[str, int]:
         """Data files, temp files and rank-local metadata files in the directory (no symbolic
         links), with sizes."""
-        out = {}
-        with os.scandir(self.path) as it:
-            for e in it:
-                if not (_format.is_data_file(e.name) or ".tmp-" in e.name
-                        or _ranklocal.is_metadata_file(e.name)):
-                    continue
-                try:  # another rank of the node may remove it meanwhile
-                    if e.is_file(follow_symlinks=False):
-                        out[e.name] = e.stat(follow_symlinks=False).st_size
-                except FileNotFoundError:
-                    pass
-        return out
+        return _paths.regular_files(self.path, lambda name: (
+            _format.is_data_file(name) or ".tmp-" in name or _ranklocal.is_metadata_file(name)))
 
     def delete(self, names: Iterable[str]) -> None:
         for name in [check_name(self.path, n, temp=True) for n in names]:

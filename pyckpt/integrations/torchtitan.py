@@ -72,6 +72,7 @@ from torch.distributed.checkpoint.state_dict_saver import (
 
 from pyckpt._collective import coordination_group
 from pyckpt._consolidate import consolidate
+from pyckpt._format import CODEC_NONE, CODECS
 from pyckpt._loadplan import LoadPlanner
 from pyckpt.errors import find_error
 from pyckpt.planner import SavePlanner
@@ -236,9 +237,10 @@ class PyckptCheckpointManager(CheckpointManager):
 
         def __post_init__(self) -> None:
             CheckpointManager.Config.__post_init__(self)
-            compression = (self.compression or "none").lower()
-            if compression not in ("none", "zstd"):
-                raise ValueError(f"Invalid compression: {self.compression!r} (none or zstd)")
+            compression = (self.compression or CODEC_NONE).lower()
+            if compression not in CODECS:
+                raise ValueError(f"Invalid compression: {self.compression!r} "
+                                 f"({' or '.join(CODECS)})")
             self.compression = compression  # type: ignore[assignment]
             if not self.shared_filesystem and filesystem.is_remote(self.folder):
                 raise ValueError("shared_filesystem=False needs a local checkpoint.folder")
@@ -246,7 +248,7 @@ class PyckptCheckpointManager(CheckpointManager):
     def __init__(self, config: Config, **kwargs: Any) -> None:
         _check_version()
         super().__init__(config, **kwargs)
-        self.compression = None if config.compression == "none" else config.compression
+        self.compression = None if config.compression == CODEC_NONE else config.compression
         self.zstd_level = config.zstd_level
         self.threads = config.threads
         self.overwrite = config.overwrite

@@ -70,13 +70,6 @@ def _obstore() -> Any:
     return obstore
 
 
-def _redact(text: str, secrets: Iterable[str]) -> str:
-    for s in secrets:
-        if s:
-            text = text.replace(s, "***")
-    return text
-
-
 @dataclass
 class Location:
     """A checkpoint's place in an object store: ``s3://bucket/prefix``.
@@ -199,7 +192,7 @@ class Location:
         except Exception as e:
             raise ValueError(
                 f"{self.url}: cannot configure the object store client: "
-                f"{_redact(str(e), self._secrets())}"
+                f"{errors.redact(str(e), self._secrets())}"
             ) from None
 
     def error(self, e: BaseException, what: str, url: str | None = None) -> Exception:
@@ -305,7 +298,7 @@ class Location:
                     raise
                 logger.warning("pyckpt: %s: conditional PUT not supported (%s); writing "
                                "unconditionally, concurrent saves are not detected", url,
-                               _redact(str(e), self._secrets()).splitlines()[0])
+                               errors.redact(str(e), self._secrets()).splitlines()[0])
                 self._retried(lambda: obstore.put(self.store(), self.key(name), data,
                                                   use_multipart=False), f"PUT {url}")
         except (ox.AlreadyExistsError, ox.PreconditionError, FileExistsError):

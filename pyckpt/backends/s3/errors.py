@@ -31,7 +31,7 @@ from collections.abc import Iterable
 
 from pyckpt.errors import NoCredentialsError, ObjectStoreError
 
-__all__ = ["translate"]
+__all__ = ["redact", "translate"]
 
 # The EC2 instance metadata service (IPv4, IPv6) and the ECS task credentials endpoint.
 _IMDS_HOSTS = ("169.254.169.254", "[fd00:ec2::254]", "169.254.170.2")
@@ -49,7 +49,8 @@ CREDENTIALS_HELP = (
 )
 
 
-def _redact(text: str, secrets: Iterable[str]) -> str:
+def redact(text: str, secrets: Iterable[str]) -> str:
+    """``text`` with every non-empty string of ``secrets`` replaced by ``***``."""
     for s in secrets:
         if s:
             text = text.replace(s, "***")
@@ -124,7 +125,7 @@ def translate(e: BaseException, what: str, url: str, secrets: Iterable[str] = ()
     """
     from obstore import exceptions as ox
 
-    full = _redact(str(e), list(secrets))
+    full = redact(str(e), list(secrets))
     head, _, debug = full.partition(_DEBUG)
     summary = _summary(full)
     request = _REQUEST.search(head)
