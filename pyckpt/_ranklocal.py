@@ -142,6 +142,16 @@ class Part:
             except FileNotFoundError:
                 pass
 
+    def retire_collective(self) -> None:
+        """Removes the directory's ``pyckpt.json`` if it is still there after the commit (the
+        clean-up only logs a failed removal): left behind, the collective checkpoint it names
+        would be loaded instead of this save, silently. An error other than its absence
+        propagates and fails the save."""
+        try:
+            os.unlink(os.path.join(self.location, METADATA_FILE))
+        except FileNotFoundError:
+            pass
+
     def is_stale(self, name: str, keep: Container[str]) -> bool:
         """Whether this part's commit removes ``name``: ``pyckpt.json``, a data file of this
         rank not in ``keep``, or a temp file of this rank's metadata or data files."""

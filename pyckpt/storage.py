@@ -629,6 +629,7 @@ class Writer(StorageWriter):
                 part = _ranklocal.Part(backend.location, save.rank, fsync)
                 commit_save(part, files, encoded, save.state, stale=part.is_stale)
                 save.finished = True
+                part.retire_collective()
                 return
             commit_save(backend, files, encoded, save.state)
             save.finished = True

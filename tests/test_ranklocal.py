@@ -356,3 +356,16 @@ def _save_id_worker(rank: int, world: int, path: str) -> str:
 def test_save_id_is_the_stored_one_on_every_rank(tmp_path: Path) -> None:
     ids = run_distributed(_save_id_worker, 2, str(tmp_path))
     assert ids[0] == ids[1] == _format.read_index(tmp_path).save_id
+
+
+def test_a_collective_metadata_that_outlives_the_commit_fails_the_save(tmp_path: Path) -> None:
+    """The commit's clean-up only logs what it cannot remove; a ``pyckpt.json`` left beside a
+    rank-local part would be loaded instead of it, so its removal is checked on its own."""
+    part = _ranklocal.Part(str(tmp_path), 0, fsync=False)
+    part.retire_collective()  # none there: nothing to do
+    (tmp_path / "pyckpt.json").write_bytes(b"x")
+    part.retire_collective()
+    assert not (tmp_path / "pyckpt.json").exists()
+    (tmp_path / "pyckpt.json").mkdir()  # cannot be unlinked
+    with pytest.raises(IsADirectoryError):
+        part.retire_collective()
