@@ -10,8 +10,8 @@ namespace {
 
 struct RecordSpec {
   const char* name;
-  const char* fields;     // space-separated, in tuple order
-  std::size_t optional;   // trailing fields that default to None
+  const char* fields;    // space-separated, in tuple order
+  std::size_t optional;  // trailing fields that default to None
   const char* doc;
 };
 
@@ -113,14 +113,13 @@ void bind_records(py::module_& m) {
 py::object make_record(Rec r, const py::tuple& values) {
   const auto i = static_cast<std::size_t>(r);
   if (values.size() != g_sizes[i]) {
-    throw std::logic_error(std::string(kRecords[i].name) + " takes " +
-                           std::to_string(g_sizes[i]) + " fields, got " +
-                           std::to_string(values.size()));
+    throw std::logic_error(std::string(kRecords[i].name) + " takes " + std::to_string(g_sizes[i]) +
+                           " fields, got " + std::to_string(values.size()));
   }
   // tuple.__new__(type, values): the C constructor shared by every tuple subclass.
   py::tuple args = py::make_tuple(values);
-  PyObject* o = PyTuple_Type.tp_new(reinterpret_cast<PyTypeObject*>(g_types[i]), args.ptr(),
-                                    nullptr);
+  PyObject* o =
+      PyTuple_Type.tp_new(reinterpret_cast<PyTypeObject*>(g_types[i]), args.ptr(), nullptr);
   if (o == nullptr) throw py::error_already_set();
   return py::reinterpret_steal<py::object>(o);
 }
