@@ -45,8 +45,9 @@ class CodecParams:
     def raw_threshold(self) -> float: ...
 
 # --- named tuple types (csrc/bindings/records.cpp) ---
-# Every tuple a binding takes or returns has one of these types. Inputs may also be plain tuples
-# (or lists) of the same layout; outputs are instances, except Chunk and Segment records: they
+# Every tuple a binding takes or returns has one of these types. At run time inputs may also be
+# plain tuples (or lists) of the same layout (the annotations below ask for the named type where
+# pyckpt builds the value); outputs are instances, except Chunk and Segment records: they
 # are made in bulk (by the metadata readers, and by write_items, whose results travel pickled to
 # the coordinator, where a tuple subclass pickles many times slower than a tuple), so they come
 # as plain tuples of the layout (ChunkRecord, SegmentRecord) and read by position or unpacking.
