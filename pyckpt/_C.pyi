@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Mapping, Sequence
 from types import TracebackType
-from typing import Any, Literal, TypeAlias, TypedDict
+from typing import Any, Literal, NamedTuple, TypeAlias, TypedDict
 
 from typing_extensions import Buffer
 
@@ -44,24 +44,95 @@ class CodecParams:
     @property
     def raw_threshold(self) -> float: ...
 
-# Chunk record: (file_offset, raw_len, checksum, transform, planes) where transform is
-# 0 none / 1 group / 2 group_rotl1 and planes is the flat tuple (mode0, len0, mode1, len1, ...),
-# mode 0 = raw, 1 = zstd frame. stored_len = sum of the lens. Inputs accept any sequence of this
-# shape (e.g. lists decoded from JSON); outputs are tuples.
-PlaneLayout = tuple[int, ...]
-ChunkRecord = tuple[int, int, int, int, PlaneLayout]
-ChunkRecordLike = Sequence[int | Sequence[int]]
+# --- named tuple types (csrc/bindings/records.cpp) ---
+# Every tuple a binding takes or returns has one of these types. At run time inputs may also be
+# plain tuples (or lists) of the same layout (the annotations below ask for the named type where
+# pyckpt builds the value); outputs are instances, except Chunk and Segment records: they
+# are made in bulk (by the metadata readers, and by write_items, whose results travel pickled to
+# the coordinator, where a tuple subclass pickles many times slower than a tuple), so they come
+# as plain tuples of the layout (ChunkRecord, SegmentRecord) and read by position or unpacking.
 
-# write_items item: (name, data_ptr, nbytes, params). SAFETY: data_ptr must point to nbytes
-# readable bytes that stay alive and unmodified until write_items returns.
-WriteItem = tuple[str, int, int, CodecParams]
-# write_items result per item: (file offset of its first stored byte, stored bytes, chunk records).
-WrittenItem = tuple[int, int, list[ChunkRecord]]
+class Chunk(NamedTuple):
+    """A chunk record: stored bytes at file_offset, decoding to raw_len bytes, checksum xxh64;
+    transform 0 none / 1 group / 2 group_rotl1; planes the flat tuple (mode0, len0, mode1, len1,
+    ...), mode 0 raw / 1 zstd frame; stored_len = sum of the lens."""
 
-# read_requests: segment = (path, raw_begin, params, chunks); request = (name, segments, lo, hi,
-# dst_ptr). SAFETY: dst_ptr must point to hi - lo writable bytes kept alive until the call returns.
-ReadSegment = tuple[str | os.PathLike[str], int, CodecParams, Sequence[ChunkRecordLike]]
-ReadRequest = tuple[str, Sequence[ReadSegment], int, int, int]
+    file_offset: int
+    raw_len: int
+    xxh64: int
+    transform: int
+    planes: tuple[int, ...]
+
+#: A chunk record as made in bulk (a plain tuple of Chunk's layout).
+ChunkRecord: TypeAlias = tuple[int, int, int, int, tuple[int, ...]]
+#: What the bindings accept as a chunk record (a Chunk, a ChunkRecord, a list decoded from JSON).
+ChunkRecordLike: TypeAlias = Sequence[int | Sequence[int]]
+
+class Segment(NamedTuple):
+    """Chunks of one data file (or `sources` name) holding an item's raw bytes from raw_begin
+    on, back to back, encoded with params."""
+
+    path: str  # the binding accepts any os.PathLike too
+    raw_begin: int
+    params: CodecParams
+    chunks: Sequence[ChunkRecord]
+
+#: A segment as made in bulk (a plain tuple of Segment's layout).
+SegmentRecord: TypeAlias = tuple[str, int, CodecParams, Sequence[ChunkRecord]]
+SegmentLike: TypeAlias = Segment | SegmentRecord
+
+class WriteItem(NamedTuple):
+    """An item of write_items. SAFETY: data_ptr must point to nbytes readable bytes that stay
+    alive and unmodified until write_items returns."""
+
+    name: str
+    data_ptr: int
+    nbytes: int
+    params: CodecParams
+
+class WrittenItem(NamedTuple):
+    """write_items' result per item: file offset of its first stored byte, stored bytes, its
+    chunk records."""
+
+    offset: int
+    stored_bytes: int
+    chunks: list[ChunkRecord]
+
+class ReadRequest(NamedTuple):
+    """One read into a caller's buffer: raw bytes [lo, hi) of the item ``name`` (named by
+    errors) stored in ``segments``, to address ``dst``. SAFETY: dst must point to hi - lo
+    writable bytes (read_stored: the segments' stored bytes) kept alive until the call returns."""
+
+    name: str
+    segments: Sequence[SegmentLike]
+    lo: int
+    hi: int
+    dst: int
+
+class ReadStats(NamedTuple):
+    """Bytes read and chunks decoded (read_requests), copied (read_stored) or checked
+    (verify_segments)."""
+
+    bytes_read: int
+    chunks: int
+
+class MemoryRange(NamedTuple):
+    """Bytes of a MemorySource from ``offset`` on (lent for the call, no copy)."""
+
+    offset: int
+    data: Buffer
+
+class MemorySource(NamedTuple):
+    """A source held in memory: its size and its non-overlapping byte ranges."""
+
+    size: int
+    ranges: list[MemoryRange]
+
+class EncodedChunk(NamedTuple):
+    """encode_chunk's result: the stored bytes and the chunk record."""
+
+    stored: bytes
+    record: ChunkRecord
 
 class PoolStats(TypedDict):
     block_bytes: int
@@ -116,7 +187,7 @@ def sampled_digests(
 ) -> list[int]: ...
 def sampled_blocks(nbytes: int, block: int, count: int, first: int, last: int) -> list[int]: ...
 def max_encoded_size(raw_len: int, params: CodecParams) -> int: ...
-def encode_chunk(data: Buffer, params: CodecParams) -> tuple[bytes, ChunkRecord]: ...
+def encode_chunk(data: Buffer, params: CodecParams) -> EncodedChunk: ...
 def encode_chunk_into(data: Buffer, params: CodecParams, out: Buffer) -> ChunkRecord: ...
 def decode_chunk(
     stored: Buffer, record: ChunkRecordLike, params: CodecParams, out: Buffer
@@ -168,20 +239,20 @@ class FileWriter:
         tb: TracebackType | None,
     ) -> bool: ...
 
-#: {source name: (size, [(offset, buffer), ...])}: non-overlapping byte ranges already in memory
-#: (downloaded objects, chunks received from a peer); other names are files.
-MemorySources: TypeAlias = Mapping[str, tuple[int, Sequence[tuple[int, Buffer]]]]
+#: {source name: MemorySource}: non-overlapping byte ranges already in memory (downloaded
+#: objects, chunks received from a peer); other names are files.
+MemorySources: TypeAlias = Mapping[str, MemorySource]
 
 def read_requests(
     requests: Sequence[ReadRequest], pool: ThreadPool, sources: MemorySources | None = None
-) -> tuple[int, int]: ...
+) -> ReadStats: ...
 def read_stored(
     requests: Sequence[ReadRequest], pool: ThreadPool, sources: MemorySources | None = None
-) -> tuple[int, int]: ...
+) -> ReadStats: ...
 def verify_segments(
-    name: str, segments: Sequence[ReadSegment], pool: ThreadPool,
+    name: str, segments: Sequence[SegmentLike], pool: ThreadPool,
     sources: MemorySources | None = None,
-) -> tuple[int, int]: ...
+) -> ReadStats: ...
 
 class Block:
     """Encoded bytes handed to an uploader: a read-only buffer (no copy)."""
@@ -257,6 +328,31 @@ class PinnedPool:
     def try_acquire(self) -> HostBlock | None: ...
     def stats(self) -> dict[str, Any]: ...
 
+class StageItem(NamedTuple):
+    """Device bytes for Stager.stream_to_host (kept alive until the stream is done)."""
+
+    name: str
+    device_ptr: int
+    nbytes: int
+
+class CopySpec(NamedTuple):
+    """A copy of Stager.copy_into / upload: nbytes between ``offset`` in the host block and
+    ``device_ptr``."""
+
+    offset: int
+    device_ptr: int
+    nbytes: int
+    name: str
+
+class StagePiece(NamedTuple):
+    """Bytes of a StagedBlock: nbytes of StageItem number ``item`` from item_offset on, at
+    block_offset in the block."""
+
+    item: int
+    item_offset: int
+    block_offset: int
+    nbytes: int
+
 class StagerEvent:
     def wait(self) -> None: ...
     def ready(self) -> bool: ...
@@ -267,7 +363,7 @@ class StagedBlock:
     def wait(self) -> None: ...
     def ready(self) -> bool: ...
     @property
-    def pieces(self) -> list[tuple[int, int, int, int]]: ...  # item, item_offset, block_offset, n
+    def pieces(self) -> list[StagePiece]: ...
     @property
     def used(self) -> int: ...
     @property
@@ -288,12 +384,12 @@ class Stager:
     """Device<->host staging through pool blocks on a side stream (one device)."""
 
     def __init__(self, runtime: CudaRuntime, pool: PinnedPool, device: int) -> None: ...
-    def stream_to_host(self, items: list[tuple[str, int, int]], stream: int) -> D2HStream: ...
+    def stream_to_host(self, items: Sequence[StageItem], stream: int) -> D2HStream: ...
     def copy_into(
-        self, region: HostBlock, specs: list[tuple[int, int, int, str]], stream: int
+        self, region: HostBlock, specs: Sequence[CopySpec], stream: int
     ) -> StagerEvent: ...
     def acquire_upload_block(self) -> HostBlock: ...
-    def upload(self, block: HostBlock, specs: list[tuple[int, int, int, str]]) -> None: ...
+    def upload(self, block: HostBlock, specs: Sequence[CopySpec]) -> None: ...
     def order_after(self, stream: int) -> None: ...
     def finish_uploads(self, stream: int) -> None: ...
     def synchronize(self) -> None: ...
@@ -311,17 +407,53 @@ MAX_SAFETENSORS_TENSORS: int
 #: Most dimensions of one safetensors tensor.
 MAX_SAFETENSORS_RANK: int
 
+class HeaderTensor(NamedTuple):
+    """A tensor of a safetensors header: data bytes [begin, end) of the data section."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    begin: int
+    end: int
+
+class TensorSpec(NamedTuple):
+    """A tensor to declare in a safetensors header."""
+
+    name: str
+    dtype: str
+    shape: Sequence[int]
+
+class TensorSpan(NamedTuple):
+    """Where safetensors_header placed a tensor: data bytes [begin, end) of the data section."""
+
+    name: str
+    begin: int
+    end: int
+
+class EmittedHeader(NamedTuple):
+    """safetensors_header's result: the header (with its 8-byte length), the tensors' spans
+    sorted by name, the size of the data section."""
+
+    header: bytes
+    layout: list[TensorSpan]
+    data_bytes: int
+
+class TileBlock(NamedTuple):
+    """A block for check_tiling; ``origin`` names it in errors."""
+
+    offsets: Sequence[int]
+    sizes: Sequence[int]
+    origin: str
+
 def safetensors_dtype_bits(dtype: str) -> int: ...
 def read_safetensors_header(path: str) -> dict[str, object]: ...
 def parse_safetensors_header(
     json: bytes, file_size: int, origin: str = "<bytes>"
 ) -> dict[str, object]: ...
 def safetensors_header(
-    tensors: list[tuple[str, str, list[int]]], metadata: list[tuple[str, str]]
-) -> tuple[bytes, list[tuple[str, int, int]], int]: ...
-def check_tiling(
-    name: str, shape: Sequence[int], blocks: Sequence[tuple[Sequence[int], Sequence[int], str]]
-) -> None: ...
+    tensors: Sequence[TensorSpec], metadata: Mapping[str, str]
+) -> EmittedHeader: ...
+def check_tiling(name: str, shape: Sequence[int], blocks: Sequence[TileBlock]) -> None: ...
 
 # --- native metadata reader (core/pyckpt_index.hpp) ---
 class PyckptIndex:
@@ -347,16 +479,37 @@ class PyckptIndex:
 def parse_pyckpt_index(doc: bytes | bytearray | memoryview, origin: str) -> PyckptIndex: ...
 def pyckpt_index_tables() -> tuple[dict[str, Any], dict[str, tuple[int, int, str]]]: ...
 
-_StitchSource = int | tuple[tuple[int, int, int, int, tuple[int, ...]], CodecParams]
-# The optional last field casts elements on the way: None or (from, to) safetensors float dtype
-# names among F64, F32, F16, BF16 (to: not F64); item_bytes is then the source element size.
-StitchItem = (
-    tuple[str, list[int], list[int], list[int], int, str, _StitchSource, str, int, int, int, int, int]
-    | tuple[
-        str, list[int], list[int], list[int], int, str, _StitchSource, str, int, int, int, int, int,
-        tuple[str, str] | None,
-    ]
-)
+class StitchChunk(NamedTuple):
+    """The source of a StitchItem stored as one encoded chunk."""
+
+    chunk: ChunkRecord
+    params: CodecParams
+
+class FloatCast(NamedTuple):
+    """Float elements cast on the way: safetensors dtype names among F64, F32, F16, BF16
+    (to_dtype: not F64)."""
+
+    from_dtype: str
+    to_dtype: str
+
+class StitchItem(NamedTuple):
+    """One copy job of stitch(): the elements [lo, hi) of tensor ``name`` (full ``shape``) that
+    a source block of ``sizes`` at ``offsets`` in it holds, elements of ``item`` bytes."""
+
+    name: str
+    shape: Sequence[int]
+    offsets: Sequence[int]  # the block's offsets in the tensor
+    sizes: Sequence[int]  # the block's sizes
+    item: int  # bytes per element of the geometry (the source element size with a cast)
+    source: str  # the input file
+    at: int | StitchChunk  # safetensors: the block's byte offset; pyckpt: one encoded chunk
+    out_path: str
+    out_offset: int  # the tensor's first byte in the output file
+    lo: int  # output elements of the tensor this item may write: [lo, hi)
+    hi: int
+    p: int  # block elements this item holds: [p, q) (a chunk), or [0, 2**64 - 1) (a shard)
+    q: int
+    cast: FloatCast | None = None
 
 def stitch(
     items: Sequence[StitchItem],

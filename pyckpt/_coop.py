@@ -219,7 +219,7 @@ class _CoopExchange(Exchange):
     def path_of(self, name: str) -> str:
         return self.backend.url_of(name)
 
-    def read_stored(self, requests: list[Any]) -> tuple[int, int]:
+    def read_stored(self, requests: list[ReadRequest]) -> _C.ReadStats:
         return self.backend.read_stored(requests, self.pool)
 
 
@@ -255,7 +255,7 @@ class _Session:
         self.carried: dict[Key, Any] = {}  # chunk -> its stored bytes (uint8 tensor)
         self.bytes_read = 0
 
-    def __call__(self, requests: list[Any]) -> tuple[int, int]:
+    def __call__(self, requests: list[ReadRequest]) -> _C.ReadStats:
         exchanged = self.plan.exchanged
         own: list[Any] = []
         wanted: dict[Key, list[Use]] = {}
@@ -272,7 +272,7 @@ class _Session:
                 if key in exchanged:
                     wanted.setdefault(key, []).append((name, a, c_lo, c_hi, dst + (c_lo - lo)))
                 else:
-                    own.append(ReadRequest(name, [(path, a, params, [rec])], c_lo, c_hi,
+                    own.append(ReadRequest(name, [_C.Segment(path, a, params, [rec])], c_lo, c_hi,
                                            dst + (c_lo - lo)))
         nread = ndecoded = 0
         if own:
@@ -283,7 +283,7 @@ class _Session:
         last = max((exchanged[k][1] for k in wanted if k not in ready), default=-1)
         while self.next_round <= last:
             ndecoded += self._decode(self._round(), wanted)
-        return nread, ndecoded
+        return _C.ReadStats(nread, ndecoded)
 
     def _round(self) -> dict[Key, Any]:
         """Runs the next round; returns chunk -> stored bytes of the chunks it brought."""
@@ -300,15 +300,15 @@ class _Session:
         """Decodes the uses in ``wanted`` of the chunks in ``got``; keeps for later the chunks
         with uses left."""
         out: list[ReadRequest] = []
-        sources: dict[str, Any] = {}
+        sources: dict[str, _C.MemorySource] = {}
         for key, data in got.items():
             uses = wanted.pop(key, [])
             if uses:
                 source = f"<chunk {key[1]} of {key[0]}>"
-                sources[source] = (len(data), [(0, data)])
+                sources[source] = _C.MemorySource(len(data), [_C.MemoryRange(0, data)])
                 need = self.needs[key]
-                rec = (0, *need[1][1:])
-                out.extend(ReadRequest(name, [(source, a, need[2], [rec])], lo, hi, dst)
+                rec = _C.Chunk(0, *need[1][1:])  # the record, at the start of the received bytes
+                out.extend(ReadRequest(name, [_C.Segment(source, a, need[2], [rec])], lo, hi, dst)
                            for name, a, lo, hi, dst in uses)
             left = self.uses.get(key, 0) - len(uses)
             self.uses[key] = left
@@ -318,7 +318,7 @@ class _Session:
                 self.carried.pop(key, None)
         if not out:
             return 0
-        return int(_C.read_requests(out, self.pool, sources)[1])
+        return int(_C.read_requests(out, self.pool, sources).chunks)
 
     def close(self) -> None:
         """Runs the rounds this rank has not needed (the others may)."""

@@ -237,14 +237,14 @@ class Exchange:
                     n = stored_len(rec)
                     at = first.setdefault((name, rec[0]), pos)
                     if at == pos:
-                        seg = (self.path_of(name), 0, params, [rec])
+                        seg = _C.Segment(self.path_of(name), 0, params, [rec])
                         what = label[0] if label else f"chunks for rank {r}"
-                        requests.append((what, [seg], 0, 0, send.data_ptr() + pos))
+                        requests.append(ReadRequest(what, [seg], 0, 0, send.data_ptr() + pos))
                     else:
                         copies.append((at, pos, n))
                     pos += n
             if requests:
-                self.bytes_read += self.read_stored([tuple(q) for q in requests])[0]
+                self.bytes_read += self.read_stored(requests).bytes_read
             for src, dst, n in copies:
                 send[dst:dst + n] = send[src:src + n]
         except Exception as e:
@@ -281,7 +281,7 @@ class Exchange:
         """The segment path of data file ``name`` on the serving rank."""
         return os.path.join(self.files.root, name)
 
-    def read_stored(self, requests: list[Any]) -> tuple[int, int]:
+    def read_stored(self, requests: list[ReadRequest]) -> _C.ReadStats:
         """As ``_C.read_stored`` (files in this rank's directory)."""
         return _C.read_stored(requests, self.pool)
 
@@ -302,8 +302,8 @@ def peer_source(owner: int) -> str:
 
 
 def read_requests(
-    exchange: Exchange, requests: Sequence[tuple[Any, ...]], pool: Any
-) -> tuple[int, int]:
+    exchange: Exchange, requests: Sequence[ReadRequest], pool: Any
+) -> _C.ReadStats:
     """``_C.read_requests`` for a node-local checkpoint: one :meth:`Exchange.fetch` round.
 
     Chunks of local files are read from disk; the chunks of other ranks' files that overlap a
@@ -342,7 +342,9 @@ def read_requests(
             owner = files.owner(path)
             for a, rec in picked:
                 off = offsets[where[(os.path.basename(path), rec[0])]]
-                segs.append((peer_source(owner), a, params, [(off, *tuple(rec)[1:])]))
+                chunk = _C.Chunk(off, *rec[1:])  # at its place in the received bytes
+                segs.append(_C.Segment(peer_source(owner), a, params, [chunk]))
         out.append(ReadRequest(name, segs, lo, hi, dst))
-    sources = {name: (buf.nbytes, [(0, buf)]) for name, buf in memory.items()}
+    sources = {name: _C.MemorySource(buf.nbytes, [_C.MemoryRange(0, buf)])
+               for name, buf in memory.items()}
     return _C.read_requests(out, pool, sources)

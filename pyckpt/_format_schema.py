@@ -574,8 +574,8 @@ class _Validator:
                                             f"per-dimension cuts (at most "
                                             f"{_MAX_IRREGULAR_PIECES} supported)")
         try:
-            _C.check_tiling(ip, list(shape), [(list(p.offsets), list(p.sizes), f"pieces[{n}]")
-                                              for n, p in boxes])
+            _C.check_tiling(ip, list(shape), [_C.TileBlock(list(p.offsets), list(p.sizes),
+                                                           f"pieces[{n}]") for n, p in boxes])
         except CheckpointFormatError as e:
             raise self.fail(f"{ip}.pieces", str(e)) from None
 

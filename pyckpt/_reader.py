@@ -29,7 +29,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
-from pyckpt import _format, _gc, _knobs, _partial, _ranklocal
+from pyckpt import _C, _format, _gc, _knobs, _partial, _ranklocal
 from pyckpt._collective import coordination_info, group_info
 from pyckpt._coop import (
     CoopPlan,
@@ -392,18 +392,18 @@ class Reader(StorageReader):
 
     def _read_data(
         self, plan: LoadPlan, planner: LoadPlanner,
-        read: Callable[[list[Any]], tuple[int, int]],
+        read: Callable[[list[ReadRequest]], _C.ReadStats],
     ) -> Future[None]:
-        batch: list[tuple[Any, ...]] = []  # (request, finish callback args)
+        batch: list[tuple[ReadRequest, Any]] = []  # (request, finish callback)
         batch_bytes = 0
 
         def flush() -> None:
             nonlocal batch, batch_bytes
             if not batch:
                 return
-            nread, ndecoded = read([b[0] for b in batch])
-            self.bytes_read += nread
-            self.chunks_decoded += ndecoded
+            stats = read([b[0] for b in batch])
+            self.bytes_read += stats.bytes_read
+            self.chunks_decoded += stats.chunks
             for _, finish in batch:
                 finish()
             batch, batch_bytes = [], 0

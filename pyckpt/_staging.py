@@ -40,7 +40,7 @@ from typing import Any
 
 import torch
 
-from pyckpt import _knobs, _pinned
+from pyckpt import _C, _knobs, _pinned
 from pyckpt._pinned import runtime
 from pyckpt._tensors import local_view, plain
 from pyckpt.errors import CudaError
@@ -234,7 +234,8 @@ class DeviceStaging:
             by_device.setdefault(_device_api.device_index(t), []).append(i)
         for device, indices in by_device.items():
             keep = [plain(items[i][1]) for i in indices]  # alive until consumed
-            specs = [(items[i][0], k.data_ptr(), _nbytes(k)) for i, k in zip(indices, keep)]
+            specs = [_C.StageItem(items[i][0], k.data_ptr(), _nbytes(k))
+                     for i, k in zip(indices, keep)]
             st = self.stager(device)
             stream = st.stream_to_host(specs, _device_api.current_stream(device))
             inflight: deque[Any] = deque()
@@ -250,9 +251,10 @@ class DeviceStaging:
                     for b in batch:
                         b.wait()
                     pieces = [
-                        StagedPiece(indices[item], ioff, b.address + boff, n)
+                        StagedPiece(indices[p.item], p.item_offset, b.address + p.block_offset,
+                                    p.nbytes)
                         for b in batch
-                        for (item, ioff, boff, n) in b.pieces
+                        for p in b.pieces
                     ]
                     yield pieces
                     for b in batch:
@@ -343,13 +345,13 @@ class DeviceStaging:
             self._require("staging a state dict")
         lease = self._lease([_nbytes(src) for _, src, _ in layout])
         try:
-            by_target: dict[tuple[int, int], list[tuple[int, int, int, str]]] = {}
+            by_target: dict[tuple[int, int], list[_C.CopySpec]] = {}
             for (i, src, local), place in zip(layout, lease.places):
                 if place is not None and place[0] >= 0 and _device_api.is_device(local):
                     name = keystr(leaves_with_path[i][0])
                     key = (_device_api.device_index(local), place[0])
                     by_target.setdefault(key, []).append(
-                        (place[1], src.data_ptr(), _nbytes(src), name)
+                        _C.CopySpec(place[1], src.data_ptr(), _nbytes(src), name)
                     )
             events = [
                 self.stager(d).copy_into(lease.blocks[k], specs, _device_api.current_stream(d))
@@ -439,7 +441,7 @@ class DeviceStaging:
             except BaseException:
                 blk.release()
                 raise
-            st.upload(blk, [(0, base + off, n, name)])
+            st.upload(blk, [_C.CopySpec(0, base + off, n, name)])
         if temp is None:
             st.finish_uploads(stream)  # later work on `stream` sees the data; no host wait
             return

@@ -137,7 +137,7 @@ def stored_sizes(
         n, sample = flats[i].numel(), samples[i]
         if n == 0:
             return 0
-        _, record = _C.encode_chunk(cast(Any, sample), params[i])
+        record = _C.encode_chunk(cast(Any, sample), params[i]).record
         stored = sum(record[4][1::2])  # the planes' stored lengths
         return max(1, -(-stored * n // sample.size))  # scaled up to the tensor, rounded up
 

@@ -516,7 +516,7 @@ class Writer(StorageWriter):
 
         chunk_bytes = self.chunk_bytes or _knobs.chunk_bytes(backend.default_chunk_bytes)
         keepalive: list[Any] = []
-        requests: list[tuple[str, int, int, CodecParams]] = []
+        requests: list[_C.WriteItem] = []
         starts: list[int] = []
         owners: list[int] = []  # plan item of each request
         on_device: list[tuple[int, str, torch.Tensor, int, CodecParams]] = []
@@ -554,7 +554,9 @@ class Writer(StorageWriter):
                     raise ValueError(
                         f"tensor {fqn!r}: byte range [{start}, {end}) outside {nbytes}"
                     )
-                requests.append((fqn, base + start, end - start, self._params(dtype_name)))
+                requests.append(
+                    _C.WriteItem(fqn, base + start, end - start, self._params(dtype_name))
+                )
                 starts.append(start)
                 owners.append(idx)
 
@@ -563,11 +565,13 @@ class Writer(StorageWriter):
             records = fw.write_items(
                 requests, chunk_bytes, self._native.pool(), self._encode_blocks(chunk_bytes)
             )
+            # Segments stay plain tuples of _C.Segment's layout: the write results travel
+            # pickled to the coordinator, where a tuple subclass pickles many times slower.
             segments: dict[int, list[Any]] = {i: [] for i in range(len(plan.items))}
             stored_bytes = dict.fromkeys(segments, 0)
-            for idx, start, req, (_, stored, chunks) in zip(owners, starts, requests, records):
-                segments[idx].append((name, start, req[3], chunks))
-                stored_bytes[idx] += stored
+            for idx, start, req, written in zip(owners, starts, requests, records):
+                segments[idx].append((name, start, req.params, written.chunks))
+                stored_bytes[idx] += written.stored_bytes
             if on_device:
                 self._write_device_items(fw, name, on_device, chunk_bytes, segments, stored_bytes)
             fw.commit()
@@ -601,12 +605,13 @@ class Writer(StorageWriter):
         staging = self._staging()
         pool, blocks = self._native.pool(), self._encode_blocks(chunk_bytes)
         for batch in staging.stream_to_host([(fqn, t) for _, fqn, t, _, _ in items]):
-            reqs = [(items[p.item][1], p.address, p.nbytes, items[p.item][4]) for p in batch]
+            reqs = [_C.WriteItem(items[p.item][1], p.address, p.nbytes, items[p.item][4])
+                    for p in batch]
             records = fw.write_items(reqs, chunk_bytes, pool, blocks)
-            for p, req, (_, stored, chunks) in zip(batch, reqs, records):
+            for p, req, written in zip(batch, reqs, records):
                 idx, _, _, start, _ = items[p.item]
-                segments[idx].append((name, start + p.offset, req[3], chunks))
-                stored_bytes[idx] += stored
+                segments[idx].append((name, start + p.offset, req.params, written.chunks))
+                stored_bytes[idx] += written.stored_bytes
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         """Commits the save (:func:`pyckpt.backends.commit_save`): writes ``pyckpt.json``

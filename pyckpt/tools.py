@@ -130,9 +130,9 @@ def _verify_piece(name: str, segments: list[Any], nbytes: int, pool: Any,
                   report: VerifyReport, backend: Backend) -> None:
     # Each chunk is decoded once, through a bounded window, and its output discarded (an
     # object store downloads one segment's chunks at a time).
-    nread, nchunks = backend.verify_segments(name, segments, pool)
-    report.bytes_read += nread
-    report.chunks_checked += nchunks
+    stats = backend.verify_segments(name, segments, pool)
+    report.bytes_read += stats.bytes_read
+    report.chunks_checked += stats.chunks
 
 
 def verify(path: str | os.PathLike[str], threads: int | None = None,

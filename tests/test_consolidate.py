@@ -387,7 +387,7 @@ def test_header_parser_accepts_every_dtype_and_escapes():
         header, layout, nbytes = _C.safetensors_header(
             [("na\"me\n\u00e9", dt, [4, 2]), ("a", dt, [])] if bits >= 8 else
             [("na\"me\n\u00e9", dt, [4, 2])],
-            [("format", "pt"), ("k\\", "v\u2603")],
+            {"format": "pt", "k\\": "v\u2603"},
         )
         parsed = _C.parse_safetensors_header(header[8:], len(header) + nbytes)
         assert parsed["metadata"] == {"format": "pt", "k\\": "v\u2603"}

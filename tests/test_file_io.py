@@ -388,7 +388,7 @@ def test_malformed_record_names_the_tensor(tmp_path, thread_pool_factory) -> Non
     seg = [str(tmp_path / "f"), 0, RAW, [[0, 10, 0, 9, [0, 10]]]]  # JSON-shaped, bad transform
     with pytest.raises(CheckpointFormatError, match="emb.weight"):
         _C.read_requests([["emb.weight", [seg], 0, 10, dst.ctypes.data]], pool)
-    with pytest.raises(TypeError, match="read request"):
+    with pytest.raises(TypeError, match="ReadRequest"):
         _C.read_requests([("emb.weight", [seg], 0, 10)], pool)
 
 

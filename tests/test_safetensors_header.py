@@ -22,7 +22,7 @@ SPEC = st.tuples(NAMES, st.sampled_from(DTYPES), st.lists(st.integers(0, 5), max
 @given(st.lists(SPEC, max_size=8, unique_by=lambda t: t[0]),
        st.dictionaries(st.text(max_size=8), st.text(max_size=8), max_size=3))
 def test_emit_then_parse_round_trips(specs, metadata):
-    header, layout, nbytes = _C.safetensors_header(specs, list(metadata.items()))
+    header, layout, nbytes = _C.safetensors_header(specs, metadata)
     assert len(header) % 8 == 0
     n = struct.unpack("<Q", header[:8])[0]
     assert n == len(header) - 8
@@ -184,7 +184,7 @@ def _stitch_item(src: str, out: str) -> tuple:
 def test_symlinked_header_and_stitch_paths_are_refused(tmp_path) -> None:
     import errno
 
-    header, _, nbytes = _C.safetensors_header([("t", "U8", [16])], [])
+    header, _, nbytes = _C.safetensors_header([("t", "U8", [16])], {})
     real = tmp_path / "real.safetensors"
     real.write_bytes(header + bytes(nbytes))
     link = tmp_path / "link.safetensors"

@@ -7,6 +7,7 @@
 
 #include "bindings/bindings.hpp"
 #include "bindings/core_convert.hpp"
+#include "bindings/records.hpp"
 #include "core/checksum.hpp"
 #include "core/codec.hpp"
 #include "core/error.hpp"
@@ -191,11 +192,12 @@ Raises:
           GilRelease nogil;
           rec = encode_chunk(src.data(), src.size(), p, out.get());
         }
-        return py::make_tuple(py::bytes(reinterpret_cast<const char*>(out.get()), rec.stored_len),
-                              record_to_py(rec));
+        return record(Rec::EncodedChunk,
+                      py::bytes(reinterpret_cast<const char*>(out.get()), rec.stored_len),
+                      record_to_py(rec));
       },
       py::arg("data"), py::arg("params"),
-      R"pbdoc(Encode one chunk; returns (stored_bytes, chunk_record).)pbdoc");
+      R"pbdoc(Encode one chunk; returns an EncodedChunk (stored bytes, Chunk record).)pbdoc");
 
   m.def(
       "encode_chunk_into",
@@ -203,7 +205,7 @@ Raises:
         return record_to_py(encode_into(data, params, out));
       },
       py::arg("data"), py::arg("params"), py::arg("out"),
-      R"pbdoc(Encode one chunk into a writable buffer of max_encoded_size bytes; returns the record (stored bytes are out[:sum of plane lengths]).)pbdoc");
+      R"pbdoc(Encode one chunk into a writable buffer of max_encoded_size bytes; returns the Chunk record (stored bytes are out[:sum of plane lengths]).)pbdoc");
 
   m.def(
       "decode_chunk",
@@ -222,7 +224,7 @@ Raises:
         decode_chunk(src.data(), rec, p, dst.data());
       },
       py::arg("stored"), py::arg("record"), py::arg("params"), py::arg("out"),
-      R"pbdoc(Verify the checksum of one chunk, then decode it into out (raw_len bytes).)pbdoc");
+      R"pbdoc(Verify the checksum of one chunk (record: a Chunk), then decode it into out (raw_len bytes).)pbdoc");
 
   m.def(
       "group_bytes",

@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "bindings/bindings.hpp"
+#include "bindings/records.hpp"
 #include "core/buffer_pool.hpp"
 #include "core/cuda_runtime.hpp"
 #include "core/stager.hpp"
@@ -22,6 +23,8 @@ namespace pyckpt::bindings {
 
 namespace {
 
+// A StageItem (name, device_ptr, nbytes) and a CopySpec (offset, device_ptr, nbytes, name), or
+// tuples of those layouts.
 using ItemTuple = std::tuple<std::string, std::uintptr_t, std::size_t>;
 using SpecTuple = std::tuple<std::size_t, std::uintptr_t, std::size_t, std::string>;
 
@@ -149,11 +152,13 @@ void bind_cuda(py::module_& m) {
       .def_property_readonly(
           "pieces",
           [](const PyStagedBlock& b) {
-            std::vector<std::tuple<std::size_t, std::size_t, std::size_t, std::size_t>> out;
-            for (const StagePiece& p : b.block.pieces())
-              out.emplace_back(p.item, p.item_offset, p.block_offset, p.nbytes);
+            py::list out;
+            for (const StagePiece& p : b.block.pieces()) {
+              out.append(record(Rec::StagePiece, p.item, p.item_offset, p.block_offset, p.nbytes));
+            }
             return out;
-          })
+          },
+          R"pbdoc(The StagePieces (item, item_offset, block_offset, nbytes) the block holds.)pbdoc")
       .def_property_readonly("used", [](const PyStagedBlock& b) { return b.block.used(); })
       .def_property_readonly("capacity", [](const PyStagedBlock& b) { return b.capacity; })
       .def_property_readonly(
@@ -207,7 +212,7 @@ void bind_cuda(py::module_& m) {
             return std::make_shared<D2HStream>(st->stream_to_host(std::move(v), stream));
           },
           py::arg("items"), py::arg("stream"),
-          R"pbdoc(Starts staging (name, device_ptr, nbytes) items, ordered after `stream`.)pbdoc")
+          R"pbdoc(Starts staging StageItems (name, device_ptr, nbytes), ordered after `stream`.)pbdoc")
       .def(
           "copy_into",
           [](Stager& st, HostBlock& region, const std::vector<SpecTuple>& specs,
@@ -217,7 +222,7 @@ void bind_cuda(py::module_& m) {
             return std::make_shared<StagerEvent>(st.copy_into(region.lease, v, stream));
           },
           py::arg("region"), py::arg("specs"), py::arg("stream"),
-          R"pbdoc(Copies (offset, device_ptr, nbytes, name) into `region` after `stream`.)pbdoc")
+          R"pbdoc(Copies CopySpecs (offset, device_ptr, nbytes, name) into `region` after `stream`.)pbdoc")
       .def(
           "acquire_upload_block",
           [](Stager& st) {
@@ -238,7 +243,7 @@ void bind_cuda(py::module_& m) {
             st.upload(std::move(l), v);
           },
           py::arg("block"), py::arg("specs"),
-          R"pbdoc(Queues (offset, device_ptr, nbytes, name) host-to-device copies; takes the block.)pbdoc")
+          R"pbdoc(Queues CopySpecs (offset, device_ptr, nbytes, name) as host-to-device copies; takes the block.)pbdoc")
       .def("order_after", &Stager::order_after, py::arg("stream"), py::call_guard<GilRelease>(),
            R"pbdoc(Orders later side-stream work after the work queued on `stream`.)pbdoc")
       .def("finish_uploads", &Stager::finish_uploads, py::arg("stream"),

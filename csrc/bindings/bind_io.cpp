@@ -11,6 +11,7 @@
 #include "bindings/core_convert.hpp"
 #include "bindings/interrupt.hpp"
 #include "bindings/io_convert.hpp"
+#include "bindings/records.hpp"
 #include "core/chunk_io.hpp"
 #include "core/chunk_reader.hpp"
 #include "core/encode_pipeline.hpp"
@@ -48,7 +49,7 @@ py::sequence as_tuple(py::handle h, std::size_t n, const char* shape) {
 std::vector<WriteRequest> items_from_py(py::handle items) {
   std::vector<WriteRequest> out;
   for (py::handle h : py::reinterpret_borrow<py::iterable>(items)) {
-    py::sequence t = as_tuple(h, 4, "write item (name, data_ptr, nbytes, params)");
+    py::sequence t = as_tuple(h, 4, "a WriteItem (name, data_ptr, nbytes, params)");
     WriteRequest r;
     r.name = py::cast<std::string>(t[0]);
     r.data = ptr_from_py(t[1], "data_ptr");
@@ -62,7 +63,7 @@ std::vector<WriteRequest> items_from_py(py::handle items) {
 std::vector<ReadSegment> segments_from_py(py::handle segments) {
   std::vector<ReadSegment> out;
   for (py::handle sh : py::reinterpret_borrow<py::iterable>(segments)) {
-    py::sequence s = as_tuple(sh, 4, "segment (path, raw_begin, params, chunks)");
+    py::sequence s = as_tuple(sh, 4, "a Segment (path, raw_begin, params, chunks)");
     ReadSegment seg;
     seg.path = path_from_py(s[0]);
     seg.raw_begin = u64_from_py(s[1], "raw_begin");
@@ -78,7 +79,7 @@ std::vector<ReadSegment> segments_from_py(py::handle segments) {
 std::vector<ReadRequest> requests_from_py(py::handle requests) {
   std::vector<ReadRequest> out;
   for (py::handle h : py::reinterpret_borrow<py::iterable>(requests)) {
-    py::sequence t = as_tuple(h, 5, "read request (name, segments, lo, hi, dst_ptr)");
+    py::sequence t = as_tuple(h, 5, "a ReadRequest (name, segments, lo, hi, dst)");
     ReadRequest r;
     r.name = py::cast<std::string>(t[0]);
     try {
@@ -88,7 +89,7 @@ std::vector<ReadRequest> requests_from_py(py::handle requests) {
     }
     r.lo = u64_from_py(t[2], "lo");
     r.hi = u64_from_py(t[3], "hi");
-    r.dst = ptr_from_py(t[4], "dst_ptr");
+    r.dst = ptr_from_py(t[4], "dst");
     out.push_back(std::move(r));
   }
   return out;
@@ -99,7 +100,7 @@ py::list written_to_py(const std::vector<WrittenItem>& written) {
   for (const WrittenItem& w : written) {
     py::list chunks;
     for (const ChunkRecord& c : w.chunks) chunks.append(record_to_py(c));
-    out.append(py::make_tuple(w.offset, w.stored_bytes, chunks));
+    out.append(record(Rec::WrittenItem, w.offset, w.stored_bytes, chunks));
   }
   return out;
 }
@@ -108,11 +109,11 @@ MemorySources::MemorySources(py::handle sources) {
   if (sources.is_none()) return;
   for (auto kv : py::reinterpret_borrow<py::dict>(sources)) {
     const std::string name = py::cast<std::string>(kv.first);
-    py::sequence t = as_tuple(kv.second, 2, "memory source (size, [(offset, buffer), ...])");
+    py::sequence t = as_tuple(kv.second, 2, "a MemorySource (size, ranges)");
     Entry e;
     e.size = u64_from_py(t[0], "size");
     for (py::handle r : py::reinterpret_borrow<py::iterable>(t[1])) {
-      py::sequence rt = as_tuple(r, 2, "memory range (offset, buffer)");
+      py::sequence rt = as_tuple(r, 2, "a MemoryRange (offset, data)");
       _buffers.push_back(std::make_unique<BufferRef>(rt[1], false));
       const BufferRef& b = *_buffers.back();
       e.ranges.push_back(MemoryRange{u64_from_py(rt[0], "offset"),
@@ -172,7 +173,7 @@ void bind_io(py::module_& m) {
             return written_to_py(written);
           },
           py::arg("items"), py::arg("chunk_bytes"), py::arg("pool"), py::arg("blocks"),
-          R"pbdoc(Encode items (name, data_ptr, nbytes, params) in chunks on pool and append them in order. SAFETY: each data_ptr must point to nbytes readable bytes that the caller keeps alive and unmodified until this returns.)pbdoc")
+          R"pbdoc(Encode WriteItems (name, data_ptr, nbytes, params) in chunks on pool and append them in order; returns a WrittenItem (offset, stored_bytes, chunks) per item. SAFETY: each data_ptr must point to nbytes readable bytes that the caller keeps alive and unmodified until this returns.)pbdoc")
       .def("commit", &FileWriter::commit, py::call_guard<GilRelease>(),
            R"pbdoc(Flush, fsync, rename into place and fsync the directory.)pbdoc")
       .def("abort", &FileWriter::abort, py::call_guard<GilRelease>(),
@@ -212,10 +213,10 @@ at least 4096).)pbdoc");
           GilRelease nogil;
           st = read_requests(reqs, pool, memory.opener());
         }
-        return py::make_tuple(st.bytes_read, st.chunks_decoded);
+        return record(Rec::ReadStats, st.bytes_read, st.chunks_decoded);
       },
       py::arg("requests"), py::arg("pool"), py::arg("sources") = py::none(),
-      R"pbdoc(Read, verify and decode the chunks overlapping each request's [lo, hi) into dst_ptr; returns (bytes_read, chunks_decoded). `sources` = {name: (size, [(offset, buffer), ...])} serves those segment names from byte ranges already in memory (downloaded objects, chunks received from a peer), verified and decoded in place; other names are files. SAFETY: each dst_ptr must point to hi - lo writable bytes kept alive until this returns.)pbdoc");
+      R"pbdoc(Read, verify and decode the chunks overlapping each ReadRequest's [lo, hi) into dst; returns ReadStats (bytes_read, chunks decoded). `sources` = {name: MemorySource(size, [MemoryRange(offset, data), ...])} serves those segment names from byte ranges already in memory (downloaded objects, chunks received from a peer), verified and decoded in place; other names are files. SAFETY: each dst must point to hi - lo writable bytes kept alive until this returns.)pbdoc");
 
   m.def(
       "read_stored",
@@ -228,10 +229,10 @@ at least 4096).)pbdoc");
           GilRelease nogil;
           st = read_stored(reqs, pool, memory.opener());
         }
-        return py::make_tuple(st.bytes_read, st.chunks_decoded);
+        return record(Rec::ReadStats, st.bytes_read, st.chunks_decoded);
       },
       py::arg("requests"), py::arg("pool"), py::arg("sources") = py::none(),
-      R"pbdoc(Read the stored (still encoded) bytes of every chunk of each request's segments back to back into dst_ptr, verifying each checksum without decoding; returns (bytes_read, chunks). `sources` as for read_requests. SAFETY: each dst_ptr must point to the sum of the segments' stored_len bytes, kept alive until this returns.)pbdoc");
+      R"pbdoc(Read the stored (still encoded) bytes of every chunk of each ReadRequest's segments back to back into dst, verifying each checksum without decoding; returns ReadStats (bytes_read, chunks copied). `sources` as for read_requests. SAFETY: each dst must point to the sum of the segments' stored_len bytes, kept alive until this returns.)pbdoc");
 
   m.def(
       "verify_segments",
@@ -249,10 +250,10 @@ at least 4096).)pbdoc");
           GilRelease nogil;
           st = verify_segments(name, segs, pool, memory.opener());
         }
-        return py::make_tuple(st.bytes_read, st.chunks_decoded);
+        return record(Rec::ReadStats, st.bytes_read, st.chunks_decoded);
       },
       py::arg("name"), py::arg("segments"), py::arg("pool"), py::arg("sources") = py::none(),
-      R"pbdoc(Read and fully check every chunk of an item's segments (sizes, checksums, zstd frames), decoding each once with bounded memory; returns (bytes_read, chunks_checked). `sources` as for read_requests.)pbdoc");
+      R"pbdoc(Read and fully check every chunk of an item's segments (sizes, checksums, zstd frames), decoding each once with bounded memory; returns ReadStats (bytes_read, chunks checked). `sources` as for read_requests.)pbdoc");
 
   m.attr("MAX_CHUNK_BYTES") = kMaxChunkBytes;
 }

@@ -7,6 +7,7 @@
 #include "bindings/bindings.hpp"
 #include "bindings/core_convert.hpp"
 #include "bindings/interrupt.hpp"
+#include "bindings/records.hpp"
 #include "core/float_cast.hpp"
 #include "core/safetensors.hpp"
 #include "core/stitcher.hpp"
@@ -27,7 +28,7 @@ py::dict header_to_py(const StHeader& h) {
     for (std::size_t i = 0; i < t.shape.size(); ++i) shape[i] = py::int_(t.shape[i]);
     auto dn = dtype_names.find(t.dtype);
     if (dn == dtype_names.end()) dn = dtype_names.emplace(t.dtype, st_dtype_name(t.dtype)).first;
-    tensors[k] = py::make_tuple(py::str(t.name), dn->second, shape, t.begin, t.end);
+    tensors[k] = record(Rec::HeaderTensor, py::str(t.name), dn->second, shape, t.begin, t.end);
   }
   py::dict out;
   out["header_len"] = h.header_len;
@@ -44,9 +45,9 @@ StDtype dtype_arg(const std::string& name) {
   return *dt;
 }
 
-// (name, shape, offsets, sizes, item_bytes, src_path, source, out_path, out_offset, lo, hi,
-//  block_lo, block_hi[, cast]); source is an int (RawFile offset) or (chunk record, codec
-// params); cast is None or (from, to) safetensors float dtype names.
+// A StitchItem (name, shape, offsets, sizes, item, source, at, out_path, out_offset, lo, hi, p,
+// q[, cast]), or any sequence of that layout: `at` is an int (RawFile offset) or a StitchChunk
+// (chunk, params); cast is None or a FloatCast (from_dtype, to_dtype).
 constexpr std::size_t kItemFields = 13;
 
 FloatFormat float_format_arg(const std::string& name) {
@@ -59,7 +60,7 @@ FloatFormat float_format_arg(const std::string& name) {
 
 StitchItem item_from_py(py::handle obj) {
   if (!py::isinstance<py::tuple>(obj) && !py::isinstance<py::list>(obj)) {
-    throw py::type_error("stitch item must be a tuple");
+    throw py::type_error("stitch item must be a StitchItem (a tuple)");
   }
   auto seq = py::reinterpret_borrow<py::sequence>(obj);
   if (seq.size() != kItemFields && seq.size() != kItemFields + 1) {
@@ -79,7 +80,7 @@ StitchItem item_from_py(py::handle obj) {
     it.source.offset = u64_from_py(source, "source offset");
   } else {
     if (!py::isinstance<py::tuple>(source) || py::len(source) != 2) {
-      throw py::type_error("stitch source must be an int offset or a (chunk, params) tuple");
+      throw py::type_error("stitch source must be an int offset or a StitchChunk (chunk, params)");
     }
     it.source.kind = StitchSource::Kind::EncodedChunk;
     it.source.chunk = record_from_py(source[py::int_(0)]);
@@ -142,7 +143,11 @@ void bind_safetensors(py::module_& m) {
       "safetensors_header",
       [](const std::vector<std::tuple<std::string, std::string, std::vector<std::uint64_t>>>&
              tensors,
-         const std::vector<std::pair<std::string, std::string>>& metadata) {
+         const py::dict& metadata_dict) {
+        std::vector<std::pair<std::string, std::string>> metadata;
+        for (auto kv : metadata_dict) {
+          metadata.emplace_back(py::cast<std::string>(kv.first), py::cast<std::string>(kv.second));
+        }
         std::vector<StTensorSpec> specs;
         specs.reserve(tensors.size());
         for (const auto& [name, dtype, shape] : tensors) {
@@ -152,12 +157,12 @@ void bind_safetensors(py::module_& m) {
         py::list layout;
         for (std::size_t i = 0; i < e.tensors.size(); ++i) {
           const std::uint64_t end = i + 1 < e.begins.size() ? e.begins[i + 1] : e.data_bytes;
-          layout.append(py::make_tuple(py::str(e.tensors[i].name), e.begins[i], end));
+          layout.append(record(Rec::TensorSpan, py::str(e.tensors[i].name), e.begins[i], end));
         }
-        return py::make_tuple(py::bytes(e.bytes), layout, e.data_bytes);
+        return record(Rec::EmittedHeader, py::bytes(e.bytes), layout, e.data_bytes);
       },
       py::arg("tensors"), py::arg("metadata"),
-      R"pbdoc(Emit a header for (name, dtype, shape) tensors sorted by name -> (bytes, [(name, begin, end)], data_bytes).)pbdoc");
+      R"pbdoc(Emit a header for TensorSpecs (name, dtype, shape), sorted by name, with the metadata {key: value} -> EmittedHeader (header bytes, [TensorSpan(name, begin, end)], data_bytes).)pbdoc");
 
   m.def(
       "check_tiling",
@@ -173,7 +178,7 @@ void bind_safetensors(py::module_& m) {
         check_tiling(name, shape, tiles);
       },
       py::arg("name"), py::arg("shape"), py::arg("blocks"),
-      R"pbdoc(Raise CheckpointFormatError unless (offsets, sizes, origin) blocks tile the shape.)pbdoc");
+      R"pbdoc(Raise CheckpointFormatError unless the TileBlocks (offsets, sizes, origin) tile the shape.)pbdoc");
 
   m.def(
       "stitch",
@@ -209,7 +214,7 @@ void bind_safetensors(py::module_& m) {
       },
       py::arg("items"), py::arg("threads"), py::arg("task_bytes"), py::arg("input_mode"),
       py::arg("fsync"), py::kw_only(), py::arg("partial") = false,
-      R"pbdoc(Copy shard blocks or decoded chunks into pre-sized outputs (partial=True: the encoded-chunk items of a tensor may cover only part of its range, the rest coming in other calls); output bytes are added to the thread's ProgressCounter (set_progress_counter); items are (name, shape, offsets, sizes, item_bytes, src_path, src_offset | (chunk, params), out_path, out_offset, lo, hi, block_lo, block_hi[, None | (from_dtype, to_dtype)]).)pbdoc");
+      R"pbdoc(Copy shard blocks or decoded chunks into pre-sized outputs (partial=True: the encoded-chunk items of a tensor may cover only part of its range, the rest coming in other calls); output bytes are added to the thread's ProgressCounter (set_progress_counter); items are StitchItems (name, shape, offsets, sizes, item, source, at: offset | StitchChunk(chunk, params), out_path, out_offset, lo, hi, p, q[, cast: None | FloatCast(from_dtype, to_dtype)]).)pbdoc");
 
   m.def(
       "convert_floats",

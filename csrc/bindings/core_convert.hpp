@@ -38,12 +38,14 @@ class BufferRef {
 const CodecParams& params_from_py(py::handle obj, const char* what);
 
 /**
- * @brief Parses (file_offset, raw_len, checksum, transform, (mode0, len0, ...)); stored_len is
- *        the sum of plane lengths. @throws FormatError(Header) on a malformed record.
+ * @brief Parses a Chunk record (file_offset, raw_len, xxh64, transform, (mode0, len0, ...)), or
+ *        any sequence of that layout; stored_len is the sum of plane lengths.
+ *        @throws FormatError(Header) on a malformed record.
  */
 ChunkRecord record_from_py(py::handle obj);
 
-/** @brief Inverse of record_from_py. */
+/** @brief Inverse of record_from_py: a plain tuple of the Chunk layout (records are made in
+ *         bulk; see Rec::Chunk in records.hpp). */
 py::tuple record_to_py(const ChunkRecord& rec);
 
 /** @brief Parses "auto" | "on" | "off". @throws ValueError. */

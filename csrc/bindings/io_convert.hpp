@@ -17,22 +17,23 @@
 namespace pyckpt::bindings {
 namespace py = pybind11;
 
-/** @brief Parses write items (name, data_ptr, nbytes, params). */
+/** @brief Parses WriteItems (name, data_ptr, nbytes, params), or tuples of that layout. */
 std::vector<WriteRequest> items_from_py(py::handle items);
-/** @brief Parses segments (path, raw_begin, params, chunks). */
+/** @brief Parses Segments (path, raw_begin, params, chunks), or tuples of that layout. */
 std::vector<ReadSegment> segments_from_py(py::handle segments);
-/** @brief Parses read requests (name, segments, lo, hi, dst_ptr). */
+/** @brief Parses ReadRequests (name, segments, lo, hi, dst), or tuples of that layout. */
 std::vector<ReadRequest> requests_from_py(py::handle requests);
-/** @brief The result of write_items: [(offset, stored_bytes, [record, ...]), ...]. */
+/** @brief The result of write_items: [WrittenItem(offset, stored_bytes, [record, ...]), ...]. */
 py::list written_to_py(const std::vector<WrittenItem>& written);
 
 /**
  * @brief Byte ranges already in memory (downloaded from an object store, received from a peer
  *        rank), opened as MemorySources so the chunk path verifies and decodes them in place.
  *
- * Made from `{name: (size, [(offset, buffer), ...])}` (any buffer-protocol objects, kept
- * referenced until destruction); a name not listed opens as a POSIX file. Construct and destroy
- * with the GIL held; opener() may be used without it.
+ * Made from `{name: MemorySource(size, [MemoryRange(offset, data), ...])}` (or tuples of that
+ * layout; data any buffer-protocol objects, kept referenced until destruction); a name not
+ * listed opens as a POSIX file. Construct and destroy with the GIL held; opener() may be used
+ * without it.
  */
 class MemorySources {
  public:

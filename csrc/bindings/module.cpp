@@ -4,6 +4,7 @@
 
 #include "bindings/bindings.hpp"
 #include "bindings/interrupt.hpp"
+#include "bindings/records.hpp"
 #include "core/cancel.hpp"
 #include "core/error.hpp"
 
@@ -77,6 +78,7 @@ PYBIND11_MODULE(_C, m) {
     }
   });
 
+  pyckpt::bindings::bind_records(m);  // first: the other bindings make its types
   pyckpt::bindings::bind_pool(m);
   pyckpt::bindings::bind_codec(m);
   pyckpt::bindings::bind_io(m);

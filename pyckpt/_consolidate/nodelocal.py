@@ -15,10 +15,11 @@ from __future__ import annotations
 import os
 import uuid
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, cast
 
+from pyckpt import _C
 from pyckpt._consolidate.plan import _Plan
-from pyckpt._consolidate.run import ProgressFn, StitchItem, stitch, stitch_items
+from pyckpt._consolidate.run import ProgressFn, StitchItem, is_chunk, stitch, stitch_items
 from pyckpt._exchange import Exchange, Need, PeerFiles, peer_source
 from pyckpt.backends.base import stored_len
 from pyckpt.errors import PyckptError
@@ -27,6 +28,11 @@ __all__ = ["run_share_nodelocal", "DEFAULT_BATCH_BYTES"]
 
 #: Stored bytes a rank fetches from its peers per round (default of ``batch_bytes``).
 DEFAULT_BATCH_BYTES = 64 << 20
+
+
+def _chunk(item: StitchItem) -> _C.StitchChunk:
+    """The chunk an item copies from (every item here is one: see run_share_nodelocal)."""
+    return cast(_C.StitchChunk, item.at)
 
 
 def _batches(
@@ -51,20 +57,20 @@ def _batches(
         start = 0
         while start < len(remote):
             end, size = start, 0
-            while end < len(remote) and (end == start or size + stored_len(remote[end].at[0])
+            while end < len(remote) and (end == start or size + stored_len(_chunk(remote[end]).chunk)
                                          <= batch_bytes):
-                size += stored_len(remote[end].at[0])
+                size += stored_len(_chunk(remote[end]).chunk)
                 end += 1
             batch = remote[start:end]
             start = end
             needs: list[Need] = []
             where: dict[tuple[str, int], int] = {}
             for item in batch:
-                rec, params = item.at
+                rec, params = _chunk(item)
                 key = (os.path.basename(item.source), rec[0])
                 if key not in where:
                     where[key] = len(needs)
-                    needs.append((key[0], tuple(rec), params, item[0]))
+                    needs.append((key[0], tuple(rec), params, item.name))
             memory, offsets = exchange.fetch(needs)
             # Stage the received bytes: owners in rank order, back to back.
             base: dict[str, int] = {}
@@ -74,11 +80,12 @@ def _batches(
                     fh.write(memoryview(buf))
             out = []
             for item in batch:
-                rec, params = item.at
+                rec, params = _chunk(item)
                 owner = files.owner(item.source)
                 off = base[peer_source(owner)] + offsets[where[(os.path.basename(item.source),
                                                                 rec[0])]]
-                out.append(item._replace(source=stage, at=((off, *tuple(rec)[1:]), params)))
+                chunk = _C.Chunk(off, *rec[1:])  # at its place in the staged file
+                out.append(item._replace(source=stage, at=_C.StitchChunk(chunk, params)))
             del memory
             yield out
     finally:
@@ -110,7 +117,7 @@ def run_share_nodelocal(
     exchange = Exchange(files, pool)
     try:
         items = stitch_items(plan, dst, share)
-        if not all(item.is_chunk for item in items):
+        if not all(is_chunk(item) for item in items):
             raise ValueError("shared_filesystem=False needs a pyckpt checkpoint as input")
         done = stitch(_batches(items, files, exchange, src, dst, batch_bytes), threads, fsync,
                       progress, input_mode, total, partial=True)

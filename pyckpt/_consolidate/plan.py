@@ -195,18 +195,19 @@ def make_plan(
     token = uuid.uuid4().hex[:12]
     files: list[_OutFile] = []
     for fname, members in groups.items():
-        header, layout, data_bytes = _C.safetensors_header(
-            [(n, tensors[n].out_dtype, list(tensors[n].shape)) for n in members],
-            [("format", "pt")],
+        emitted = _C.safetensors_header(
+            [_C.TensorSpec(n, tensors[n].out_dtype, list(tensors[n].shape)) for n in members],
+            {"format": "pt"},
         )
+        header = emitted.header
         files.append(
             _OutFile(
                 name=fname,
                 tmp=f".{fname}.tmp-{token}",
                 header=header,
-                size=len(header) + data_bytes,
+                size=len(header) + emitted.data_bytes,
                 data_start=len(header),
-                tensors=[(n, b, e) for n, b, e in layout],
+                tensors=[(s.name, s.begin, s.end) for s in emitted.layout],
             )
         )
     unit = {n: max(1, bits // 8) if bits % 8 == 0 else 1

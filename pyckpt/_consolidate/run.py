@@ -13,7 +13,7 @@ import json
 import os
 import tempfile
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
 from pyckpt import _C, _gc, _paths, _progress
 from pyckpt._consolidate.plan import INDEX_NAME, _byte_geometry, _OutFile, _Plan
@@ -78,32 +78,15 @@ def remove_temps(plan: _Plan, dst: str, indices: Sequence[int] | None = None) ->
     _unlink_quiet(os.path.join(dst, plan.index_tmp))
 
 
-class StitchItem(NamedTuple):
-    """One copy job of the native stitcher (``_C.stitch``): the elements ``[lo, hi)`` of a
-    tensor's output that a source block (a safetensors shard, or one pyckpt chunk) holds.
+#: One copy job of the native stitcher (``_C.stitch``): the elements ``[lo, hi)`` of a tensor's
+#: output that a source block (a safetensors shard, or one pyckpt chunk) holds; the binding's
+#: named tuple (fields documented in ``pyckpt/_C.pyi``).
+StitchItem = _C.StitchItem
 
-    A named tuple: the binding receives the plain tuple, Python code reads fields by name.
-    """
 
-    name: str
-    shape: list[int]  # the full tensor's shape
-    offsets: list[int]  # the block's offsets in it
-    sizes: list[int]  # the block's sizes
-    item: int  # bytes per element of the geometry
-    source: str  # the input file
-    at: Any  # safetensors: the block's byte offset; pyckpt: (chunk record, codec params)
-    out_path: str
-    out_offset: int  # the tensor's first byte in the output file
-    lo: int  # output elements of the tensor this item may write: [lo, hi)
-    hi: int
-    p: int  # block elements this item holds: [p, q) (a chunk), or [0, 2**64 - 1) (a shard)
-    q: int
-    cast: tuple[str, str] | None  # (from dtype, to dtype), or None
-
-    @property
-    def is_chunk(self) -> bool:
-        """A pyckpt chunk (``at`` is (record, params)), not a safetensors block."""
-        return isinstance(self.at, tuple)
+def is_chunk(item: StitchItem) -> bool:
+    """A pyckpt chunk (``at`` is a ``_C.StitchChunk``), not a safetensors block."""
+    return isinstance(item.at, tuple)
 
 
 def stitch_items(plan: _Plan, dst: str, share: list[tuple[int, int, int]]) -> list[StitchItem]:
@@ -122,7 +105,7 @@ def _stitch_items(plan: _Plan, dst: str, share: list[tuple[int, int, int]]) -> l
             if a >= b:
                 continue
             t = plan.tensors[name]
-            cast = None if t.cast_to is None else (t.dtype, t.cast_to)
+            cast = None if t.cast_to is None else _C.FloatCast(t.dtype, t.cast_to)
             whole = t.blocks[0].segments if cast is None and len(t.blocks) == 1 else None
             if whole is not None:
                 # A pyckpt tensor stored whole (the common case): byte k of the piece is byte k
@@ -135,8 +118,8 @@ def _stitch_items(plan: _Plan, dst: str, share: list[tuple[int, int, int]]) -> l
                         q = p + rec[1]
                         if lo_b < q and p < hi_b:
                             items.append(StitchItem(name, shape, offsets, sizes, 1, path,
-                                                    (rec, params), out_path, out_offset, lo_b,
-                                                    hi_b, p, q, None))
+                                                    _C.StitchChunk(rec, params), out_path,
+                                                    out_offset, lo_b, hi_b, p, q, None))
                         p = q
                 continue
             for blk in t.blocks:
@@ -172,7 +155,7 @@ def _chunk_items(
     lo: int,
     hi: int,
     item: int = 1,
-    cast: tuple[str, str] | None = None,
+    cast: _C.FloatCast | None = None,
 ) -> list[StitchItem]:
     """Stitcher items (one per chunk) for the chunks of a pyckpt piece that reach [lo, hi).
 
@@ -210,8 +193,8 @@ def _chunk_items(
             if p == q or global_index(q - 1) < lo or global_index(p) >= hi:
                 continue
             items.append(
-                StitchItem(name, shape, offsets, sizes, item, path, (rec, params), out_path,
-                           out_offset, lo, hi, p, q, cast)
+                StitchItem(name, shape, offsets, sizes, item, path, _C.StitchChunk(rec, params),
+                           out_path, out_offset, lo, hi, p, q, cast)
             )
     return items
 

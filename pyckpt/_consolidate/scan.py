@@ -188,7 +188,8 @@ def _scan_safetensors(src: str) -> dict[str, _Tensor]:
         else:
             t.shape = tuple(max(b.offsets[d] + b.sizes[d] for b in blocks)
                             for d in range(len(blocks[0].sizes)))
-        _C.check_tiling(t.name, t.shape, [(b.offsets, b.sizes, base_of[b.path]) for b in blocks])
+        _C.check_tiling(t.name, t.shape,
+                        [_C.TileBlock(b.offsets, b.sizes, base_of[b.path]) for b in blocks])
     return tensors
 
 

@@ -22,9 +22,9 @@ import logging
 import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple, Protocol, TypeVar, runtime_checkable
+from typing import Any, Protocol, TypeVar, runtime_checkable
 
-from pyckpt import _format, _ranklocal
+from pyckpt import _C, _format, _ranklocal
 from pyckpt._collective import add_note
 from pyckpt._format import METADATA_FILE
 from pyckpt._partition import name_shares
@@ -50,16 +50,9 @@ __all__ = [
 
 logger = logging.getLogger("pyckpt.backends")
 
-class ReadRequest(NamedTuple):
-    """One read into a caller's buffer: raw bytes ``[lo, hi)`` of a stored piece (or bytes
-    item) decoded to address ``dst``. A named tuple: the binding (``_C.read_requests``)
-    receives the plain tuple."""
-
-    name: str  # the item, named by errors
-    segments: Sequence[Any]  # the piece's segments (file, raw_begin, params, chunk records)
-    lo: int
-    hi: int
-    dst: int  # address of hi - lo writable bytes
+#: One read into a caller's buffer (``name, segments, lo, hi, dst``): raw bytes ``[lo, hi)`` of
+#: a stored piece (or bytes item) decoded to address ``dst``; the binding's named tuple.
+ReadRequest = _C.ReadRequest
 
 
 
@@ -254,25 +247,25 @@ class Backend(Protocol):
         """Reads and validates ``pyckpt.json`` (every data file checked present)."""
         ...
 
-    def read_requests(self, requests: list[Any], pool: Any) -> tuple[int, int]:
+    def read_requests(self, requests: list[ReadRequest], pool: Any) -> _C.ReadStats:
         """As ``_C.read_requests``: reads, verifies and decodes the chunks overlapping each
         request into the caller's buffer; returns (stored bytes read, chunks decoded). Reads
         only what this rank's place holds, never with a collective (:meth:`reads` is the load
         session that may exchange chunks with other ranks)."""
         ...
 
-    def verify_segments(self, name: str, segments: list[Any], pool: Any) -> tuple[int, int]:
+    def verify_segments(self, name: str, segments: list[Any], pool: Any) -> _C.ReadStats:
         """As ``_C.verify_segments`` (checksums of every chunk of ``segments``)."""
         ...
 
-    def read_stored(self, requests: list[Any], pool: Any) -> tuple[int, int]:
+    def read_stored(self, requests: list[ReadRequest], pool: Any) -> _C.ReadStats:
         """As ``_C.read_stored``: the stored (still encoded) bytes of every chunk of each
         request's segments, checksums verified, back to back into its destination (what a rank
         serves to the others in a cooperative or node-local load)."""
         ...
 
     def reads(self, pool: Any) -> contextlib.AbstractContextManager[
-            Callable[[list[Any]], tuple[int, int]]]:
+            Callable[[list[ReadRequest]], _C.ReadStats]]:
         """One load's read session: yields the function ``Reader.read_data`` calls with each
         batch of requests (:func:`direct_reads` for most backends; exchange rounds with the
         other ranks for a node-local checkpoint)."""
@@ -323,7 +316,8 @@ class Backend(Protocol):
 
 
 @contextlib.contextmanager
-def direct_reads(backend: Backend, pool: Any) -> Iterator[Callable[[list[Any]], tuple[int, int]]]:
+def direct_reads(backend: Backend, pool: Any
+                 ) -> Iterator[Callable[[list[ReadRequest]], _C.ReadStats]]:
     """The read session of a backend that needs none: each batch is one
     :meth:`Backend.read_requests` call."""
     yield lambda requests: backend.read_requests(requests, pool)

@@ -23,6 +23,7 @@ from pyckpt._format import METADATA_FILE
 from pyckpt._paths import write_atomic
 from pyckpt.backends.base import (
     NativeBlockSink,
+    ReadRequest,
     SaveState,
     WholePlace,
     check_name,
@@ -151,20 +152,20 @@ class MemoryBackend(WholePlace):
         # The one validation path, data files looked up here.
         return _format.validate(raw, meta, lambda version: _Validator(self, meta, version))
 
-    def _sources(self, segments: Iterable[Any]) -> dict[str, Any]:  # the bytes, lent as is
+    def _sources(self, segments: Iterable[Any]) -> dict[str, _C.MemorySource]:  # lent as is
         data = {seg[0]: self.files.get(seg[0].rsplit("/", 1)[-1], b"") for seg in segments}
-        return {url: (len(b), [(0, b)]) for url, b in data.items()}
+        return {url: _C.MemorySource(len(b), [_C.MemoryRange(0, b)]) for url, b in data.items()}
 
-    def read_requests(self, requests: list[Any], pool: Any) -> tuple[int, int]:
+    def read_requests(self, requests: list[ReadRequest], pool: Any) -> _C.ReadStats:
         return _C.read_requests(requests, pool, self._sources(s for r in requests for s in r[1]))
 
     def reads(self, pool: Any) -> Any:
         return direct_reads(self, pool)
 
-    def read_stored(self, requests: list[Any], pool: Any) -> tuple[int, int]:
+    def read_stored(self, requests: list[ReadRequest], pool: Any) -> _C.ReadStats:
         return _C.read_stored(requests, pool, self._sources(s for r in requests for s in r[1]))
 
-    def verify_segments(self, name: str, segments: list[Any], pool: Any) -> tuple[int, int]:
+    def verify_segments(self, name: str, segments: list[Any], pool: Any) -> _C.ReadStats:
         return _C.verify_segments(name, segments, pool, self._sources(segments))
 
     def stage(self, directory: str, share: tuple[int, int] | None = None) -> list[str]:

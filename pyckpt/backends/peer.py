@@ -24,8 +24,8 @@ import threading
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
-from pyckpt import _format
-from pyckpt._collective import coordination_info
+from pyckpt import _C, _format
+from pyckpt._collective import coordination_info, group_info
 from pyckpt._exchange import (  # re-exported: where they were public
     Exchange,
     Need,
@@ -35,7 +35,7 @@ from pyckpt._exchange import (  # re-exported: where they were public
     read_requests,
     writer_rank,
 )
-from pyckpt.backends.base import Backend, SaveState, clean_up
+from pyckpt.backends.base import Backend, ReadRequest, SaveState, clean_up
 
 __all__ = ["Exchange", "Need", "PeerBackend", "PeerFiles", "discover", "peer_source",
            "read_requests", "writer_rank"]
@@ -188,7 +188,7 @@ class PeerBackend:
         return index
 
     @contextlib.contextmanager
-    def reads(self, pool: Any) -> Iterator[Callable[[list[Any]], tuple[int, int]]]:
+    def reads(self, pool: Any) -> Iterator[Callable[[list[ReadRequest]], _C.ReadStats]]:
         """Yields the read function of one load's ``read_data``: each call is one exchange
         round (collective); an error raised inside is told to every rank."""
         files = self.files
@@ -205,7 +205,7 @@ class PeerBackend:
             self.bytes_from_peers += exchange.bytes_received
         exchange.finish()
 
-    def read_requests(self, requests: list[Any], pool: Any) -> tuple[int, int]:
+    def read_requests(self, requests: list[ReadRequest], pool: Any) -> _C.ReadStats:
         """This rank's own files only (no collective): exchange rounds run in :meth:`reads`."""
         return self.local.read_requests(requests, pool)
 
@@ -223,10 +223,10 @@ class PeerBackend:
     def with_deadline(self, seconds: float) -> PeerBackend:
         return self
 
-    def verify_segments(self, name: str, segments: list[Any], pool: Any) -> tuple[int, int]:
+    def verify_segments(self, name: str, segments: list[Any], pool: Any) -> _C.ReadStats:
         return self.local.verify_segments(name, segments, pool)
 
-    def read_stored(self, requests: list[Any], pool: Any) -> tuple[int, int]:
+    def read_stored(self, requests: list[ReadRequest], pool: Any) -> _C.ReadStats:
         return self.local.read_stored(requests, pool)
 
     def stage(self, directory: str, share: tuple[int, int] | None = None) -> list[str]:

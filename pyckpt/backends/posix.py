@@ -30,6 +30,7 @@ from pyckpt._format import METADATA_FILE
 from pyckpt._paths import LOCK_FILE, copy_atomic, fsync_dir, temp_name, write_atomic
 from pyckpt.backends.base import (
     ANY,
+    ReadRequest,
     SaveState,
     WholePlace,
     check_name,
@@ -321,16 +322,16 @@ class PosixBackend(WholePlace):
     def read_index(self, *, all_files: bool = True) -> _format.CheckpointIndex:
         return _format.read_index(self.path, all_files=all_files)
 
-    def read_requests(self, requests: list[Any], pool: Any) -> tuple[int, int]:
+    def read_requests(self, requests: list[ReadRequest], pool: Any) -> _C.ReadStats:
         return _C.read_requests(requests, pool)
 
     def reads(self, pool: Any) -> Any:
         return direct_reads(self, pool)
 
-    def read_stored(self, requests: list[Any], pool: Any) -> tuple[int, int]:
+    def read_stored(self, requests: list[ReadRequest], pool: Any) -> _C.ReadStats:
         return _C.read_stored(requests, pool)
 
-    def verify_segments(self, name: str, segments: list[Any], pool: Any) -> tuple[int, int]:
+    def verify_segments(self, name: str, segments: list[Any], pool: Any) -> _C.ReadStats:
         return _C.verify_segments(name, segments, pool)
 
     def stage(self, directory: str, share: tuple[int, int] | None = None) -> list[str]:

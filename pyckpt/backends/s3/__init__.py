@@ -19,11 +19,12 @@ import os
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from pyckpt import _format
+from pyckpt import _C, _format
 from pyckpt._format import METADATA_FILE
 from pyckpt._paths import temp_name
 from pyckpt.backends.base import (
     ANY,
+    ReadRequest,
     SaveState,
     WholePlace,
     check_name,
@@ -152,16 +153,16 @@ class S3Backend(WholePlace):
     def read_index(self) -> _format.CheckpointIndex:
         return read_index(self.loc)
 
-    def read_requests(self, requests: list[Any], pool: Any) -> tuple[int, int]:
+    def read_requests(self, requests: list[ReadRequest], pool: Any) -> _C.ReadStats:
         return self.fetcher().read_requests(requests, pool)
 
     def reads(self, pool: Any) -> Any:
         return direct_reads(self, pool)
 
-    def read_stored(self, requests: list[Any], pool: Any) -> tuple[int, int]:
+    def read_stored(self, requests: list[ReadRequest], pool: Any) -> _C.ReadStats:
         return self.fetcher().read_stored(requests, pool)
 
-    def verify_segments(self, name: str, segments: list[Any], pool: Any) -> tuple[int, int]:
+    def verify_segments(self, name: str, segments: list[Any], pool: Any) -> _C.ReadStats:
         return self.fetcher().verify_segments(name, segments, pool)
 
     def stage(self, directory: str, share: tuple[int, int] | None = None) -> list[str]:

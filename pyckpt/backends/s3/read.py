@@ -143,12 +143,12 @@ class Fetcher:
         self.__dict__.update(state)
         self._lock = threading.Lock()
 
-    def _download(self, ranges: dict[str, list[tuple[int, int]]]) -> dict[str, Any]:
+    def _download(self, ranges: dict[str, list[tuple[int, int]]]) -> dict[str, _C.MemorySource]:
         jobs = [(url, a, b) for url, rs in ranges.items() for a, b in rs]
         names = {url: self.loc.name_of(url) for url in ranges}
         # A short object is caught by the length check below; the source's size only bounds
         # the records against what was downloaded.
-        sources: dict[str, Any] = {url: (max(b for _, b in rs), []) for url, rs in ranges.items()}
+        sources = {url: _C.MemorySource(max(b for _, b in rs), []) for url, rs in ranges.items()}
         if not jobs:
             return sources
 
@@ -166,10 +166,10 @@ class Fetcher:
             return url, a, data
 
         for url, a, data in _background.map_parallel(fetch, jobs, _GET_CONCURRENCY):
-            sources[url][1].append((a, data))
+            sources[url].ranges.append(_C.MemoryRange(a, data))
         return sources
 
-    def read_requests(self, requests: list[Any], pool: Any) -> tuple[int, int]:
+    def read_requests(self, requests: list[ReadRequest], pool: Any) -> _C.ReadStats:
         """As :func:`pyckpt._C.read_requests`; fetches in batches of about _FETCH_BATCH_BYTES."""
         nread = ndecoded = 0
         batch: list[Any] = []
@@ -180,9 +180,9 @@ class Fetcher:
             nonlocal batch, ranges, held, nread, ndecoded
             if batch:
                 sources = self._download(_coalesce(ranges))
-                r, d = _C.read_requests(batch, pool, sources)
-                nread += r
-                ndecoded += d
+                stats = _C.read_requests(batch, pool, sources)
+                nread += stats.bytes_read
+                ndecoded += stats.chunks
             batch, ranges, held = [], [], 0
 
         for request in requests:
@@ -193,23 +193,23 @@ class Fetcher:
                 ranges.extend(rs)
                 held += nbytes
         flush()
-        return nread, ndecoded
+        return _C.ReadStats(nread, ndecoded)
 
-    def read_stored(self, requests: list[Any], pool: Any) -> tuple[int, int]:
+    def read_stored(self, requests: list[ReadRequest], pool: Any) -> _C.ReadStats:
         """As :func:`pyckpt._C.read_stored`: the chunks' stored bytes, fetched and verified."""
         rs = [(seg[0], c[0], c[0] + stored_len(c)) for r in requests for seg in r[1] for c in seg[3]]
         return _C.read_stored(requests, pool, self._download(_coalesce(rs)))
 
-    def verify_segments(self, name: str, segments: list[Any], pool: Any) -> tuple[int, int]:
+    def verify_segments(self, name: str, segments: list[Any], pool: Any) -> _C.ReadStats:
         """As :func:`pyckpt._C.verify_segments`, one segment at a time (bounded memory)."""
         nread = nchecked = 0
         for seg in segments:
             rs = [(seg[0], c[0], c[0] + stored_len(c)) for c in seg[3]]
             sources = self._download(_coalesce(rs))
-            r, c = _C.verify_segments(name, [seg], pool, sources)
-            nread += r
-            nchecked += c
-        return nread, nchecked
+            stats = _C.verify_segments(name, [seg], pool, sources)
+            nread += stats.bytes_read
+            nchecked += stats.chunks
+        return _C.ReadStats(nread, nchecked)
 
 
 def stage_checkpoint(loc: Location, directory: str,
