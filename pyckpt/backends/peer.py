@@ -25,7 +25,7 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 from pyckpt import _C, _format
-from pyckpt._collective import coordination_info, group_info
+from pyckpt._collective import coordination_info
 from pyckpt._exchange import (  # re-exported: where they were public
     Exchange,
     Need,
