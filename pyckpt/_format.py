@@ -25,21 +25,20 @@ Python representations used across the package:
   one file, covering the piece's raw bytes from ``raw_begin`` on.
 
 This module is a facade: the format's code lives in :mod:`pyckpt._format_spec` (constants,
-names, the index types), :mod:`pyckpt._format_write` (the metadata document of a save),
-:mod:`pyckpt._format_schema` (the strict schema) and :mod:`pyckpt._format_read` (opening and
-parsing ``pyckpt.json``, :func:`read_index`). Import names from here.
+names, the index types), :mod:`pyckpt._format_write` (the metadata document of a save) and
+:mod:`pyckpt._format_read` (opening ``pyckpt.json``, :func:`read_index`; the metadata reader
+itself is native, ``csrc/core/pyckpt_index.hpp``). Import names from here.
 """
 
 from __future__ import annotations
 
-from pyckpt._format_read import (  # noqa: F401 (_open_metadata, _parse)
+from pyckpt._format_read import (  # noqa: F401 (_open_metadata)
+    DataFiles,
     _open_metadata,
-    _parse,
     read_index,
     tensor_index,
     validate,
 )
-from pyckpt._format_schema import _Validator  # noqa: F401 (subclassed by other backends)
 from pyckpt._format_spec import (
     CODEC_NONE,
     CODEC_ZSTD,
@@ -122,6 +121,7 @@ __all__ = [
     "data_file_name",
     "is_data_file",
     "data_file_rank",
+    "DataFiles",
     "read_index",
     "tensor_index",
     "validate",

@@ -1,78 +1,45 @@
-"""On-disk format, the reading side: opening ``pyckpt.json``, checking its seal, parsing it
-strictly, and :func:`read_index`, the one validation path of every reader.
+"""On-disk format, the reading side: opening ``pyckpt.json`` and :func:`read_index`, the one
+validation path of every reader.
+
+The metadata reader is native (``csrc/core/pyckpt_index.hpp``, ``_C.parse_pyckpt_index``): it
+verifies the metadata checksum and parses and validates the document, every version and
+spelling the format allows, in one pass without the GIL, and names what is wrong. What is left
+here is what only a backend can check: that the data files it lists exist where the backend
+keeps them, at least as large as recorded (:class:`DataFiles`).
 
 Imported through :mod:`pyckpt._format`; ``docs/FORMAT.md`` is the specification.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import errno
-import json
 import os
-import re
 import stat
-from collections.abc import Callable
 from typing import Any
 
-from pyckpt import _C, _gc, _knobs
-from pyckpt._format_json import _describe, _Duplicate
-from pyckpt._format_schema import _Validator
+from pyckpt import _C, _gc
 from pyckpt._format_spec import (
-    _JUST_INT,
-    _SEAL_LEN,
-    _SEAL_RE,
-    _SEGMENT_KEYS,
-    FORMAT_NAME,
     MAX_METADATA_BYTES,
     METADATA_FILE,
-    READABLE_VERSIONS,
     CheckpointIndex,
+    StoredBytes,
+    StoredPiece,
     StoredTensor,
 )
 from pyckpt.errors import CheckpointFormatError
 
 
-def _object_hook() -> Callable[[list[tuple[str, Any]]], Any]:
-    """The ``object_pairs_hook`` of one parse.
-
-    Besides marking repeated keys, it compacts chunk records while the document is being parsed
-    (the parsed lists of a large checkpoint would otherwise dominate memory): in every object
-    with exactly the segment keys, each ``[a, b, c, d, [planes...]]`` chunk list becomes the tuple
-    ``(a, b, c, d, (planes...))`` and repeated raw lengths and all-raw plane tuples are shared.
-    The values are not checked here; the validator checks the tuples as it would the lists (and
-    :meth:`_Validator.untag` turns them back into lists inside planner_data).
-    """
-    ints: dict[int, int] = {}
-    raw_planes: dict[tuple[Any, ...], tuple[Any, ...]] = {}
-
-    def hook(pairs: list[tuple[str, Any]]) -> Any:
-        d = dict(pairs)
-        if len(d) != len(pairs):
-            seen: set[str] = set()
-            for k, _ in pairs:
-                if k in seen:
-                    return _Duplicate(k)
-                seen.add(k)
-        chunks = d.get("chunks")
-        if type(chunks) is list and len(d) == 4 and d.keys() == _SEGMENT_KEYS:
-            for j, c in enumerate(chunks):
-                if type(c) is list and len(c) == 5 and type(c[4]) is list:
-                    planes = tuple(c[4])
-                    # All raw planes: the tuple repeats across chunks. Only exact ints are
-                    # shared (False == 0 and hash alike: sharing must not hide a bool).
-                    if not any(planes[0::2]) and set(map(type, planes)) == _JUST_INT:
-                        planes = raw_planes.setdefault(planes, planes)
-                    raw_len = c[1]
-                    if type(raw_len) is int:
-                        raw_len = ints.setdefault(raw_len, raw_len)
-                    chunks[j] = (c[0], raw_len, c[2], c[3], planes)
-        return d
-
-    return hook
+def _fields(cls: type) -> tuple[type, tuple[str, ...]]:
+    """(cls, its field names in order): how the reader makes instances without __init__
+    (see ``_C.PyckptIndex.materialize``), which only holds for a plain slots dataclass."""
+    if "__post_init__" in vars(cls) or not hasattr(cls, "__slots__"):
+        raise TypeError(f"{cls.__name__} must stay a plain slots dataclass")
+    return cls, tuple(f.name for f in dataclasses.fields(cls))
 
 
-def _reject_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not a JSON value")
+_TENSOR_FIELDS = _fields(StoredTensor)
+_PIECE_FIELDS = _fields(StoredPiece)
 
 
 def _open_metadata(root: str, meta: str) -> bytes:
@@ -119,88 +86,67 @@ def _open_metadata(root: str, meta: str) -> bytes:
     return parts[0] if len(parts) == 1 else b"".join(parts)
 
 
-def _check_seal(raw: bytes, meta: str) -> re.Match[bytes] | None:
-    """The metadata checksum member at the end of ``raw``, verified; None when there is none."""
-    seal = _SEAL_RE.fullmatch(raw, len(raw) - _SEAL_LEN) if len(raw) > _SEAL_LEN else None
-    if seal is not None:
-        recorded = int(seal.group(1), 16)
-        actual = _C.xxh64(memoryview(raw)[: len(raw) - _SEAL_LEN])
-        if actual != recorded:
+class DataFiles:
+    """The data files of one checkpoint where a backend keeps them (here: a directory): checks
+    each file a validated document lists, and builds the index with each file's full path.
+    Other backends override :meth:`check_file`."""
+
+    def __init__(self, root: str, meta: str, all_files: bool = True) -> None:
+        self.root = root
+        self.meta = meta
+        self.all_files = all_files
+
+    def check_file(self, name: str, size: int) -> str | None:
+        """Checks that data file ``name`` (a validated plain name) exists as a regular file of
+        at least ``size`` bytes; returns its full path, or None when it is missing and the
+        checkpoint is node-local (``all_files`` False: another node holds it)."""
+        full = os.path.join(self.root, name)
+        try:
+            st = os.lstat(full)
+        except FileNotFoundError:
+            if not self.all_files:
+                return None
+            raise FileNotFoundError(
+                errno.ENOENT, f"data file of checkpoint {self.root!r} is missing", full
+            ) from None
+        if stat.S_ISLNK(st.st_mode):
+            raise CheckpointFormatError(f"{full}: data file is a symbolic link; pyckpt "
+                                        "does not follow links out of a checkpoint")
+        if not stat.S_ISREG(st.st_mode):
+            raise CheckpointFormatError(f"{full}: data file is not a regular file")
+        if st.st_size < size:
             raise CheckpointFormatError(
-                f"{meta}: metadata checksum mismatch (recorded xxh64:{recorded:016x}, computed "
-                f"xxh64:{actual:016x}): the file is damaged"
+                f"{full}: data file is truncated: {st.st_size} bytes, expected {size}"
             )
-    return seal
+        return full
 
-
-def _native(raw: bytes, meta: str, seal: re.Match[bytes] | None) -> _C.PyckptIndex | None:
-    """``raw`` read by the native reader (``csrc/core/pyckpt_index.hpp``): a document of the
-    current version as this pyckpt writes it, parsed and checked in one pass outside Python.
-    None for every other document (older versions, other spellings, damaged or hostile files),
-    which the Python validator then reads: it accepts the rest of the format and names what is
-    wrong. ``seal``: :func:`_check_seal` of ``raw`` (a version 3 document has one)."""
-    if not _knobs.native_index() or seal is None:
-        return None
-    try:
-        return _C.parse_pyckpt_index(raw, meta)
-    except CheckpointFormatError:
-        return None
-
-
-_UNCHECKED: Any = object()
-
-
-def _parse(holder: list[bytes], meta: str,
-           seal: re.Match[bytes] | None = _UNCHECKED) -> tuple[dict[str, Any], int]:
-    """Checks the metadata checksum, then parses strict UTF-8 JSON; returns (doc, version).
-
-    ``holder`` holds the file's bytes; they are released once decoded, before the parse.
-    ``seal``: the caller's :func:`_check_seal` of them, when it has checked them already.
-    """
-    raw = holder.pop()
-    if seal is _UNCHECKED:
-        seal = _check_seal(raw, meta)
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise CheckpointFormatError(
-            f"{meta}: metadata is not UTF-8 ({e.reason} at byte {e.start})"
-        ) from None
-    del raw
-    if not text.startswith("{"):
-        raise CheckpointFormatError(
-            f"{meta}: metadata must start with '{{' (no byte order mark, no whitespace)"
+    def index(self, x: _C.PyckptIndex) -> CheckpointIndex:
+        """The index of the document the reader read (``x``), once its data files pass
+        :meth:`check_file`, in the document's order."""
+        files: dict[str, int] = {}
+        local_files: set[str] = set()
+        paths = []
+        for name, size in x.files:
+            full = self.check_file(name, size)
+            files[name] = size
+            paths.append(os.path.join(self.root, name) if full is None else full)
+            if full is not None:  # None: node-local, held by another node
+                local_files.add(name)
+        tensors, bytes_items = x.materialize(paths, _TENSOR_FIELDS, _PIECE_FIELDS, StoredBytes,
+                                             _C.CodecParams)
+        return CheckpointIndex(
+            path=self.root,
+            tensors=tensors,
+            bytes_items=bytes_items,
+            files=files,
+            save_id=x.save_id,
+            dcp_version=x.dcp_version,
+            planner_data=x.planner_data,
+            storage_meta={"modules": x.modules},
+            created_by=x.created_by,
+            version=x.version,
+            local_files=local_files,
         )
-    try:
-        doc = json.loads(text, object_pairs_hook=_object_hook(), parse_constant=_reject_constant)
-    except RecursionError:
-        raise CheckpointFormatError(f"{meta}: metadata is nested too deeply") from None
-    except ValueError as e:  # JSONDecodeError, NaN/Infinity, integers of too many digits
-        raise CheckpointFormatError(f"{meta}: metadata is not valid JSON ({e})") from None
-    del text
-    if type(doc) is not dict:
-        what = f"repeats the top-level key {doc.key!r}" if isinstance(doc, _Duplicate) else (
-            "is not a JSON object")
-        raise CheckpointFormatError(f"{meta}: metadata {what}")
-    if doc.get("format") != FORMAT_NAME or type(doc.get("format")) is not str:
-        raise CheckpointFormatError(f"{meta}: not a pyckpt metadata file ('format' is not "
-                                    f"{FORMAT_NAME!r})")
-    version = doc.get("version")
-    if type(version) is not int:
-        raise CheckpointFormatError(
-            f"{meta}: version: must be an integer, got {_describe(version)}"
-        )
-    if version not in READABLE_VERSIONS:
-        raise CheckpointFormatError(
-            f"{meta}: format version {version} is not supported by this pyckpt (reads versions "
-            f"{', '.join(map(str, READABLE_VERSIONS))}); upgrade pyckpt to read it"
-        )
-    if version >= 2 and seal is None:
-        raise CheckpointFormatError(
-            f"{meta}: the metadata checksum is missing or malformed (a version {version} file "
-            "ends with ,\"checksum\":\"xxh64:<16 hex digits>\"}): the file is damaged"
-        )
-    return doc, version
 
 
 def read_index(
@@ -231,20 +177,15 @@ def read_index(
     root = os.fspath(path)
     meta = os.path.join(root, METADATA_FILE)
     raw = _open_metadata(root, meta) if document is None else bytes(document)
-    return validate(raw, meta, lambda version: _Validator(root, meta, version, all_files))
+    return validate(raw, meta, DataFiles(root, meta, all_files))
 
 
-def validate(raw: bytes, meta: str, validator: Callable[[int], _Validator]) -> CheckpointIndex:
-    """The index of the metadata bytes ``raw`` (of ``meta``, for messages): read by the native
-    reader when it accepts them, else by the Python validator. ``validator(version)`` makes the
-    validator whose ``check_file`` checks the data files where the backend keeps them."""
+def validate(raw: bytes, meta: str, files: DataFiles, **options: Any) -> CheckpointIndex:
+    """The index of the metadata bytes ``raw`` (of ``meta``, for messages), read by the metadata
+    reader, its data files checked by ``files`` (where the backend keeps them). ``options``:
+    those of ``_C.parse_pyckpt_index`` (a rank-local part: ``disjoint_pieces``, ``rank``)."""
     with _gc.paused():  # objects per tensor, piece and chunk, all kept (see pyckpt._gc)
-        seal = _check_seal(raw, meta)  # once, for either reader
-        native = _native(raw, meta, seal)
-        if native is not None:
-            return validator(native.version).from_native(native, raw)
-        doc, version = _parse([raw], meta, seal)
-        return validator(version).index(doc)
+        return files.index(_C.parse_pyckpt_index(raw, meta, **options))
 
 
 def tensor_index(path: str | os.PathLike[str]) -> dict[str, StoredTensor]:

@@ -41,7 +41,6 @@ __all__ = [
     "peer_timeout",
     "cooperative",
     "coop_window_bytes",
-    "native_index",
     "override",
 ]
 
@@ -325,13 +324,6 @@ def peer_timeout() -> int:
     rank that stopped beating; capped at the process group's own timeout. Also the group's
     timeout during a node-local load (docs/RELIABILITY.md, "Peers that die")."""
     return _int("peer_timeout", "PYCKPT_PEER_TIMEOUT", 300, 1)
-
-
-def native_index() -> bool:
-    """``PYCKPT_NATIVE_INDEX``: read ``pyckpt.json`` with the native reader first (default on;
-    documents outside its subset, damaged ones included, go to the Python validator either way).
-    Off: the Python validator reads every document."""
-    return _bool("native_index", "PYCKPT_NATIVE_INDEX", True)
 
 
 @contextlib.contextmanager

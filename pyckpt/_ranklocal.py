@@ -164,34 +164,6 @@ class Part:
             _format.is_data_file(base) and _format.data_file_rank(base) == self.rank))
 
 
-class _Validator(_format._Validator):
-    """The metadata validator for one rank's part of a rank-local checkpoint."""
-
-    def __init__(self, root: str, meta: str, version: int, rank: int) -> None:
-        super().__init__(root, meta, version)
-        self.rank = rank
-
-    def check_file(self, name: str, size: int) -> str | None:
-        if _format.data_file_rank(name) != self.rank:
-            raise self.fail(f"files[{name!r}]", f"is not a data file of rank {self.rank}; "
-                                                "rank-local metadata names only its rank's files")
-        return super().check_file(name, size)
-
-    def check_tiling(self, ip: str, shape: tuple[int, ...], numel: int,
-                     pieces: list[_format.StoredPiece]) -> None:
-        """A rank holds some shards of a tensor: its pieces must not overlap (bounds are
-        checked per piece by the base validator)."""
-        boxes = [(n, p) for n, p in enumerate(pieces) if p.nbytes]
-        if len(boxes) > _MAX_PIECES_PER_TENSOR:
-            raise self.fail(f"{ip}.pieces", f"{len(boxes)} pieces, more than the "
-                                            f"{_MAX_PIECES_PER_TENSOR} a rank-local part may hold")
-        for k, (n1, b) in enumerate(boxes):
-            for n0, a in boxes[:k]:
-                if all(a.offsets[d] < b.offsets[d] + b.sizes[d]
-                       and b.offsets[d] < a.offsets[d] + a.sizes[d] for d in range(len(shape))):
-                    raise self.fail(f"{ip}.pieces[{n1}]", f"overlaps {ip}.pieces[{n0}]")
-
-
 def read_index(path: str, rank: int) -> _format.CheckpointIndex:
     """Reads and validates rank ``rank``'s metadata of the rank-local checkpoint ``path``.
 
@@ -210,8 +182,10 @@ def read_index(path: str, rank: int) -> _format.CheckpointIndex:
             f"{rank}: it was saved with use_collectives=False by fewer ranks, or is incomplete",
             meta,
         ) from None
-    doc, version = _format._parse([raw], meta)
-    return _Validator(path, meta, version, rank).index(doc)
+    # The metadata reader checks both differences: only this rank's data files, and pieces that
+    # need not tile a tensor but must not overlap (at most _MAX_PIECES_PER_TENSOR of them).
+    return _format.validate(raw, meta, _format.DataFiles(path, meta),
+                            disjoint_pieces=_MAX_PIECES_PER_TENSOR, rank=rank)
 
 
 def fallback(path: str | None, rank: Any, error: BaseException) -> _format.CheckpointIndex | None:

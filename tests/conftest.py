@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import copy
 import os
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -34,32 +34,25 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
 
 @pytest.fixture(autouse=True, scope="session")
 def _native_index_checked() -> Iterator[None]:
-    """Every checkpoint index the native metadata reader builds in this process is compared with
-    the Python validator's index of the same bytes: the whole suite is a differential test of the
-    two readers (the native one may refuse more documents, never accept more or read them
-    differently)."""
-    from _index_compare import plain, python_index
+    """Every metadata document the metadata reader reads in this process is read by the Python
+    validator kept as its oracle too (tests/_index_oracle.py): the whole suite is a differential
+    test of the two, which must build the same index or refuse with the same error."""
+    from _index_compare import both_readers
 
-    from pyckpt import _format_schema
+    from pyckpt import _C
 
-    native = _format_schema._Validator.from_native
+    real = _C.parse_pyckpt_index
 
-    def checked(self: _format_schema._Validator, x: object, raw: bytes) -> object:
-        # The reference is a validator of the same class (a backend's checks its data files
-        # where the backend keeps them), with the base state reset.
-        fresh = copy.copy(self)
-        _format_schema._Validator.__init__(fresh, self.root, self.meta, self.version,
-                                           self.all_files)
-        index = native(self, x, raw)
-        reference = python_index(self.root, raw, all_files=self.all_files, validator=fresh)
-        assert plain(index) == plain(reference), f"{self.meta}: the two readers disagree"
-        return index
+    def checked(raw: Any, origin: str, **options: Any) -> Any:
+        native, reference = both_readers(bytes(raw), origin, **options)
+        assert native == reference, f"{origin}: the two readers disagree"
+        return real(raw, origin, **options)
 
-    _format_schema._Validator.from_native = checked  # type: ignore[method-assign]
+    _C.parse_pyckpt_index = checked
     try:
         yield
     finally:
-        _format_schema._Validator.from_native = native  # type: ignore[method-assign]
+        _C.parse_pyckpt_index = real
 
 
 def _cuda_available() -> bool:

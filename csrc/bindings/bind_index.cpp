@@ -1,4 +1,4 @@
-// Bindings of the native metadata reader (core/pyckpt_index.hpp): the parse runs without the GIL;
+// Bindings of the metadata reader (core/pyckpt_index.hpp): the parse runs without the GIL;
 // materialize() turns its flat tables into the Python objects of pyckpt._format's index.
 #include <Python.h>
 #include <pybind11/stl.h>
@@ -7,6 +7,8 @@
 #include <unordered_map>
 
 #include "bindings/bindings.hpp"
+#include "bindings/gil.hpp"
+#include "core/json_tape.hpp"
 #include "core/pyckpt_index.hpp"
 
 namespace pyckpt::bindings {
@@ -19,6 +21,58 @@ py::object steal(PyObject* o) {
 }
 
 py::object u64(std::uint64_t v) { return steal(PyLong_FromUnsignedLongLong(v)); }
+
+// A str from the reader's generalized UTF-8 (lone surrogates of \u escapes, as json.loads).
+py::object text(std::string_view s) {
+  return steal(PyUnicode_DecodeUTF8(s.data(), static_cast<Py_ssize_t>(s.size()), "surrogatepass"));
+}
+
+// The Python value of JSON value `i` as json.loads(object_hook=...) builds it, a tagged tuple
+// {"__tuple__": [...]} (the reader checked it holds that key alone) becoming a tuple.
+py::object value(const JsonTape& t, std::size_t i) {
+  const JNode& n = t[i];
+  switch (n.kind) {
+    case JKind::Null: return py::none();
+    case JKind::True: return py::bool_(true);
+    case JKind::False: return py::bool_(false);
+    case JKind::Int: {
+      if (n.flags & JNode::kBig)
+        return steal(PyLong_FromString(t.int_text(i).c_str(), nullptr, 10));
+      if (n.flags & JNode::kNegative) {
+        return steal(PyNumber_Negative(u64(n.v).ptr()));
+      }
+      return u64(n.v);
+    }
+    case JKind::Float: return steal(PyFloat_FromDouble(t.float_value(i)));
+    case JKind::String: return text(t.str(i));
+    case JKind::Array: {
+      py::object list = steal(PyList_New(static_cast<Py_ssize_t>(n.n)));
+      Py_ssize_t k = 0;
+      for (std::size_t e = i + 1; e < t.next(i); e = t.next(e)) {
+        PyList_SET_ITEM(list.ptr(), k++, value(t, e).release().ptr());
+      }
+      return list;
+    }
+    case JKind::Object: {
+      const std::size_t inner = t.member(i, "__tuple__");
+      if (inner != JsonTape::npos) return steal(PySequence_Tuple(value(t, inner).ptr()));
+      py::dict d;
+      for (std::size_t e = i + 1; e < t.next(i); e = t.next(e + 1)) {
+        if (PyDict_SetItem(d.ptr(), text(t.str(e)).ptr(), value(t, e + 1).ptr()) != 0) {
+          throw py::error_already_set();
+        }
+      }
+      return std::move(d);
+    }
+  }
+  return py::none();
+}
+
+/** A document read by the reader, with its planner_data already a Python value. */
+struct NativeIndex {
+  PyckptIndex x;
+  py::object planner_data;
+};
 
 py::object dims_tuple(const std::vector<std::uint64_t>& dims, std::size_t at, std::size_t n) {
   py::object t = steal(PyTuple_New(static_cast<Py_ssize_t>(n)));
@@ -79,7 +133,7 @@ class Builder {
 
   py::object str(const std::string& s) {
     auto it = _strings.find(s);
-    if (it == _strings.end()) it = _strings.emplace(s, py::str(s)).first;
+    if (it == _strings.end()) it = _strings.emplace(s, text(s)).first;
     return it->second;
   }
 
@@ -155,35 +209,39 @@ class Builder {
 }  // namespace
 
 void bind_index(py::module_& m) {
-  py::class_<PyckptIndex>(m, "PyckptIndex",
-                          "A pyckpt.json validated by the native reader (parse_pyckpt_index).")
-      .def_readonly("version", &PyckptIndex::version)
-      .def_readonly("created_by", &PyckptIndex::created_by)
-      .def_readonly("save_id", &PyckptIndex::save_id)
+  py::class_<NativeIndex>(m, "PyckptIndex", "A pyckpt.json read by parse_pyckpt_index.")
+      .def_property_readonly("version", [](const NativeIndex& n) { return n.x.version; })
+      .def_property_readonly("created_by",
+                             [](const NativeIndex& n) { return text(n.x.created_by); })
+      .def_property_readonly("save_id", [](const NativeIndex& n) { return text(n.x.save_id); })
       .def_property_readonly("dcp_version",
-                             [](const PyckptIndex& x) -> py::object {
-                               if (!x.has_dcp_version) return py::none();
-                               return py::str(x.dcp_version);
+                             [](const NativeIndex& n) -> py::object {
+                               if (!n.x.has_dcp_version) return py::none();
+                               return text(n.x.dcp_version);
                              })
-      .def_readonly("modules", &PyckptIndex::modules)
-      .def_property_readonly(
-          "planner_span",
-          [](const PyckptIndex& x) { return py::make_tuple(x.planner_begin, x.planner_end); },
-          "(begin, end): planner_data's JSON text in the document's bytes")
+      .def_property_readonly("modules",
+                             [](const NativeIndex& n) {
+                               py::list out;
+                               for (const std::string& s : n.x.modules) out.append(text(s));
+                               return out;
+                             })
+      .def_readonly("planner_data", &NativeIndex::planner_data,
+                    "planner_data as json.loads builds it, tagged tuples made tuples")
       .def_property_readonly(
           "files",
-          [](const PyckptIndex& x) {
+          [](const NativeIndex& n) {
             py::list out;
-            for (std::size_t i = 0; i < x.file_names.size(); ++i) {
-              out.append(py::make_tuple(py::str(x.file_names[i]), x.file_sizes[i]));
+            for (std::size_t i = 0; i < n.x.file_names.size(); ++i) {
+              out.append(py::make_tuple(text(n.x.file_names[i]), n.x.file_sizes[i]));
             }
             return out;
           },
           "[(data file name, size)] in the document's order")
       .def(
           "materialize",
-          [](const PyckptIndex& x, const py::list& paths, const py::tuple& tensor_cls,
+          [](const NativeIndex& n, const py::list& paths, const py::tuple& tensor_cls,
              const py::tuple& piece_cls, const py::object& bytes_cls, const py::object& codec_cls) {
+            const PyckptIndex& x = n.x;
             if (paths.size() != x.file_names.size()) {
               throw std::invalid_argument("materialize needs one path per data file");
             }
@@ -191,7 +249,7 @@ void bind_index(py::module_& m) {
             Builder b(x, paths, Maker(piece_cls[0], piece_cls[1]), codec_cls);
             py::dict tensors, bytes_items;
             for (const IdxItem& item : x.items) {
-              py::object fqn = py::str(item.fqn);
+              py::object fqn = text(item.fqn);
               if (!item.tensor) {
                 py::object nbytes = u64(item.nbytes);
                 py::object segs = b.segments(item.segments_begin, item.segments_end);
@@ -224,20 +282,58 @@ void bind_index(py::module_& m) {
 
   m.def(
       "parse_pyckpt_index",
-      [](const py::buffer& doc, const std::string& origin) {
+      [](const py::buffer& doc, const std::string& origin, std::size_t disjoint_pieces,
+         std::int64_t rank, const py::object& limits) {
         const py::buffer_info info = doc.request();
         if (info.ndim != 1 || info.itemsize != 1) {
           throw std::invalid_argument("parse_pyckpt_index needs a contiguous bytes-like object");
         }
-        const std::string_view text(static_cast<const char*>(info.ptr),
-                                    static_cast<std::size_t>(info.size));
-        py::gil_scoped_release nogil;
-        return parse_pyckpt_index(text, origin);
+        PyckptIndexOptions options;
+        options.disjoint_pieces = disjoint_pieces;
+        options.only_rank = rank;
+        if (!limits.is_none()) {  // tests: smaller count limits
+          PyckptIndexLimits& l = options.limits;
+          for (const auto& [key, v] : limits.cast<py::dict>()) {
+            const std::string name = py::str(key);
+            const auto value = v.cast<std::uint64_t>();
+            if (name == "MAX_ITEMS")
+              l.max_items = value;
+            else if (name == "MAX_FILES")
+              l.max_files = value;
+            else if (name == "MAX_PIECES")
+              l.max_pieces = value;
+            else if (name == "MAX_SEGMENTS")
+              l.max_segments = value;
+            else if (name == "MAX_CHUNKS")
+              l.max_chunks = value;
+            else
+              throw std::invalid_argument("parse_pyckpt_index: no limit " + name);
+          }
+        }
+        const std::string_view bytes(static_cast<const char*>(info.ptr),
+                                     static_cast<std::size_t>(info.size));
+        NativeIndex out;
+        try {
+          GilRelease nogil;
+          out.x = parse_pyckpt_index(bytes, origin, options);
+        } catch (const UnsupportedDtype& e) {
+          PyErr_SetString(py::module_::import("pyckpt.errors").attr("UnsupportedDtypeError").ptr(),
+                          e.what());
+          throw py::error_already_set();
+        }
+        out.planner_data = value(*out.x.tape, out.x.planner);
+        out.x.tape.reset();  // it views `doc`, which the caller may release
+        return out;
       },
-      py::arg("doc"), py::arg("origin"),
-      "Parses and validates pyckpt.json (its checksum already verified) natively; raises "
-      "CheckpointFormatError for any document outside the reader's subset (see "
-      "core/pyckpt_index.hpp), which the Python validator then reads.");
+      py::arg("doc"), py::arg("origin"), py::kw_only(), py::arg("disjoint_pieces") = 0,
+      py::arg("rank") = -1, py::arg("limits") = py::none(),
+      "Verifies, parses and validates pyckpt.json (the one metadata reader, "
+      "core/pyckpt_index.hpp). "
+      "disjoint_pieces > 0 reads a rank-local part of rank `rank` (pieces need not tile a tensor, "
+      "at most that many per tensor, none overlapping; only the rank's data files); `limits` "
+      "lowers count limits (MAX_ITEMS, MAX_FILES, MAX_PIECES, MAX_SEGMENTS, MAX_CHUNKS) for "
+      "tests. Raises CheckpointFormatError naming `origin` and the key path, or "
+      "UnsupportedDtypeError.");
 
   m.def(
       "pyckpt_index_tables",

@@ -4,21 +4,19 @@
 #include <cstring>
 #include <limits>
 #include <unordered_map>
-#include <unordered_set>
 #include <utility>
 
 #include "core/checksum.hpp"
 #include "core/chunk_io.hpp"
-#include "core/detail/json_reader.hpp"
 #include "core/error.hpp"
+#include "core/json_tape.hpp"
 #include "core/stitcher.hpp"
 
 namespace pyckpt {
 
 namespace {
 
-using detail::JsonReader;
-using detail::JsonValue;
+__extension__ typedef unsigned __int128 u128;
 
 // docs/FORMAT.md, "Limits" (the same constants as pyckpt/_format_spec.py; a test compares them).
 constexpr std::uint64_t kMaxItems = std::uint64_t{1} << 22;
@@ -32,26 +30,35 @@ constexpr std::uint64_t kMaxItemBytes = std::uint64_t{1} << 62;
 constexpr std::uint64_t kMaxFileBytes = (std::uint64_t{1} << 63) - 1;
 constexpr int kMaxPlannerDepth = 64;
 constexpr std::uint64_t kMaxIrregularPieces = std::uint64_t{1} << 14;
+constexpr std::uint64_t kMaxGridCells = std::uint64_t{1} << 24;
 constexpr std::uint64_t kZstdMaxRatio = std::uint64_t{1} << 16;
 constexpr std::int64_t kZstdMinLevel = -(std::int64_t{1} << 17);
 constexpr std::int64_t kZstdMaxLevel = 22;
-constexpr int kVersion = 3;  // the one version read here (older ones: the Python validator)
-// Number tokens in planner_data longer than this are left to the Python validator (Python's
-// int() refuses integers of more than 4300 digits).
-constexpr std::size_t kMaxNumberText = 40;
+constexpr int kPlaceBoundVersion = 3;  // chunk checksums bound to their place from this version
+// Containers nested deeper than this make the JSON "nested too deeply" (Python's parser stops
+// near its recursion limit, 1000).
+constexpr std::size_t kMaxJsonDepth = 512;
+
+// The metadata checksum member that ends a version 2+ file: ,"checksum":"xxh64:<16 hex>"}
+constexpr std::string_view kSealHead = ",\"checksum\":\"xxh64:";
+constexpr std::size_t kSealLen = kSealHead.size() + 16 + 2;
 
 const char* const kMemoryFormats[] = {"contiguous_format", "channels_last", "channels_last_3d",
                                       "preserve_format"};
+const char* const kTopKeys[] = {"format",      "version",      "created_by",   "save_id",
+                                "dcp_version", "storage_meta", "planner_data", "files",
+                                "items",       "checksum"};
+const char* const kTensorKeys[] = {"type",          "dtype",         "shape",
+                                   "requires_grad", "memory_format", "pieces"};
+const char* const kBytesKeys[] = {"type", "nbytes", "segments"};
+const char* const kPieceKeys[] = {"offsets", "sizes", "segments"};
+const char* const kSegmentKeys[] = {"file", "raw_begin", "codec", "chunks"};
+const char* const kStorageMetaKeys[] = {"modules"};
+const char* const kTupleKeys[] = {"__tuple__"};
 
 // Transform codes of chunk records (docs/FORMAT.md): none 0, group 1, group_rotl1 2.
-std::uint32_t transform_code(const std::string& t) {
+std::uint32_t transform_code(std::string_view t) {
   return t == "group" ? 1 : t == "group_rotl1" ? 2 : 0;
-}
-
-bool mul_ok(std::uint64_t a, std::uint64_t b, std::uint64_t& out) noexcept {
-  if (a != 0 && b > std::numeric_limits<std::uint64_t>::max() / a) return false;
-  out = a * b;
-  return true;
 }
 
 // <rank>-<k>.<save_id>.pyckpt: ranks and file numbers of 1-10 digits without leading zeros, a
@@ -80,299 +87,469 @@ bool data_file_name(std::string_view s) {
          lower_hex(s.substr(dot + 1), 12);
 }
 
-class Parser {
+// Python's UTF-8 decoder: the reason and start of the first error, or nullptr when `s` is valid.
+const char* utf8_error(std::string_view s, std::size_t& start) {
+  const auto* p = reinterpret_cast<const unsigned char*>(s.data());
+  const std::size_t n = s.size();
+  for (std::size_t i = 0; i < n;) {
+    const unsigned char c = p[i];
+    if (c < 0x80) {
+      ++i;
+      continue;
+    }
+    start = i;
+    std::size_t len = 0;
+    unsigned char lo = 0x80, hi = 0xBF;  // the second byte's range
+    if (c >= 0xC2 && c <= 0xDF) {
+      len = 2;
+    } else if (c >= 0xE0 && c <= 0xEF) {
+      len = 3;
+      if (c == 0xE0) lo = 0xA0;
+      if (c == 0xED) hi = 0x9F;
+    } else if (c >= 0xF0 && c <= 0xF4) {
+      len = 4;
+      if (c == 0xF0) lo = 0x90;
+      if (c == 0xF4) hi = 0x8F;
+    } else {
+      return "invalid start byte";
+    }
+    for (std::size_t k = 1; k < len; ++k) {
+      if (i + k >= n) return "unexpected end of data";
+      const unsigned char b = p[i + k];
+      if (k == 1 ? (b < lo || b > hi) : (b & 0xC0) != 0x80) return "invalid continuation byte";
+    }
+    i += len;
+  }
+  return nullptr;
+}
+
+std::string dims_text(const std::uint64_t* d, std::size_t n) {
+  std::string out = "[";
+  for (std::size_t i = 0; i < n; ++i) {
+    if (i) out += ", ";
+    out += std::to_string(d[i]);
+  }
+  return out + "]";
+}
+
+std::string u128_text(u128 v) {
+  if (v == 0) return "0";
+  std::string out;
+  while (v) {
+    out.push_back(static_cast<char>('0' + static_cast<int>(v % 10)));
+    v /= 10;
+  }
+  std::reverse(out.begin(), out.end());
+  return out;
+}
+
+std::string member_path(const std::string& path, std::string_view key) {
+  return path.empty() ? std::string(key) : detail::concat(path, ".", key);
+}
+
+class Reader {
  public:
-  Parser(std::string_view doc, const std::string& origin)
-      : _doc(doc), _origin(origin), _r(doc, origin) {}
+  Reader(std::string_view doc, const std::string& origin, const PyckptIndexOptions& options)
+      : _doc(doc), _meta(origin), _o(options) {}
 
   PyckptIndex run() {
-    if (!detail::valid_utf8(_doc)) refuse("not UTF-8");
-    if (_doc.empty() || _doc[0] != '{') refuse("does not start with '{'");
-    static const char* const kTop[] = {"format",      "version",      "created_by",   "save_id",
-                                       "dcp_version", "storage_meta", "planner_data", "files",
-                                       "items",       "checksum"};
-    members(0, kTop, [&](std::size_t k) {
-      switch (k) {
-        case 0:
-          if (string() != "pyckpt") refuse("not a pyckpt document");
-          break;
-        case 1:
-          if (uint(1, kVersion, kVersion) != kVersion) refuse("version");
-          _x.version = kVersion;
-          break;
-        case 2: _x.created_by = string(); break;
-        case 3:
-          _x.save_id = string();
-          if (!lower_hex(_x.save_id, 12)) refuse("save_id");
-          break;
-        case 4:
-          if (_r.peek_value() == 'n') {
-            null(1);
-          } else {
-            _x.has_dcp_version = true;
-            _x.dcp_version = string();
-          }
-          break;
-        case 5: {
-          static const char* const kMeta[] = {"modules"};
-          members(1, kMeta, [&](std::size_t) {
-            expect_next('[');
-            _r.parse_array(2, [&] { _x.modules.push_back(string()); });
-          });
-          break;
-        }
-        case 6:
-          _x.planner_begin = skip_ws_pos();
-          planner(1);
-          _x.planner_end = _r.pos();
-          break;
-        case 7: files(); break;
-        case 8: items(); break;
-        case 9: (void)string(); break;  // the seal, verified by the caller
-        default: break;
-      }
-    });
-    _r.finish();
-    check_packing();
+    const bool sealed = check_seal();
+    std::size_t bad = 0;
+    if (const char* why = utf8_error(_doc, bad)) {
+      fail("", detail::concat("metadata is not UTF-8 (", why, " at byte ", bad, ")"));
+    }
+    if (_doc.empty() || _doc[0] != '{') {
+      fail("", "metadata must start with '{' (no byte order mark, no whitespace)");
+    }
+    _x.tape = std::make_unique<JsonTape>(_doc, _meta + ": metadata", kMaxJsonDepth);
+    _t = _x.tape.get();
+    const JsonTape& t = *_t;
+    if (t[0].flags & JNode::kRepeats) {
+      fail("", "metadata repeats the top-level key " + py_repr_str(t.repeated_key(0)));
+    }
+    const std::size_t format = t.member(0, "format");
+    if (format == JsonTape::npos || !t.is(format, "pyckpt")) {
+      fail("", "not a pyckpt metadata file ('format' is not 'pyckpt')");
+    }
+    const std::size_t version = t.member(0, "version");
+    if (version == JsonTape::npos) fail("version", "must be an integer, got None");
+    if (t[version].kind != JKind::Int)
+      fail("version", "must be an integer, got " + t.describe(version));
+    if (!in_range(version, 1, 3)) {
+      fail("", "format version " + t.int_text(version) +
+                   " is not supported by this pyckpt (reads versions 1, 2, 3); upgrade pyckpt to "
+                   "read it");
+    }
+    _x.version = static_cast<int>(t[version].v);
+    if (_x.version >= 2 && !sealed) {
+      fail("",
+           detail::concat("the metadata checksum is missing or malformed (a version ", _x.version,
+                          " file ends with ,\"checksum\":\"xxh64:<16 hex digits>\"}): the file "
+                          "is damaged"));
+    }
+    document();
     return std::move(_x);
   }
 
  private:
-  [[noreturn]] void refuse(const char* what) const {
-    throw FormatError(FormatKind::Header,
-                      detail::concat(_origin, ": outside the native reader's subset (", what,
-                                     ") near offset ", _r.pos()));
+  // ------------------------------------------------------------------------------ helpers
+
+  [[noreturn]] void fail(const std::string& path, const std::string& what) const {
+    throw FormatError(FormatKind::Header, path.empty()
+                                              ? detail::concat(_meta, ": ", what)
+                                              : detail::concat(_meta, ": ", path, ": ", what));
+  }
+  [[noreturn]] void too_many(std::uint64_t limit, const char* what) const {
+    fail("", detail::concat("more than ", limit, " ", what, ": this pyckpt refuses such metadata"));
   }
 
-  std::size_t skip_ws_pos() {
-    (void)_r.peek_value();
-    return _r.pos();
+  bool check_seal() const {
+    if (_doc.size() <= kSealLen) return false;
+    const std::string_view tail = _doc.substr(_doc.size() - kSealLen);
+    if (tail.substr(0, kSealHead.size()) != kSealHead || tail.substr(kSealLen - 2) != "\"}" ||
+        !lower_hex(tail.substr(kSealHead.size(), 16), 16)) {
+      return false;
+    }
+    std::uint64_t recorded = 0;
+    for (char c : tail.substr(kSealHead.size(), 16)) {
+      recorded = recorded * 16 + static_cast<std::uint64_t>(c <= '9' ? c - '0' : c - 'a' + 10);
+    }
+    const std::uint64_t actual = xxh64(_doc.data(), _doc.size() - kSealLen);
+    if (actual != recorded) {
+      char buf[128];
+      std::snprintf(buf, sizeof buf,
+                    "metadata checksum mismatch (recorded xxh64:%016llx, computed xxh64:%016llx)"
+                    ": the file is damaged",
+                    static_cast<unsigned long long>(recorded),
+                    static_cast<unsigned long long>(actual));
+      fail("", buf);
+    }
+    return true;
   }
 
-  void expect_next(char c) {
-    if (_r.peek_value() != c) refuse("unexpected value type");
+  // `i` is an integer in [lo, hi].
+  bool in_range(std::size_t i, std::int64_t lo, std::uint64_t hi) const {
+    const JNode& n = (*_t)[i];
+    if (n.kind != JKind::Int || (n.flags & JNode::kBig)) return false;
+    if (n.flags & JNode::kNegative) {
+      return lo < 0 && n.v <= static_cast<std::uint64_t>(-(lo + 1)) + 1;
+    }
+    return (lo <= 0 || n.v >= static_cast<std::uint64_t>(lo)) && n.v <= hi;
+  }
+  bool is_uint(std::size_t i, std::uint64_t value) const {
+    const JNode& n = (*_t)[i];
+    return n.kind == JKind::Int && !(n.flags & (JNode::kBig | JNode::kNegative)) && n.v == value;
   }
 
-  // Walks an object whose keys must be exactly `keys`, in that order; on_value(k) reads member k.
-  template <std::size_t N, typename F>
-  void members(int depth, const char* const (&keys)[N], F&& on_value) {
-    expect_next('{');
+  template <typename Path>
+  std::uint64_t int_(std::size_t i, const Path& path, std::int64_t lo, std::uint64_t hi) const {
+    if ((*_t)[i].kind != JKind::Int) fail(path(), "must be an integer, got " + _t->describe(i));
+    if (!in_range(i, lo, hi)) {
+      fail(path(), detail::concat(_t->int_text(i), " is outside [", lo, ", ", hi, "]"));
+    }
+    return (*_t)[i].v;
+  }
+
+  template <typename Path>
+  std::string_view str_(std::size_t i, const Path& path) const {
+    if ((*_t)[i].kind != JKind::String) fail(path(), "must be a string, got " + _t->describe(i));
+    return _t->str(i);
+  }
+
+  template <typename Path>
+  void object(std::size_t i, const Path& path) const {
+    const JNode& n = (*_t)[i];
+    if (n.kind != JKind::Object) fail(path(), "must be an object, got " + _t->describe(i));
+    if (n.flags & JNode::kRepeats)
+      fail(path(), "repeats the key " + py_repr_str(_t->repeated_key(i)));
+  }
+
+  // Object `i` with exactly the keys `keys`; `out[k]` = the value of keys[k].
+  template <std::size_t N, typename Path>
+  void bind(std::size_t i, const Path& path, const char* const (&keys)[N], std::size_t (&out)[N],
+            std::size_t n = N) const {
+    object(i, path);
+    const JsonTape& t = *_t;
+    std::fill(out, out + N, JsonTape::npos);
+    bool unknown = false;
     std::size_t k = 0;
-    _r.parse_object(depth, [&](std::string key) {
-      if (k >= N || key != keys[k]) refuse("keys differ from the writer's");
-      on_value(k++);
-    });
-    if (k != N) refuse("missing key");
-  }
-
-  std::string string() {
-    expect_next('"');
-    return _r.parse_string();
-  }
-
-  void null(int depth) {
-    const JsonValue v = _r.parse_scalar(depth);
-    if (v.kind != JsonValue::Kind::Null) refuse("expected null");
-  }
-
-  bool boolean(int depth) {
-    const char c = _r.peek_value();
-    const JsonValue v = _r.parse_scalar(depth);
-    if (v.kind != JsonValue::Kind::Bool) refuse("expected true or false");
-    return c == 't';
-  }
-
-  std::uint64_t uint(int depth, std::uint64_t lo, std::uint64_t hi) {
-    const char c = _r.peek_value();
-    if (c != '-' && !(c >= '0' && c <= '9')) refuse("expected an integer");
-    const JsonValue v = _r.parse_scalar(depth);
-    if (!v.is_uint || v.uint_value < lo || v.uint_value > hi) refuse("integer out of range");
-    return v.uint_value;
-  }
-
-  std::int64_t int64(int depth, std::int64_t lo, std::int64_t hi) {
-    const char c = _r.peek_value();
-    if (c != '-' && !(c >= '0' && c <= '9')) refuse("expected an integer");
-    const JsonValue v = _r.parse_scalar(depth);
-    std::int64_t value = 0;
-    if (v.is_uint) {
-      if (v.uint_value > static_cast<std::uint64_t>(hi < 0 ? 0 : hi))
-        refuse("integer out of range");
-      value = static_cast<std::int64_t>(v.uint_value);
-    } else {
-      // A negative integer: "-" and 1-18 digits (no fraction or exponent).
-      const std::string& t = v.str;
-      if (t.size() < 2 || t.size() > 19 || t[0] != '-' ||
-          !std::all_of(t.begin() + 1, t.end(), [](char d) { return d >= '0' && d <= '9'; })) {
-        refuse("expected an integer");
+    for (std::size_t m = i + 1; m < t.next(i); m = t.next(m + 1), ++k) {
+      const std::string_view key = t.str(m);
+      std::size_t at = k < n && key == keys[k] ? k : n;  // the writer's order first
+      for (std::size_t j = 0; at == n && j < n; ++j) {
+        if (key == keys[j]) at = j;
       }
-      for (std::size_t i = 1; i < t.size(); ++i) value = value * 10 + (t[i] - '0');
-      value = -value;
+      if (at == n) {
+        unknown = true;
+      } else {
+        out[at] = m + 1;
+      }
     }
-    if (value < lo || value > hi) refuse("integer out of range");
-    return value;
-  }
-
-  // planner_data: any JSON value without repeated keys, nested at most kMaxPlannerDepth deep
-  // (counting every object and array: the Python validator counts a {"__tuple__": [...]} as one
-  // level, so this is the stricter bound), every object with a "__tuple__" key exactly that key
-  // holding a list.
-  void planner(int depth) {
-    if (depth > kMaxPlannerDepth) refuse("planner_data nested too deeply");
-    const char c = _r.peek_value();
-    if (c == '{') {
-      std::unordered_set<std::string> keys;
-      bool tuple = false;
-      _r.parse_object(depth, [&](std::string key) {
-        if (key == "__tuple__") {
-          tuple = true;
-          expect_next('[');
+    const char* missing = nullptr;
+    for (std::size_t j = 0; j < n; ++j) {
+      if (out[j] == JsonTape::npos && (missing == nullptr || std::strcmp(keys[j], missing) < 0)) {
+        missing = keys[j];
+      }
+    }
+    if (missing != nullptr) fail(member_path(path(), missing), "missing");
+    if (unknown) {
+      std::string_view first;
+      bool have = false;
+      for (std::size_t m = i + 1; m < t.next(i); m = t.next(m + 1)) {
+        const std::string_view key = t.str(m);
+        if (std::none_of(keys, keys + n, [&](const char* k2) { return key == k2; }) &&
+            (!have || key < first)) {
+          first = key;
+          have = true;
         }
-        if (!keys.insert(std::move(key)).second) refuse("repeated key in planner_data");
-        planner(depth + 1);
-      });
-      if (tuple && keys.size() != 1) refuse("__tuple__ with other keys");
-    } else if (c == '[') {
-      _r.parse_array(depth, [&] { planner(depth + 1); });
-    } else {
-      const JsonValue v = _r.parse_scalar(depth);
-      if (v.kind == JsonValue::Kind::Number && v.str.size() > kMaxNumberText) {
-        refuse("long number in planner_data");
+      }
+      fail(member_path(path(), first), "unknown key");
+    }
+  }
+
+  template <typename Path>
+  std::size_t list(std::size_t i, const Path& path,
+                   std::uint64_t limit = std::numeric_limits<std::uint64_t>::max()) const {
+    const JNode& n = (*_t)[i];
+    if (n.kind != JKind::Array) fail(path(), "must be a list, got " + _t->describe(i));
+    if (n.n > limit) fail(path(), detail::concat("has ", n.n, " entries, more than ", limit));
+    return n.n;
+  }
+
+  // A list of dimensions (shape, offsets, sizes) appended to _x.dims; `ndim` npos: any rank.
+  template <typename Path>
+  std::size_t dims(std::size_t i, const Path& path, std::size_t ndim) {
+    const std::size_t count = list(i, path, kMaxNdim);
+    if (ndim != JsonTape::npos && count != ndim) {
+      fail(path(), detail::concat("has ", count, " entries, the tensor has ", ndim, " dimensions"));
+    }
+    std::size_t d = 0;
+    for (std::size_t e = i + 1; e < _t->next(i); e = _t->next(e), ++d) {
+      if (!in_range(e, 0, _o.limits.max_numel)) {
+        fail(detail::concat(path(), "[", d, "]"),
+             detail::concat("must be an integer in [0, ", _o.limits.max_numel, "], got ",
+                            _t->describe(e)));
+      }
+      _x.dims.push_back((*_t)[e].v);
+    }
+    return count;
+  }
+
+  // ----------------------------------------------------------------------------- document
+
+  void document() {
+    const JsonTape& t = *_t;
+    std::size_t v[10];
+    const auto top = [] { return std::string(); };
+    bind(0, top, kTopKeys, v, _x.version >= 2 ? 10 : 9);
+    _x.created_by = std::string(str_(v[2], [] { return std::string("created_by"); }));
+    _x.save_id = std::string(str_(v[3], [] { return std::string("save_id"); }));
+    if (!lower_hex(_x.save_id, 12)) {
+      fail("save_id", py_repr_str(_x.save_id) + " is not 12 lowercase hex digits");
+    }
+    if (t[v[4]].kind != JKind::Null) {
+      _x.dcp_version = std::string(str_(v[4], [] { return std::string("dcp_version"); }));
+      _x.has_dcp_version = true;
+    }
+    std::size_t sm[1];
+    bind(v[5], [] { return std::string("storage_meta"); }, kStorageMetaKeys, sm);
+    list(sm[0], [] { return std::string("storage_meta.modules"); });
+    std::size_t m = 0;
+    for (std::size_t e = sm[0] + 1; e < t.next(sm[0]); e = t.next(e), ++m) {
+      _x.modules.emplace_back(
+          str_(e, [&] { return detail::concat("storage_meta.modules[", m, "]"); }));
+    }
+    _x.planner = v[6];
+    _path.assign(1, "planner_data");
+    planner(v[6], 0);
+    files(v[7]);
+    items(v[8]);
+    check_packing();
+  }
+
+  // planner_data: any JSON value nested at most kMaxPlannerDepth deep, in which an object with
+  // the key "__tuple__" holds only that key, with a list value. `_path` is its key path.
+  void planner(std::size_t i, int depth) {
+    const JsonTape& t = *_t;
+    const JNode& n = t[i];
+    const auto path = [&] {
+      std::string out;
+      for (const std::string& p : _path) out += p;
+      return out;
+    };
+    if (depth > kMaxPlannerDepth) {
+      fail(path(), detail::concat("nested deeper than ", kMaxPlannerDepth, " levels"));
+    }
+    if (n.kind == JKind::Object) {
+      if (n.flags & JNode::kRepeats) fail(path(), "unexpected " + t.describe(i));
+      const std::size_t inner = t.member(i, "__tuple__");
+      if (inner != JsonTape::npos) {
+        std::size_t one[1];
+        bind(i, path, kTupleKeys, one);
+        if (t[inner].kind != JKind::Array) {
+          list(inner, [&] { return path() + ".__tuple__"; });
+        }
+        std::size_t k = 0;
+        for (std::size_t e = inner + 1; e < t.next(inner); e = t.next(e), ++k) {
+          _path.push_back(detail::concat(".__tuple__[", k, "]"));
+          planner(e, depth + 1);
+          _path.pop_back();
+        }
+        return;
+      }
+      for (std::size_t e = i + 1; e < t.next(i); e = t.next(e + 1)) {
+        _path.push_back("[" + py_repr_str(t.str(e)) + "]");
+        planner(e + 1, depth + 1);
+        _path.pop_back();
+      }
+    } else if (n.kind == JKind::Array) {
+      std::size_t k = 0;
+      for (std::size_t e = i + 1; e < t.next(i); e = t.next(e), ++k) {
+        _path.push_back(detail::concat("[", k, "]"));
+        planner(e, depth + 1);
+        _path.pop_back();
       }
     }
   }
 
-  void files() {
-    expect_next('{');
-    _r.parse_object(1, [&](std::string name) {
-      if (!data_file_name(name)) refuse("data file name");
-      if (_x.file_names.size() >= kMaxFiles) refuse("too many files");
-      const auto index = static_cast<std::uint32_t>(_x.file_names.size());
-      if (!_file_index.emplace(name, index).second) refuse("repeated file");
-      _x.file_sizes.push_back(uint(2, 0, kMaxFileBytes));
-      _x.file_names.push_back(std::move(name));
-    });
+  void files(std::size_t i) {
+    const JsonTape& t = *_t;
+    object(i, [] { return std::string("files"); });
+    if (t[i].n > _o.limits.max_files) {
+      fail("files", detail::concat("has ", t[i].n, " entries, more than ", _o.limits.max_files));
+    }
+    for (std::size_t k = i + 1; k < t.next(i); k = t.next(k + 1)) {
+      const std::string_view name = t.str(k);
+      const auto fp = [&] { return "files[" + py_repr_str(name) + "]"; };
+      if (!data_file_name(name)) {
+        fail(fp(), "illegal data file name (expected <rank>-<k>.<save_id>.pyckpt)");
+      }
+      const std::uint64_t size = int_(k + 1, fp, 0, kMaxFileBytes);
+      if (_o.only_rank >= 0 && name.substr(0, name.find('-')) != std::to_string(_o.only_rank)) {
+        fail(fp(), detail::concat("is not a data file of rank ", _o.only_rank,
+                                  "; rank-local metadata names only its rank's files"));
+      }
+      _file_index.emplace(name, static_cast<std::uint32_t>(_x.file_names.size()));
+      _x.file_names.emplace_back(name);
+      _x.file_sizes.push_back(size);
+    }
     _ranges.resize(_x.file_names.size());
   }
 
-  void items() {
-    expect_next('{');
-    std::unordered_set<std::string> seen;
-    _r.parse_object(1, [&](std::string fqn) {
-      if (_x.items.size() >= kMaxItems) refuse("too many items");
-      if (!seen.insert(fqn).second) refuse("repeated item");
+  void items(std::size_t i) {
+    const JsonTape& t = *_t;
+    object(i, [] { return std::string("items"); });
+    if (t[i].n > _o.limits.max_items) {
+      fail("items", detail::concat("has ", t[i].n, " entries, more than ", _o.limits.max_items));
+    }
+    for (std::size_t k = i + 1; k < t.next(i); k = t.next(k + 1)) {
       IdxItem item;
-      item.fqn = std::move(fqn);
-      expect_next('{');
-      std::size_t k = 0;
-      _r.parse_object(2, [&](std::string key) {
-        if (k == 0) {
-          if (key != "type") refuse("item keys");
-          const std::string type = string();
-          if (type != "tensor" && type != "bytes") refuse("item type");
-          item.tensor = type == "tensor";
-        } else if (item.tensor) {
-          static const char* const kTensor[] = {"dtype", "shape", "requires_grad", "memory_format",
-                                                "pieces"};
-          if (k > 5 || key != kTensor[k - 1]) refuse("tensor keys");
-          tensor_member(item, k);
-        } else {
-          static const char* const kBytes[] = {"nbytes", "segments"};
-          if (k > 2 || key != kBytes[k - 1]) refuse("bytes item keys");
-          if (k == 1) {
-            item.nbytes = uint(3, 0, kMaxItemBytes);
-          } else {
-            item.segments_begin = _x.segments.size();
-            segments("uint8", item.nbytes, place_seed(item.fqn, nullptr, 0), 3);
-            item.segments_end = _x.segments.size();
-          }
-        }
-        ++k;
-      });
-      if (k != (item.tensor ? 6u : 3u)) refuse("missing item key");
+      item.fqn = std::string(t.str(k));
+      const std::string ip = "items[" + py_repr_str(item.fqn) + "]";
+      const auto ipf = [&] { return ip; };
+      const std::size_t raw = k + 1;
+      object(raw, ipf);
+      const std::size_t type = t.member(raw, "type");
+      if (type != JsonTape::npos && t.is(type, "tensor")) {
+        std::size_t v[6];
+        bind(raw, ipf, kTensorKeys, v);
+        tensor(item, ip, v);
+      } else if (type != JsonTape::npos && t.is(type, "bytes")) {
+        std::size_t v[3];
+        bind(raw, ipf, kBytesKeys, v);
+        item.tensor = false;
+        item.nbytes = int_(v[1], [&] { return ip + ".nbytes"; }, 0, kMaxItemBytes);
+        item.segments_begin = _x.segments.size();
+        segments(v[2], item.nbytes, ipf, "uint8", place_seed(item.fqn, nullptr, 0));
+        item.segments_end = _x.segments.size();
+      } else if (type == JsonTape::npos) {
+        fail(ip + ".type", "missing");
+      } else {
+        fail(ip + ".type", "unknown item type " + t.describe(type));
+      }
       _x.items.push_back(std::move(item));
-    });
-  }
-
-  void tensor_member(IdxItem& t, std::size_t k) {
-    switch (k) {
-      case 1: {
-        t.dtype = string();
-        const auto& table = pyckpt_dtypes();
-        const auto it = std::find_if(table.begin(), table.end(),
-                                     [&](const PyckptDtype& d) { return t.dtype == d.name; });
-        if (it == table.end()) refuse("dtype");
-        _esize = it->size;
-        break;
-      }
-      case 2: {
-        t.shape_at = _x.dims.size();
-        expect_next('[');
-        _r.parse_array(3, [&] {
-          if (_x.dims.size() - t.shape_at >= kMaxNdim) refuse("too many dimensions");
-          _x.dims.push_back(uint(4, 0, kMaxNumel));
-        });
-        t.ndim = static_cast<std::uint32_t>(_x.dims.size() - t.shape_at);
-        _numel = 1;
-        for (std::size_t d = 0; d < t.ndim; ++d) {
-          if (!mul_ok(_numel, _x.dims[t.shape_at + d], _numel)) refuse("shape overflows");
-        }
-        std::uint64_t bytes = 0;
-        if (_numel > kMaxNumel || !mul_ok(_numel, _esize, bytes) || bytes > kMaxItemBytes) {
-          refuse("shape too large");
-        }
-        break;
-      }
-      case 3: t.requires_grad = boolean(3); break;
-      case 4: {
-        t.memory_format = string();
-        if (std::none_of(std::begin(kMemoryFormats), std::end(kMemoryFormats),
-                         [&](const char* m) { return t.memory_format == m; })) {
-          refuse("memory_format");
-        }
-        break;
-      }
-      case 5: {
-        t.pieces_begin = _x.pieces.size();
-        expect_next('[');
-        _r.parse_array(3, [&] { piece(t); });
-        t.pieces_end = _x.pieces.size();
-        check_tiling(t);
-        break;
-      }
-      default: break;
     }
   }
 
-  void piece(const IdxItem& t) {
-    if (_x.pieces.size() >= kMaxPieces) refuse("too many pieces");
+  void tensor(IdxItem& item, const std::string& ip, const std::size_t (&v)[6]) {
+    const JsonTape& t = *_t;
+    item.dtype = std::string(str_(v[1], [&] { return ip + ".dtype"; }));
+    const auto& table = pyckpt_dtypes();
+    const auto dt = std::find_if(table.begin(), table.end(),
+                                 [&](const PyckptDtype& d) { return item.dtype == d.name; });
+    if (dt == table.end()) {
+      throw UnsupportedDtype(
+          detail::concat(_meta, ": ", ip, ".dtype: unsupported dtype ", py_repr_str(item.dtype)));
+    }
+    const std::uint64_t esize = dt->size;
+    item.shape_at = _x.dims.size();
+    item.ndim =
+        static_cast<std::uint32_t>(dims(v[2], [&] { return ip + ".shape"; }, JsonTape::npos));
+    const std::uint64_t* shape = _x.dims.data() + item.shape_at;
+    u128 numel = 1;
+    for (std::uint32_t d = 0; d < item.ndim; ++d) {
+      numel = shape[d] == 0 ? 0 : numel > (u128{1} << 64) ? numel : numel * shape[d];
+      if (shape[d] == 0) break;
+    }
+    if (numel > _o.limits.max_numel || numel * esize > _o.limits.max_item_bytes) {
+      fail(ip + ".shape",
+           detail::concat(dims_text(shape, item.ndim), " holds more than ", _o.limits.max_numel,
+                          " elements or ", _o.limits.max_item_bytes, " bytes"));
+    }
+    if (t[v[3]].kind != JKind::True && t[v[3]].kind != JKind::False) {
+      fail(ip + ".requires_grad", "must be true or false, got " + t.describe(v[3]));
+    }
+    item.requires_grad = t[v[3]].kind == JKind::True;
+    if (t[v[4]].kind != JKind::String ||
+        std::none_of(std::begin(kMemoryFormats), std::end(kMemoryFormats),
+                     [&](const char* m) { return t.str(v[4]) == m; })) {
+      fail(ip + ".memory_format",
+           "must be one of ['contiguous_format', 'channels_last', 'channels_last_3d', "
+           "'preserve_format'], got " +
+               t.describe(v[4]));
+    }
+    item.memory_format = std::string(t.str(v[4]));
+    const std::size_t count = list(v[5], [&] { return ip + ".pieces"; });
+    _pieces += count;
+    if (_pieces > _o.limits.max_pieces) too_many(_o.limits.max_pieces, "pieces");
+    item.pieces_begin = _x.pieces.size();
+    std::size_t n = 0;
+    for (std::size_t e = v[5] + 1; e < t.next(v[5]); e = t.next(e), ++n) {
+      piece(item, ip, n, e, esize);
+    }
+    item.pieces_end = _x.pieces.size();
+    if (_o.disjoint_pieces) {
+      check_disjoint(item, ip);
+    } else {
+      check_tiling(item, ip, static_cast<std::uint64_t>(numel));
+    }
+  }
+
+  void piece(const IdxItem& item, const std::string& ip, std::size_t n, std::size_t raw,
+             std::uint64_t esize) {
+    const auto pp = [&] { return detail::concat(ip, ".pieces[", n, "]"); };
+    std::size_t v[3];
+    bind(raw, pp, kPieceKeys, v);
     IdxPiece p;
     p.dims_at = _x.dims.size();
-    static const char* const kPiece[] = {"offsets", "sizes", "segments"};
-    members(4, kPiece, [&](std::size_t k) {
-      if (k < 2) {
-        const std::size_t at = _x.dims.size();
-        expect_next('[');
-        _r.parse_array(5, [&] {
-          if (_x.dims.size() - at >= t.ndim) refuse("piece rank");
-          _x.dims.push_back(uint(6, 0, kMaxNumel));
-        });
-        if (_x.dims.size() - at != t.ndim) refuse("piece rank");
-        return;
+    dims(v[0], [&] { return pp() + ".offsets"; }, item.ndim);
+    dims(v[1], [&] { return pp() + ".sizes"; }, item.ndim);
+    const std::uint64_t* shape = _x.dims.data() + item.shape_at;
+    const std::uint64_t* offsets = _x.dims.data() + p.dims_at;
+    const std::uint64_t* sizes = offsets + item.ndim;
+    std::uint64_t nbytes = esize;
+    for (std::uint32_t d = 0; d < item.ndim; ++d) {
+      if (offsets[d] > shape[d] || sizes[d] > shape[d] - offsets[d]) {
+        fail(pp(), detail::concat("offsets ", dims_text(offsets, item.ndim), " + sizes ",
+                                  dims_text(sizes, item.ndim), " leave the tensor's shape ",
+                                  dims_text(shape, item.ndim), " (dimension ", d, ")"));
       }
-      std::uint64_t nbytes = _esize;
-      for (std::uint32_t d = 0; d < t.ndim; ++d) {
-        const std::uint64_t full = _x.dims[t.shape_at + d];
-        const std::uint64_t o = _x.dims[p.dims_at + d];
-        const std::uint64_t s = _x.dims[p.dims_at + t.ndim + d];
-        if (o > full || s > full - o) refuse("piece leaves the tensor");
-        nbytes *= s;  // bounded by the tensor's bytes, checked against kMaxItemBytes
-      }
-      p.nbytes = nbytes;
-      p.segments_begin = _x.segments.size();
-      segments(t.dtype, nbytes, place_seed(t.fqn, _x.dims.data() + p.dims_at, t.ndim), 5);
-      p.segments_end = _x.segments.size();
-    });
+      nbytes *= sizes[d];  // bounded by the tensor's bytes, checked against the limit
+    }
+    p.nbytes = nbytes;
+    p.segments_begin = _x.segments.size();
+    segments(v[2], nbytes, pp, item.dtype, place_seed(item.fqn, offsets, item.ndim));
+    p.segments_end = _x.segments.size();
     _x.pieces.push_back(p);
   }
 
@@ -395,72 +572,89 @@ class Parser {
     return xxh64(le, 8, seed);
   }
 
-  void segments(const std::string& dtype, std::uint64_t nbytes, std::uint64_t seed, int depth) {
-    expect_next('[');
+  // The segments of a piece or bytes item (`where`: its key path) holding `nbytes` raw bytes.
+  template <typename Path>
+  void segments(std::size_t i, std::uint64_t nbytes, const Path& where, const std::string& dtype,
+                std::uint64_t seed) {
+    const JsonTape& t = *_t;
+    const std::size_t count = list(i, [&] { return where() + ".segments"; });
+    _segments += count;
+    if (_segments > _o.limits.max_segments) too_many(_o.limits.max_segments, "segments");
     std::uint64_t expect = 0;
-    _r.parse_array(depth, [&] {
-      if (_x.segments.size() >= kMaxSegments) refuse("too many segments");
+    std::size_t s = 0;
+    for (std::size_t e = i + 1; e < t.next(i); e = t.next(e), ++s) {
+      const auto sp = [&] { return detail::concat(where(), ".segments[", s, "]"); };
+      std::size_t v[4];
+      bind(e, sp, kSegmentKeys, v);
       IdxSegment seg;
-      static const char* const kSegment[] = {"file", "raw_begin", "codec", "chunks"};
-      members(depth + 1, kSegment, [&](std::size_t k) {
-        switch (k) {
-          case 0: {
-            const auto it = _file_index.find(string());
-            if (it == _file_index.end()) refuse("segment file not listed");
-            seg.file = it->second;
-            break;
-          }
-          case 1:
-            seg.raw_begin = uint(depth + 2, 0, kMaxItemBytes);
-            if (seg.raw_begin != expect) refuse("segments leave a gap or overlap");
-            break;
-          case 2: seg.codec = codec(dtype, depth + 2); break;
-          case 3:
-            seg.chunks_begin = _x.chunks.size();
-            expect += chunks(seg, seed, depth + 2);
-            seg.chunks_end = _x.chunks.size();
-            break;
-          default: break;
-        }
-      });
+      const auto file =
+          t[v[0]].kind == JKind::String ? _file_index.find(t.str(v[0])) : _file_index.end();
+      if (file == _file_index.end()) {
+        fail(sp() + ".file", t.describe(v[0]) + " is not a data file listed in 'files'");
+      }
+      seg.file = file->second;
+      seg.raw_begin = int_(v[1], [&] { return sp() + ".raw_begin"; }, 0, kMaxItemBytes);
+      if (seg.raw_begin != expect) {
+        fail(sp() + ".raw_begin", detail::concat("segments leave a gap or overlap: ", seg.raw_begin,
+                                                 ", expected ", expect));
+      }
+      seg.codec = codec(v[2], [&] { return sp() + ".codec"; }, dtype);
+      const std::size_t chunks = list(v[3], [&] { return sp() + ".chunks"; });
+      _chunks += chunks;
+      if (_chunks > _o.limits.max_chunks) too_many(_o.limits.max_chunks, "chunk records");
+      seg.chunks_begin = _x.chunks.size();
+      expect += chunk_records(v[3], seg, seed, sp);
+      seg.chunks_end = _x.chunks.size();
       _x.segments.push_back(seg);
-    });
-    if (expect != nbytes) refuse("segments do not hold the item's bytes");
+    }
+    if (expect != nbytes) {
+      fail(where() + ".segments", detail::concat("hold ", expect, " raw bytes, expected ", nbytes));
+    }
   }
 
-  std::uint32_t codec(const std::string& dtype, int depth) {
-    expect_next('[');
+  template <typename Path>
+  std::uint32_t codec(std::size_t i, const Path& path, const std::string& dtype) {
+    const JsonTape& t = *_t;
+    if (list(i, path) != 4) fail(path(), "must be [codec, level, elem_size, transform]");
+    const std::size_t c0 = i + 1, c1 = t.next(c0), c2 = t.next(c1), c3 = t.next(c2);
     IdxCodec c;
     c.dtype = dtype;
-    std::size_t k = 0;
-    _r.parse_array(depth, [&] {
-      switch (k++) {
-        case 0: c.codec = string(); break;
-        case 1: c.level = int64(depth + 1, kZstdMinLevel, kZstdMaxLevel); break;
-        case 2: c.elem_size = static_cast<std::uint32_t>(uint(depth + 1, 1, 8)); break;
-        case 3: c.transform = string(); break;
-        default: refuse("codec has more than 4 fields");
+    if (t.is(c0, "none")) {
+      if (!is_uint(c1, 0) || !is_uint(c2, 1) || !t.is(c3, "none")) {
+        fail(path(), "codec 'none' is stored as [\"none\", 0, 1, \"none\"], got " + t.repr(i));
       }
-    });
-    if (k != 4) refuse("codec fields");
-    if (c.codec == "none") {
-      if (c.level != 0 || c.elem_size != 1 || c.transform != "none") refuse("codec none");
-    } else if (c.codec == "zstd") {
-      if (c.transform == "none") {
-        if (c.elem_size != 1) refuse("codec elem_size");
-      } else {
+      c.codec = c.transform = "none";
+    } else if (t.is(c0, "zstd")) {
+      c.codec = "zstd";
+      int_(
+          c1, [&] { return path() + "[1]"; }, kZstdMinLevel,
+          static_cast<std::uint64_t>(kZstdMaxLevel));
+      const JNode& lv = t[c1];
+      c.level = (lv.flags & JNode::kNegative) ? -static_cast<std::int64_t>(lv.v)
+                                              : static_cast<std::int64_t>(lv.v);
+      if (t[c3].kind != JKind::String ||
+          (!t.is(c3, "none") && !t.is(c3, "group") && !t.is(c3, "group_rotl1"))) {
+        fail(path() + "[3]", "unknown transform " + t.describe(c3));
+      }
+      c.transform = std::string(t.str(c3));
+      std::uint64_t want_e = 1;
+      bool fits = true;
+      if (c.transform != "none") {
         const auto& table = pyckpt_dtypes();
         const auto it = std::find_if(table.begin(), table.end(),
                                      [&](const PyckptDtype& d) { return dtype == d.name; });
-        if (it == table.end() || it->planes == 1 || c.elem_size != it->planes ||
-            c.transform != it->transform) {
-          refuse("codec does not fit the dtype");
-        }
+        fits = it != table.end() && it->planes > 1 && c.transform == it->transform;
+        want_e = fits ? it->planes : 0;
       }
+      if (!fits || !is_uint(c2, want_e)) {
+        fail(path(), "elem_size " + t.describe(c2) + " and transform " + py_repr_str(c.transform) +
+                         " do not fit dtype " + dtype);
+      }
+      c.elem_size = static_cast<std::uint32_t>(want_e);
     } else {
-      refuse("codec");
+      fail(path() + "[0]", "unknown codec " + t.describe(c0));
     }
-    // One entry per distinct (dtype, fields): a key built without a stream (once per segment).
+    // One entry per distinct (dtype, fields).
     std::string& key = _codec_key;
     key.assign(dtype).push_back('\0');
     key.append(c.codec).push_back('\0');
@@ -475,96 +669,261 @@ class Parser {
     return index;
   }
 
-  // Reads and checks the chunk records of `seg` (pyckpt._format_schema._Validator.chunks_of);
-  // returns their raw bytes.
-  std::uint64_t chunks(const IdxSegment& seg, std::uint64_t seed, int depth) {
+  // The chunk records of `seg` (list `i`); returns their raw bytes.
+  template <typename Path>
+  std::uint64_t chunk_records(std::size_t i, const IdxSegment& seg, std::uint64_t seed,
+                              const Path& sp) {
+    const JsonTape& t = *_t;
     const IdxCodec& c = _x.codecs[seg.codec];
     const bool zstd = c.codec == "zstd";
     const std::uint32_t E = c.elem_size;
     const std::uint32_t group_code = zstd && E > 1 ? transform_code(c.transform) : 0;
     const std::uint64_t size = _x.file_sizes[seg.file];
+    const bool bound = _x.version >= kPlaceBoundVersion;
     auto& ranges = _ranges[seg.file];
     std::uint64_t total = 0;
     std::uint64_t pos = seg.raw_begin;
-    expect_next('[');
-    _r.parse_array(depth, [&] {
-      if (_x.chunks.size() >= kMaxChunks) refuse("too many chunk records");
+    std::size_t j = 0;
+    for (std::size_t e = i + 1; e < t.next(i); e = t.next(e), ++j) {
+      const auto cp = [&] { return detail::concat(sp(), ".chunks[", j, "]"); };
+      const auto field = [&](int k) { return detail::concat(cp(), "[", k, "]"); };
+      const JNode& rec = t[e];
+      const std::size_t f0 = e + 1, f1 = f0 + 1, f2 = f1 + 1, f3 = f2 + 1, f4 = f3 + 1;
+      // The fields are scalars in the common case; otherwise walk them.
+      std::size_t f[5] = {f0, f1, f2, f3, f4};
+      if (rec.kind == JKind::Array && rec.n == 5) {
+        for (int k = 1; k < 5; ++k) f[k] = t.next(f[k - 1]);
+      }
+      if (rec.kind != JKind::Array || rec.n != 5 || t[f[4]].kind != JKind::Array) {
+        fail(cp(), "must be [file_offset, raw_len, xxh64, transform, [plane modes and lengths]]");
+      }
       IdxChunk ch;
-      std::size_t k = 0;
-      std::uint64_t n = 0, stored = 0;
-      expect_next('[');
-      _r.parse_array(depth + 1, [&] {
-        switch (k++) {
-          case 0: ch.file_offset = uint(depth + 2, 0, kMaxFileBytes); break;
-          case 1: ch.raw_len = uint(depth + 2, 1, kMaxChunkBytes); break;
-          case 2: ch.xxh64 = uint(depth + 2, 0, std::numeric_limits<std::uint64_t>::max()); break;
-          case 3: {
-            const bool grouped = group_code != 0 && ch.raw_len % E == 0;
-            ch.transform = static_cast<std::uint32_t>(uint(depth + 2, 0, 2));
-            if (ch.transform != (grouped ? group_code : 0)) refuse("chunk transform code");
-            ch.nplanes = grouped ? E : 1;
-            n = ch.raw_len / ch.nplanes;
-            break;
-          }
-          case 4: {
-            ch.planes_at = _x.planes.size();
-            expect_next('[');
-            _r.parse_array(depth + 2, [&] {
-              const std::size_t i = _x.planes.size() - ch.planes_at;
-              if (i >= 2 * ch.nplanes) refuse("chunk planes");
-              _x.planes.push_back(uint(depth + 3, 0, std::numeric_limits<std::uint64_t>::max()));
-              if (i % 2 == 1) {
-                const std::uint64_t mode = _x.planes[ch.planes_at + i - 1];
-                const std::uint64_t length = _x.planes.back();
-                const bool ok = mode == 0 ? length == n
-                                          : mode == 1 && zstd && length > 0 && length < n &&
-                                                n <= length * kZstdMaxRatio;
-                if (!ok) refuse("chunk plane");
-                stored += length;
-              }
-            });
-            if (_x.planes.size() - ch.planes_at != 2 * ch.nplanes) refuse("chunk planes");
-            break;
-          }
-          default: refuse("chunk record has more than 5 fields");
+      if (!in_range(f[0], 0, kMaxFileBytes)) fail(field(0), "bad file offset " + t.describe(f[0]));
+      ch.file_offset = t[f[0]].v;
+      if (!in_range(f[1], 1, _o.limits.max_chunk_bytes)) {
+        fail(field(1), detail::concat("raw_len must be an integer in [1, ",
+                                      _o.limits.max_chunk_bytes, "], got ", t.describe(f[1])));
+      }
+      ch.raw_len = t[f[1]].v;
+      if (!in_range(f[2], 0, std::numeric_limits<std::uint64_t>::max())) {
+        fail(field(2), "xxh64 must be an integer in [0, 2**64), got " + t.describe(f[2]));
+      }
+      ch.xxh64 = t[f[2]].v;
+      const bool grouped = group_code != 0 && ch.raw_len % E == 0;
+      const std::uint32_t want = grouped ? group_code : 0;
+      if (!is_uint(f[3], want)) {
+        fail(field(3),
+             detail::concat("transform code ", t.describe(f[3]),
+                            " disagrees with the codec params ['", c.codec, "', ", c.level, ", ",
+                            c.elem_size, ", '", c.transform, "'] (expected ", want, ")"));
+      }
+      ch.transform = want;
+      ch.nplanes = grouped ? E : 1;
+      if (t[f[4]].n != 2 * ch.nplanes) {
+        fail(field(4), detail::concat("must list ", ch.nplanes, " (mode, length) plane pairs"));
+      }
+      const std::uint64_t n = ch.raw_len / ch.nplanes;
+      std::uint64_t stored = 0;
+      ch.planes_at = _x.planes.size();
+      std::size_t pe = f[4] + 1;
+      for (std::uint32_t p = 0; p < ch.nplanes; ++p) {
+        const std::size_t mode = pe, length = t.next(mode);
+        pe = t.next(length);
+        if (t[mode].kind != JKind::Int || t[length].kind != JKind::Int) {
+          fail(field(4), "plane modes and lengths must be integers");
         }
-      });
-      if (k != 5) refuse("chunk record fields");
-      if (ch.file_offset + stored > size) refuse("chunk past the end of its file");
+        const std::uint64_t len = t[length].v;
+        const bool len_ok = in_range(length, 0, std::numeric_limits<std::uint64_t>::max());
+        bool ok = false;
+        if (is_uint(mode, 0)) {
+          ok = len_ok && len == n;
+        } else if (is_uint(mode, 1)) {
+          ok = zstd && len_ok && len > 0 && len < n && n <= len * kZstdMaxRatio;
+        }
+        if (!ok) {
+          fail(field(4),
+               detail::concat("plane ", p, " (mode ", t.int_text(mode), ", ", t.int_text(length),
+                              " bytes) cannot hold ", n, " raw bytes"));
+        }
+        _x.planes.push_back(t[mode].v);
+        _x.planes.push_back(len);
+        stored += len;
+      }
+      if (ch.file_offset + stored > size) {
+        fail(cp(), detail::concat("stored bytes [", ch.file_offset, ", ", ch.file_offset + stored,
+                                  ") lie past the end of ", _x.file_names[seg.file], " (", size,
+                                  " bytes)"));
+      }
       ranges.emplace_back(ch.file_offset, ch.file_offset + stored);
-      ch.xxh64 ^= place_key(seed, pos);
+      if (bound) ch.xxh64 ^= place_key(seed, pos);
       pos += ch.raw_len;
       total += ch.raw_len;
       _x.chunks.push_back(ch);
-    });
+    }
     return total;
   }
 
+  // ------------------------------------------------------------------ whole-tensor checks
+
   // The pieces must tile the tensor: no gap, no overlap (empty pieces are allowed).
-  void check_tiling(const IdxItem& t) {
-    if (_numel == 0) return;  // every piece is inside the shape, hence empty
-    const std::size_t count = t.pieces_end - t.pieces_begin;
-    if (count == 1) {
-      if (_x.pieces[t.pieces_begin].nbytes != _numel * _esize) refuse("pieces do not cover");
+  void check_tiling(const IdxItem& item, const std::string& ip, std::uint64_t numel) {
+    if (numel == 0) return;  // every piece is inside the shape, hence empty
+    const std::uint32_t nd = item.ndim;
+    const std::uint64_t* shape = _x.dims.data() + item.shape_at;
+    const auto offs = [&](std::size_t b) { return _x.dims.data() + _x.pieces[b].dims_at; };
+    const auto sizes = [&](std::size_t b) { return offs(b) + nd; };
+    std::vector<std::size_t> boxes;  // non-empty pieces (indexes into _x.pieces)
+    u128 covered = 0;
+    for (std::size_t p = item.pieces_begin; p < item.pieces_end; ++p) {
+      u128 volume = 1;
+      for (std::uint32_t d = 0; d < nd; ++d) volume *= sizes(p)[d];
+      if (volume == 0) continue;
+      boxes.push_back(p);
+      covered += volume;
+    }
+    if (covered != numel) {
+      fail(ip + ".pieces",
+           detail::concat("cover ", u128_text(covered), " element(s) of the tensor's ", numel,
+                          " (shape ", dims_text(shape, nd),
+                          "): ", covered < numel ? "a piece is missing" : "pieces overlap"));
+    }
+    if (boxes.size() == 1) return;
+    const auto name = [&](std::size_t p) {
+      return detail::concat(ip, ".pieces[", p - item.pieces_begin, "]");
+    };
+    std::vector<std::uint32_t> varying;
+    for (std::uint32_t d = 0; d < nd; ++d) {
+      if (std::any_of(boxes.begin(), boxes.end(),
+                      [&](std::size_t b) { return offs(b)[d] != 0 || sizes(b)[d] != shape[d]; })) {
+        varying.push_back(d);
+      }
+    }
+    if (varying.size() == 1) {  // slices along one dimension: sort and compare neighbours
+      const std::uint32_t d = varying[0];
+      std::vector<std::size_t> order(boxes);
+      std::stable_sort(order.begin(), order.end(),
+                       [&](std::size_t a, std::size_t b) { return offs(a)[d] < offs(b)[d]; });
+      for (std::size_t k = 1; k < order.size(); ++k) {
+        const std::size_t a = order[k - 1], b = order[k];
+        if (offs(b)[d] < offs(a)[d] + sizes(a)[d]) fail(name(b), "overlaps " + name(a));
+      }
       return;
     }
-    if (count > kMaxIrregularPieces) refuse("many pieces");  // the Python validator decides
-    std::vector<std::uint64_t> shape(
-        _x.dims.begin() + static_cast<std::ptrdiff_t>(t.shape_at),
-        _x.dims.begin() + static_cast<std::ptrdiff_t>(t.shape_at + t.ndim));
+    // Cut every varying dimension at every piece boundary; each piece covers a box of grid
+    // cells, and the pieces tile the tensor iff every cell is covered exactly once. The
+    // counters are 8-bit: with the element total already equal, a count that wraps past 255
+    // still leaves some other cell at 0.
+    std::vector<std::vector<std::uint64_t>> cuts(varying.size());
+    u128 cells = 1;
+    for (std::size_t k = 0; k < varying.size(); ++k) {
+      const std::uint32_t d = varying[k];
+      auto& c = cuts[k];
+      c.push_back(0);
+      c.push_back(shape[d]);
+      for (std::size_t b : boxes) {
+        c.push_back(offs(b)[d]);
+        c.push_back(offs(b)[d] + sizes(b)[d]);
+      }
+      std::sort(c.begin(), c.end());
+      c.erase(std::unique(c.begin(), c.end()), c.end());
+      cells *= c.size() - 1;
+      if (cells > (u128{1} << 64)) cells = u128{1} << 64;
+    }
+    if (cells > std::min<std::uint64_t>(kMaxGridCells, 16 * boxes.size() + 4096)) {
+      check_irregular_tiling(item, ip, boxes);
+      return;
+    }
+    const auto ncells = static_cast<std::size_t>(cells);
+    std::vector<std::uint8_t> grid(ncells, 0);
+    std::vector<std::size_t> lo(varying.size()), hi(varying.size()), stride(varying.size());
+    for (std::size_t k = varying.size(); k-- > 0;) {
+      stride[k] = k + 1 == varying.size() ? 1 : stride[k + 1] * (cuts[k + 1].size() - 1);
+    }
+    for (std::size_t b : boxes) {
+      for (std::size_t k = 0; k < varying.size(); ++k) {
+        const auto& c = cuts[k];
+        const std::uint32_t d = varying[k];
+        lo[k] =
+            static_cast<std::size_t>(std::lower_bound(c.begin(), c.end(), offs(b)[d]) - c.begin());
+        hi[k] = static_cast<std::size_t>(
+            std::lower_bound(c.begin(), c.end(), offs(b)[d] + sizes(b)[d]) - c.begin());
+      }
+      std::vector<std::size_t> at(lo);
+      for (;;) {
+        std::size_t cell = 0;
+        for (std::size_t k = 0; k < at.size(); ++k) cell += at[k] * stride[k];
+        ++grid[cell];
+        std::size_t k = at.size();
+        while (k-- > 0) {
+          if (++at[k] < hi[k]) break;
+          at[k] = lo[k];
+        }
+        if (k == static_cast<std::size_t>(-1)) break;
+      }
+    }
+    for (std::size_t cell = 0; cell < ncells; ++cell) {
+      if (grid[cell] == 1) continue;
+      std::vector<std::uint64_t> element(nd, 0);
+      std::size_t rest = cell;
+      for (std::size_t k = 0; k < varying.size(); ++k) {
+        element[varying[k]] = cuts[k][rest / stride[k]];
+        rest %= stride[k];
+      }
+      fail(ip + ".pieces", "element " + dims_text(element.data(), nd) + " is covered " +
+                               (grid[cell] == 0 ? "by no piece" : "more than once"));
+    }
+  }
+
+  void check_irregular_tiling(const IdxItem& item, const std::string& ip,
+                              const std::vector<std::size_t>& boxes) {
+    if (boxes.size() > kMaxIrregularPieces) {
+      fail(ip + ".pieces", detail::concat(boxes.size(),
+                                          " pieces that are not a product of "
+                                          "per-dimension cuts (at most ",
+                                          kMaxIrregularPieces, " supported)"));
+    }
+    const std::uint32_t nd = item.ndim;
+    const auto at = [&](std::size_t i) { return _x.dims.begin() + static_cast<std::ptrdiff_t>(i); };
+    std::vector<std::uint64_t> shape(at(item.shape_at), at(item.shape_at + nd));
     std::vector<TileBlock> blocks;
-    blocks.reserve(count);
-    for (std::size_t i = t.pieces_begin; i < t.pieces_end; ++i) {
-      const auto at = static_cast<std::ptrdiff_t>(_x.pieces[i].dims_at);
-      const auto nd = static_cast<std::ptrdiff_t>(t.ndim);
-      blocks.push_back(TileBlock{{_x.dims.begin() + at, _x.dims.begin() + at + nd},
-                                 {_x.dims.begin() + at + nd, _x.dims.begin() + at + 2 * nd},
-                                 std::string()});
+    blocks.reserve(boxes.size());
+    for (std::size_t b : boxes) {
+      const std::size_t o = _x.pieces[b].dims_at;
+      blocks.push_back(TileBlock{{at(o), at(o + nd)},
+                                 {at(o + nd), at(o + 2 * nd)},
+                                 detail::concat("pieces[", b - item.pieces_begin, "]")});
     }
     try {
-      pyckpt::check_tiling(t.fqn, shape, blocks);
-    } catch (const FormatError&) {
-      refuse("pieces do not tile the tensor");
+      pyckpt::check_tiling(ip, shape, blocks);
+    } catch (const FormatError& e) {
+      fail(ip + ".pieces", e.what());
+    }
+  }
+
+  // A rank-local part: at most disjoint_pieces non-empty pieces, no two overlapping.
+  void check_disjoint(const IdxItem& item, const std::string& ip) {
+    const std::uint32_t nd = item.ndim;
+    std::vector<std::size_t> boxes;
+    for (std::size_t p = item.pieces_begin; p < item.pieces_end; ++p) {
+      if (_x.pieces[p].nbytes) boxes.push_back(p);
+    }
+    if (boxes.size() > _o.disjoint_pieces) {
+      fail(ip + ".pieces", detail::concat(boxes.size(), " pieces, more than the ",
+                                          _o.disjoint_pieces, " a rank-local part may hold"));
+    }
+    for (std::size_t k = 0; k < boxes.size(); ++k) {
+      const std::uint64_t* b = _x.dims.data() + _x.pieces[boxes[k]].dims_at;
+      for (std::size_t m = 0; m < k; ++m) {
+        const std::uint64_t* a = _x.dims.data() + _x.pieces[boxes[m]].dims_at;
+        bool overlap = true;
+        for (std::uint32_t d = 0; d < nd && overlap; ++d) {
+          overlap = a[d] < b[d] + b[nd + d] && b[d] < a[d] + a[nd + d];
+        }
+        if (overlap) {
+          fail(detail::concat(ip, ".pieces[", boxes[k] - item.pieces_begin, "]"),
+               detail::concat("overlaps ", ip, ".pieces[", boxes[m] - item.pieces_begin, "]"));
+        }
+      }
     }
   }
 
@@ -572,27 +931,77 @@ class Parser {
   void check_packing() {
     for (std::size_t f = 0; f < _ranges.size(); ++f) {
       auto& r = _ranges[f];
-      std::sort(r.begin(), r.end());
+      const std::uint64_t size = _x.file_sizes[f];
+      const std::string fp = "files[" + py_repr_str(_x.file_names[f]) + "]";
+      if (r.empty()) {
+        if (size) fail(fp, detail::concat(size, " bytes but no chunk is stored in it"));
+        continue;
+      }
+      std::stable_sort(r.begin(), r.end(),
+                       [](const auto& a, const auto& b) { return a.first < b.first; });
       std::uint64_t prev = 0;
       for (const auto& [begin, end] : r) {
-        if (begin != prev) refuse("data file not packed");
+        if (begin != prev) {
+          const std::string& name = _x.file_names[f];
+          if (begin < prev) {
+            fail(chunk_path(f, begin),
+                 detail::concat("stored bytes at offset ", begin, " of ", name,
+                                " overlap another chunk's (which end at ", prev, ")"));
+          }
+          fail(chunk_path(f, begin),
+               detail::concat("bytes [", prev, ", ", begin, ") of ", name, " belong to no chunk"));
+        }
         prev = end;
       }
-      if (prev != _x.file_sizes[f]) refuse("data file size");
+      if (prev != size) {
+        fail(fp, detail::concat("records ", size, " bytes, its chunks end at ", prev));
+      }
     }
   }
 
+  // The key path of the (last listed) chunk stored at `off` of file `f`: bytes items first,
+  // then the tensors' pieces.
+  std::string chunk_path(std::size_t f, std::uint64_t off) const {
+    std::string found = "files[" + py_repr_str(_x.file_names[f]) + "]";
+    const auto scan = [&](const std::string& where, std::size_t begin, std::size_t end) {
+      for (std::size_t s = begin; s < end; ++s) {
+        const IdxSegment& seg = _x.segments[s];
+        if (seg.file != f) continue;
+        for (std::size_t c = seg.chunks_begin; c < seg.chunks_end; ++c) {
+          if (_x.chunks[c].file_offset == off) {
+            found = detail::concat(where, ".segments[", s - begin, "].chunks[",
+                                   c - seg.chunks_begin, "]");
+          }
+        }
+      }
+    };
+    for (const IdxItem& item : _x.items) {
+      if (!item.tensor)
+        scan("items[" + py_repr_str(item.fqn) + "]", item.segments_begin, item.segments_end);
+    }
+    for (const IdxItem& item : _x.items) {
+      if (!item.tensor) continue;
+      for (std::size_t p = item.pieces_begin; p < item.pieces_end; ++p) {
+        scan(detail::concat("items[", py_repr_str(item.fqn), "].pieces[", p - item.pieces_begin,
+                            "]"),
+             _x.pieces[p].segments_begin, _x.pieces[p].segments_end);
+      }
+    }
+    return found;
+  }
+
   std::string_view _doc;
-  const std::string& _origin;
-  JsonReader _r;
+  const std::string& _meta;
+  const PyckptIndexOptions& _o;
   PyckptIndex _x;
-  std::unordered_map<std::string, std::uint32_t> _file_index;
+  const JsonTape* _t = nullptr;
+  std::vector<std::string> _path;  // of the planner_data value being checked
+  std::unordered_map<std::string_view, std::uint32_t> _file_index;
   std::unordered_map<std::string, std::uint32_t> _codec_index;
   std::vector<std::vector<std::pair<std::uint64_t, std::uint64_t>>> _ranges;  // per file
   std::string _seed_buf;
   std::string _codec_key;
-  std::uint32_t _esize = 1;  // of the tensor being read
-  std::uint64_t _numel = 1;
+  std::uint64_t _pieces = 0, _segments = 0, _chunks = 0;
 };
 
 }  // namespace
@@ -632,8 +1041,9 @@ const std::vector<PyckptDtype>& pyckpt_dtypes() {
   return table;
 }
 
-PyckptIndex parse_pyckpt_index(std::string_view doc, const std::string& origin) {
-  return Parser(doc, origin).run();
+PyckptIndex parse_pyckpt_index(std::string_view doc, const std::string& origin,
+                               const PyckptIndexOptions& options) {
+  return Reader(doc, origin, options).run();
 }
 
 }  // namespace pyckpt

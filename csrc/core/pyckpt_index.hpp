@@ -1,29 +1,32 @@
 #pragma once
 /**
  * @file pyckpt_index.hpp
- * @brief The native reader of `pyckpt.json` (docs/FORMAT.md): parses and validates a metadata
- *        document in one pass into flat tables, for checkpoints of many tensors and pieces.
+ * @brief The metadata reader: parses and validates `pyckpt.json` (docs/FORMAT.md, "Strict
+ *        schema") in one pass into flat tables, for checkpoints of many tensors and pieces.
  *
- * It accepts a strict subset of what the format allows: format version 3 in the form this pyckpt
- * writes it (every object's keys in the writer's order, integers within 64 bits, no repeated key,
- * no unpaired surrogate escape). Everything else, including every damaged or hostile document, is
- * refused with FormatError. The caller (pyckpt._format.read_index) then runs the reference
- * validator in Python, which accepts the rest of the format and names what is wrong; so a refusal
- * here costs time, never a wrong answer, and this reader may be stricter than the format but
- * never looser. Within that subset it checks everything the reference validator checks except
- * the data files on disk (which the caller checks, as its backends know how): exact keys and
+ * The one reader of the format: every version this pyckpt reads (1, 2, 3), the members of every
+ * object in any order, JSON read as Python's json module reads it (core/json_tape.hpp). It
+ * verifies the metadata checksum, then checks everything the specification lists except the data
+ * files on disk (which the caller checks, as its backends know where they are): exact keys and
  * types, ranges and documented limits, data file names, codec fields against the dtype, every
- * chunk record, segments covering each piece, pieces tiling each tensor, and each data file
- * being its chunks back to back. Chunk checksums are returned unbound from their place.
+ * chunk record, segments covering each piece, pieces tiling each tensor, and each data file being
+ * its chunks back to back. Chunk checksums are returned unbound from their place. A refusal is a
+ * FormatError (UnsupportedDtype for an unknown dtype) whose message names the file and the key
+ * path of the offending value, worded as the specification's checks are listed.
  *
- * Memory: the result is flat vectors (no object per value); the document is not copied.
+ * Memory: the result is flat vectors (no object per value); while parsing, 16 bytes per JSON
+ * value of the document. The document is not copied.
  * Thread-safety: a pure function of its input.
  */
 #include <cstddef>
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <string_view>
 #include <vector>
+
+#include "core/error.hpp"
+#include "core/json_tape.hpp"
 
 namespace pyckpt {
 
@@ -75,7 +78,7 @@ struct IdxItem {
   std::size_t segments_begin = 0, segments_end = 0;  ///< bytes item only
 };
 
-/** @brief A validated metadata document (format version 3). */
+/** @brief A validated metadata document. */
 struct PyckptIndex {
   int version = 0;
   std::string created_by;
@@ -83,9 +86,11 @@ struct PyckptIndex {
   bool has_dcp_version = false;
   std::string dcp_version;
   std::vector<std::string> modules;  ///< storage_meta.modules
-  /// planner_data's JSON text is `[planner_begin, planner_end)` of the document (checked: no
-  /// repeated key, nesting within the limit, every {"__tuple__": ...} exactly that key and a list).
-  std::size_t planner_begin = 0, planner_end = 0;
+  /// The parsed document (it views the caller's bytes: valid while they are) and the index of
+  /// planner_data in it (checked: nesting within the limit, every {"__tuple__": ...} exactly
+  /// that key holding a list). The caller may drop it once planner_data is converted.
+  std::unique_ptr<JsonTape> tape;
+  std::size_t planner = 0;
   std::vector<std::string> file_names;
   std::vector<std::uint64_t> file_sizes;
   std::vector<IdxItem> items;
@@ -115,11 +120,29 @@ struct PyckptDtype {
 };
 const std::vector<PyckptDtype>& pyckpt_dtypes();
 
+/** @brief A tensor's dtype is not one the format stores (Python: UnsupportedDtypeError). */
+class UnsupportedDtype : public FormatError {
+ public:
+  explicit UnsupportedDtype(const std::string& what) : FormatError(FormatKind::Mismatch, what) {}
+};
+
+/** @brief How the pieces of a tensor must cover it, and the limits enforced. */
+struct PyckptIndexOptions {
+  /// 0: the pieces of each tensor tile it. n > 0: a rank-local part (pyckpt._ranklocal): at
+  /// most n non-empty pieces per tensor, no two overlapping, holes allowed.
+  std::size_t disjoint_pieces = 0;
+  /// >= 0: a rank-local part of this rank: every data file it lists must be the rank's.
+  std::int64_t only_rank = -1;
+  PyckptIndexLimits limits = pyckpt_index_limits();
+};
+
 /**
- * @brief Parses and validates `doc`, the whole `pyckpt.json` (its checksum already verified).
- * @param origin the file, for messages.
- * @throws FormatError(Header) for any document outside the subset described above.
+ * @brief Verifies, parses and validates `doc`, the whole `pyckpt.json`.
+ * @param origin the file, for messages ("<origin>: <key path>: <what is wrong>").
+ * @throws FormatError(Header) for a damaged or invalid document, UnsupportedDtype for a dtype
+ *         outside the table.
  */
-PyckptIndex parse_pyckpt_index(std::string_view doc, const std::string& origin);
+PyckptIndex parse_pyckpt_index(std::string_view doc, const std::string& origin,
+                               const PyckptIndexOptions& options = {});
 
 }  // namespace pyckpt

@@ -150,7 +150,7 @@ class MemoryBackend(WholePlace):
             raise FileNotFoundError(errno.ENOENT, "not a complete pyckpt checkpoint: "
                                     f"{METADATA_FILE} is missing", meta)
         # The one validation path, data files looked up here.
-        return _format.validate(raw, meta, lambda version: _Validator(self, meta, version))
+        return _format.validate(raw, meta, _DataFiles(self, meta))
 
     def _sources(self, segments: Iterable[Any]) -> dict[str, _C.MemorySource]:  # lent as is
         data = {seg[0]: self.files.get(seg[0].rsplit("/", 1)[-1], b"") for seg in segments}
@@ -215,11 +215,11 @@ class MemoryBackend(WholePlace):
                 del _stores[self.location]
 
 
-class _Validator(_format._Validator):
-    """The metadata validator with data files looked up in the store."""
+class _DataFiles(_format.DataFiles):
+    """The data files of a checkpoint, looked up in the store."""
 
-    def __init__(self, backend: MemoryBackend, meta: str, version: int) -> None:
-        super().__init__(backend.location, meta, version)
+    def __init__(self, backend: MemoryBackend, meta: str) -> None:
+        super().__init__(backend.location, meta)
         self.backend = backend
 
     def check_file(self, name: str, size: int) -> str:

@@ -30,11 +30,11 @@ _GET_CONCURRENCY = 16
 _FETCH_BATCH_BYTES = 256 << 20
 
 
-class _Validator(_format._Validator):
-    """The metadata validator with data objects checked against one LIST of the prefix."""
+class _DataFiles(_format.DataFiles):
+    """The data objects of a checkpoint, checked against one LIST of the prefix."""
 
-    def __init__(self, loc: Location, meta: str, version: int) -> None:
-        super().__init__(loc.url, meta, version)
+    def __init__(self, loc: Location, meta: str) -> None:
+        super().__init__(loc.url, meta)
         self.loc = loc
         self._listing: dict[str, int] | None = None
 
@@ -66,7 +66,7 @@ def read_index(loc: Location) -> _format.CheckpointIndex:
     """
     meta = loc.url_of(METADATA_FILE)
     raw = loc.get(METADATA_FILE, _format.MAX_METADATA_BYTES)
-    return _format.validate(raw, meta, lambda version: _Validator(loc, meta, version))
+    return _format.validate(raw, meta, _DataFiles(loc, meta))
 
 
 def _needed(request: Any) -> list[tuple[int, int, str, int, int]]:

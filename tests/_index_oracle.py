@@ -1,41 +1,36 @@
-"""On-disk format, the validation side: the strict schema every parsed ``pyckpt.json`` is
-walked through (``docs/FORMAT.md``, "Strict schema"), building the :class:`CheckpointIndex`.
+"""The Python metadata validator: the reference reading of ``pyckpt.json`` (docs/FORMAT.md,
+"Strict schema") that the metadata reader (``_C.parse_pyckpt_index``) is compared with.
 
-Imported through :mod:`pyckpt._format`; :func:`pyckpt._format.read_index` drives it.
+It was pyckpt's reader before the native one read every document; it stays here as an
+independent oracle: the differential tests (the suite's conftest, tests/test_native_index.py,
+the metadata fuzzers) check that both readers accept the same documents, build the same index
+and refuse the others with the same error and message. Data files are not looked at: paths are
+the files' names.
 """
 
 from __future__ import annotations
 
-import errno
 import json
 import math
-import os
-import stat
+import re
 from array import array
+from collections.abc import Callable
 from operator import itemgetter
 from typing import TYPE_CHECKING, Any
 
 from pyckpt import _C
-from pyckpt._format_json import (
-    _PIECE_FIELDS,
-    _TENSOR_FIELDS,
-    _describe,
-    _dims_ok,
-    _Duplicate,
-    _Key,
-    _member,
-    _Path,
-    _untuple,
-)
 from pyckpt._format_spec import (
     _BYTES_DTYPE,
     _BYTES_KEYS,
     _GROUPING,
+    _JUST_INT,
     _MAX_FILE_BYTES,
     _MAX_GRID_CELLS,
     _MAX_IRREGULAR_PIECES,
     _PIECE_KEYS,
     _SAVE_ID_RE,
+    _SEAL_LEN,
+    _SEAL_RE,
     _SEGMENT_KEYS,
     _STORAGE_META_KEYS,
     _TENSOR_KEYS,
@@ -47,6 +42,7 @@ from pyckpt._format_spec import (
     CODEC_NONE,
     CODEC_ZSTD,
     DTYPE_SIZES,
+    FORMAT_NAME,
     MAX_CHUNK_BYTES,
     MAX_CHUNKS,
     MAX_FILES,
@@ -60,6 +56,7 @@ from pyckpt._format_spec import (
     MEMORY_FORMATS,
     PLACE_BOUND_VERSION,
     RAW_CODEC_PARAMS,
+    READABLE_VERSIONS,
     CheckpointIndex,
     StoredBytes,
     StoredPiece,
@@ -67,6 +64,7 @@ from pyckpt._format_spec import (
     chunk_place_key,
     chunk_place_seed,
     codec_params_json,
+    data_file_rank,
     is_data_file,
 )
 from pyckpt.errors import CheckpointFormatError, UnsupportedDtypeError
@@ -74,6 +72,180 @@ from pyckpt.errors import CheckpointFormatError, UnsupportedDtypeError
 if TYPE_CHECKING:
     from pyckpt._C import CodecParams
 
+
+class _Duplicate:
+    """Stands for a JSON object that repeats a key (reported with its key path later)."""
+
+    __slots__ = ("key",)
+
+    def __init__(self, key: str) -> None:
+        self.key = key
+
+
+def _describe(value: Any) -> str:
+    if isinstance(value, _Duplicate):
+        return f"an object that repeats the key {value.key!r}"
+    if isinstance(value, (dict, list)):
+        return "an object" if isinstance(value, dict) else "a list"
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _member(path: str, key: str) -> str:
+    return f"{path}.{key}" if path else key
+
+
+def _dims_ok(dims: list[Any]) -> bool:
+    """Every entry an exact int (not a bool) in [0, MAX_NUMEL]: the common case, checked with
+    C-level loops (the validator's per-entry loop then only runs to report a failure)."""
+    return not dims or (set(map(type, dims)) == _JUST_INT and min(dims) >= 0
+                        and max(dims) <= MAX_NUMEL)
+
+
+class _Path:
+    """A key path spelled out only when a message needs it: ``{base}{member}[{n}]`` (no index
+    when ``n`` is None)."""
+
+    __slots__ = ("base", "member", "n")
+
+    def __init__(self, base: object, member: str, n: int | None = None) -> None:
+        self.base, self.member, self.n = base, member, n
+
+    def __str__(self) -> str:
+        if self.n is None:
+            return f"{self.base}{self.member}"
+        return f"{self.base}{self.member}[{self.n}]"
+
+    def __format__(self, spec: str) -> str:
+        return format(str(self), spec)
+
+
+class _Key:
+    """A key path spelled out only when a message needs it: ``{base}[{key!r}]``."""
+
+    __slots__ = ("base", "key")
+
+    def __init__(self, base: object, key: str) -> None:
+        self.base, self.key = base, key
+
+    def __str__(self) -> str:
+        return f"{self.base}[{self.key!r}]"
+
+    def __format__(self, spec: str) -> str:
+        return format(str(self), spec)
+
+
+def _object_hook() -> Callable[[list[tuple[str, Any]]], Any]:
+    """The ``object_pairs_hook`` of one parse.
+
+    Besides marking repeated keys, it compacts chunk records while the document is being parsed
+    (the parsed lists of a large checkpoint would otherwise dominate memory): in every object
+    with exactly the segment keys, each ``[a, b, c, d, [planes...]]`` chunk list becomes the tuple
+    ``(a, b, c, d, (planes...))`` and repeated raw lengths and all-raw plane tuples are shared.
+    The values are not checked here; the validator checks the tuples as it would the lists (and
+    :meth:`_Validator.untag` turns them back into lists inside planner_data).
+    """
+    ints: dict[int, int] = {}
+    raw_planes: dict[tuple[Any, ...], tuple[Any, ...]] = {}
+
+    def hook(pairs: list[tuple[str, Any]]) -> Any:
+        d = dict(pairs)
+        if len(d) != len(pairs):
+            seen: set[str] = set()
+            for k, _ in pairs:
+                if k in seen:
+                    return _Duplicate(k)
+                seen.add(k)
+        chunks = d.get("chunks")
+        if type(chunks) is list and len(d) == 4 and d.keys() == _SEGMENT_KEYS:
+            for j, c in enumerate(chunks):
+                if type(c) is list and len(c) == 5 and type(c[4]) is list:
+                    planes = tuple(c[4])
+                    # All raw planes: the tuple repeats across chunks. Only exact ints are
+                    # shared (False == 0 and hash alike: sharing must not hide a bool).
+                    if not any(planes[0::2]) and set(map(type, planes)) == _JUST_INT:
+                        planes = raw_planes.setdefault(planes, planes)
+                    raw_len = c[1]
+                    if type(raw_len) is int:
+                        raw_len = ints.setdefault(raw_len, raw_len)
+                    chunks[j] = (c[0], raw_len, c[2], c[3], planes)
+        return d
+
+    return hook
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON value")
+
+
+def _check_seal(raw: bytes, meta: str) -> re.Match[bytes] | None:
+    """The metadata checksum member at the end of ``raw``, verified; None when there is none."""
+    seal = _SEAL_RE.fullmatch(raw, len(raw) - _SEAL_LEN) if len(raw) > _SEAL_LEN else None
+    if seal is not None:
+        recorded = int(seal.group(1), 16)
+        actual = _C.xxh64(memoryview(raw)[: len(raw) - _SEAL_LEN])
+        if actual != recorded:
+            raise CheckpointFormatError(
+                f"{meta}: metadata checksum mismatch (recorded xxh64:{recorded:016x}, computed "
+                f"xxh64:{actual:016x}): the file is damaged"
+            )
+    return seal
+
+
+_UNCHECKED: Any = object()
+
+
+def _parse(holder: list[bytes], meta: str,
+           seal: re.Match[bytes] | None = _UNCHECKED) -> tuple[dict[str, Any], int]:
+    """Checks the metadata checksum, then parses strict UTF-8 JSON; returns (doc, version).
+
+    ``holder`` holds the file's bytes; they are released once decoded, before the parse.
+    ``seal``: the caller's :func:`_check_seal` of them, when it has checked them already.
+    """
+    raw = holder.pop()
+    if seal is _UNCHECKED:
+        seal = _check_seal(raw, meta)
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise CheckpointFormatError(
+            f"{meta}: metadata is not UTF-8 ({e.reason} at byte {e.start})"
+        ) from None
+    del raw
+    if not text.startswith("{"):
+        raise CheckpointFormatError(
+            f"{meta}: metadata must start with '{{' (no byte order mark, no whitespace)"
+        )
+    try:
+        doc = json.loads(text, object_pairs_hook=_object_hook(), parse_constant=_reject_constant)
+    except RecursionError:
+        raise CheckpointFormatError(f"{meta}: metadata is nested too deeply") from None
+    except ValueError as e:  # JSONDecodeError, NaN/Infinity, integers of too many digits
+        raise CheckpointFormatError(f"{meta}: metadata is not valid JSON ({e})") from None
+    del text
+    if type(doc) is not dict:
+        what = f"repeats the top-level key {doc.key!r}" if isinstance(doc, _Duplicate) else (
+            "is not a JSON object")
+        raise CheckpointFormatError(f"{meta}: metadata {what}")
+    if doc.get("format") != FORMAT_NAME or type(doc.get("format")) is not str:
+        raise CheckpointFormatError(f"{meta}: not a pyckpt metadata file ('format' is not "
+                                    f"{FORMAT_NAME!r})")
+    version = doc.get("version")
+    if type(version) is not int:
+        raise CheckpointFormatError(
+            f"{meta}: version: must be an integer, got {_describe(version)}"
+        )
+    if version not in READABLE_VERSIONS:
+        raise CheckpointFormatError(
+            f"{meta}: format version {version} is not supported by this pyckpt (reads versions "
+            f"{', '.join(map(str, READABLE_VERSIONS))}); upgrade pyckpt to read it"
+        )
+    if version >= 2 and seal is None:
+        raise CheckpointFormatError(
+            f"{meta}: the metadata checksum is missing or malformed (a version {version} file "
+            "ends with ,\"checksum\":\"xxh64:<16 hex digits>\"}): the file is damaged"
+        )
+    return doc, version
 
 
 # Files with at most this many chunk bounds (2 per chunk) are checked for packing in Python.
@@ -91,9 +263,11 @@ _CODEC_TYPES = (str, int, int, str)
 class _Validator:
     """Walks a parsed metadata document, checking it and building the index."""
 
-    def __init__(self, root: str, meta: str, version: int, all_files: bool = True) -> None:
-        self.root = root
-        self.all_files = all_files
+    def __init__(self, meta: str, version: int, disjoint_pieces: int = 0,
+                 rank: int = -1) -> None:
+        self.root = ""
+        self.disjoint_pieces = disjoint_pieces  # > 0: a rank-local part (see check_tiling)
+        self.rank = rank
         self.local_files: set[str] = set()
         self.meta = meta
         self.version = version
@@ -213,36 +387,6 @@ class _Validator:
         self.check_packing(index)
         return index
 
-    def from_native(self, x: _C.PyckptIndex, raw: bytes) -> CheckpointIndex:
-        """The index of a document the native reader validated (``x``, from the bytes ``raw``):
-        only the data files on disk are left to check, as :meth:`read_files` checks them."""
-        paths = []
-        for name, size in x.files:
-            full = self.check_file(name, size)
-            self.files[name] = size
-            path = os.path.join(self.root, name) if full is None else full
-            self.paths[name] = path
-            paths.append(path)
-            if full is not None:  # None: node-local, held by another node
-                self.local_files.add(name)
-        begin, end = x.planner_span
-        planner_data = json.loads(raw[begin:end], object_hook=_untuple)
-        tensors, bytes_items = x.materialize(paths, _TENSOR_FIELDS, _PIECE_FIELDS, StoredBytes,
-                                             _C.CodecParams)
-        return CheckpointIndex(
-            path=self.root,
-            tensors=tensors,
-            bytes_items=bytes_items,
-            files=self.files,
-            save_id=x.save_id,
-            dcp_version=x.dcp_version,
-            planner_data=planner_data,
-            storage_meta={"modules": list(x.modules)},
-            created_by=x.created_by,
-            version=x.version,
-            local_files=self.local_files,
-        )
-
     def read_files(self, raw: Any) -> None:
         files = self.obj(raw, "files")
         if len(files) > MAX_FILES:
@@ -255,35 +399,16 @@ class _Validator:
             self.int_(size, fp, 0, _MAX_FILE_BYTES)
             full = self.check_file(name, size)
             self.files[name] = size
-            self.paths[name] = os.path.join(self.root, name) if full is None else full
+            self.paths[name] = full
             self.ranges[name] = array("Q")
-            if full is not None:  # None: node-local, held by another node
-                self.local_files.add(name)
+            self.local_files.add(name)
 
-    def check_file(self, name: str, size: int) -> str | None:
-        """Checks that data file ``name`` (a validated plain name) exists as a regular file of
-        at least ``size`` bytes; returns its full path, or None when it is missing and the
-        checkpoint is node-local (``all_files`` False: another node holds it). Other backends
-        override this."""
-        full = os.path.join(self.root, name)
-        try:
-            st = os.lstat(full)
-        except FileNotFoundError:
-            if not self.all_files:
-                return None
-            raise FileNotFoundError(
-                errno.ENOENT, f"data file of checkpoint {self.root!r} is missing", full
-            ) from None
-        if stat.S_ISLNK(st.st_mode):
-            raise CheckpointFormatError(f"{full}: data file is a symbolic link; pyckpt "
-                                        "does not follow links out of a checkpoint")
-        if not stat.S_ISREG(st.st_mode):
-            raise CheckpointFormatError(f"{full}: data file is not a regular file")
-        if st.st_size < size:
-            raise CheckpointFormatError(
-                f"{full}: data file is truncated: {st.st_size} bytes, expected {size}"
-            )
-        return full
+    def check_file(self, name: str, size: int) -> str:
+        """Data files are not looked at; a rank-local part names only its rank's."""
+        if self.rank >= 0 and data_file_rank(name) != self.rank:
+            raise self.fail(f"files[{name!r}]", f"is not a data file of rank {self.rank}; "
+                                                "rank-local metadata names only its rank's files")
+        return name
 
     def untag(self, value: Any, path: Any, depth: int) -> Any:
         t = type(value)
@@ -519,7 +644,11 @@ class _Validator:
 
     def check_tiling(self, ip: str, shape: tuple[int, ...], numel: int,
                      pieces: list[StoredPiece]) -> None:
-        """The pieces must tile the tensor: no gap, no overlap (empty pieces are allowed)."""
+        """The pieces must tile the tensor: no gap, no overlap (empty pieces are allowed). A
+        rank-local part holds some shards of a tensor: its pieces must not overlap."""
+        if self.disjoint_pieces:
+            self.check_disjoint(ip, shape, pieces)
+            return
         if numel == 0:
             return  # every piece is inside the shape, hence empty
         boxes = [(n, p) for n, p in enumerate(pieces) if p.nbytes]
@@ -566,6 +695,17 @@ class _Validator:
             count = int(grid[tuple(cell)])
             raise self.fail(f"{ip}.pieces", f"element {element} is covered "
                                             + ("by no piece" if count == 0 else "more than once"))
+
+    def check_disjoint(self, ip: str, shape: tuple[int, ...], pieces: list[StoredPiece]) -> None:
+        boxes = [(n, p) for n, p in enumerate(pieces) if p.nbytes]
+        if len(boxes) > self.disjoint_pieces:
+            raise self.fail(f"{ip}.pieces", f"{len(boxes)} pieces, more than the "
+                                            f"{self.disjoint_pieces} a rank-local part may hold")
+        for k, (n1, b) in enumerate(boxes):
+            for n0, a in boxes[:k]:
+                if all(a.offsets[d] < b.offsets[d] + b.sizes[d]
+                       and b.offsets[d] < a.offsets[d] + a.sizes[d] for d in range(len(shape))):
+                    raise self.fail(f"{ip}.pieces[{n1}]", f"overlaps {ip}.pieces[{n0}]")
 
     def check_irregular_tiling(self, ip: str, shape: tuple[int, ...],
                                boxes: list[tuple[int, StoredPiece]]) -> None:
@@ -647,3 +787,17 @@ class _Validator:
                         found = f"{where}.segments[{s}].chunks[{j}]"
         return found
 
+
+
+def oracle_index(raw: bytes, meta: str, *, disjoint_pieces: int = 0, rank: int = -1,
+                 limits: dict[str, int] | None = None) -> CheckpointIndex:
+    """The index of the metadata bytes ``raw`` as the Python validator reads them (data file
+    paths are their names), or its error; the arguments are those of
+    ``_C.parse_pyckpt_index``."""
+    saved = {name: globals()[name] for name in limits or {}}
+    globals().update(limits or {})
+    try:
+        doc, version = _parse([raw], meta)
+        return _Validator(meta, version, disjoint_pieces, rank).index(doc)
+    finally:
+        globals().update(saved)
