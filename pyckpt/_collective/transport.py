@@ -102,6 +102,17 @@ def broadcast(obj: Any, group: Group, src: int = 0, what: str = "a broadcast",
     return pickle.loads(head)
 
 
+def _framed(obj: Any, group: Group, inline: int | None) -> tuple[Any, Any, bytes, Any, int]:
+    """For a gather: the group's process group and device, ``obj``'s pickle, its frame and the
+    inline bytes (default :func:`gather_inline` of the group's size)."""
+    if inline is None:
+        inline = gather_inline(group.world)
+    pg = _pg(group)
+    dev = _device(pg)
+    data = pickle.dumps(obj)
+    return pg, dev, data, _frame(data, inline, dev), inline
+
+
 def all_gather(obj: Any, group: Group, what: str = "an exchange of state",
                inline: int | None = None) -> list[Any]:
     """Every rank's ``obj``, indexed by group rank: one collective when every rank's pickle
@@ -115,12 +126,7 @@ def all_gather(obj: Any, group: Group, what: str = "an exchange of state",
         return [obj]
     import torch
 
-    if inline is None:
-        inline = gather_inline(group.world)
-    pg = _pg(group)
-    dev = _device(pg)
-    data = pickle.dumps(obj)
-    mine = _frame(data, inline, dev)
+    pg, dev, data, mine, inline = _framed(obj, group, inline)
     outs = [torch.empty_like(mine) for _ in range(group.world)]
     _run(group, what, _options("AllgatherOptions"),
          lambda opts: pg.allgather([outs], [mine], opts))
@@ -176,12 +182,7 @@ def gather(obj: Any, group: Group, root: int = 0, what: str = "a gather",
         return [obj]
     import torch
 
-    if inline is None:
-        inline = gather_inline(group.world)
-    pg = _pg(group)
-    dev = _device(pg)
-    data = pickle.dumps(obj)
-    mine = _frame(data, inline, dev)
+    pg, dev, data, mine, inline = _framed(obj, group, inline)
     is_root = group.rank == root
     outs = [torch.empty_like(mine) for _ in range(group.world)] if is_root else []
 
