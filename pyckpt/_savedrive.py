@@ -132,10 +132,16 @@ def save(state_dict: dict[str, Any], writer: Any, planner: SavePlanner, group: G
     settings that change the plan).
     """
     coordinator = group.rank == 0
-    planner.set_up_planner(state_dict, storage_meta=writer.storage_meta(),
-                           is_coordinator=coordinator)
-    writer.set_up_storage_writer(coordinator, rank=group.rank, use_collectives=True)
-    local, error = _attempt(lambda: writer.prepare_local_plan(planner.create_local_plan()))
+
+    def local_step() -> SavePlan:
+        # Every failure from here on reaches every rank through the collectives below (a
+        # FileExistsError of overwrite=False is the coordinator's alone, say).
+        planner.set_up_planner(state_dict, storage_meta=writer.storage_meta(),
+                               is_coordinator=coordinator)
+        writer.set_up_storage_writer(coordinator, rank=group.rank, use_collectives=True)
+        return writer.prepare_local_plan(planner.create_local_plan())
+
+    local, error = _attempt(local_step)
 
     cache = None
     key: tuple[Any, ...] = ()

@@ -203,3 +203,22 @@ def _transport_worker(rank: int, world: int) -> Any:
 
 def test_gather_and_scatter_carry_objects_longer_than_the_inline_frame() -> None:
     assert run_distributed(_transport_worker, WORLD) == ["ok"] * WORLD
+
+
+def _setup_failure_worker(rank: int, world: int, root: str) -> str:
+    """A failure of the coordinator's set-up (overwrite=False into a complete checkpoint)
+    reaches every rank, on a planned and on a cached save."""
+    import pyckpt
+
+    sd = _state(rank, world, 1)
+    path = os.path.join(root, "a")
+    pyckpt.save(sd, path, overwrite=False)
+    for _ in range(2):
+        with pytest.raises(FileExistsError):
+            pyckpt.save(sd, path, overwrite=False)
+    assert _save_counting(sd, os.path.join(root, "b")) in ("planned", "cached")
+    return "raised"
+
+
+def test_a_set_up_failure_on_the_coordinator_reaches_every_rank(tmp_path: Any) -> None:
+    assert run_distributed(_setup_failure_worker, WORLD, str(tmp_path)) == ["raised"] * WORLD
