@@ -8,6 +8,7 @@
 #include <limits>
 #include <unordered_set>
 
+#include "core/detail/utf8.hpp"
 #include "core/error.hpp"
 
 namespace pyckpt {
@@ -24,24 +25,6 @@ int hex_value(char h) {
   if (h >= 'a' && h <= 'f') return h - 'a' + 10;
   if (h >= 'A' && h <= 'F') return h - 'A' + 10;
   return -1;
-}
-
-void append_utf8(std::string& out, std::uint32_t cp) {
-  if (cp < 0x80) {
-    out.push_back(static_cast<char>(cp));
-  } else if (cp < 0x800) {
-    out.push_back(static_cast<char>(0xC0 | (cp >> 6)));
-    out.push_back(static_cast<char>(0x80 | (cp & 0x3F)));
-  } else if (cp < 0x10000) {  // surrogates included (generalized UTF-8)
-    out.push_back(static_cast<char>(0xE0 | (cp >> 12)));
-    out.push_back(static_cast<char>(0x80 | ((cp >> 6) & 0x3F)));
-    out.push_back(static_cast<char>(0x80 | (cp & 0x3F)));
-  } else {
-    out.push_back(static_cast<char>(0xF0 | (cp >> 18)));
-    out.push_back(static_cast<char>(0x80 | ((cp >> 12) & 0x3F)));
-    out.push_back(static_cast<char>(0x80 | ((cp >> 6) & 0x3F)));
-    out.push_back(static_cast<char>(0x80 | (cp & 0x3F)));
-  }
 }
 
 // Decodes the code point at s[i] (generalized UTF-8, already validated); advances i.
@@ -338,7 +321,7 @@ class JsonTapeParser {
           next += 6;
         }
       }
-      append_utf8(out, static_cast<std::uint32_t>(cp));
+      detail::append_utf8(out, static_cast<std::uint32_t>(cp));
       i = next;
     }
     const std::size_t at_pool = _t._pool.size();

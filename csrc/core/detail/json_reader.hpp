@@ -9,6 +9,7 @@
 #include <string_view>
 #include <utility>
 
+#include "core/detail/utf8.hpp"
 #include "core/error.hpp"
 
 namespace pyckpt::detail {
@@ -213,24 +214,6 @@ class JsonReader {
     v.is_uint = integral && !overflow && (!negative || value == 0);
     v.uint_value = v.is_uint ? value : 0;
     if (!v.is_uint) v.str.assign(_s.substr(start, _pos - start));  // only kept where needed
-  }
-
-  static void append_utf8(std::string& out, std::uint32_t cp) {
-    if (cp < 0x80) {
-      out.push_back(static_cast<char>(cp));
-    } else if (cp < 0x800) {
-      out.push_back(static_cast<char>(0xC0 | (cp >> 6)));
-      out.push_back(static_cast<char>(0x80 | (cp & 0x3F)));
-    } else if (cp < 0x10000) {
-      out.push_back(static_cast<char>(0xE0 | (cp >> 12)));
-      out.push_back(static_cast<char>(0x80 | ((cp >> 6) & 0x3F)));
-      out.push_back(static_cast<char>(0x80 | (cp & 0x3F)));
-    } else {
-      out.push_back(static_cast<char>(0xF0 | (cp >> 18)));
-      out.push_back(static_cast<char>(0x80 | ((cp >> 12) & 0x3F)));
-      out.push_back(static_cast<char>(0x80 | ((cp >> 6) & 0x3F)));
-      out.push_back(static_cast<char>(0x80 | (cp & 0x3F)));
-    }
   }
 
   std::uint32_t parse_hex4() {
