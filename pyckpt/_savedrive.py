@@ -146,10 +146,7 @@ def save(state_dict: dict[str, Any], writer: Any, planner: SavePlanner, group: G
     cache = None
     key: tuple[Any, ...] = ()
     if group.distributed:
-        import torch.distributed as dist
-
-        pg = group.pg if group.pg is not None else dist.group.WORLD
-        cache = _by_group.setdefault(pg, {})
+        cache = _cache_of(group)
         key = (group.rank, group.world, type(planner), _planner_key(planner),
                writer.destination_key(), destination)
 
@@ -182,6 +179,14 @@ def save(state_dict: dict[str, Any], writer: Any, planner: SavePlanner, group: G
         raise_first(dict(outcome[1]), error, "the save")
     metadata.storage_data = outcome[1]
     return metadata
+
+
+def _cache_of(group: Group) -> dict[tuple[Any, ...], _Plans]:
+    """The plans cached for ``group`` (a function of its own, so that no frame of a save that
+    fails, kept alive by its exception, holds the default group)."""
+    import torch.distributed as dist
+
+    return _by_group.setdefault(group.pg if group.pg is not None else dist.group.WORLD, {})
 
 
 def _planner_key(planner: Any) -> tuple[Any, ...]:

@@ -24,7 +24,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata
 
 from pyckpt import _gc, _progress, _savedrive, _stateful
-from pyckpt._collective import bounded_group, coordination_group, group_info, peer_errors
+from pyckpt._collective import bounded_group, coordination_arg, group_info, peer_errors
 from pyckpt._loadplan import LoadPlanner
 from pyckpt.planner import SavePlanner
 from pyckpt.storage import Reader, Writer
@@ -190,7 +190,7 @@ def _save(
 ) -> Metadata:
     totals = [0]  # this rank's planned bytes, known once DCP has planned
     # The save's exchanges run on a gloo group with the same ranks (host memory, even for NCCL).
-    process_group = coordination_group(process_group)
+    process_group = coordination_arg(process_group)
     with peer_errors(process_group, "pyckpt.save"), Writer(path, **writer_options) as writer, \
             _single_process_quiet(), _typed_errors(), \
             _progress.job(progress, "save", process_group) as report, \
@@ -268,7 +268,7 @@ def load(
         Errors are the lowest failing rank's own exception, re-raised from DCP's
         ``CheckpointException`` (attached as ``__cause__``).
     """
-    process_group = coordination_group(process_group)  # as in save()
+    process_group = coordination_arg(process_group)  # as in save()
     reader_options = {"shared_filesystem": shared_filesystem, "process_group": process_group,
                       "storage_options": storage_options, "cooperative": cooperative,
                       "allow_partial": allow_partial}

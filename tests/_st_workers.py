@@ -272,3 +272,25 @@ def worker_dcp_save(rank: int, world: int, port: int, root: str, use_async: bool
         # "terminate called without an active exception" in a share of runs. The result is
         # already on disk (written and closed by _finish): leave without finalization.
         os._exit(0)
+
+
+def worker_failures_free_the_group(rank: int, world: int, port: int, src: str, root: str,
+                                   result_dir: str) -> None:
+    """A failed consolidate on the default group, then destroy_process_group: the group must be
+    freed then (without a collection), not kept alive by the failure's frames into the
+    interpreter's finalization, where gloo's threads can abort the process."""
+    import weakref
+
+    import torch.distributed as dist
+
+    from pyckpt._consolidate import consolidate
+
+    _init(rank, world, port)
+    world_group = weakref.ref(dist.group.WORLD)
+    error = None
+    try:
+        consolidate(src, os.path.join(root, "dst"), fsync=False)
+    except Exception as e:  # the failure this test is about
+        error = type(e).__name__
+    dist.destroy_process_group()
+    _finish(result_dir, rank, {"error": error, "alive": world_group() is not None})

@@ -26,6 +26,7 @@ from _st_workers import (
     sample_tensor,
     worker_consolidate,
     worker_dcp_save,
+    worker_failures_free_the_group,
     worker_subgroup,
     write_dcp_shards,
 )
@@ -531,6 +532,15 @@ def test_multi_rank_error_reaches_every_rank(tmp_path):
     assert [r["error"] for r in results] == ["CheckpointFormatError"] * 2
     assert all("shard-00002" in r["message"] for r in results)
     assert not os.path.isdir(dst) or os.listdir(dst) == []
+
+
+@pytest.mark.distributed
+def test_a_failed_consolidation_does_not_keep_the_default_group_alive(tmp_path):
+    src, paths = _good_src(tmp_path)
+    os.truncate(paths[1], os.path.getsize(paths[1]) - 3)
+    _spawn(worker_failures_free_the_group, 2, src, str(tmp_path), str(tmp_path))
+    for r in _results(str(tmp_path), 2):
+        assert r["error"] == "CheckpointFormatError" and r["alive"] is False, r
 
 
 @pytest.mark.distributed

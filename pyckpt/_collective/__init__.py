@@ -29,6 +29,7 @@ from pyckpt._collective.agreement import add_note, agree, portable, raise_first
 from pyckpt._collective.group import (
     Group,
     bound_s,
+    coordination_arg,
     coordination_group,
     coordination_info,
     group_info,
@@ -39,4 +40,5 @@ from pyckpt._collective.transport import all_gather, all_to_all_single, broadcas
 
 __all__ = ["Group", "group_info", "broadcast", "all_gather", "all_to_all_single", "bound_s",
            "peer_errors", "bounded_group", "peer_group", "portable", "add_note", "agree",
-           "is_peer_failure", "coordination_group", "coordination_info", "raise_first"]
+           "is_peer_failure", "coordination_arg", "coordination_group", "coordination_info",
+           "raise_first"]

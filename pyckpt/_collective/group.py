@@ -218,10 +218,27 @@ def coordination_group(group: Any = None) -> Any:
     return derived
 
 
+def coordination_arg(group: Any = None) -> Any:
+    """What pyckpt's own calls pass on as their process group: :func:`coordination_group` of
+    ``group``, except that None stays None when the default group carries CPU tensors itself.
+
+    Their frames then never hold the default group: a failed call's exception keeps its frames
+    alive through a reference cycle until the cyclic collector runs, and a gloo group still
+    alive when the interpreter finalizes is torn down there, where its threads can abort the
+    process ("terminate called without an active exception") after its work is done.
+    """
+    import torch.distributed as dist
+
+    derived = coordination_group(group)
+    if group is None and derived is not None and derived is dist.group.WORLD:
+        return None
+    return derived
+
+
 def coordination_info(process_group: Any) -> Group:
-    """:func:`group_info` of :func:`coordination_group` of ``process_group``: for pyckpt's own
+    """:func:`group_info` of :func:`coordination_arg` of ``process_group``: for pyckpt's own
     exchanges, which every rank of the group starts at the same point."""
-    return group_info(coordination_group(process_group))
+    return group_info(coordination_arg(process_group))
 
 
 def _device(pg: Any) -> Any:

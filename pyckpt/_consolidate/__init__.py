@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any, cast
 
 from pyckpt import _export, _gc, _knobs, _native, _options, _progress
-from pyckpt._collective import Group, agree, coordination_group, group_info
+from pyckpt._collective import Group, agree, coordination_arg, group_info
 from pyckpt._consolidate.nodelocal import DEFAULT_BATCH_BYTES, run_share_nodelocal
 from pyckpt._consolidate.plan import INDEX_NAME, _Plan, make_plan
 from pyckpt._consolidate.run import (
@@ -301,7 +301,7 @@ def _consolidate(
     start = time.perf_counter()
     src, dst = os.fspath(src), os.fspath(dst)
     # Exchanges of the export run on a gloo group with the same ranks (even for NCCL).
-    process_group = coordination_group(process_group)
+    process_group = coordination_arg(process_group)
     # Both refuse foreign URL schemes (gs://...) here; node-local applies to a directory only.
     src_backend = open_backend(src, shared_filesystem=shared_filesystem,
                                process_group=process_group)

@@ -70,7 +70,7 @@ from torch.distributed.checkpoint.state_dict_saver import (
     AsyncSaveResponse,
 )
 
-from pyckpt._collective import coordination_group
+from pyckpt._collective import coordination_arg
 from pyckpt._consolidate import consolidate
 from pyckpt._format import CODEC_NONE, CODECS
 from pyckpt._loadplan import LoadPlanner
@@ -317,7 +317,7 @@ class PyckptCheckpointManager(CheckpointManager):
             with _typed_errors():
                 # Coordination on a gloo group with the training's ranks (no GPU memory).
                 dcp.save(state_dict, storage_writer=self._writer(checkpoint_id),
-                         planner=SavePlanner(), process_group=coordination_group())
+                         planner=SavePlanner(), process_group=coordination_arg())
         if enable_garbage_collection:
             GarbageCollection.collect("GC collection invoked by checkpointer.")
         return ret
@@ -331,7 +331,7 @@ class PyckptCheckpointManager(CheckpointManager):
         source = filesystem.join(checkpoint_id, _HF_SOURCE)
         with _typed_errors():
             dcp.save(hf_state_dict, storage_writer=self._writer(source), planner=SavePlanner(),
-                     process_group=coordination_group())
+                     process_group=coordination_arg())
         consolidate(
             source,
             checkpoint_id,
@@ -370,7 +370,7 @@ class PyckptCheckpointManager(CheckpointManager):
         if from_hf or not _is_pyckpt(checkpoint_id):
             super().dcp_load(state_dict, checkpoint_id, from_hf, from_quantized)
             return
-        group = coordination_group()
+        group = coordination_arg()
         reader = Reader(
             checkpoint_id,
             process_group=group,
