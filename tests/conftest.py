@@ -94,32 +94,32 @@ def _module_order(item: pytest.Item) -> int:
         return len(_LONGEST_FIRST)
 
 
-# The slow lane: whole modules of multi-process fault, crash and kill tests, fuzzing and the
-# demo, marked ``slow`` here (single slow tests elsewhere carry ``@pytest.mark.slow``). CI runs
-# every test; ``bash scripts/test.sh --quick`` deselects these (-m "not slow").
-_SLOW_MODULES = frozenset((
-    "test_peer_faults.py",
-    "test_manager_peers.py",
-    "test_crash_safety.py",
-    "test_consolidate_crash.py",
-    "test_s3_retries.py",
-    "test_fuzz_metadata.py",
-    "test_attack_harness.py",
-    "test_train_demo.py",
-    "test_daemons.py",
-    "test_disk_full.py",
-))
+# The slow lane: tests marked ``slow`` next to them (``@pytest.mark.slow``, or
+# ``pytest.param(..., marks=pytest.mark.slow)`` for one case of a parametrization): multi-process
+# fault, crash, kill and timeout tests, fuzzing, the demo, the largest multi-rank cases. CI runs
+# every test; ``bash scripts/test.sh --quick`` deselects these (-m "not slow"). Every test module
+# keeps at least one test in the fast lane, or says why not (tests/test_lanes.py checks both).
+_LANES = pytest.StashKey[dict[Path, bool]]()
 
 
+@pytest.hookimpl(tryfirst=True)  # before -m and -k deselect: every collected test is seen
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     items.sort(key=_module_order)  # stable: each module's tests, and the other modules, keep order
     skip_gpu = pytest.mark.skip(reason="needs a CUDA device")
     has_cuda = _cuda_available()
+    has_fast: dict[Path, bool] = {}
     for item in items:
         if "gpu" in item.keywords and not has_cuda:
             item.add_marker(skip_gpu)
-        if item.path.name in _SLOW_MODULES:
-            item.add_marker(pytest.mark.slow)
+        fast = item.get_closest_marker("slow") is None
+        has_fast[item.path] = has_fast.get(item.path, False) or fast
+    config.stash[_LANES] = has_fast
+
+
+@pytest.fixture
+def lanes(request: pytest.FixtureRequest) -> dict[Path, bool]:
+    """Every test module collected in this run -> whether it has a test outside the slow lane."""
+    return request.config.stash[_LANES]
 
 
 @pytest.fixture
