@@ -225,7 +225,8 @@ def test_load_refuses_code_pickles(evil_ckpts: tuple[Path, Path, Path]) -> None:
     assert marker.exists()
 
 
-@pytest.mark.parametrize("which", [0, pytest.param(1, marks=pytest.mark.slow)])
+@pytest.mark.slow
+@pytest.mark.parametrize("which", [0, 1])
 def test_convert_refuses_code_pickles(
     evil_ckpts: tuple[Path, Path, Path], tmp_path: Path, which: int
 ) -> None:

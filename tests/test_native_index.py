@@ -209,7 +209,8 @@ def _mutate(doc: dict[str, Any], rng: random.Random) -> None:
         parent[key] = rng.choice(_VALUES)
 
 
-@pytest.mark.parametrize("compression", [pytest.param("zstd", marks=pytest.mark.slow), None])
+@pytest.mark.slow
+@pytest.mark.parametrize("compression", ["zstd", None])
 def test_mutated_documents_never_accepted_more_or_read_differently(
         tmp_path: Path, compression: str | None) -> None:
     """2,000 documents a step away from a real one (resealed, so each reaches both readers):
