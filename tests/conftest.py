@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 import sys
 from collections.abc import Callable, Iterator
@@ -68,9 +69,10 @@ def _cuda_available() -> bool:
 # collection order (--dist loadfile --no-loadscope-reorder); starting with these keeps the run
 # from ending on one worker alone with a long module it picked up last (xdist's default order,
 # by test count, put the 4-test peer-fault module after every module of many quick tests).
+# test_cuda_staging.py (89 s then) left the list: about 15 s since pytest_collection_finish
+# freezes what collection left behind.
 _LONGEST_FIRST = (
     "test_peer_faults.py",  # 108 s alone (ranks forked from a preloaded server)
-    "test_cuda_staging.py",  # 89 s
     "test_replicated_save.py",  # 78 s
     "test_nodelocal.py",  # 69 s
     "test_consolidate.py",  # 66 s
@@ -93,32 +95,32 @@ def _module_order(item: pytest.Item) -> int:
         return len(_LONGEST_FIRST)
 
 
-# The slow lane: whole modules of multi-process fault, crash and kill tests, fuzzing and the
-# demo, marked ``slow`` here (single slow tests elsewhere carry ``@pytest.mark.slow``). CI runs
-# every test; ``bash scripts/test.sh --quick`` deselects these (-m "not slow").
-_SLOW_MODULES = frozenset((
-    "test_peer_faults.py",
-    "test_manager_peers.py",
-    "test_crash_safety.py",
-    "test_consolidate_crash.py",
-    "test_s3_retries.py",
-    "test_fuzz_metadata.py",
-    "test_attack_harness.py",
-    "test_train_demo.py",
-    "test_daemons.py",
-    "test_disk_full.py",
-))
+# The slow lane: tests marked ``slow`` next to them (``@pytest.mark.slow``, or
+# ``pytest.param(..., marks=pytest.mark.slow)`` for one case of a parametrization): multi-process
+# fault, crash, kill and timeout tests, fuzzing, the demo, the largest multi-rank cases. CI runs
+# every test; ``bash scripts/test.sh --quick`` deselects these (-m "not slow"). Every test module
+# keeps at least one test in the fast lane, or says why not (tests/test_lanes.py checks both).
+_LANES = pytest.StashKey[dict[Path, bool]]()
 
 
+@pytest.hookimpl(tryfirst=True)  # before -m and -k deselect: every collected test is seen
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     items.sort(key=_module_order)  # stable: each module's tests, and the other modules, keep order
     skip_gpu = pytest.mark.skip(reason="needs a CUDA device")
     has_cuda = _cuda_available()
+    has_fast: dict[Path, bool] = {}
     for item in items:
         if "gpu" in item.keywords and not has_cuda:
             item.add_marker(skip_gpu)
-        if item.path.name in _SLOW_MODULES:
-            item.add_marker(pytest.mark.slow)
+        fast = item.get_closest_marker("slow") is None
+        has_fast[item.path] = has_fast.get(item.path, False) or fast
+    config.stash[_LANES] = has_fast
+
+
+@pytest.fixture
+def lanes(request: pytest.FixtureRequest) -> dict[Path, bool]:
+    """Every test module collected in this run -> whether it has a test outside the slow lane."""
+    return request.config.stash[_LANES]
 
 
 @pytest.fixture
@@ -198,3 +200,12 @@ def _run_outside_the_checkout(tmp_path_factory: pytest.TempPathFactory,
     ``python -m`` put their working directory on sys.path, and the checkout's ``pyckpt/`` (without
     the built ``_C``) must never shadow the installed package."""
     monkeypatch.chdir(tmp_path_factory.getbasetemp())
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    # Everything imported and collected so far (torch, the test modules, hypothesis) lives for the
+    # whole run: moved out of the collector's reach, the many tests that call gc.collect() (the
+    # staging and pinned-memory tests, twice each) and the interpreter's own full collections stop
+    # walking it again and again (test_cuda_staging.py: 25 -> 11 CPU-s).
+    gc.collect()
+    gc.freeze()

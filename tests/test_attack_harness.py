@@ -15,6 +15,7 @@ from attacks import harness
 from attacks.generate import generate
 
 
+@pytest.mark.slow
 def test_slow_start_up_is_not_a_failure_but_a_stuck_one_is(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     generate(str(tmp_path), names=["unknown_version"])
@@ -29,6 +30,7 @@ def test_slow_start_up_is_not_a_failure_but_a_stuck_one_is(
         harness.run_tasks(str(tmp_path), tasks, timeout=5, jobs=1, startup_idle=4)
 
 
+@pytest.mark.slow
 def test_slow_task_is_not_a_hang_but_a_blocked_one_is(tmp_path: Path) -> None:
     generate(str(tmp_path), names=["unknown_version"])
     ops = ["selftest_slow", "selftest_hang", "selftest_ok"]

@@ -91,6 +91,7 @@ def test_attack(name: str, results: dict[tuple[str, str], dict[str, Any]]) -> No
     assert not problems, f"{name} ({case.description}):\n  " + "\n  ".join(problems)
 
 
+@pytest.mark.slow
 def test_harness_detects_every_failure_kind(tmp_path: Path) -> None:
     # The harness must be able to fail: each misbehaviour is classified, and the worker chain
     # carries on with the next task after a hang or a crash.

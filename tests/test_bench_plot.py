@@ -123,6 +123,7 @@ def test_bench_checks_resources_up_front(tmp_path: Path) -> None:
     assert e.value.filename == str(tmp_path)
 
 
+@pytest.mark.slow
 def test_bench_removes_its_work_directory_on_sigterm(tmp_path: Path) -> None:
     import signal
     import subprocess

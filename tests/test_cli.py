@@ -225,6 +225,7 @@ def test_load_refuses_code_pickles(evil_ckpts: tuple[Path, Path, Path]) -> None:
     assert marker.exists()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("which", [0, 1])
 def test_convert_refuses_code_pickles(
     evil_ckpts: tuple[Path, Path, Path], tmp_path: Path, which: int
@@ -401,6 +402,7 @@ def test_command_help_describes_and_shows_defaults(capsys: pytest.CaptureFixture
     assert "compression of a pyckpt target (default: zstd)" in text
 
 
+@pytest.mark.slow
 def test_convert_prints_no_dcp_warning(ckpt: Path, tmp_path: Path) -> None:
     # In a fresh process with Python's default warning filters (not pytest's, nor _cli's).
     env = {k: v for k, v in os.environ.items() if k != "PYTHONWARNINGS"}

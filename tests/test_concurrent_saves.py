@@ -75,6 +75,7 @@ def test_every_save_through_one_writer_gets_its_own_id(tmp_path: Path) -> None:
 # ------------------------------------------------------------ two processes, one directory
 
 
+@pytest.mark.slow
 def test_two_processes_saving_into_one_directory(tmp_path: Path) -> None:
     """Either save may win or be refused, but what the directory holds afterwards always loads
     bit-exact as a save that reported success, and no file of it is missing."""

@@ -450,6 +450,7 @@ def test_error_during_copy_removes_temps(tmp_path, monkeypatch):
 # ----------------------------------------------------------------------------- CLI
 
 
+@pytest.mark.slow
 def test_cli_workers(tmp_path):
     full = {"w": sample_tensor((40, 12), torch.bfloat16, 3), "v": sample_tensor((7,), torch.int64, 4)}
     src, dst = str(tmp_path / "src"), str(tmp_path / "dst")
@@ -495,7 +496,7 @@ def _results(d, world, tag=""):
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_multi_rank_balanced(tmp_path, world):
     full = {f"l{i}.w": sample_tensor((48, 20 + i), torch.float32, i) for i in range(3)}
     full["l0.bias"] = sample_tensor((48,), torch.bfloat16, 9)
@@ -522,6 +523,7 @@ def test_multi_rank_balanced(tmp_path, world):
         assert [n for n in os.listdir(dst) if n.startswith(".")] == []
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
 def test_multi_rank_error_reaches_every_rank(tmp_path):
     src, paths = _good_src(tmp_path)
@@ -534,6 +536,7 @@ def test_multi_rank_error_reaches_every_rank(tmp_path):
     assert not os.path.isdir(dst) or os.listdir(dst) == []
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
 def test_a_failed_consolidation_does_not_keep_the_default_group_alive(tmp_path):
     src, paths = _good_src(tmp_path)
@@ -555,6 +558,7 @@ def test_subgroup_of_world(tmp_path):
     assert same_bits(load_outputs(os.path.join(dst, INDEX_NAME))["w"], full["w"])
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
 @pytest.mark.parametrize("use_async", [False, True])
 def test_real_dcp_hf_writer(tmp_path, use_async):

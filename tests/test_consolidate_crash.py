@@ -26,7 +26,8 @@ from safetensors.torch import load_file
 import pyckpt
 from pyckpt._consolidate import INDEX_NAME
 
-pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
+pytestmark = [pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning"),
+              pytest.mark.slow]  # the slow lane: SIGKILLs a consolidating process at many points
 
 POINTS = 16
 _CHILD = r"""

@@ -62,6 +62,7 @@ def load_failing_forced(rank: int, world: int, path: str) -> tuple[str, str]:
     return load_failing(rank, world, path)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("compression", [None, "zstd"])
 def test_shared_directory_reads_each_byte_once(tmp_path: Path, compression: str | None) -> None:
     # One node: cooperative=True overrides the default (which reads alone there).
@@ -72,6 +73,7 @@ def test_shared_directory_reads_each_byte_once(tmp_path: Path, compression: str 
     _balanced([r["bytes_read"] for r in results], data_bytes(path))
 
 
+@pytest.mark.slow
 def test_default_on_one_node_every_rank_reads_for_itself(tmp_path: Path) -> None:
     path = str(tmp_path / "ckpt")
     run_distributed(save_replicated, 4, path, "zstd")
@@ -95,6 +97,7 @@ def test_default_on_two_nodes_reads_each_byte_once(tmp_path: Path) -> None:
         assert r["bad"] == [] and r["bytes_read"] == stored, (r, stored)
 
 
+@pytest.mark.slow
 def test_cooperative_false_reads_everything_on_every_rank(tmp_path: Path) -> None:
     path = str(tmp_path / "ckpt")
     run_distributed(save_replicated, 3, path, "zstd")
@@ -111,6 +114,7 @@ def test_pyckpt_load_bit_exact(tmp_path: Path, cooperative: bool | None) -> None
     assert run_distributed(load_api, 2, path, cooperative) == [[], []]
 
 
+@pytest.mark.slow
 def test_env_knob_forces_either_way(tmp_path: Path) -> None:
     path = str(tmp_path / "ckpt")
     run_distributed(save_replicated, 2, path, None)
@@ -122,6 +126,7 @@ def test_env_knob_forces_either_way(tmp_path: Path) -> None:
     assert [(r["bad"], r["bytes_read"]) for r in off] == [([], stored)] * 2  # two nodes
 
 
+@pytest.mark.slow
 def test_mixed_sharded_and_replicated(tmp_path: Path) -> None:
     path = str(tmp_path / "ckpt")
     run_distributed(save_mixed, 2, path)
@@ -134,6 +139,7 @@ def test_mixed_sharded_and_replicated(tmp_path: Path) -> None:
     assert sum(r["bytes_read"] for r in alone) > sum(r["bytes_read"] for r in coop)
 
 
+@pytest.mark.slow
 def test_a_failing_read_raises_the_same_typed_error_on_every_rank(tmp_path: Path) -> None:
     path = tmp_path / "ckpt"
     run_distributed(save_replicated, 3, str(path), None)
@@ -242,6 +248,7 @@ def test_default_rule() -> None:
     assert wanted_across_nodes(own, [None] * 4) is False
 
 
+@pytest.mark.slow
 def test_node_local_reads_each_byte_once_from_its_holder(tmp_path: Path) -> None:
     root = tmp_path
     (root / "ckpt").mkdir()
@@ -280,6 +287,7 @@ def s3env() -> Any:
         srv.close()
 
 
+@pytest.mark.slow
 def test_s3_fetches_each_byte_once(s3env: dict[str, str]) -> None:
     # One node, default: an object store loads cooperatively (every rank's GET is paid).
     url = "s3://coop/replicated"

@@ -111,6 +111,7 @@ def _check_dir(path: Path, previous: tuple[int, int] | None, new: tuple[int, int
     return previous
 
 
+@pytest.mark.slow
 def test_sigkill_at_random_points_never_loses_or_mixes(tmp_path: Path) -> None:
     ctx = _ctx()
     rng = np.random.default_rng(20261123)

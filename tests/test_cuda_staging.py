@@ -642,6 +642,7 @@ print("SAVED")
 """
 
 
+@pytest.mark.slow
 @_needs_native_io
 def test_async_save_with_the_systems_runtime(tmp_path) -> None:
     """Whatever CUDA runtime the dynamic linker finds here (on CPU CI hosts: a libcudart without

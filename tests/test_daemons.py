@@ -40,6 +40,7 @@ def _run(script: str, *args: str) -> subprocess.CompletedProcess[str]:
                           timeout=120, env=os.environ.copy())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("code", [0, 3])
 def test_exit_while_heartbeat_is_inside_a_store_call_does_not_abort(code: int) -> None:
     pytest.importorskip("torch.distributed")

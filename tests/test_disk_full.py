@@ -131,6 +131,7 @@ _FSIZE_SCRIPT = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("what", ["big", "many"], ids=["data_file", "metadata"])
 def test_efbig_under_rlimit_fsize(tmp_path: Path, what: str) -> None:
     """``big``: the data file exceeds the limit; ``many``: 2000 small tensors, so the data file

@@ -81,6 +81,7 @@ def test_no_credentials_says_so_and_how_to_provide_them(no_aws_env: None) -> Non
         assert "Debug source" in str(e.__cause__) and "/latest/api/token" in str(e.__cause__)
 
 
+@pytest.mark.slow
 def test_unreachable_endpoint_names_it(no_aws_env: None) -> None:
     endpoint = _closed_endpoint()
     opts = {"endpoint": endpoint, "allow_http": True, "region": "us-east-1",
@@ -123,6 +124,7 @@ def test_http_endpoint_refused_by_the_client_says_how_to_allow_it(no_aws_env: No
 # ------------------------------------------------------------------------ local paths
 
 
+@pytest.mark.slow
 def test_load_of_a_missing_path_prints_nothing_before_raising(tmp_path: Path) -> None:
     missing = tmp_path / "no" / "such" / "checkpoint"
     script = textwrap.dedent(f"""

@@ -18,6 +18,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.slow  # the slow lane: a minute of fuzzing (test_fuzz_harnesses.py runs the corpus)
+
 _WORKER = Path(__file__).parent / "attacks" / "fuzz_metadata.py"
 
 

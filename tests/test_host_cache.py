@@ -13,6 +13,7 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
 from _child_env import child_env
 
 _SCRIPT = textwrap.dedent(
@@ -69,6 +70,7 @@ def _run(tmp_path, **env: str) -> dict:
     return json.loads(line[len("RESULT "):])
 
 
+@pytest.mark.slow
 def test_a_new_writer_per_save_reuses_the_previous_writers_memory(tmp_path):
     cached = _run(tmp_path / "cached")
     uncached = _run(tmp_path / "uncached", PYCKPT_HOST_CACHE_BYTES="0")

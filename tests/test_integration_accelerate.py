@@ -195,6 +195,7 @@ def _fsdp2_worker(rank: int, world_size: int, tmp: str) -> dict[str, Any]:
     return out
 
 
+@pytest.mark.slow
 def test_fsdp2_functions_resume_bit_exact(tmp_path: Path) -> None:
     results = run_distributed(_fsdp2_worker, 2, str(tmp_path))
     for rank, r in enumerate(results):
@@ -225,6 +226,7 @@ def test_import_without_accelerate_names_the_extra(tmp_path: Path) -> None:
     assert "pip install pyckpt[accelerate]" in proc.stdout
 
 
+@pytest.mark.slow
 def test_untested_version_warns_once(tmp_path: Path) -> None:
     proc = _python("""
         import warnings
@@ -315,6 +317,7 @@ def test_fsdp_save_state_on_gpu(tmp_path: Path) -> None:
     assert "OK" in proc.stdout
 
 
+@pytest.mark.slow
 def test_docs_example_runs(tmp_path: Path) -> None:
     import re
 

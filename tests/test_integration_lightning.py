@@ -80,6 +80,7 @@ def _check_resume(results: list[dict[str, Any]]) -> None:
         assert res["stored"]["pyckpt"] and not res["stored"]["meta_pt"]
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
 def test_ddp_checkpoint_io_resume(tmp_path: Path) -> None:
     results = _launch("ddp", tmp_path)
@@ -194,6 +195,7 @@ def test_import_without_lightning_names_the_extra() -> None:
     assert "ERR" in out and "pip install pyckpt[lightning]" in out
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
 def test_model_parallel_resume(tmp_path: Path) -> None:
     results = _launch("model_parallel", tmp_path)

@@ -99,7 +99,7 @@ def _resume_worker(rank: int, world: int, tmp: str, mode: str) -> dict[str, Any]
     return out
 
 
-@pytest.mark.parametrize("mode", ["disabled", "async"])
+@pytest.mark.parametrize("mode", ["disabled", pytest.param("async", marks=pytest.mark.slow)])
 def test_resume_is_bit_exact_and_errors_typed(tmp_path: Any, mode: str) -> None:
     results = run_distributed(_resume_worker, 2, str(tmp_path), mode)
     for r in results:
@@ -149,6 +149,7 @@ def _policies_worker(rank: int, world: int, tmp: str) -> dict[str, Any]:
     return out
 
 
+@pytest.mark.slow
 def test_keep_latest_k_hf_export_load_step_and_exclude(tmp_path: Any) -> None:
     results = run_distributed(_policies_worker, 2, str(tmp_path))
     for r in results:
@@ -192,6 +193,7 @@ def _s3_worker(rank: int, world: int, tmp: str, url: str, env: dict[str, str]) -
     return {"want": want, "got": got, "steps": sorted(filesystem.listdir(url))}
 
 
+@pytest.mark.slow
 def test_s3_folder(tmp_path: Any) -> None:
     pytest.importorskip("s3fs")
     from _s3server import started

@@ -508,6 +508,7 @@ def _load_worker(rank: int, world: int, path: str, reversed_path: str) -> int:
     return sum(plans[0].values())
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
 def test_resharded_round_trip_over_gloo_ranks(tmp_path: Path) -> None:
     path, rev = tmp_path / "ck", tmp_path / "rev"

@@ -375,6 +375,7 @@ def test_replicas_above_the_nodes_names_the_fixes(tmp_path: Path) -> None:
         "(e.g. local='/dev/shm/pyckpt/node-{node}')")
 
 
+@pytest.mark.slow
 def test_a_stuck_persistence_never_holds_the_fast_tier_saves(
     tmp_path: Path, request: pytest.FixtureRequest
 ) -> None:
@@ -618,6 +619,7 @@ def test_lose_one_node_restores_bit_exact_from_replicas_with_zero_durable_reads(
             assert info["bytes_peer"] == 0 and info["bytes_local"] > 0, res
 
 
+@pytest.mark.slow
 @multinode
 def test_nodes_sharing_a_file_system_lose_one_node_with_local_per_node(tmp_path: Path) -> None:
     # No mount namespaces: every rank is given local=<root>/nodes/n{node} and the manager puts
@@ -644,6 +646,7 @@ def test_nodes_sharing_a_file_system_lose_one_node_with_local_per_node(tmp_path:
             assert info["bytes_peer"] == 0 and info["bytes_local"] > 0, res
 
 
+@pytest.mark.slow
 @multinode
 def test_damaged_fast_tier_copies_are_skipped_for_the_replica(tmp_path: Path) -> None:
     # Node 0's own copy of rank 0's file of step 3 has a flipped byte, and node 1's
@@ -669,6 +672,7 @@ def test_damaged_fast_tier_copies_are_skipped_for_the_replica(tmp_path: Path) ->
     assert (_node_dir(tmp_path, 1, 3) / f"{METADATA_FILE}.damaged").is_file()
 
 
+@pytest.mark.slow
 @multinode
 def test_a_full_disk_while_receiving_a_replica_names_the_file_node_and_step(
     tmp_path: Path,
@@ -710,6 +714,7 @@ def _s3_durable(request: pytest.FixtureRequest, kind: str) -> tuple[str | None, 
     return "s3://tiers/run-1", srv.storage_options()
 
 
+@pytest.mark.slow
 def test_durable_tier_down_or_frozen_restores_the_fast_tier_with_a_warning(
     tmp_path: Path, request: pytest.FixtureRequest
 ) -> None:
@@ -744,6 +749,7 @@ def test_durable_tier_down_or_frozen_restores_the_fast_tier_with_a_warning(
             assert elapsed < 30, (how, elapsed)  # the listing gives up after 10 s
 
 
+@pytest.mark.slow
 @multinode
 @pytest.mark.parametrize("kind", ["dir", "s3"])
 def test_every_copy_of_a_piece_lost_falls_back_to_durable_for_that_piece(
@@ -772,6 +778,7 @@ def test_every_copy_of_a_piece_lost_falls_back_to_durable_for_that_piece(
     assert total == size  # only the lost piece came from the durable tier
 
 
+@pytest.mark.slow
 @multinode
 def test_crash_during_replication_never_leaves_a_complete_step(tmp_path: Path) -> None:
     spec = {"manager": dict(_FAST, persist_every=1)}
@@ -791,6 +798,7 @@ def test_crash_during_replication_never_leaves_a_complete_step(tmp_path: Path) -
         assert not _node_dir(tmp_path, k, 2).exists()
 
 
+@pytest.mark.slow
 @multinode
 def test_crash_during_persistence_never_commits_the_durable_step(tmp_path: Path) -> None:
     spec = {"manager": _FAST}
@@ -819,6 +827,7 @@ def _run_pair(root: Path, tag: str, action: str, *, ok: bool = True, **spec: Any
     return codes
 
 
+@pytest.mark.slow
 @multinode
 @pytest.mark.parametrize("fast", [True, False], ids=["fast", "durable_only"])
 def test_ranks_saving_different_steps_commit_nothing(tmp_path: Path, fast: bool) -> None:
@@ -846,6 +855,7 @@ def test_ranks_saving_different_steps_commit_nothing(tmp_path: Path, fast: bool)
         assert res["step"] == 2 and res["bad"] == [], res
 
 
+@pytest.mark.slow
 @multinode
 def test_a_crash_while_saving_a_complete_step_again_keeps_the_old_copy(tmp_path: Path) -> None:
     """Step 5 is complete; saving it again, rank 1 is killed in the middle of the replication:
@@ -871,6 +881,7 @@ def test_a_crash_while_saving_a_complete_step_again_keeps_the_old_copy(tmp_path:
         assert os.listdir(tmp_path / "nodes" / f"n{k}" / ".resave") == []
 
 
+@pytest.mark.slow
 @multinode
 def test_a_marker_on_one_node_only_keeps_every_copy_through_retention(tmp_path: Path) -> None:
     """Step 3's completion marker reaches node 0 only (writing it on node 1 fails): every node

@@ -24,7 +24,7 @@ from _ports import free_port
 
 from pyckpt._collective import liveness
 
-pytestmark = pytest.mark.distributed
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]  # the slow lane: every case kills or freezes a rank
 
 PEER_TIMEOUT_S = 3
 # The bound of the survivor's wait after the fault: the peer bound, the heartbeat check, the

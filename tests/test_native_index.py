@@ -209,6 +209,7 @@ def _mutate(doc: dict[str, Any], rng: random.Random) -> None:
         parent[key] = rng.choice(_VALUES)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("compression", ["zstd", None])
 def test_mutated_documents_never_accepted_more_or_read_differently(
         tmp_path: Path, compression: str | None) -> None:

@@ -83,7 +83,7 @@ def _load(root: Path, world: int, per_node: int) -> None:
         assert r["bad"] == [] and r["foreign"] == [], r
 
 
-@pytest.mark.parametrize("compression", [None, "zstd"])
+@pytest.mark.parametrize("compression", [pytest.param(None, marks=pytest.mark.slow), "zstd"])
 def test_save_load_same_world_and_2_to_3(tmp_path: Path, compression: str | None) -> None:
     _save(tmp_path, 2, 1, compression)
     _load(tmp_path, 2, 1)  # same world size, another sharding: both ranks fetch from the other
@@ -91,6 +91,7 @@ def test_save_load_same_world_and_2_to_3(tmp_path: Path, compression: str | None
     assert not os.path.exists(_node(tmp_path, 2) / METADATA_FILE)  # a load writes nothing
 
 
+@pytest.mark.slow
 def test_auto_reads_node_local_over_the_group_and_a_shared_directory_directly(
     tmp_path: Path,
 ) -> None:
@@ -109,11 +110,13 @@ def test_reader_refuses_an_unknown_shared_filesystem_mode(tmp_path: Path) -> Non
         pyckpt.Reader(tmp_path, shared_filesystem="yes")  # type: ignore[arg-type]
 
 
+@pytest.mark.slow
 def test_save_4_ranks_on_2_nodes_load_on_2(tmp_path: Path) -> None:
     _save(tmp_path, 4, 2, "zstd")  # ranks 0,1 on node 0; ranks 2,3 on node 1
     _load(tmp_path, 2, 1)
 
 
+@pytest.mark.slow
 def test_missing_node_files_name_rank_and_file(tmp_path: Path) -> None:
     _save(tmp_path, 2, 1)
     lost = _data_files(_node(tmp_path, 1))
@@ -126,6 +129,7 @@ def test_missing_node_files_name_rank_and_file(tmp_path: Path) -> None:
         assert os.path.basename(r["filename"]) == lost[0]
 
 
+@pytest.mark.slow
 def test_corrupt_chunk_on_the_owner_is_a_checksum_error_on_every_rank(tmp_path: Path) -> None:
     _save(tmp_path, 2, 1, "zstd")
     name = _data_files(_node(tmp_path, 1))[0]
@@ -146,6 +150,7 @@ def test_agree_reraises_the_failure_on_every_rank() -> None:
     assert any("test step failed on rank 1" in n for n in results[0]["notes"]), results[0]
 
 
+@pytest.mark.slow
 def test_metadata_of_different_saves_is_refused(tmp_path: Path) -> None:
     _save(tmp_path, 2, 1)
     old = (_node(tmp_path, 1) / METADATA_FILE).read_bytes()
@@ -159,6 +164,7 @@ def test_metadata_of_different_saves_is_refused(tmp_path: Path) -> None:
         assert r["type"] == "CheckpointFormatError" and "different saves" in r["message"], r
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(_REFUSAL is not None, reason=str(_REFUSAL))
 def test_failed_rank_leaves_no_metadata_anywhere(tmp_path: Path) -> None:
     _setup(tmp_path)
@@ -201,7 +207,7 @@ def _gather_export(root: Path, nnodes: int, out: Path) -> dict:
     return tensors
 
 
-@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("world", [2, pytest.param(3, marks=pytest.mark.slow)])
 def test_consolidate_over_the_process_group(tmp_path: Path, world: int) -> None:
     _save(tmp_path, 2, 1, "zstd")
     kwargs = {"max_file_bytes": 500, "batch_bytes": 2048, "threads": 2}
@@ -220,6 +226,7 @@ def test_consolidate_over_the_process_group(tmp_path: Path, world: int) -> None:
         assert _same_bits(out[k], v), k
 
 
+@pytest.mark.slow
 def test_local_read_failure_mid_consolidation_is_raised_on_every_rank(tmp_path: Path) -> None:
     # Every chunk of node 0's file is corrupt, and one output file per rank: rank 0 fails on
     # its own (local) chunks while rank 1 learns of it in a transfer round; both must raise
@@ -241,6 +248,7 @@ def test_local_read_failure_mid_consolidation_is_raised_on_every_rank(tmp_path: 
         assert INDEX_NAME not in os.listdir(_node(tmp_path, k, "export"))
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(_REFUSAL is not None, reason=str(_REFUSAL))
 def test_killed_rank_mid_consolidation_leaves_no_index(tmp_path: Path) -> None:
     from pyckpt._consolidate import INDEX_NAME

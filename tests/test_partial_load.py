@@ -186,6 +186,7 @@ def _fresh_optimizer_on_every_rank(rank: int, world: int, path: str) -> str:
     return "loaded"
 
 
+@pytest.mark.slow
 def test_every_rank_raises(tmp_path: Path) -> None:
     assert run_distributed(_fresh_optimizer_on_every_rank, 2, str(tmp_path / "ck")) == [
         "optim.state", "optim.state"]

@@ -154,6 +154,7 @@ def saved(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return root
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(_REFUSAL is not None, reason=str(_REFUSAL))
 @pytest.mark.parametrize("op", ["load", "consolidate"])
 @pytest.mark.parametrize("world", [3, 4])
@@ -178,6 +179,7 @@ def test_killed_rank_raises_peer_lost_on_every_survivor_in_time(
     assert named > 0  # and the lost rank could be told
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(_REFUSAL is not None, reason=str(_REFUSAL))
 @pytest.mark.parametrize("victim", [0, 2])
 def test_a_rank_killed_in_an_exchange_round_is_named_within_seconds(
@@ -211,6 +213,7 @@ def test_a_rank_killed_in_an_exchange_round_is_named_within_seconds(
         ranks.kill()
 
 
+@pytest.mark.slow
 def test_a_rank_busy_longer_than_the_timeout_is_not_lost() -> None:
     """The bound is on silence, not on work: a rank that works 9 s between two collectives
     (the timeout is 2 s) keeps beating, and its peer waits for it."""
@@ -227,6 +230,7 @@ def test_a_rank_busy_longer_than_the_timeout_is_not_lost() -> None:
     assert results[0]["waited"] >= 3 * 2.0
 
 
+@pytest.mark.slow
 def test_a_rank_that_joins_during_the_heartbeat_check_and_leaves_is_not_lost() -> None:
     """The collective completes while the waiting rank checks heartbeats, and the rank that
     joined stopped beating right after (its job ended): that is a completed collective, not a
@@ -243,6 +247,7 @@ def test_a_rank_that_joins_during_the_heartbeat_check_and_leaves_is_not_lost() -
     assert results[0]["waited"] >= 3.0
 
 
+@pytest.mark.slow
 def test_a_rank_busy_longer_than_the_timeout_before_its_report_is_not_lost() -> None:
     """The same for an export's agreement (its copy, then its commit): rank 0 waits for a rank
     that works 9 s (timeout 2 s) and still beats, then both get the outcome."""
@@ -255,6 +260,7 @@ def test_a_rank_busy_longer_than_the_timeout_before_its_report_is_not_lost() -> 
     assert results[0]["waited"] >= 3 * 2.0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("root", [0, 1])
 def test_a_silent_rank_that_never_reports_is_lost_in_time(root: int) -> None:
     """A rank that stops beating and never joins the export's agreement: the root raises
@@ -295,6 +301,7 @@ def _corrupt_owner_chunk(root: Path) -> str:
     return name
 
 
+@pytest.mark.slow
 def test_node_local_checksum_error_names_the_tensor_on_every_rank(tmp_path: Path) -> None:
     from _nodelocal_workers import load_error_worker
     from dist_utils import run_distributed

@@ -156,6 +156,7 @@ def _replica_worker(rank: int, world: int, root: str) -> str:
     return "raised"
 
 
+@pytest.mark.slow
 def test_a_replica_that_drifts_after_plans_were_cached_is_refused(tmp_path: Any) -> None:
     assert run_distributed(_replica_worker, WORLD, str(tmp_path)) == ["raised"] * WORLD
     assert not (tmp_path / "c" / "pyckpt.json").exists()
@@ -177,6 +178,7 @@ def _failure_worker(rank: int, world: int, root: str) -> str:
     return "raised"
 
 
+@pytest.mark.slow
 def test_a_write_failure_on_one_rank_reaches_every_rank_typed(tmp_path: Any) -> None:
     assert run_distributed(_failure_worker, WORLD, str(tmp_path)) == ["raised"] * WORLD
     assert not (tmp_path / "b" / "pyckpt.json").exists()
@@ -220,5 +222,6 @@ def _setup_failure_worker(rank: int, world: int, root: str) -> str:
     return "raised"
 
 
+@pytest.mark.slow
 def test_a_set_up_failure_on_the_coordinator_reaches_every_rank(tmp_path: Any) -> None:
     assert run_distributed(_setup_failure_worker, WORLD, str(tmp_path)) == ["raised"] * WORLD

@@ -108,6 +108,7 @@ def _sharded_dcp_checkpoint(src: Path) -> None:
 
 
 @pytest.mark.distributed
+@pytest.mark.slow
 def test_cli_consolidate_workers_shows_one_line_based_view_ending_at_100(tmp_path: Path) -> None:
     src, dst = tmp_path / "src", tmp_path / "dst"
     _sharded_dcp_checkpoint(src)

@@ -167,6 +167,7 @@ def _load_worker(rank: int, world: int, path: str) -> tuple[str, str, str]:
     return typed, wrapped, str(rank)
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
 def test_rank_local_load_errors_are_typed(tmp_path: Path) -> None:
     good = tmp_path / "good"
@@ -240,6 +241,7 @@ def _refused_worker(rank: int, world: int, path: str, url: str) -> tuple[str, st
     return out[0], out[1]
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
 def test_rank_local_save_refusals(tmp_path: Path) -> None:
     _saved(tmp_path)
@@ -263,6 +265,7 @@ def _rank_local_worker(rank: int, world: int, path: str) -> None:
     _assert_equal(sd, _state(rank, world, 5))
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
 def test_rank_local_and_collective_saves_replace_each_other(tmp_path: Path) -> None:
     _saved(tmp_path)

@@ -89,6 +89,7 @@ def bucket_server() -> Any:
         srv.close()
 
 
+@pytest.mark.slow
 def test_readme_examples_run_as_written(tmp_path: Path, bucket_server: Any) -> None:
     script = "\n".join([textwrap.dedent(PRELUDE), *readme_blocks(), textwrap.dedent(EPILOGUE)])
     (tmp_path / "readme.py").write_text(script)

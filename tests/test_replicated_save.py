@@ -415,6 +415,7 @@ def saved(tmp_path_factory: pytest.TempPathFactory) -> dict[int, Path]:
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
 @pytest.mark.parametrize("world", [2, 3, 4])
 @pytest.mark.parametrize("case", CASES)
@@ -426,6 +427,7 @@ def test_replicated_bytes_are_balanced_on_disk(
     assert imbalance(sizes) <= BALANCE, sizes
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
 def test_hsdp_replica_groups_share_their_shard(saved: dict[int, Path]) -> None:
     # Mesh [[0, 1], [2, 3]]: ranks 0 and 2 hold rows [0, 32) of w, ranks 1 and 3 rows [32, 64).
@@ -438,6 +440,7 @@ def test_hsdp_replica_groups_share_their_shard(saved: dict[int, Path]) -> None:
         assert max(part) / (sum(part) / 2) <= BALANCE, sizes
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
 def test_split_compressed_items_load_in_one_process(saved: dict[int, Path]) -> None:
     sizes = bytes_per_rank(saved[2] / "zstd", 2)
@@ -451,12 +454,14 @@ def test_split_compressed_items_load_in_one_process(saved: dict[int, Path]) -> N
     assert_same(expected, got)
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
 def test_default_planner_with_pyckpt_writer_dedups_whole(saved: dict[int, Path]) -> None:
     sizes = sorted(bytes_per_rank(saved[2] / "default-planner", 2))
     assert sizes[0] < 64 * 1024 and sizes[1] >= 8 * MiB
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
 def test_load_four_ranks_checkpoint_in_one_process(saved: dict[int, Path]) -> None:
     for case in CASES:
@@ -470,13 +475,14 @@ def test_load_four_ranks_checkpoint_in_one_process(saved: dict[int, Path]) -> No
         assert_same(expected, got)
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
 def test_load_two_ranks_checkpoint_on_three(saved: dict[int, Path]) -> None:
     run_distributed(_load_world, 3, str(saved[2]))
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_differing_replicas_are_refused_before_writing(tmp_path: Path, world: int) -> None:
     results = run_distributed(_mismatch_world, world, str(tmp_path))
     odd = [r for r in range(world) if r % 2]

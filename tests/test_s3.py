@@ -184,6 +184,7 @@ def test_two_ranks_save_then_resharded_loads(s3: SeaweedServer) -> None:
         assert same_bits(out[k], v), k
 
 
+@pytest.mark.slow
 def test_default_chunks_keep_a_resharded_load_within_1_1x(s3: SeaweedServer) -> None:
     """With the object-store default chunk size, a 32 MiB weight saved by 2 ranks and loaded
     by 3 (10.7 MiB a rank) fetches at most 1.1x a rank's need (4 MiB chunks: 1.5x, middle)."""
@@ -252,6 +253,7 @@ class _RowSlice:
         return cls(dst, reader.bytes_fetched)
 
 
+@pytest.mark.slow
 def test_upload_reuses_part_buffers_and_keeps_every_part_exact(s3: SeaweedServer) -> None:
     """Parts are encoded into the buffers of parts already uploaded; none is reused while its
     upload still reads it, so the stored object is the appended bytes exactly."""
@@ -300,6 +302,7 @@ def test_failure_mid_save_aborts_upload_and_keeps_previous(
     assert torch.equal(out["w"], old["w"])
 
 
+@pytest.mark.slow
 def test_server_killed_mid_save(s3: SeaweedServer, monkeypatch: pytest.MonkeyPatch) -> None:
     prefix = _prefix()
     url = _url(prefix)
@@ -537,6 +540,7 @@ def test_two_ranks_consolidate_object_store_to_object_store(s3: SeaweedServer,
         assert same_bits(got[k], v), k
 
 
+@pytest.mark.slow
 def test_two_ranks_consolidate_failure_leaves_no_index(s3: SeaweedServer) -> None:
     src = _url(_prefix())
     src_prefix = src.split("/", 3)[3]
@@ -556,6 +560,7 @@ def test_two_ranks_consolidate_failure_leaves_no_index(s3: SeaweedServer) -> Non
     assert s3.keys(BUCKET, dst_prefix + "/") == {}
 
 
+@pytest.mark.slow
 def test_two_ranks_consolidate_upload_refused_on_one_rank_deletes_the_others(
         s3: SeaweedServer) -> None:
     src = _url(_prefix())
@@ -571,6 +576,7 @@ def test_two_ranks_consolidate_upload_refused_on_one_rank_deletes_the_others(
     assert s3.keys(BUCKET, dst_prefix + "/") == {}  # no index, and rank 0's file deleted
 
 
+@pytest.mark.slow
 def test_two_ranks_consolidate_local_source_or_local_destination(s3: SeaweedServer,
                                                                  tmp_path: Any) -> None:
     from safetensors.torch import load_file, save_file

@@ -153,6 +153,7 @@ def _state(seed: int) -> dict[str, torch.Tensor]:
     return {"w": torch.randn(4096, 1024, generator=g), "b": torch.randn(333, generator=g)}
 
 
+@pytest.mark.slow
 def test_save_survives_a_server_restart_mid_upload(s3: Any,
                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     url = f"s3://{BUCKET}/r-{uuid.uuid4().hex[:8]}"
@@ -180,6 +181,7 @@ def test_save_survives_a_server_restart_mid_upload(s3: Any,
     assert all(torch.equal(out[k], sd[k]) for k in sd)
 
 
+@pytest.mark.slow
 def test_load_survives_a_server_restart(s3: Any) -> None:
     url = f"s3://{BUCKET}/r-{uuid.uuid4().hex[:8]}"
     sd = _state(2)
@@ -204,6 +206,7 @@ def proxy(s3: Any) -> Any:
         yield p
 
 
+@pytest.mark.slow
 def test_a_stalled_connection_is_abandoned_after_stall_timeout_and_retried(
         s3: Any, proxy: Any) -> None:
     url = f"s3://{BUCKET}/stall-{uuid.uuid4().hex[:8]}"
@@ -219,6 +222,7 @@ def test_a_stalled_connection_is_abandoned_after_stall_timeout_and_retried(
     assert all(torch.equal(out[k], sd[k]) for k in sd)
 
 
+@pytest.mark.slow
 def test_a_store_that_stays_stalled_fails_typed_naming_the_url(s3: Any, proxy: Any) -> None:
     url = f"s3://{BUCKET}/stall-{uuid.uuid4().hex[:8]}"
     pyckpt.save(_state(4), url)
@@ -238,6 +242,7 @@ def test_a_store_that_stays_stalled_fails_typed_naming_the_url(s3: Any, proxy: A
 # ----------------------------------------------------------------------------- after the commit
 
 
+@pytest.mark.slow
 def test_clean_up_after_the_commit_does_not_wait_for_a_store_that_went_down(
     s3: Any, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:

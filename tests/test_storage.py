@@ -389,6 +389,7 @@ _FSIZE_SCRIPT = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("direct_io", ["auto", "off"])
 def test_write_failing_midway_keeps_previous_checkpoint(tmp_path: Path, direct_io: str) -> None:
     previous = _saved(tmp_path / "same")  # a complete checkpoint in the target dir
@@ -410,6 +411,7 @@ def test_write_failing_midway_keeps_previous_checkpoint(tmp_path: Path, direct_i
             assert torch.equal(out[k], v)
 
 
+@pytest.mark.slow
 def test_crash_before_metadata_leaves_no_checkpoint(tmp_path: Path) -> None:
     script = textwrap.dedent(
         """
@@ -471,6 +473,7 @@ def _load_dtensor_worker(rank: int, world: int, path: str, dim: int) -> None:
         assert torch.equal(sd[k].to_local(), expect), k
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
 def test_reshard_shard0_on_2_to_shard1_on_3(tmp_path: Path) -> None:
     run_distributed(_save_dtensor_worker, 2, str(tmp_path), 0)
@@ -502,6 +505,7 @@ def _partial_load_worker(rank: int, world: int, path: str) -> tuple[int, int]:
     return reader.bytes_read, reader.chunks_decoded
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
 def test_resharded_load_reads_only_overlapping_chunks(tmp_path: Path) -> None:
     g = torch.Generator().manual_seed(5)

@@ -41,6 +41,7 @@ def _demo_module():
     return sys.modules[name]
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
 def test_demo_trains_crashes_resumes_bit_identically_and_exports(tmp_path: Path) -> None:
     work = tmp_path / "work"
