@@ -14,7 +14,7 @@
 #   6. lint        ruff, mypy on pyckpt/, clang-format on csrc/ and tests/cpp/
 #   7. wheel       scripts/check_wheel.sh: builds the distribution wheel (zstd linked statically)
 #                  and checks with readelf that its extension has no libzstd.so dependency
-# --quick (first argument): the fast lane, under 3 minutes on 2 cores (163 s measured with the
+# --quick (first argument): the fast lane, under 3 minutes on 2 cores (148-169 s measured with the
 # machine shared): the tests stage only, without the slow lane (tests marked `slow` next to them:
 # multi-process fault, crash, kill and timeout tests, fuzzing, the demo, the largest multi-rank
 # cases; tests/test_lanes.py checks that every module keeps a fast test), and no tests-serial.
