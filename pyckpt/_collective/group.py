@@ -227,11 +227,12 @@ def coordination_arg(group: Any = None) -> Any:
     alive when the interpreter finalizes is torn down there, where its threads can abort the
     process ("terminate called without an active exception") after its work is done.
     """
-    import torch.distributed as dist
-
     derived = coordination_group(group)
-    if group is None and derived is not None and derived is dist.group.WORLD:
-        return None
+    if group is None and derived is not None:  # torch.distributed is imported then
+        import torch.distributed as dist
+
+        if derived is dist.group.WORLD:
+            return None
     return derived
 
 
