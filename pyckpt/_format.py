@@ -82,6 +82,8 @@ from pyckpt._format_write import (
     encode_planner_data,
     rewrite_metadata,
     segments_to_json,
+    single_document,
+    storable_planner_data,
     toggle_chunk_places,
 )
 
@@ -129,6 +131,8 @@ __all__ = [
     "encode_metadata",
     "encode_planner_data",
     "rewrite_metadata",
+    "storable_planner_data",
     "segments_to_json",
+    "single_document",
     "toggle_chunk_places",
 ]

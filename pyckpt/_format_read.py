@@ -120,6 +120,48 @@ class DataFiles:
             )
         return full
 
+    def read_shards(self, refs: list[Any]) -> list[tuple[bytes, str]]:
+        """The bytes of each metadata shard (``refs``: :class:`pyckpt._format_shards.ShardRef`)
+        of a version-4 checkpoint, with the path of its data file; a shard cut short by the
+        end of its file comes back short (the caller names it truncated)."""
+        out = []
+        for ref in refs:
+            full = self.check_file(ref.file, 0)
+            if full is None:
+                raise FileNotFoundError(
+                    errno.ENOENT, f"the metadata shard of rank {ref.rank} is in a data file "
+                    "this node does not hold; a sharded (version 4) checkpoint loads from a "
+                    "place every rank sees", os.path.join(self.root, ref.file))
+            fd = os.open(full, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+            try:
+                out.append((os.pread(fd, ref.length, ref.offset), full))
+            finally:
+                os.close(fd)
+        return out
+
+    def sharded(self, raw: bytes, lazy: bool) -> CheckpointIndex:
+        """The index of a version-4 document ``raw``: with ``lazy``, its global part only
+        (``CheckpointIndex.sharded`` reads shards on demand), else every item in full."""
+        from pyckpt import _format_shards_read
+
+        g = _format_shards_read.parse_global(raw, self.meta)
+        local_files = set()
+        for name, size in g.files.items():
+            if self.check_file(name, size) is not None:
+                local_files.add(name)
+        sharded = _format_shards_read.ShardedIndex(g, self.read_shards)
+        tensors: dict[str, StoredTensor] = {}
+        bytes_items: dict[str, StoredBytes] = {}
+        if not lazy:
+            tensors, bytes_items = sharded.full()
+        return CheckpointIndex(
+            path=self.root, tensors=tensors, bytes_items=bytes_items, files=dict(g.files),
+            save_id=g.save_id, dcp_version=g.dcp_version, planner_data=g.planner_data,
+            storage_meta={"modules": g.modules}, created_by=g.created_by,
+            version=4, local_files=local_files,
+            sharded=sharded if lazy else None,
+        )
+
     def index(self, x: _C.PyckptIndex) -> CheckpointIndex:
         """The index of the document the reader read (``x``), once its data files pass
         :meth:`check_file`, in the document's order."""
@@ -150,7 +192,8 @@ class DataFiles:
 
 
 def read_index(
-    path: str | os.PathLike[str], *, all_files: bool = True, document: bytes | None = None
+    path: str | os.PathLike[str], *, all_files: bool = True, document: bytes | None = None,
+    lazy: bool = False,
 ) -> CheckpointIndex:
     """Reads and validates the metadata of the checkpoint directory ``path``.
 
@@ -158,6 +201,9 @@ def read_index(
     absent from ``path`` is held by another node and is not an error here (the files present are
     checked as usual); ``CheckpointIndex.local_files`` names the files present. ``document``
     validates those bytes (another node's copy of ``pyckpt.json``) instead of reading the file.
+    ``lazy`` reads only the global part of a version-4 (sharded) checkpoint: its
+    ``CheckpointIndex.sharded`` then reads the shards a load needs (see
+    :mod:`pyckpt._format_shards`); without it every shard is read and checked.
 
     This is the one validation path of every reader. The metadata checksum is verified before
     anything in the document is used; then every object must have exactly its keys, every value
@@ -177,14 +223,21 @@ def read_index(
     root = os.fspath(path)
     meta = os.path.join(root, METADATA_FILE)
     raw = _open_metadata(root, meta) if document is None else bytes(document)
-    return validate(raw, meta, DataFiles(root, meta, all_files))
+    return validate(raw, meta, DataFiles(root, meta, all_files), lazy=lazy)
 
 
-def validate(raw: bytes, meta: str, files: DataFiles, **options: Any) -> CheckpointIndex:
+def validate(raw: bytes, meta: str, files: DataFiles, lazy: bool = False,
+             **options: Any) -> CheckpointIndex:
     """The index of the metadata bytes ``raw`` (of ``meta``, for messages), read by the metadata
     reader, its data files checked by ``files`` (where the backend keeps them). ``options``:
-    those of ``_C.parse_pyckpt_index`` (a rank-local part: ``disjoint_pieces``, ``rank``)."""
+    those of ``_C.parse_pyckpt_index`` (a rank-local part: ``disjoint_pieces``, ``rank``).
+    A version-4 document (sharded, :mod:`pyckpt._format_shards`) is read by that module, its
+    shards through ``files``; ``lazy``: see :func:`read_index`."""
+    from pyckpt._format_shards import is_sharded
+
     with _gc.paused():  # objects per tensor, piece and chunk, all kept (see pyckpt._gc)
+        if is_sharded(raw) and not options:
+            return files.sharded(raw, lazy)
         return files.index(_C.parse_pyckpt_index(raw, meta, **options))
 
 

@@ -23,10 +23,10 @@ RAW_THRESHOLD = 0.97
 
 
 FORMAT_NAME = "pyckpt"
-FORMAT_VERSION = 3  # written by this pyckpt
+FORMAT_VERSION = 3  # one document (pyckpt.json); version 4 (sharded): pyckpt._format_shards
 # Version 1: the schema without the metadata checksum; version 2: chunk checksums not bound to
 # their place (see chunk_place_seed).
-READABLE_VERSIONS = (1, 2, 3)
+READABLE_VERSIONS = (1, 2, 3, 4)
 PLACE_BOUND_VERSION = 3  # the first version whose chunk checksums are bound to their place
 METADATA_FILE = "pyckpt.json"
 
@@ -271,4 +271,8 @@ class CheckpointIndex:
     created_by: str = ""
     version: int = FORMAT_VERSION  # format version of the metadata file
     local_files: set[str] = field(default_factory=set)  # data files present under ``path``
+    # A version-4 checkpoint read lazily (``read_index(..., lazy=True)``): the global document
+    # and the shards read so far (pyckpt._format_shards.ShardedIndex); ``tensors`` and
+    # ``bytes_items`` are then empty.
+    sharded: Any = None
 

@@ -62,6 +62,15 @@ def encode_planner_data(planner_data: Any) -> Any:
     return _tag(planner_data)
 
 
+def storable_planner_data(planner_data: Any) -> Any:
+    """:func:`encode_planner_data`, or None (with a warning) when it cannot be stored."""
+    try:
+        return encode_planner_data(planner_data)
+    except TypeError as e:
+        logger.warning("pyckpt: planner_data not stored (%s)", e)
+        return None
+
+
 # ----------------------------------------------------------------------------------------------
 # Writing
 
@@ -171,11 +180,7 @@ def build_metadata(
             "pieces": pieces,
         }
 
-    try:
-        planner_data = encode_planner_data(metadata.planner_data)
-    except TypeError as e:
-        logger.warning("pyckpt: planner_data not stored (%s)", e)
-        planner_data = None
+    planner_data = storable_planner_data(metadata.planner_data)
     storage_meta = metadata.storage_meta
     doc = {
         "format": FORMAT_NAME,
@@ -187,6 +192,45 @@ def build_metadata(
         "planner_data": planner_data,
         "files": dict(files),
         "items": items,
+    }
+    return encode_metadata(doc)
+
+
+def single_document(index: Any) -> bytes:
+    """A version-3 ``pyckpt.json`` holding everything a fully read ``index`` (a
+    ``CheckpointIndex`` of any version) says: what a staged copy of a sharded (version 4)
+    checkpoint carries, so that a rank holding only some of its data files reads the chunk
+    records of all. Each data file is recorded up to the end of its chunks (a version-4 file
+    goes on with its shard, which the version-3 reader does not look at)."""
+    ends: dict[str, int] = dict.fromkeys(index.files, 0)
+
+    def segs(segments: Any, seed: int) -> list[dict[str, Any]]:
+        named = []
+        for path, raw_begin, params, chunks in segments:
+            name = os.path.basename(path)
+            for c in chunks:
+                ends[name] = max(ends[name], c[0] + sum(c[4][1::2]))
+            named.append((name, raw_begin, params, chunks))
+        return segments_to_json(named, seed)
+
+    items: dict[str, Any] = {}
+    for fqn, t in index.tensors.items():
+        items[fqn] = {
+            "type": "tensor", "dtype": t.dtype, "shape": list(t.shape),
+            "requires_grad": t.requires_grad, "memory_format": t.memory_format,
+            "pieces": [{"offsets": list(p.offsets), "sizes": list(p.sizes),
+                        "segments": segs(p.segments, chunk_place_seed(fqn, p.offsets))}
+                       for p in sweep_order(t.shape, t.pieces)],
+        }
+    for fqn, b in index.bytes_items.items():
+        items[fqn] = {"type": "bytes", "nbytes": b.nbytes,
+                      "segments": segs(b.segments, chunk_place_seed(fqn))}
+    doc = {
+        "format": FORMAT_NAME, "version": FORMAT_VERSION, "created_by": index.created_by,
+        "save_id": index.save_id, "dcp_version": index.dcp_version,
+        "storage_meta": {"modules": list(index.storage_meta.get("modules", []))},
+        "planner_data": encode_planner_data(index.planner_data),
+        "files": ends, "items": items,
     }
     return encode_metadata(doc)
 

@@ -38,8 +38,8 @@ from pyckpt import _gc
 from pyckpt._chunkindex import ChunkIndex
 from pyckpt.errors import CheckpointFormatError
 
-__all__ = ["IndexedTensorStorageMetadata", "LoadPlanner", "indexed_tensor_metadata",
-           "read_items_for_chunks"]
+__all__ = ["GridChunks", "IndexedTensorStorageMetadata", "LoadPlanner", "grid_tensor_metadata",
+           "indexed_tensor_metadata", "read_items_for_chunks"]
 
 
 @dataclasses.dataclass(eq=False)
@@ -67,6 +67,61 @@ class IndexedTensorStorageMetadata(TensorStorageMetadata):
         if index is None or index.chunks is not self.chunks:
             return None
         return index
+
+
+class GridChunks(Sequence[ChunkStorageMetadata]):
+    """The stored chunks of a tensor of a version-4 checkpoint, made on access from its grid
+    (:class:`pyckpt._format_shards.Grid`; chunk ``i`` is cell ``i``): a rank planning its load
+    touches only the chunks it overlaps, not one object per saving rank."""
+
+    def __init__(self, grid: Any) -> None:
+        self.grid = grid
+
+    def __len__(self) -> int:
+        return int(self.grid.ncells)
+
+    def __getitem__(self, i: Any) -> Any:
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        n = len(self)
+        if i < 0:
+            i += n
+        if not 0 <= i < n:
+            raise IndexError("chunk index out of range")
+        offsets, sizes = self.grid.cell(i)
+        return ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(sizes))
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, GridChunks):
+            return bool(self.grid == other.grid)
+        if isinstance(other, Sequence):
+            return len(self) == len(other) and all(a == b for a, b in zip(self, other))
+        return NotImplemented
+
+    __hash__ = None  # type: ignore[assignment]
+
+
+class GridChunkIndex:
+    """:class:`~pyckpt._chunkindex.ChunkIndex` of :class:`GridChunks`: the overlapping cells
+    found per dimension by bisection, in row-major order."""
+
+    __slots__ = ("chunks",)
+
+    def __init__(self, chunks: GridChunks) -> None:
+        self.chunks = chunks
+
+    def __len__(self) -> int:
+        return len(self.chunks)
+
+    def overlapping(self, offsets: Sequence[int], sizes: Sequence[int]) -> Any:
+        return self.chunks.grid.overlapping(offsets, sizes)
+
+
+def grid_tensor_metadata(properties: TensorProperties, grid: Any) -> IndexedTensorStorageMetadata:
+    """A tensor's storage metadata of a version-4 checkpoint: chunks from its grid."""
+    chunks = GridChunks(grid)
+    return IndexedTensorStorageMetadata(properties, torch.Size(grid.shape), chunks,  # type: ignore[arg-type]
+                                        GridChunkIndex(chunks))  # type: ignore[arg-type]
 
 
 def indexed_tensor_metadata(

@@ -42,7 +42,7 @@ from pyckpt._coop import (
     pays_off,
 )
 from pyckpt._format import DTYPE_SIZES, METADATA_FILE
-from pyckpt._loadplan import indexed_tensor_metadata
+from pyckpt._loadplan import grid_tensor_metadata, indexed_tensor_metadata
 from pyckpt._native import _check_pinned_pool_bytes, _Native
 from pyckpt._staging import DeviceStaging, is_device_tensor
 from pyckpt.backends import Backend, node_local_choice, open_backend
@@ -243,11 +243,13 @@ class Reader(StorageReader):
             else:
                 # Node-local: collective (every rank reads its copy, then they agree on who
                 # holds what; see pyckpt.backends.peer).
-                index = self._backend.read_index()
+                index = self._backend.read_index(lazy=True)
         except Exception as e:
             self._metadata_error = e
             raise
         self._metadata_error = None
+        if index.sharded is not None:
+            return self._sharded_metadata(index)
         sd_md: dict[str, Any] = {}
         storage: dict[MetadataIndex, Any] = {}
         for fqn, st in index.tensors.items():
@@ -284,6 +286,38 @@ class Reader(StorageReader):
             version=index.dcp_version,
         )
 
+    def _sharded_metadata(self, index: _format.CheckpointIndex) -> Metadata:
+        """DCP's metadata of a version-4 checkpoint from its global document alone: chunks made
+        from each tensor's grid on access; the shards holding what this rank loads are read
+        by :meth:`prepare_local_plan` (:class:`_ShardStorage`)."""
+        g = index.sharded.g
+        sd_md: dict[str, Any] = {}
+        for fqn, t in g.tensors.items():
+            sd_md[fqn] = grid_tensor_metadata(TensorProperties(
+                dtype=getattr(torch, t.dtype), requires_grad=t.requires_grad,
+                memory_format=getattr(torch, t.memory_format, torch.contiguous_format)), t.grid)
+        for fqn in g.bytes_items:
+            sd_md[fqn] = BytesStorageMetadata()
+        storage = _ShardStorage(index.sharded)
+        self._storage = storage  # type: ignore[assignment]
+        self._save_id = index.save_id
+        self._stored_keys = [fqn for fqn, t in g.tensors.items()
+                             if all(n > 0 for n in t.shape)] + list(g.bytes_items)
+        return Metadata(
+            state_dict_metadata=sd_md,
+            planner_data=index.planner_data,
+            storage_data=storage,
+            storage_meta=StorageMeta(
+                checkpoint_id=self.path, save_id=index.save_id, load_id=self.load_id
+            ),
+            version=index.dcp_version,
+        )
+
+    def _read_shards(self, plans: list[LoadPlan]) -> None:
+        """Of a version-4 checkpoint: reads the shards holding what ``plans`` read."""
+        if isinstance(self._storage, _ShardStorage):
+            self._storage.load([item.storage_index for p in plans for item in p.items])
+
     def set_up_storage_reader(
         self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any
     ) -> None:
@@ -296,6 +330,7 @@ class Reader(StorageReader):
         """Names the checkpoint this rank loads (its save id) and, with ``cooperative=None``,
         its node (:func:`pyckpt._knobs.node_id`) in the plan's ``storage_data`` for
         :meth:`prepare_global_plan` (no collective of its own)."""
+        self._read_shards([plan])  # a damaged shard fails here, before any byte is loaded
         node = _knobs.node_id() if self.cooperative is None else None
         return dataclasses.replace(plan, storage_data=LoadNode(node, self._save_id, self.path))
 
@@ -320,6 +355,7 @@ class Reader(StorageReader):
         def wanted() -> list[dict[Any, int]]:
             nonlocal wants
             if wants is None:
+                self._read_shards(plans)  # version 4: the coordinator needs every rank's spans
                 wants = [chunks_of([self._span(item) for item in p.items]) for p in plans]
             return wants
 
@@ -365,6 +401,7 @@ class Reader(StorageReader):
             return self._read_plan(plan, planner)
 
     def _read_plan(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        self._read_shards([plan])  # read in prepare_local_plan, unless DCP skipped it
         pool = self._native.pool()
         if self._rank_local is not None:
             _ranklocal.check_coverage(plan, planner, self.path, self._rank_local)
@@ -505,6 +542,50 @@ class Reader(StorageReader):
             return False
         # a store is looked at when the load starts; a directory must hold the metadata now
         return not backend.in_place or os.path.isfile(backend.url_of(METADATA_FILE))
+
+
+class _ShardStorage:
+    """``Metadata.storage_data`` of a version-4 checkpoint: ``MetadataIndex`` -> what
+    :class:`Reader` reads for it (``(StoredTensor, StoredPiece)`` or ``StoredBytes``),
+    assembled from the shards read so far (:class:`pyckpt._format_shards.ShardedIndex`)."""
+
+    def __init__(self, sharded: Any) -> None:
+        self.sharded = sharded
+        self._tensors: dict[str, _format.StoredTensor] = {}
+
+    def _cell(self, index: MetadataIndex) -> int | None:
+        t = self.sharded.g.tensors.get(index.fqn)
+        if t is None or index.offset is None:
+            return None
+        if index.index is not None and 0 <= index.index < t.grid.ncells and \
+                t.grid.cell(index.index)[0] == tuple(index.offset):
+            return int(index.index)
+        return t.grid.number(index.offset)
+
+    def load(self, indexes: list[MetadataIndex]) -> None:
+        keys = []
+        for index in indexes:
+            if index.fqn in self.sharded.g.bytes_items:
+                keys.append((index.fqn, 0))
+            elif (cell := self._cell(index)) is not None:
+                keys.append((index.fqn, cell))
+        self.sharded.load_cells(keys)
+
+    def get(self, index: MetadataIndex, default: Any = None) -> Any:
+        fqn = index.fqn
+        if fqn in self.sharded.g.bytes_items:
+            return self.sharded.bytes_item(fqn)
+        cell = self._cell(index)
+        if cell is None:
+            return default
+        st = self._tensors.get(fqn)
+        if st is None:
+            st = self._tensors[fqn] = self.sharded.tensor(fqn)
+        return st, self.sharded.piece(fqn, cell)
+
+    def __contains__(self, index: object) -> bool:
+        return isinstance(index, MetadataIndex) and (
+            index.fqn in self.sharded.g.bytes_items or self._cell(index) is not None)
 
 
 def _one_checkpoint(named: list[LoadNode | None]) -> None:

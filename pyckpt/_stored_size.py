@@ -26,6 +26,7 @@ from torch.distributed.checkpoint.metadata import StorageMeta
 
 from pyckpt import _C, _background, _format, _knobs
 from pyckpt._replicas import _flat_bytes, _to_host
+from pyckpt._tensors import dtype_name
 
 if TYPE_CHECKING:
     from pyckpt._C import CodecParams
@@ -93,10 +94,6 @@ def _sample(flat: torch.Tensor) -> torch.Tensor:
     return torch.cat([flat[s : s + SAMPLE_BLOCK_BYTES] for s in _sample_starts(n)])
 
 
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
 def stored_sizes(
     tensors: Sequence[torch.Tensor], encoding: Encoding, *, threads: int | None = None
 ) -> list[int]:
@@ -131,7 +128,7 @@ def stored_sizes(
     for slots in on_device.values():
         for i, host in zip(slots, _to_host([_sample(flats[i]) for i in slots])):
             samples[i] = host
-    params = [encoding.params(_dtype_name(t.dtype)) for t in tensors]
+    params = [encoding.params(dtype_name(t.dtype)) for t in tensors]
 
     def estimate(i: int) -> int:
         n, sample = flats[i].numel(), samples[i]

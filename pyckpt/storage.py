@@ -32,15 +32,13 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteIte
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
-from pyckpt import _C, _format, _gc, _knobs, _options, _ranklocal
-from pyckpt._format import DTYPE_SIZES
+from pyckpt import _C, _format, _format_shards, _gc, _knobs, _options, _ranklocal
 from pyckpt._native import _check_pinned_pool_bytes, _Native
 from pyckpt._reader import Reader
 from pyckpt._staging import DeviceStaging, block_bytes_for, is_device_tensor
 from pyckpt._stored_size import Encoding, WriterMeta
-from pyckpt._tensors import local_view, resolved
+from pyckpt._tensors import device_bytes, dtype_name, host_bytes, local_view
 from pyckpt.backends import Backend, SaveState, check_part_bytes, commit_save, open_backend
-from pyckpt.errors import UnsupportedDtypeError
 
 if TYPE_CHECKING:
     from pyckpt._C import CodecParams
@@ -48,43 +46,6 @@ if TYPE_CHECKING:
 __all__ = ["Writer", "Reader"]
 
 logger = logging.getLogger(__name__)
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
-def _storable(tensor: torch.Tensor, fqn: str) -> torch.Tensor:
-    """``tensor``'s local values (:func:`pyckpt._tensors.resolved`); refuses what cannot be
-    stored.
-
-    Raises:
-        UnsupportedDtypeError: a dtype outside the format's table, or a non-strided layout.
-    """
-    if _dtype_name(tensor.dtype) not in DTYPE_SIZES:
-        if tensor.is_quantized:  # the format holds no quantizer (scale, zero point, axis)
-            raise UnsupportedDtypeError(
-                f"tensor {fqn!r}: quantized dtype {tensor.dtype} cannot be stored; save its "
-                "integer values (t.int_repr()) with its quantizer parameters (t.q_scale(), "
-                "t.q_zero_point(), or t.q_per_channel_scales() ...) as plain tensors")
-        raise UnsupportedDtypeError(f"tensor {fqn!r}: dtype {tensor.dtype} cannot be stored")
-    if tensor.layout != torch.strided:
-        raise UnsupportedDtypeError(f"tensor {fqn!r}: layout {tensor.layout} cannot be stored")
-    return resolved(tensor)
-
-
-def _host_bytes(tensor: torch.Tensor, fqn: str) -> torch.Tensor:
-    """Returns a CPU, contiguous, plain tensor with ``tensor``'s values."""
-    t = _storable(tensor, fqn)
-    if t.device.type != "cpu":
-        t = t.to("cpu")
-    return t.contiguous()
-
-
-def _device_bytes(tensor: torch.Tensor, fqn: str) -> torch.Tensor:
-    """A device tensor's bytes as a flat uint8 tensor on the device (made contiguous there)."""
-    t = _storable(tensor, fqn).contiguous()
-    return t.reshape(-1).view(torch.uint8) if t.numel() else t.new_empty(0, dtype=torch.uint8)
 
 
 @dataclass(frozen=True)
@@ -95,6 +56,10 @@ class _RankPlan:
     rank: int
     ranges: dict[MetadataIndex, tuple[int, int]]
     save_id: str = ""
+    # Format version 4 (pyckpt._format_shards): every rank appends its metadata shard to its
+    # data file. The coordinator's own plan carries the save's layout (grids and holders).
+    shards: bool = False
+    layout: Any = None
 
 
 @dataclass
@@ -111,6 +76,7 @@ class _Save:
     rank: int | None = None  # a rank-local save (use_collectives=False): this rank
     # The backend's state of this save (lock, the metadata it replaces), from begin_save.
     state: SaveState | None = None
+    layout: Any = None  # the coordinator's, of a version-4 save (from its _RankPlan)
 
     def end(self) -> None:
         if self.state is not None:
@@ -139,6 +105,10 @@ class _Written:
     segments: list[tuple[str, int, CodecParams, list[tuple[Any, ...]]]]
     file: str
     file_size: int
+
+
+# The index of the one write result of a rank in a version-4 save.
+_SHARD_RESULT = "pyckpt metadata shard"
 
 
 class Writer(StorageWriter):
@@ -172,6 +142,13 @@ class Writer(StorageWriter):
             but holds only that node's data files; every rank writes a copy of ``pyckpt.json``
             into its own ``path`` once all data is durable (see :mod:`pyckpt.backends.peer` and
             docs/ARCHITECTURE.md). Load it with ``Reader(path, shared_filesystem=False)``.
+        metadata_shards: metadata format of a collective save into a shared directory or an
+            object store. None (default): sharded (format version 4: each rank appends the
+            chunk records of what it wrote to its data file, ``pyckpt.json`` only names the
+            shards and describes each tensor's split once) when several ranks save and every
+            tensor's pieces form a grid, else one document (version 3). True: sharded whenever
+            the pieces allow (also for one process); False: always one document. Node-local
+            and rank-local saves always write one document.
 
     Raises:
         ValueError: an unknown compression or direct-I/O mode, ``pinned_pool_bytes`` below
@@ -245,6 +222,7 @@ class Writer(StorageWriter):
         storage_options: dict[str, Any] | None = None,
         part_bytes: int | None = None,
         shared_filesystem: bool = True,
+        metadata_shards: bool | None = None,
     ) -> None:
         super().__init__()
         _check_pinned_pool_bytes(pinned_pool_bytes)
@@ -269,6 +247,10 @@ class Writer(StorageWriter):
         self.overwrite = overwrite
         self.pinned_pool_bytes = pinned_pool_bytes
         self.shared_filesystem = bool(shared_filesystem)
+        if metadata_shards not in (None, True, False):
+            raise ValueError(f"metadata_shards must be None, True or False, got "
+                             f"{metadata_shards!r}")
+        self.metadata_shards = metadata_shards
         self.storage_options = dict(storage_options or {})
         self.part_bytes = check_part_bytes(part_bytes)
         self._backends: Any = None  # location -> Backend (clients, reused direct blocks)
@@ -442,15 +424,27 @@ class Writer(StorageWriter):
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         save = self._active("prepare_global_plan")
+        layout = None
+        if self._sharded_metadata(save, len(plans)):
+            with _gc.paused():  # a cell per rank and tensor at scale (see pyckpt._gc)
+                layout = _format_shards.Layout.of_plans(plans)
         out = []
         for rank, plan in enumerate(plans):
             # A pyckpt.SavePlanner hands over byte ranges of split replicated items.
             ranges = getattr(plan.storage_data, "ranges", None) or {}
             rank = rank if save.rank is None else save.rank  # rank-local: this rank's one plan
-            out.append(
-                dataclasses.replace(plan, storage_data=_RankPlan(rank, dict(ranges), save.save_id))
-            )
+            out.append(dataclasses.replace(plan, storage_data=_RankPlan(
+                rank, dict(ranges), save.save_id, shards=layout is not None,
+                layout=layout if rank == 0 else None)))
         return out
+
+    def _sharded_metadata(self, save: _Save, ranks: int) -> bool:
+        """Whether this save writes format version 4 (see ``metadata_shards``)."""
+        if self.metadata_shards is False or save.rank is not None:
+            return False
+        if self._backend(save.path).exchanges_chunks:  # node-local: one document per node
+            return False
+        return self.metadata_shards is True or ranks > 1
 
     def destination_key(self) -> tuple[Any, ...]:
         """What about this writer's destination a cached save plan depends on (the kind of
@@ -505,6 +499,7 @@ class Writer(StorageWriter):
         if not isinstance(rank_plan, _RankPlan):
             raise RuntimeError("pyckpt.Writer.write_data called without prepare_global_plan")
         save.save_id = rank_plan.save_id or save.save_id  # the coordinator's, on every rank
+        save.layout = rank_plan.layout
         backend = self._backend(save.path)
         if not save.is_coordinator and save.rank is None:
             # a node-local rank writes its copy of the metadata after the commit
@@ -532,30 +527,30 @@ class Writer(StorageWriter):
                            else memoryview(cast(Any, data)))
                     arr = np.frombuffer(raw, dtype=np.uint8)
                     keepalive.append(arr)
-                    base, nbytes, dtype_name = arr.ctypes.data, arr.nbytes, "uint8"
+                    base, nbytes, dtype_str = arr.ctypes.data, arr.nbytes, "uint8"
                 elif is_device_tensor(data) and self._staging().available:
                     data = cast(torch.Tensor, data)
-                    flat = _device_bytes(data, fqn)
+                    flat = device_bytes(data, fqn)
                     start, end = rank_plan.ranges.get(item.index, (0, flat.numel()))
                     if not 0 <= start <= end <= flat.numel():
                         raise ValueError(
                             f"tensor {fqn!r}: byte range [{start}, {end}) outside {flat.numel()}"
                         )
-                    params = self._params(_dtype_name(data.dtype))
+                    params = self._params(dtype_name(data.dtype))
                     on_device.append((idx, fqn, flat[start:end], start, params))
                     continue
                 else:
-                    t = _host_bytes(cast(torch.Tensor, data), fqn)
+                    t = host_bytes(cast(torch.Tensor, data), fqn)
                     keepalive.append(t)
                     base, nbytes = t.data_ptr(), t.numel() * t.element_size()
-                    dtype_name = _dtype_name(t.dtype)
+                    dtype_str = dtype_name(t.dtype)
                 start, end = rank_plan.ranges.get(item.index, (0, nbytes))
                 if not 0 <= start <= end <= nbytes:
                     raise ValueError(
                         f"tensor {fqn!r}: byte range [{start}, {end}) outside {nbytes}"
                     )
                 requests.append(
-                    _C.WriteItem(fqn, base + start, end - start, self._params(dtype_name))
+                    _C.WriteItem(fqn, base + start, end - start, self._params(dtype_str))
                 )
                 starts.append(start)
                 owners.append(idx)
@@ -574,10 +569,20 @@ class Writer(StorageWriter):
                 stored_bytes[idx] += written.stored_bytes
             if on_device:
                 self._write_device_items(fw, name, on_device, chunk_bytes, segments, stored_bytes)
+            shard = None
+            if rank_plan.shards:
+                with _gc.paused():
+                    shard = _format_shards.append_shard(fw, plan.items, rank_plan.rank,
+                                                        save.save_id, segments)
             fw.commit()
             file_size = fw.size
         del keepalive
 
+        if shard is not None:
+            fut.set_result([WriteResult(
+                index=MetadataIndex(_SHARD_RESULT), size_in_bytes=sum(stored_bytes.values()),
+                storage_data=_format_shards.ShardWritten(rank_plan.rank, file_size, *shard))])
+            return fut
         with _gc.paused():
             results = [
                 WriteResult(
@@ -654,6 +659,11 @@ class Writer(StorageWriter):
         """The data files of this save (name -> size) and its encoded metadata file."""
         segments: dict[MetadataIndex, list[Any]] = {}
         files: dict[str, int] = {}
+        if save.layout is not None:  # version 4: each rank reported its shard
+            return _format_shards.global_document(
+                metadata, save.layout, results, save_id=save.save_id,
+                created_by=f"pyckpt {_C.__version__}",
+                planner_data=_format.storable_planner_data(metadata.planner_data))
         for rank_results in results:
             for wr in rank_results:
                 written: _Written = wr.storage_data

@@ -153,6 +153,12 @@ def world_info() -> tuple[int, int]:
 
 
 def data_bytes(path: str) -> int:
-    """Stored bytes of the checkpoint's data files."""
-    return sum(os.path.getsize(os.path.join(path, n)) for n in os.listdir(path)
-               if n.endswith(".pyckpt"))
+    """Stored bytes of the checkpoint's chunks: its data files less their metadata shards
+    (format version 4)."""
+    import json
+
+    total = sum(os.path.getsize(os.path.join(path, n)) for n in os.listdir(path)
+                if n.endswith(".pyckpt"))
+    with open(os.path.join(path, "pyckpt.json"), "rb") as f:
+        doc = json.loads(f.read())
+    return total - sum(s[2] for s in doc.get("shards", []))

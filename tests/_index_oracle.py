@@ -235,6 +235,10 @@ def _parse(holder: list[bytes], meta: str,
         raise CheckpointFormatError(
             f"{meta}: version: must be an integer, got {_describe(version)}"
         )
+    if version == 4:
+        raise CheckpointFormatError(
+            f"{meta}: a version 4 (sharded) document must begin with "
+            '{"format":"pyckpt","version":4, (docs/FORMAT.md, "Version 4")')
     if version not in READABLE_VERSIONS:
         raise CheckpointFormatError(
             f"{meta}: format version {version} is not supported by this pyckpt (reads versions "

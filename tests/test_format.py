@@ -249,12 +249,22 @@ def test_version2_checkpoint_still_loads_bit_exact(tmp_path: Path) -> None:
 
 
 def test_a_newer_format_version_is_refused_by_name(ckpt: Path) -> None:
-    _format.rewrite_metadata(ckpt, lambda d: d.__setitem__("version", 4))
-    msg = _refused(ckpt, str(_meta(ckpt)), "format version 4 is not supported",
-                   "reads versions 1, 2, 3", "upgrade pyckpt")
+    _format.rewrite_metadata(ckpt, lambda d: d.__setitem__("version", 5))
+    msg = _refused(ckpt, str(_meta(ckpt)), "format version 5 is not supported",
+                   "reads versions 1, 2, 3, 4", "upgrade pyckpt")
     assert "checksum" not in msg
-    with pytest.raises(CheckpointFormatError, match="format version 4"):
+    with pytest.raises(CheckpointFormatError, match="format version 5"):
         pyckpt.load({"w": torch.zeros(ROWS, COLS)}, ckpt)
+
+
+def test_a_version_4_label_on_a_single_document_is_refused(ckpt: Path) -> None:
+    # The sharded reader takes it (by its first bytes) and finds no shards; members reordered,
+    # the metadata reader says what a version-4 document must look like.
+    _format.rewrite_metadata(ckpt, lambda d: d.__setitem__("version", 4))
+    _refused(ckpt, str(_meta(ckpt)), "missing ['shards']")
+    _format.rewrite_metadata(ckpt, lambda d: {"version": 4, **{k: v for k, v in d.items()
+                                                               if k != "version"}})
+    _refused(ckpt, str(_meta(ckpt)), 'must begin with {"format":"pyckpt","version":4,')
 
 
 # ------------------------------------------------------------------------------- strict schema

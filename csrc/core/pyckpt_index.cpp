@@ -175,10 +175,14 @@ class Reader {
     if (version == JsonTape::npos) fail("version", "must be an integer, got None");
     if (t[version].kind != JKind::Int)
       fail("version", "must be an integer, got " + t.describe(version));
+    if (in_range(version, 4, 4)) {  // read by pyckpt/_format_shards_read.py, by its prefix
+      fail("", "a version 4 (sharded) document must begin with {\"format\":\"pyckpt\","
+               "\"version\":4, (docs/FORMAT.md, \"Version 4\")");
+    }
     if (!in_range(version, 1, 3)) {
       fail("", "format version " + t.int_text(version) +
-                   " is not supported by this pyckpt (reads versions 1, 2, 3); upgrade pyckpt to "
-                   "read it");
+                   " is not supported by this pyckpt (reads versions 1, 2, 3, 4); upgrade pyckpt "
+                   "to read it");
     }
     _x.version = static_cast<int>(t[version].v);
     if (_x.version >= 2 && !sealed) {

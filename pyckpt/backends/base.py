@@ -243,8 +243,9 @@ class Backend(Protocol):
         ...
 
     # -- load ------------------------------------------------------------------------------
-    def read_index(self) -> _format.CheckpointIndex:
-        """Reads and validates ``pyckpt.json`` (every data file checked present)."""
+    def read_index(self, lazy: bool = False) -> _format.CheckpointIndex:
+        """Reads and validates ``pyckpt.json`` (every data file checked present); ``lazy``:
+        of a version-4 checkpoint, the global part only (see :func:`pyckpt._format.read_index`)."""
         ...
 
     def read_requests(self, requests: list[ReadRequest], pool: Any) -> _C.ReadStats:

@@ -144,13 +144,13 @@ class MemoryBackend(WholePlace):
             for name in names:
                 self.files.pop(check_name(self.location, name), None)
 
-    def read_index(self) -> _format.CheckpointIndex:
+    def read_index(self, lazy: bool = False) -> _format.CheckpointIndex:
         meta, raw = self.url_of(METADATA_FILE), self.files.get(METADATA_FILE)
         if raw is None:
             raise FileNotFoundError(errno.ENOENT, "not a complete pyckpt checkpoint: "
                                     f"{METADATA_FILE} is missing", meta)
         # The one validation path, data files looked up here.
-        return _format.validate(raw, meta, _DataFiles(self, meta))
+        return _format.validate(raw, meta, _DataFiles(self, meta), lazy=lazy)
 
     def _sources(self, segments: Iterable[Any]) -> dict[str, _C.MemorySource]:  # lent as is
         data = {seg[0]: self.files.get(seg[0].rsplit("/", 1)[-1], b"") for seg in segments}
@@ -172,7 +172,10 @@ class MemoryBackend(WholePlace):
         index = self.read_index()
         names = stage_shares(index.files, share[1])[share[0]] if share else sorted(index.files)
         os.makedirs(directory, exist_ok=True)
-        for name in [METADATA_FILE, *names]:
+        with open(os.path.join(directory, METADATA_FILE), "wb") as f:
+            f.write(_format.single_document(index) if index.version == 4 else
+                    self.files[METADATA_FILE])
+        for name in names:
             with open(os.path.join(directory, name), "wb") as f:
                 f.write(self.files[name])
         return names
@@ -232,3 +235,7 @@ class _DataFiles(_format.DataFiles):
             raise CheckpointFormatError(f"{url}: data file is truncated: {len(have)} bytes, "
                                         f"expected {size}")
         return url
+
+    def read_shards(self, refs: list[Any]) -> list[tuple[bytes, str]]:
+        return [(bytes(self.backend.files.get(ref.file, b"")[ref.offset:ref.offset + ref.length]),
+                 self.check_file(ref.file, 0)) for ref in refs]

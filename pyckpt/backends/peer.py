@@ -176,14 +176,14 @@ class PeerBackend:
 
     # -- load ------------------------------------------------------------------------------
 
-    def read_index(self) -> _format.CheckpointIndex:
+    def read_index(self, lazy: bool = False) -> _format.CheckpointIndex:
         """Collective on a group: every rank validates its copy, the holders of every file are
         agreed on (:func:`discover`). One process with ``auto``: a plain local read."""
         group = coordination_info(self.process_group)  # gloo, even for an NCCL group
         self.files = None
         if self.auto and not group.distributed:
-            return self.local.read_index()
-        index, peers = discover(self.local.path, group)
+            return self.local.read_index(lazy=lazy)
+        index, peers = discover(self.local.path, group, lazy=lazy)
         self.files = None if (self.auto and peers.everywhere) else peers
         return index
 

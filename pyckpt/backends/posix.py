@@ -319,8 +319,9 @@ class PosixBackend(WholePlace):
 
     # -- load ------------------------------------------------------------------------------
 
-    def read_index(self, *, all_files: bool = True) -> _format.CheckpointIndex:
-        return _format.read_index(self.path, all_files=all_files)
+    def read_index(self, lazy: bool = False, *, all_files: bool = True
+                   ) -> _format.CheckpointIndex:
+        return _format.read_index(self.path, all_files=all_files, lazy=lazy)
 
     def read_requests(self, requests: list[ReadRequest], pool: Any) -> _C.ReadStats:
         return _C.read_requests(requests, pool)

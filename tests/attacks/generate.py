@@ -752,6 +752,122 @@ def _st_fifo(c: Ctx) -> None:
     os.mkfifo(os.path.join(c.ckpt, "model.safetensors"))
 
 
+# --- format version 4: the metadata shards (pyckpt._format_shards)
+#
+# Each case re-saves the baseline as a sharded checkpoint (one rank, one shard at the end of its
+# data file), then damages the global document or the shard. A shard edited in place keeps its
+# length; "resealed" shards get a valid seal and the global document the shard's new digest, so
+# the checks behind the digest are the ones tested.
+
+
+def _sharded(c: Ctx) -> tuple[dict[str, Any], str, list[Any]]:
+    """Re-saves the baseline into ``c.ckpt`` sharded; returns (global doc, data file path, its
+    shards entry [rank, offset, length, xxh64])."""
+    import warnings
+
+    import pyckpt
+
+    shutil.rmtree(c.ckpt)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        pyckpt.save(baseline_state_dict(), c.ckpt, compression="zstd", chunk_bytes=_CHUNK,
+                    fsync=False, metadata_shards=True)
+    doc = c.doc
+    (entry,) = doc["shards"]
+    (name,) = doc["files"]
+    return doc, os.path.join(c.ckpt, name), entry
+
+
+def _write_global(c: Ctx, doc: dict[str, Any]) -> None:
+    """Writes a version-4 pyckpt.json (its members in the writer's order, sealed)."""
+    write_metadata(c.ckpt, doc)
+
+
+def _reshard(edit: Callable[[dict[str, Any]], Any]) -> Callable[[Ctx], None]:
+    """Case builder: edits the parsed shard, writes it back sealed in place of the old one (the
+    data file and the global document's size, length and digest follow)."""
+
+    def build(c: Ctx) -> None:
+        from pyckpt import _C
+
+        doc, path, entry = _sharded(c)
+        with open(path, "rb") as f:
+            data = f.read()
+        shard = json.loads(data[entry[1]:])
+        shard.pop("checksum")
+        edit(shard)
+        new = seal(dumps(shard))
+        with open(path, "wb") as f:
+            f.write(data[:entry[1]] + new)
+        entry[2], entry[3] = len(new), _C.xxh64(new)
+        doc["files"][os.path.basename(path)] = entry[1] + len(new)
+        _write_global(c, doc)
+
+    return build
+
+
+def _global_edit(edit: Callable[[dict[str, Any]], Any]) -> Callable[[Ctx], None]:
+    def build(c: Ctx) -> None:
+        doc, _, _ = _sharded(c)
+        edit(doc)
+        _write_global(c, doc)
+
+    return build
+
+
+@case("shard_missing", "sharded: the data file holding the only metadata shard is deleted")
+def _shard_missing(c: Ctx) -> None:
+    _, path, _ = _sharded(c)
+    os.unlink(path)
+
+
+@case("shard_truncated", "sharded: the data file is cut in the middle of its metadata shard")
+def _shard_truncated(c: Ctx) -> None:
+    _, path, entry = _sharded(c)
+    os.truncate(path, entry[1] + entry[2] // 2)
+
+
+@case("shard_bytes_flipped", "sharded: one byte inside the metadata shard is changed (its digest "
+      "in pyckpt.json no longer matches)")
+def _shard_flipped(c: Ctx) -> None:
+    _, path, entry = _sharded(c)
+    with open(path, "r+b") as f:
+        f.seek(entry[1] + entry[2] // 2)
+        b = f.read(1)
+        f.seek(entry[1] + entry[2] // 2)
+        f.write(bytes([b[0] ^ 0x01]))
+
+
+case("shard_digest_lie", "sharded: pyckpt.json records another digest for the shard")(
+    _global_edit(lambda d: d["shards"][0].__setitem__(3, d["shards"][0][3] ^ 1)))
+case("shard_length_lie", "sharded: pyckpt.json says the shard is 1 byte shorter (so it starts "
+     "1 byte later)")(_global_edit(lambda d: d["shards"][0].__setitem__(1, d["shards"][0][1] + 1)
+                                   or d["shards"][0].__setitem__(2, d["shards"][0][2] - 1)))
+case("shard_other_rank", "sharded: the shard says it is rank 1's (as when shards are swapped "
+     "between ranks), resealed with a matching digest")(
+    _reshard(lambda s: s.__setitem__("rank", 1)))
+case("shard_other_save", "sharded: the shard names another save id, resealed")(
+    _reshard(lambda s: s.__setitem__("save_id", "0123456789ab")))
+case("shard_unknown_item", "sharded: the shard holds segments of an item pyckpt.json lacks")(
+    _reshard(lambda s: s["items"].__setitem__("ghost", s["items"]["w"])))
+case("shard_chunk_moved", "sharded: a chunk record of 'w' points 1 byte later in the file, "
+     "resealed")(_reshard(lambda s: s["items"]["w"][0][3][0].__setitem__(
+         0, s["items"]["w"][0][3][0][0] + 1)))
+case("shard_segment_dropped", "sharded: the shard lists 'w' with no segment (the piece is not "
+     "covered), resealed")(_reshard(lambda s: s["items"].__setitem__("w", [])))
+case("shard_piece_unknown", "sharded: a segment of 'w' names offsets that are no piece, "
+     "resealed")(_reshard(lambda s: s["items"]["w"][0].__setitem__(0, [1, 0])))
+case("shard_not_holder", "sharded: pyckpt.json names rank 5, which has no shard, as holder of "
+     "'w'")(_global_edit(lambda d: d["items"]["w"].__setitem__("holders", [[5, 0, 1]])))
+case("shard_grid_lie", "sharded: pyckpt.json splits 'w' in two pieces along dim 0, its shard "
+     "holds one")(_global_edit(lambda d: d["items"]["w"].__setitem__("grid", [[[32, 2]], [[64, 1]]])
+                               or d["items"]["w"].__setitem__("holders", [[0, 0, 2]])))
+case("shard_grid_short", "sharded: the cells of 'w' add up to less than its shape")(
+    _global_edit(lambda d: d["items"]["w"].__setitem__("grid", [[[32, 1]], [[64, 1]]])))
+case("shard_file_unlisted", "sharded: 'files' lists a second data file that holds no shard")(
+    _global_edit(lambda d: d["files"].__setitem__(f"1-0.{d['save_id']}.pyckpt", 0)))
+
+
 # ------------------------------------------------------------------------------------ driver
 
 

@@ -150,8 +150,8 @@ class S3Backend(WholePlace):
     def bytes_fetched(self) -> int:
         return self._fetcher.bytes_fetched if self._fetcher is not None else 0
 
-    def read_index(self) -> _format.CheckpointIndex:
-        return read_index(self.loc)
+    def read_index(self, lazy: bool = False) -> _format.CheckpointIndex:
+        return read_index(self.loc, lazy)
 
     def read_requests(self, requests: list[ReadRequest], pool: Any) -> _C.ReadStats:
         return self.fetcher().read_requests(requests, pool)

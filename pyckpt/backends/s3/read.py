@@ -54,7 +54,20 @@ class _DataFiles(_format.DataFiles):
         return url
 
 
-def read_index(loc: Location) -> _format.CheckpointIndex:
+    def read_shards(self, refs: list[Any]) -> list[tuple[bytes, str]]:
+        """The metadata shards ``refs`` of a version-4 checkpoint: one ranged GET each, in
+        parallel."""
+        for ref in refs:
+            self.check_file(ref.file, ref.offset + ref.length)
+
+        def get(ref: Any) -> tuple[bytes, str]:
+            data = self.loc.get_range(ref.file, ref.offset, ref.offset + ref.length)
+            return bytes(data), self.loc.url_of(ref.file)
+
+        return _background.map_parallel(get, refs, _GET_CONCURRENCY)
+
+
+def read_index(loc: Location, lazy: bool = False) -> _format.CheckpointIndex:
     """Reads and validates ``pyckpt.json`` of ``loc`` exactly as :func:`_format.read_index`
     does for a directory: object names must be plain data object names (checked before any
     data object is looked at), and every data object must exist with at least its size.
@@ -66,7 +79,7 @@ def read_index(loc: Location) -> _format.CheckpointIndex:
     """
     meta = loc.url_of(METADATA_FILE)
     raw = loc.get(METADATA_FILE, _format.MAX_METADATA_BYTES)
-    return _format.validate(raw, meta, _DataFiles(loc, meta))
+    return _format.validate(raw, meta, _DataFiles(loc, meta), lazy=lazy)
 
 
 def _needed(request: Any) -> list[tuple[int, int, str, int, int]]:
@@ -231,7 +244,8 @@ def stage_checkpoint(loc: Location, directory: str,
     index = read_index(loc)  # names validated; objects checked against a listing
     os.makedirs(directory, exist_ok=True)
     with open(os.path.join(directory, METADATA_FILE), "wb") as f:
-        f.write(loc.get(METADATA_FILE, _format.MAX_METADATA_BYTES))
+        f.write(_format.single_document(index) if index.version == 4 else
+                loc.get(METADATA_FILE, _format.MAX_METADATA_BYTES))
 
     def fetch(name: str) -> None:
         download(loc, name, os.path.join(directory, name), fsync=False)

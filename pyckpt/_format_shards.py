@@ -1,0 +1,592 @@
+"""On-disk format version 4: a small global document and one sealed metadata shard per rank.
+
+A version-3 ``pyckpt.json`` holds every chunk record of every rank, so the coordinator gathers
+and rewrites all of them on every save and every loading rank reads all of them. In version 4
+(``docs/FORMAT.md``, "Version 4"):
+
+* each rank appends its **shard** to its own data file, after its chunks: the chunk records of
+  what it wrote (compact JSON, sealed like ``pyckpt.json``), and reports to the coordinator only
+  where the shard lies and its XXH64 (a few numbers per rank);
+* ``pyckpt.json`` names the shards with their digests and describes each tensor's pieces as a
+  **grid** (run-length encoded cell sizes per dimension: an FSDP dim-0 split over N ranks is one
+  run) and the ranks holding each cell (runs again: rank ``i`` holds cell ``i`` is one run). Its
+  size grows with the tensors and the ranks, not with their product; the coordinator builds its
+  items part once per plan (:class:`Layout`, cached with the plan) and splices it into every save;
+* a loading rank reads the global document, then only the shards holding the cells it loads
+  (:class:`ShardedIndex`), each verified against its digest before a byte of it is parsed.
+
+This module builds both documents (:class:`Layout`, :func:`build_shard`, :func:`build_global`)
+and reads them (:func:`parse_global`, :class:`ShardedIndex`), with the same strictness as the
+version-3 reader: exact keys and types, every chunk record one the writer can produce, every
+shard's chunks packed back to back before it, every cell covered exactly by its holders'
+segments. Errors are :class:`~pyckpt.errors.CheckpointFormatError` naming the file (for a shard:
+the data file and the rank) and the key path.
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+import math
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from pyckpt import _C
+from pyckpt._format_spec import (
+    _SEAL_HEAD,
+    _SEAL_LEN,
+    FORMAT_NAME,
+    MAX_CHUNK_BYTES,
+    MAX_NUMEL,
+    MAX_PIECES,
+    MEMORY_FORMATS,
+    chunk_place_key,
+    chunk_place_seed,
+    codec_params_json,
+    data_file_name,
+)
+from pyckpt.errors import CheckpointFormatError
+
+__all__ = ["SHARDED_VERSION", "SHARD_FORMAT", "Grid", "Holders", "Layout", "ShardWritten",
+           "append_shard", "build_shard", "build_global", "global_document", "is_sharded"]
+
+SHARDED_VERSION = 4
+SHARD_FORMAT = "pyckpt-shard"
+# A version-4 document begins with exactly these bytes (readers dispatch on them).
+PREFIX = b'{"format":"pyckpt","version":4,'
+_MAX_RANK = (1 << 31) - 1
+_GLOBAL_KEYS = frozenset(("format", "version", "created_by", "save_id", "dcp_version",
+                          "storage_meta", "planner_data", "files", "shards", "items",
+                          "checksum"))
+_TENSOR_KEYS = frozenset(("type", "dtype", "shape", "requires_grad", "memory_format", "grid",
+                          "holders"))
+_BYTES_KEYS = frozenset(("type", "nbytes", "holders"))
+_SHARD_KEYS = frozenset(("format", "version", "save_id", "rank", "items", "checksum"))
+
+
+def is_sharded(raw: bytes | memoryview) -> bool:
+    """True when ``raw`` is a version-4 ``pyckpt.json`` (by its first bytes)."""
+    return bytes(raw[: len(PREFIX)]) == PREFIX
+
+
+# ---------------------------------------------------------------------------------- helpers
+
+
+def _fail(origin: str, path: str, what: str) -> CheckpointFormatError:
+    return CheckpointFormatError(f"{origin}: {path}: {what}" if path else f"{origin}: {what}")
+
+
+def _describe(v: Any) -> str:
+    text = json.dumps(v) if isinstance(v, (int, str, float, bool, type(None))) else type(
+        v).__name__
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _int(v: Any, origin: str, path: str, lo: int, hi: int) -> int:
+    if type(v) is not int or not lo <= v <= hi:
+        raise _fail(origin, path, f"must be an integer in [{lo}, {hi}], got {_describe(v)}")
+    return v
+
+
+def _list(v: Any, origin: str, path: str) -> list[Any]:
+    if type(v) is not list:
+        raise _fail(origin, path, f"must be a list, got {_describe(v)}")
+    return v
+
+
+def _obj(v: Any, origin: str, path: str, keys: frozenset[str]) -> dict[str, Any]:
+    if type(v) is not dict:
+        raise _fail(origin, path, f"must be an object, got {_describe(v)}")
+    if v.keys() != keys:
+        missing, unknown = sorted(keys - v.keys()), sorted(v.keys() - keys)
+        raise _fail(origin, path, f"keys differ from the format's: missing {missing}, unknown "
+                                  f"{unknown}")
+    return v
+
+
+class _Duplicate(dict):
+    """Marks an object that repeated a key (refused once the parse is done)."""
+
+    def __init__(self, key: str) -> None:
+        super().__init__()
+        self.key = key
+
+
+def _hook(pairs: list[tuple[str, Any]]) -> Any:
+    d = dict(pairs)
+    if len(d) != len(pairs):
+        seen: set[str] = set()
+        for k, _ in pairs:
+            if k in seen:
+                return _Duplicate(k)
+            seen.add(k)
+    return d
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON value")
+
+
+def _find_duplicate(v: Any, depth: int = 0) -> str | None:
+    if isinstance(v, _Duplicate):
+        return v.key
+    if depth > 8:
+        return None
+    if type(v) is dict:
+        for x in v.values():
+            if (k := _find_duplicate(x, depth + 1)) is not None:
+                return k
+    elif type(v) is list and v and type(v[0]) in (dict, list):
+        for x in v:
+            if (k := _find_duplicate(x, depth + 1)) is not None:
+                return k
+    return None
+
+
+def _parse_sealed(raw: bytes, origin: str) -> dict[str, Any]:
+    """Checks the checksum member that ends ``raw``, then parses it as strict UTF-8 JSON."""
+    if len(raw) <= _SEAL_LEN or raw[len(raw) - _SEAL_LEN:len(raw) - 18] != _SEAL_HEAD or \
+            raw[-2:] != b'"}':
+        raise _fail(origin, "", "does not end with its checksum member")
+    try:
+        recorded = int(raw[-18:-2].decode("ascii"), 16)
+    except ValueError:
+        raise _fail(origin, "", "does not end with its checksum member") from None
+    if raw[-18:-2] != raw[-18:-2].lower():
+        raise _fail(origin, "", "does not end with its checksum member")
+    actual = _C.xxh64(memoryview(raw)[: len(raw) - _SEAL_LEN])
+    if actual != recorded:
+        raise _fail(origin, "", f"metadata checksum mismatch (recorded xxh64:{recorded:016x}, "
+                                f"computed xxh64:{actual:016x}): the file is damaged")
+    try:
+        text = raw.decode("utf-8")
+        doc = json.loads(text, object_pairs_hook=_hook, parse_constant=_no_constant)
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:
+        raise _fail(origin, "", f"not valid JSON: {e}") from None
+    if type(doc) is not dict:
+        raise _fail(origin, "", "must be a JSON object")
+    dup = _find_duplicate(doc)
+    if dup is not None:
+        raise _fail(origin, "", f"repeats the key {dup!r} in an object")
+    return doc
+
+
+def _seal(body: bytes) -> bytes:
+    head = body[:-1]
+    return head + _SEAL_HEAD + b"%016x" % _C.xxh64(head) + b'"}'
+
+
+def _dumps(v: Any) -> str:
+    return json.dumps(v, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+
+
+# ------------------------------------------------------------------------------------ grids
+
+
+def _runs(values: Sequence[int]) -> list[list[int]]:
+    """``[[value, count], ...]``: ``values`` run-length encoded."""
+    out: list[list[int]] = []
+    for v in values:
+        if out and out[-1][0] == v:
+            out[-1][1] += 1
+        else:
+            out.append([v, 1])
+    return out
+
+
+@dataclass(frozen=True, slots=True)
+class Grid:
+    """A tensor's pieces as a grid: along each dimension, the boundaries of its cells
+    (``bounds[d]``: 0, the cells' ends, the last one the tensor's size). Cells are numbered in
+    row-major order; a cell is one stored piece (DCP's chunk of that ``MetadataIndex.index``)."""
+
+    shape: tuple[int, ...]
+    bounds: tuple[tuple[int, ...], ...]
+
+    @property
+    def counts(self) -> tuple[int, ...]:
+        return tuple(len(b) - 1 for b in self.bounds)
+
+    @property
+    def ncells(self) -> int:
+        return math.prod(self.counts)
+
+    def coords(self, cell: int) -> tuple[int, ...]:
+        out = []
+        for n in reversed(self.counts):
+            cell, c = divmod(cell, n)
+            out.append(c)
+        return tuple(reversed(out))
+
+    def cell(self, cell: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """(offsets, sizes) of cell number ``cell``."""
+        cs = self.coords(cell)
+        return (tuple(b[c] for b, c in zip(self.bounds, cs)),
+                tuple(b[c + 1] - b[c] for b, c in zip(self.bounds, cs)))
+
+    def number(self, offsets: Sequence[int]) -> int | None:
+        """The number of the cell that starts at ``offsets``, None when none does."""
+        if len(offsets) != len(self.bounds):
+            return None
+        n = 0
+        for b, o in zip(self.bounds, offsets):
+            i = bisect.bisect_left(b, o, 0, len(b) - 1)
+            if i >= len(b) - 1 or b[i] != o:
+                return None
+            n = n * (len(b) - 1) + i
+        return n
+
+    def overlapping(self, offsets: Sequence[int], sizes: Sequence[int]) -> Iterator[int]:
+        """Numbers of the cells overlapping the box, in row-major order, by DCP's rule (along
+        every dimension each starts before the other ends: an empty box overlaps the cell it
+        lies strictly inside of)."""
+        ranges = []
+        for b, o, s in zip(self.bounds, offsets, sizes):
+            first = bisect.bisect_right(b, o, 1) - 1  # cells ending after o
+            last = bisect.bisect_left(b, o + s, 0, len(b) - 1)  # cells starting before o + s
+            if first >= last:
+                return
+            ranges.append(range(first, last))
+        counts = self.counts
+
+        def walk(d: int, base: int) -> Iterator[int]:
+            if d == len(ranges):
+                yield base
+                return
+            for c in ranges[d]:
+                yield from walk(d + 1, base * counts[d] + c)
+
+        yield from walk(0, 0)
+
+    def runs(self) -> list[list[list[int]]]:
+        return [_runs([b[i + 1] - b[i] for i in range(len(b) - 1)]) for b in self.bounds]
+
+    @classmethod
+    def of(cls, shape: Sequence[int], boxes: Sequence[tuple[Sequence[int], Sequence[int]]]
+           ) -> Grid | None:
+        """The grid whose cells are exactly ``boxes`` ((offsets, sizes) each), None when they
+        are not one (overlaps, holes, or not a product of per-dimension splits)."""
+        shape = tuple(shape)
+        bounds = []
+        for d, n in enumerate(shape):
+            starts = sorted({int(o[d]) for o, _ in boxes})
+            if not starts or starts[0] != 0:
+                return None
+            b = (*starts, n) if n > 0 else (0, 0)
+            if n > 0 and (starts[-1] >= n):
+                return None
+            bounds.append(b)
+        grid = cls(shape, tuple(bounds))
+        if grid.ncells != len(boxes):
+            return None
+        seen = set()
+        for offsets, sizes in boxes:
+            cell = grid.number(offsets)
+            if cell is None or cell in seen or grid.cell(cell)[1] != tuple(sizes):
+                return None
+            seen.add(cell)
+        return grid
+
+    @classmethod
+    def parse(cls, shape: tuple[int, ...], value: Any, origin: str, path: str) -> Grid:
+        dims = _list(value, origin, path)
+        if len(dims) != len(shape):
+            raise _fail(origin, path, f"must list {len(shape)} dimensions, got {len(dims)}")
+        bounds = []
+        cells = 1
+        for d, (runs, n) in enumerate(zip(dims, shape)):
+            dp = f"{path}[{d}]"
+            runs = _list(runs, origin, dp)
+            if not runs:
+                raise _fail(origin, dp, "lists no cell")
+            b = [0]
+            for k, run in enumerate(runs):
+                rp = f"{dp}[{k}]"
+                if type(run) is not list or len(run) != 2:
+                    raise _fail(origin, rp, "must be [cell size, count]")
+                size = _int(run[0], origin, f"{rp}[0]", 0, MAX_NUMEL)
+                count = _int(run[1], origin, f"{rp}[1]", 1, MAX_PIECES)
+                if size == 0 and not (n == 0 and len(runs) == 1 and count == 1):
+                    raise _fail(origin, rp, "an empty cell is allowed only as the one cell of "
+                                            "a dimension of size 0")
+                if len(b) - 1 + count > MAX_PIECES:
+                    raise _fail(origin, dp, f"more than {MAX_PIECES} cells")
+                base = b[-1]
+                b.extend(base + size * (i + 1) for i in range(count))
+            if b[-1] != n:
+                raise _fail(origin, dp, f"cells add up to {b[-1]}, the dimension is {n}")
+            cells *= len(b) - 1
+            if cells > MAX_PIECES:
+                raise _fail(origin, path, f"more than {MAX_PIECES} cells")
+            bounds.append(tuple(b))
+        return cls(shape, tuple(bounds))
+
+
+@dataclass(frozen=True, slots=True)
+class Holders:
+    """The ranks holding each cell of an item, in the order of their segments: runs of cells
+    held by one rank each (``[first, step, count]``: cell k of the run by ``first + k*step``)
+    and single cells held by several ranks, or by none (``[[r0, r1, ...]]``)."""
+
+    starts: tuple[int, ...]  # first cell of each run
+    runs: tuple[tuple[int, ...] | tuple[tuple[int, ...]], ...]
+
+    def of(self, cell: int) -> tuple[int, ...]:
+        i = bisect.bisect_right(self.starts, cell) - 1
+        run = self.runs[i]
+        if len(run) == 1:
+            return run[0]  # type: ignore[return-value]
+        first, step, _ = run
+        return (first + (cell - self.starts[i]) * step,)
+
+    @staticmethod
+    def encode(per_cell: Sequence[Sequence[int]]) -> list[Any]:
+        out: list[Any] = []
+        i, n = 0, len(per_cell)
+        while i < n:
+            h = per_cell[i]
+            if len(h) != 1:
+                out.append([list(h)])
+                i += 1
+                continue
+            first, j = h[0], i + 1
+            step = per_cell[j][0] - first if j < n and len(per_cell[j]) == 1 else 0
+            while j < n and len(per_cell[j]) == 1 and per_cell[j][0] == first + (j - i) * step:
+                j += 1
+            out.append([first, step if j - i > 1 else 0, j - i])
+            i = j
+        return out
+
+    @classmethod
+    def parse(cls, value: Any, ncells: int, ranks: Mapping[int, Any], origin: str,
+              path: str) -> Holders:
+        runs = _list(value, origin, path)
+        starts: list[int] = []
+        out: list[Any] = []
+        cell = 0
+        for k, run in enumerate(runs):
+            rp = f"{path}[{k}]"
+            if type(run) is list and len(run) == 1:
+                many = _list(run[0], origin, f"{rp}[0]")
+                for j, r in enumerate(many):
+                    _int(r, origin, f"{rp}[0][{j}]", 0, _MAX_RANK)
+                    if r not in ranks:
+                        raise _fail(origin, f"{rp}[0][{j}]", f"rank {r} has no shard")
+                if len(set(many)) != len(many):
+                    raise _fail(origin, f"{rp}[0]", "names a rank twice")
+                starts.append(cell)
+                out.append((tuple(many),))
+                cell += 1
+            elif type(run) is list and len(run) == 3:
+                first = _int(run[0], origin, f"{rp}[0]", 0, _MAX_RANK)
+                step = _int(run[1], origin, f"{rp}[1]", -_MAX_RANK, _MAX_RANK)
+                count = _int(run[2], origin, f"{rp}[2]", 1, MAX_PIECES)
+                last = first + (count - 1) * step
+                if not 0 <= last <= _MAX_RANK:
+                    raise _fail(origin, rp, f"names rank {last}")
+                for r in (first, last) if count > 1 else (first,):
+                    if r not in ranks:
+                        raise _fail(origin, rp, f"rank {r} has no shard")
+                starts.append(cell)
+                out.append((first, step, count))
+                cell += count
+            else:
+                raise _fail(origin, rp, "must be [first rank, step, count] or [[ranks]]")
+            if cell > ncells:
+                break
+        if cell != ncells:
+            raise _fail(origin, path, f"name holders of {cell} cells, the item has {ncells}")
+        return cls(tuple(starts), tuple(out))
+
+
+# ---------------------------------------------------------------------------------- writing
+
+
+@dataclass
+class Layout:
+    """What a version-4 ``pyckpt.json`` says of a save's items, from the global plan: each
+    tensor's grid and the ranks holding its cells. The JSON text of ``items`` is built once
+    (:meth:`items_json`) and reused by every save of the plan."""
+
+    tensors: dict[str, tuple[Any, Grid, list[list[int]]]] = field(default_factory=dict)
+    bytes_items: dict[str, list[int]] = field(default_factory=dict)
+    _items_json: str | None = None
+
+    @classmethod
+    def of_plans(cls, plans: Sequence[Any]) -> Layout | None:
+        """The layout of DCP's final save plans (each ``storage_data`` holding the byte ranges
+        of split items, ``.ranges``), or None when some tensor's pieces are not a grid."""
+        from torch.distributed.checkpoint.planner import WriteItemType
+
+        boxes: dict[str, dict[tuple[int, ...], list[tuple[int, int]]]] = {}
+        props: dict[str, Any] = {}
+        byte_holders: dict[str, list[tuple[int, int]]] = {}
+        for rank, plan in enumerate(plans):
+            ranges = getattr(plan.storage_data, "ranges", None) or {}
+            for item in plan.items:
+                start = ranges.get(item.index, (0, 0))[0]
+                fqn = item.index.fqn
+                if item.type == WriteItemType.BYTE_IO:
+                    byte_holders.setdefault(fqn, []).append((start, rank))
+                    continue
+                td = item.tensor_data
+                key = tuple(td.chunk.offsets)
+                entry = boxes.setdefault(fqn, {})
+                if key not in entry:
+                    entry[key] = []
+                    props.setdefault(fqn, (td.properties, tuple(td.size), {}))[2][key] = tuple(
+                        td.chunk.sizes)
+                entry[key].append((start, rank))
+        layout = cls()
+        for fqn, cells in boxes.items():
+            properties, shape, sizes = props[fqn]
+            grid = Grid.of(shape, [(o, sizes[o]) for o in cells])
+            if grid is None:
+                return None
+            per_cell: list[list[int]] = [[] for _ in range(grid.ncells)]
+            for offsets, holders in cells.items():
+                n = grid.number(offsets)
+                assert n is not None
+                per_cell[n] = [r for _, r in sorted(holders)]
+            layout.tensors[fqn] = (properties, grid, per_cell)
+        for fqn, holders in byte_holders.items():
+            layout.bytes_items[fqn] = [r for _, r in sorted(holders)]
+        return layout
+
+    def items_json(self, byte_sizes: Mapping[str, int]) -> str:
+        """The JSON text of ``items``: the tensors' part built once, the bytes items' sizes
+        (``byte_sizes``) this save's."""
+        if self._items_json is None:
+            items: dict[str, Any] = {}
+            for fqn, (p, grid, per_cell) in self.tensors.items():
+                memory_format = str(p.memory_format).removeprefix("torch.")
+                items[fqn] = {
+                    "type": "tensor",
+                    "dtype": str(p.dtype).removeprefix("torch."),
+                    "shape": list(grid.shape),
+                    "requires_grad": bool(p.requires_grad),
+                    "memory_format": memory_format if memory_format in MEMORY_FORMATS else
+                    "contiguous_format",
+                    "grid": grid.runs(),
+                    "holders": Holders.encode(per_cell),
+                }
+            self._items_json = _dumps(items)
+        if not self.bytes_items:
+            return self._items_json
+        extra = _dumps({fqn: {"type": "bytes", "nbytes": byte_sizes.get(fqn, 0),
+                              "holders": [[ranks]]}
+                        for fqn, ranks in self.bytes_items.items()})
+        if self._items_json == "{}":
+            return extra
+        return self._items_json[:-1] + "," + extra[1:]
+
+
+def build_shard(rank: int, save_id: str,
+                segments: Sequence[tuple[str, tuple[int, ...] | None, int, Any, Sequence[Any]]]
+                ) -> bytes:
+    """One rank's shard: ``segments`` are (fqn, piece offsets or None for a bytes item,
+    raw_begin, params, chunk records with plain XXH64s), in the order written."""
+    items: dict[str, list[Any]] = {}
+    for fqn, offsets, raw_begin, params, chunks in segments:
+        seed = chunk_place_seed(fqn, offsets or ())
+        records = []
+        pos = raw_begin
+        for c in chunks:
+            records.append([c[0], c[1], c[2] ^ chunk_place_key(seed, pos), c[3], list(c[4])])
+            pos += c[1]
+        items.setdefault(fqn, []).append(
+            [list(offsets) if offsets is not None else None, raw_begin,
+             codec_params_json(params), records])
+    doc = {"format": SHARD_FORMAT, "version": SHARDED_VERSION, "save_id": save_id,
+           "rank": rank, "items": items}
+    return _seal(_dumps(doc).encode("utf-8"))
+
+
+def build_global(metadata: Any, layout: Layout, shards: Mapping[int, tuple[int, int, int, int]],
+                 byte_sizes: Mapping[str, int], *, save_id: str, created_by: str,
+                 planner_data: Any) -> bytes:
+    """The version-4 ``pyckpt.json``: ``shards`` maps rank -> (file size, shard offset, shard
+    length, shard XXH64); ``byte_sizes`` gives each bytes item's size."""
+    storage_meta = metadata.storage_meta
+    files = {data_file_name(r, 0, save_id): s[0] for r, s in sorted(shards.items())}
+    head = {
+        "format": FORMAT_NAME,
+        "version": SHARDED_VERSION,
+        "created_by": created_by,
+        "save_id": save_id,
+        "dcp_version": metadata.version,
+        "storage_meta": {"modules": list(storage_meta.modules) if storage_meta else []},
+        "planner_data": planner_data,
+        "files": files,
+        "shards": [[r, s[1], s[2], s[3]] for r, s in sorted(shards.items())],
+    }
+    items = layout.items_json(byte_sizes)
+    body = _dumps(head)[:-1] + ',"items":' + items + "}"
+    return _seal(body.encode("utf-8"))
+
+
+# A rank's one write result in a version-4 save (pyckpt.Writer), and the coordinator's document.
+
+
+@dataclass(frozen=True)
+class ShardWritten:
+    """What a rank of a version-4 save reports to the coordinator: its data file's size, where
+    its metadata shard lies in it and the shard's XXH64, and the raw size of each bytes item it
+    wrote part of (a few numbers, whatever the number of items)."""
+
+    rank: int
+    file_size: int
+    shard_offset: int
+    shard_length: int
+    shard_xxh64: int
+    byte_sizes: dict[str, int]
+
+
+def append_shard(sink: Any, items: Sequence[Any], rank: int, save_id: str,
+                 segments: Mapping[int, list[Any]]) -> tuple[int, int, int, dict[str, int]]:
+    """Appends the shard of ``rank`` to its data file ``sink`` (a ``DataSink``): ``items`` are
+    the rank's DCP write items, ``segments[i]`` the ``segment`` tuples written for item ``i``.
+    Returns (offset, length, XXH64, raw size of each bytes item written here)."""
+    from torch.distributed.checkpoint.planner import WriteItemType
+
+    records = []
+    byte_sizes: dict[str, int] = {}
+    for idx, item in enumerate(items):
+        fqn = item.index.fqn
+        offsets = None
+        if item.type == WriteItemType.BYTE_IO:
+            byte_sizes[fqn] = sum(c[1] for seg in segments[idx] for c in seg[3])
+        else:
+            offsets = tuple(item.tensor_data.chunk.offsets)
+        for _, raw_begin, params, chunks in segments[idx]:
+            records.append((fqn, offsets, raw_begin, params, chunks))
+    shard = build_shard(rank, save_id, records)
+    if len(shard) > MAX_CHUNK_BYTES:
+        raise ValueError(f"rank {rank}: its metadata shard would be {len(shard)} bytes, more "
+                         f"than {MAX_CHUNK_BYTES}; save with "
+                         "pyckpt.Writer(metadata_shards=False)")
+    offset = sink.size
+    sink.append(shard)
+    return offset, len(shard), _C.xxh64(shard), byte_sizes
+
+
+def global_document(metadata: Any, layout: Layout, results: Sequence[Sequence[Any]], *,
+                    save_id: str, created_by: str, planner_data: Any) -> tuple[dict[str, int],
+                                                                               bytes]:
+    """The data files (name -> size) and ``pyckpt.json`` of a version-4 save, from DCP's
+    metadata, the plan's layout and each rank's write results (one :class:`ShardWritten`)."""
+    shards: dict[int, tuple[int, int, int, int]] = {}
+    byte_sizes: dict[str, int] = {}
+    for rank_results in results:
+        for wr in rank_results:
+            w = wr.storage_data
+            if not isinstance(w, ShardWritten):
+                raise RuntimeError("pyckpt.Writer.finish: a rank wrote no metadata shard in a "
+                                   "sharded save")
+            shards[w.rank] = (w.file_size, w.shard_offset, w.shard_length, w.shard_xxh64)
+            for fqn, n in w.byte_sizes.items():
+                byte_sizes[fqn] = byte_sizes.get(fqn, 0) + n
+    encoded = build_global(metadata, layout, shards, byte_sizes, save_id=save_id,
+                           created_by=created_by, planner_data=planner_data)
+    return {data_file_name(r, 0, save_id): s[0] for r, s in shards.items()}, encoded

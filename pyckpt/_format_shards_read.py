@@ -1,0 +1,520 @@
+"""On-disk format version 4, the reading side: the global ``pyckpt.json`` (:func:`parse_global`),
+the shards (:func:`parse_shard`, verified against their digests first) and
+:class:`ShardedIndex`, which reads the shards a load needs and assembles its pieces. The format
+and its writing side: :mod:`pyckpt._format_shards`; ``docs/FORMAT.md``, "Version 4"."""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from pyckpt import _C
+from pyckpt._format_shards import (
+    _BYTES_KEYS,
+    _GLOBAL_KEYS,
+    _MAX_RANK,
+    _SHARD_KEYS,
+    _TENSOR_KEYS,
+    SHARD_FORMAT,
+    SHARDED_VERSION,
+    Grid,
+    Holders,
+    _describe,
+    _fail,
+    _int,
+    _list,
+    _obj,
+    _parse_sealed,
+)
+from pyckpt._format_spec import (
+    _BYTES_DTYPE,
+    _GROUPING,
+    _MAX_FILE_BYTES,
+    _TRANSFORM_CODES,
+    _ZSTD_LEVELS,
+    _ZSTD_MAX_RATIO,
+    CODEC_NONE,
+    CODEC_ZSTD,
+    DTYPE_SIZES,
+    FORMAT_NAME,
+    MAX_CHUNK_BYTES,
+    MAX_CHUNKS,
+    MAX_FILES,
+    MAX_ITEM_BYTES,
+    MAX_ITEMS,
+    MAX_METADATA_BYTES,
+    MAX_NDIM,
+    MAX_NUMEL,
+    MAX_PIECES,
+    MAX_PLANNER_DEPTH,
+    MEMORY_FORMATS,
+    RAW_CODEC_PARAMS,
+    StoredBytes,
+    StoredPiece,
+    StoredTensor,
+    chunk_place_key,
+    chunk_place_seed,
+    data_file_name,
+    is_data_file,
+)
+from pyckpt.errors import UnsupportedDtypeError
+
+__all__ = ["GlobalDoc", "ShardRef", "ShardedIndex", "parse_global", "parse_shard"]
+
+
+
+@dataclass(frozen=True, slots=True)
+class ShardRef:
+    rank: int
+    file: str
+    offset: int
+    length: int
+    xxh64: int
+
+
+@dataclass(frozen=True, slots=True)
+class TensorEntry:
+    fqn: str
+    dtype: str
+    grid: Grid
+    holders: Holders
+    requires_grad: bool
+    memory_format: str
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.grid.shape
+
+
+@dataclass(frozen=True, slots=True)
+class BytesEntry:
+    fqn: str
+    nbytes: int
+    holders: Holders
+
+
+@dataclass
+class GlobalDoc:
+    """A validated version-4 ``pyckpt.json``."""
+
+    origin: str
+    created_by: str
+    save_id: str
+    dcp_version: str | None
+    modules: list[str]
+    planner_data: Any
+    files: dict[str, int]
+    shards: dict[int, ShardRef]
+    tensors: dict[str, TensorEntry]
+    bytes_items: dict[str, BytesEntry]
+
+
+def _untag(v: Any, origin: str, path: str, depth: int) -> Any:
+    if depth > MAX_PLANNER_DEPTH:
+        raise _fail(origin, "planner_data", f"nested deeper than {MAX_PLANNER_DEPTH} levels")
+    if type(v) is list:
+        return [_untag(x, origin, path, depth + 1) for x in v]
+    if type(v) is dict:
+        if "__tuple__" in v:
+            if len(v) != 1 or type(v["__tuple__"]) is not list:
+                raise _fail(origin, path, "a {\"__tuple__\": ...} object must hold only that "
+                                          "key, with a list")
+            return tuple(_untag(x, origin, path, depth + 1) for x in v["__tuple__"])
+        return {k: _untag(x, origin, path, depth + 1) for k, x in v.items()}
+    return v
+
+
+def parse_global(raw: bytes, origin: str) -> GlobalDoc:
+    """Verifies and validates a version-4 ``pyckpt.json`` (``origin`` names it)."""
+    if len(raw) > MAX_METADATA_BYTES:
+        raise _fail(origin, "", f"more than the {MAX_METADATA_BYTES} bytes this pyckpt reads")
+    doc = _parse_sealed(raw, origin)
+    _obj(doc, origin, "", _GLOBAL_KEYS)
+    if doc["format"] != FORMAT_NAME or doc["version"] != SHARDED_VERSION:
+        raise _fail(origin, "format", "not a version-4 pyckpt document")
+    for key in ("created_by", "save_id"):
+        if type(doc[key]) is not str:
+            raise _fail(origin, key, f"must be a string, got {_describe(doc[key])}")
+    save_id = doc["save_id"]
+    if len(save_id) != 12 or any(c not in "0123456789abcdef" for c in save_id):
+        raise _fail(origin, "save_id", f"must be 12 lowercase hex digits, got {save_id!r}")
+    dcp_version = doc["dcp_version"]
+    if dcp_version is not None and type(dcp_version) is not str:
+        raise _fail(origin, "dcp_version", "must be a string or null")
+    sm = _obj(doc["storage_meta"], origin, "storage_meta", frozenset(("modules",)))
+    modules = _list(sm["modules"], origin, "storage_meta.modules")
+    if any(type(m) is not str for m in modules):
+        raise _fail(origin, "storage_meta.modules", "must be a list of strings")
+    planner_data = _untag(doc["planner_data"], origin, "planner_data", 0)
+
+    files_raw = doc["files"]
+    if type(files_raw) is not dict:
+        raise _fail(origin, "files", "must be an object")
+    if len(files_raw) > MAX_FILES:
+        raise _fail(origin, "files", f"more than {MAX_FILES} data files")
+    for name, size in files_raw.items():
+        if not is_data_file(name):
+            raise _fail(origin, f"files[{name!r}]", "is not a data file name of this format")
+        _int(size, origin, f"files[{name!r}]", 0, _MAX_FILE_BYTES)
+    shards: dict[int, ShardRef] = {}
+    for k, entry in enumerate(_list(doc["shards"], origin, "shards")):
+        sp = f"shards[{k}]"
+        if type(entry) is not list or len(entry) != 4:
+            raise _fail(origin, sp, "must be [rank, file offset, length, xxh64]")
+        rank = _int(entry[0], origin, f"{sp}[0]", 0, _MAX_RANK)
+        if shards and rank <= max(shards):
+            raise _fail(origin, f"{sp}[0]", "shards must be listed by increasing rank")
+        name = data_file_name(rank, 0, save_id)
+        size = files_raw.get(name)
+        if size is None:
+            raise _fail(origin, sp, f"its data file {name} is not listed in 'files'")
+        offset = _int(entry[1], origin, f"{sp}[1]", 0, _MAX_FILE_BYTES)
+        length = _int(entry[2], origin, f"{sp}[2]", 1, MAX_CHUNK_BYTES)
+        if offset + length != size:
+            raise _fail(origin, sp, f"the shard must end its data file ({size} bytes), it ends "
+                                    f"at {offset + length}")
+        xxh = _int(entry[3], origin, f"{sp}[3]", 0, (1 << 64) - 1)
+        shards[rank] = ShardRef(rank, name, offset, length, xxh)
+    if len(shards) != len(files_raw):
+        extra = sorted(set(files_raw) - {s.file for s in shards.values()})
+        raise _fail(origin, "files", f"{extra[0]} holds no shard")
+
+    items = doc["items"]
+    if type(items) is not dict:
+        raise _fail(origin, "items", "must be an object")
+    if len(items) > MAX_ITEMS:
+        raise _fail(origin, "items", f"more than {MAX_ITEMS} items")
+    tensors: dict[str, TensorEntry] = {}
+    bytes_items: dict[str, BytesEntry] = {}
+    cells = 0
+    for fqn, item in items.items():
+        ip = f"items[{fqn!r}]"
+        if type(item) is dict and item.get("type") == "bytes":
+            _obj(item, origin, ip, _BYTES_KEYS)
+            nbytes = _int(item["nbytes"], origin, f"{ip}.nbytes", 0, MAX_ITEM_BYTES)
+            holders = Holders.parse(item["holders"], 1, shards, origin, f"{ip}.holders")
+            bytes_items[fqn] = BytesEntry(fqn, nbytes, holders)
+            continue
+        if type(item) is not dict or item.get("type") != "tensor":
+            raise _fail(origin, f"{ip}.type", "must be \"tensor\" or \"bytes\"")
+        _obj(item, origin, ip, _TENSOR_KEYS)
+        dtype = item["dtype"]
+        if type(dtype) is not str:
+            raise _fail(origin, f"{ip}.dtype", "must be a string")
+        if dtype not in DTYPE_SIZES:
+            raise UnsupportedDtypeError(f"{origin}: {ip}.dtype: {dtype!r} is not a dtype this "
+                                        "pyckpt stores")
+        shape = _list(item["shape"], origin, f"{ip}.shape")
+        if len(shape) > MAX_NDIM:
+            raise _fail(origin, f"{ip}.shape", f"more than {MAX_NDIM} dimensions")
+        for d, n in enumerate(shape):
+            _int(n, origin, f"{ip}.shape[{d}]", 0, MAX_NUMEL)
+        numel = math.prod(shape)
+        if numel > MAX_NUMEL or numel * DTYPE_SIZES[dtype] > MAX_ITEM_BYTES:
+            raise _fail(origin, f"{ip}.shape", "beyond the documented limits")
+        if type(item["requires_grad"]) is not bool:
+            raise _fail(origin, f"{ip}.requires_grad", "must be true or false")
+        if item["memory_format"] not in MEMORY_FORMATS or type(item["memory_format"]) is not str:
+            raise _fail(origin, f"{ip}.memory_format", f"must be one of {list(MEMORY_FORMATS)}")
+        grid = Grid.parse(tuple(shape), item["grid"], origin, f"{ip}.grid")
+        cells += grid.ncells
+        if cells > MAX_PIECES:
+            raise _fail(origin, "items", f"more than {MAX_PIECES} pieces")
+        holders = Holders.parse(item["holders"], grid.ncells, shards, origin, f"{ip}.holders")
+        tensors[fqn] = TensorEntry(fqn, dtype, grid, holders, item["requires_grad"],
+                                   item["memory_format"])
+    return GlobalDoc(origin, doc["created_by"], save_id, dcp_version, modules, planner_data,
+                     dict(files_raw), shards, tensors, bytes_items)
+
+
+class _CodecCheck:
+    """Codec fields of segments, checked against the item's dtype (the version-3 rules)."""
+
+    def __init__(self) -> None:
+        self.cache: dict[tuple[Any, ...], Any] = {}
+
+    def __call__(self, value: Any, dtype: str, origin: str, path: str) -> Any:
+        key = (dtype, *value) if type(value) is list and len(value) == 4 and all(
+            type(v) in (str, int) for v in value) else None
+        if key is not None and key in self.cache:
+            return self.cache[key]
+        if type(value) is not list or len(value) != 4:
+            raise _fail(origin, path, "must be [codec, level, elem_size, transform]")
+        codec, level, elem_size, transform = value
+        if codec == CODEC_NONE and type(codec) is str:
+            if value != list(RAW_CODEC_PARAMS) or type(level) is not int or type(
+                    elem_size) is not int:
+                raise _fail(origin, path, f"codec 'none' is stored as "
+                                          f"{json.dumps(RAW_CODEC_PARAMS)}, got {value}")
+        elif codec == CODEC_ZSTD and type(codec) is str:
+            _int(level, origin, f"{path}[1]", *_ZSTD_LEVELS)
+            if type(transform) is not str or transform not in _TRANSFORM_CODES:
+                raise _fail(origin, f"{path}[3]", f"unknown transform {_describe(transform)}")
+            expect = (1, "none") if transform == "none" else _GROUPING.get(dtype)
+            if type(elem_size) is not int or (elem_size, transform) != expect:
+                raise _fail(origin, path, f"elem_size {_describe(elem_size)} and transform "
+                                          f"{transform!r} do not fit dtype {dtype}")
+        else:
+            raise _fail(origin, f"{path}[0]", f"unknown codec {_describe(codec)}")
+        params = _C.CodecParams(codec, level, elem_size, transform)
+        if key is not None:
+            self.cache[key] = params
+        return params
+
+
+def _chunks(chunks: Any, params: Any, seed: int, raw_begin: int, limit: int, origin: str,
+            path: str, ranges: list[tuple[int, int, str]]) -> tuple[list[tuple[Any, ...]], int]:
+    """Validates a segment's chunk records (the version-3 rules); returns them with their
+    checksums unbound from their place, and the raw bytes they hold."""
+    chunks = _list(chunks, origin, path)
+    codec, elem = params.codec, params.elem_size
+    group_code = _TRANSFORM_CODES[params.transform] if codec == CODEC_ZSTD and elem > 1 else 0
+    out = []
+    pos = raw_begin
+    for j, c in enumerate(chunks):
+        cp = f"{path}[{j}]"
+        if type(c) is not list or len(c) != 5 or type(c[4]) is not list:
+            raise _fail(origin, cp, "must be [file_offset, raw_len, xxh64, transform, "
+                                    "[plane modes and lengths]]")
+        off, raw_len, checksum, tcode, planes = c
+        _int(off, origin, f"{cp}[0]", 0, _MAX_FILE_BYTES)
+        _int(raw_len, origin, f"{cp}[1]", 1, MAX_CHUNK_BYTES)
+        _int(checksum, origin, f"{cp}[2]", 0, (1 << 64) - 1)
+        grouped = group_code and raw_len % elem == 0
+        want = group_code if grouped else 0
+        if type(tcode) is not int or tcode != want:
+            raise _fail(origin, f"{cp}[3]", f"transform code {_describe(tcode)} disagrees with "
+                                            f"the codec params (expected {want})")
+        nplanes = elem if grouped else 1
+        if len(planes) != 2 * nplanes:
+            raise _fail(origin, f"{cp}[4]", f"must list {nplanes} (mode, length) plane pairs")
+        n = raw_len // nplanes
+        stored = 0
+        for p in range(nplanes):
+            mode, length = planes[2 * p], planes[2 * p + 1]
+            if type(mode) is not int or type(length) is not int:
+                raise _fail(origin, f"{cp}[4]", "plane modes and lengths must be integers")
+            if mode == 0:
+                ok = length == n
+            elif mode == 1:
+                ok = codec == CODEC_ZSTD and 0 < length < n and n <= length * _ZSTD_MAX_RATIO
+            else:
+                ok = False
+            if not ok:
+                raise _fail(origin, f"{cp}[4]", f"plane {p} (mode {mode}, {length} bytes) "
+                                                f"cannot hold {n} raw bytes")
+            stored += length
+        if off + stored > limit:
+            raise _fail(origin, cp, f"stored bytes [{off}, {off + stored}) lie past the chunks "
+                                    f"of the data file (which end at {limit})")
+        ranges.append((off, off + stored, cp))
+        out.append((off, raw_len, checksum ^ chunk_place_key(seed, pos), tcode, tuple(planes)))
+        pos += raw_len
+    return out, pos - raw_begin
+
+
+@dataclass
+class _Shard:
+    """A validated shard: (fqn, cell) -> its segments there, (raw_begin, segment tuple)."""
+
+    rank: int
+    cells: dict[tuple[str, int], list[tuple[int, tuple[Any, ...]]]]
+
+
+def parse_shard(g: GlobalDoc, ref: ShardRef, raw: bytes, path: str,
+                codecs: _CodecCheck | None = None) -> _Shard:
+    """Verifies rank ``ref.rank``'s shard ``raw`` (read from data file ``path``) against its
+    digest in ``g``, then validates it."""
+    origin = f"{path} (metadata shard of rank {ref.rank})"
+    if len(raw) != ref.length:
+        raise _fail(origin, "", f"{len(raw)} bytes, {g.origin} records {ref.length}: the shard "
+                                "is truncated")
+    actual = _C.xxh64(raw)
+    if actual != ref.xxh64:
+        raise _fail(origin, "", f"digest mismatch (recorded in {g.origin}: xxh64:"
+                                f"{ref.xxh64:016x}, computed xxh64:{actual:016x}): the shard is "
+                                "damaged, or another save's or another rank's")
+    doc = _parse_sealed(raw, origin)
+    _obj(doc, origin, "", _SHARD_KEYS)
+    if doc["format"] != SHARD_FORMAT or doc["version"] != SHARDED_VERSION:
+        raise _fail(origin, "format", "not a version-4 pyckpt metadata shard")
+    if doc["save_id"] != g.save_id or type(doc["save_id"]) is not str:
+        raise _fail(origin, "save_id", f"{_describe(doc['save_id'])} is not this save's "
+                                       f"({g.save_id})")
+    if doc["rank"] != ref.rank or type(doc["rank"]) is not int:
+        raise _fail(origin, "rank", f"{_describe(doc['rank'])}: this is not rank {ref.rank}'s "
+                                    "shard")
+    items = doc["items"]
+    if type(items) is not dict:
+        raise _fail(origin, "items", "must be an object")
+    codecs = codecs or _CodecCheck()
+    cells: dict[tuple[str, int], list[tuple[int, tuple[Any, ...]]]] = {}
+    ranges: list[tuple[int, int, str]] = []
+    nchunks = 0
+    for fqn, segs in items.items():
+        ip = f"items[{fqn!r}]"
+        t = g.tensors.get(fqn)
+        b = g.bytes_items.get(fqn) if t is None else None
+        if t is None and b is None:
+            raise _fail(origin, ip, f"{g.origin} lists no such item")
+        for s, seg in enumerate(_list(segs, origin, ip)):
+            sp = f"{ip}[{s}]"
+            if type(seg) is not list or len(seg) != 4:
+                raise _fail(origin, sp, "must be [offsets, raw_begin, codec, chunks]")
+            offsets, raw_begin, codec, chunk_list = seg
+            if t is not None:
+                offs = _list(offsets, origin, f"{sp}[0]")
+                if any(type(o) is not int for o in offs):
+                    raise _fail(origin, f"{sp}[0]", "offsets must be integers")
+                cell = t.grid.number(offs)
+                if cell is None:
+                    raise _fail(origin, f"{sp}[0]", f"{offs} is not a piece of the tensor")
+                nbytes = math.prod(t.grid.cell(cell)[1]) * DTYPE_SIZES[t.dtype]
+                holders, dtype, seed = t.holders.of(cell), t.dtype, chunk_place_seed(fqn, offs)
+            else:
+                assert b is not None
+                if offsets is not None:
+                    raise _fail(origin, f"{sp}[0]", "must be null for a bytes item")
+                cell, nbytes, holders, dtype = 0, b.nbytes, b.holders.of(0), _BYTES_DTYPE
+                seed = chunk_place_seed(fqn)
+            if ref.rank not in holders:
+                raise _fail(origin, sp, f"rank {ref.rank} is not a holder of this piece in "
+                                        f"{g.origin}")
+            _int(raw_begin, origin, f"{sp}[1]", 0, nbytes)
+            params = codecs(codec, dtype, origin, f"{sp}[2]")
+            records, held = _chunks(chunk_list, params, seed, raw_begin, ref.offset, origin,
+                                    f"{sp}[3]", ranges)
+            nchunks += len(records)
+            if nchunks > MAX_CHUNKS:
+                raise _fail(origin, "items", f"more than {MAX_CHUNKS} chunk records")
+            if raw_begin + held > nbytes:
+                raise _fail(origin, sp, f"holds raw bytes up to {raw_begin + held}, the piece has "
+                                        f"{nbytes}")
+            cells.setdefault((fqn, cell), []).append(
+                (raw_begin, (path, raw_begin, params, records)))
+    prev = 0
+    for off, end, cp in sorted(ranges):
+        if off != prev:
+            raise _fail(origin, cp, f"stored bytes at offset {off} overlap another chunk's"
+                        if off < prev else f"bytes [{prev}, {off}) of the data file belong to "
+                                           "no chunk")
+        prev = end
+    if prev != ref.offset:
+        raise _fail(origin, "items", f"its chunks end at {prev}, the shard begins at "
+                                     f"{ref.offset}")
+    return _Shard(ref.rank, cells)
+
+
+ReadShards = Callable[[list[ShardRef]], list[tuple[bytes, str]]]
+
+
+class ShardedIndex:
+    """A version-4 checkpoint being read: the global document, and the shards read so far.
+
+    ``read`` fetches shards: given their refs, returns each one's bytes and the path of its
+    data file (for messages and segments); the backend's :class:`~pyckpt._format.DataFiles`
+    does it (pread, a ranged GET). :meth:`load` reads the shards holding given cells;
+    :meth:`piece` and :meth:`bytes_item` assemble what they hold, checking that the segments
+    of all holders cover the piece exactly."""
+
+    def __init__(self, g: GlobalDoc, read: ReadShards) -> None:
+        self.g = g
+        self._read = read
+        self._shards: dict[int, _Shard] = {}
+        self._codecs = _CodecCheck()
+        self._pieces: dict[tuple[str, int], Any] = {}
+        self._paths: dict[int, str] = {}
+
+    @property
+    def shards_read(self) -> int:
+        return len(self._shards)
+
+    def holders(self, fqn: str, cell: int) -> tuple[int, ...]:
+        t = self.g.tensors.get(fqn)
+        if t is not None:
+            return t.holders.of(cell)
+        return self.g.bytes_items[fqn].holders.of(0)
+
+    def load(self, ranks: set[int] | list[int]) -> None:
+        """Reads and validates the shards of ``ranks`` not read yet."""
+        refs = [self.g.shards[r] for r in sorted(set(ranks)) if r not in self._shards]
+        if not refs:
+            return
+        for ref, (raw, path) in zip(refs, self._read(refs)):
+            self._shards[ref.rank] = parse_shard(self.g, ref, raw, path, self._codecs)
+            self._paths[ref.rank] = path
+
+    def load_cells(self, keys: list[tuple[str, int]]) -> None:
+        """Reads the shards holding each (fqn, cell) of ``keys``."""
+        ranks: set[int] = set()
+        for fqn, cell in keys:
+            ranks.update(self.holders(fqn, cell))
+        self.load(ranks)
+
+    def load_all(self) -> None:
+        self.load(list(self.g.shards))
+
+    def _segments(self, fqn: str, cell: int, nbytes: int, where: str) -> list[Any]:
+        holders = self.holders(fqn, cell)
+        missing = [r for r in holders if r not in self._shards]
+        if missing:
+            raise KeyError(f"{self.g.origin}: {where}: the shard of rank {missing[0]} was not "
+                           "read")
+        found: list[tuple[int, int, tuple[Any, ...]]] = []
+        for r in holders:
+            segs = self._shards[r].cells.get((fqn, cell))
+            if not segs and nbytes:
+                raise _fail(self._origin(r), f"items[{fqn!r}]", f"holds no segment of {where}, "
+                                                               f"{self.g.origin} names it a holder")
+            found.extend((rb, r, seg) for rb, seg in segs or ())
+        found.sort(key=lambda x: x[0])
+        expect = 0
+        for raw_begin, r, seg in found:
+            if raw_begin != expect:
+                raise _fail(self._origin(r), f"items[{fqn!r}]",
+                            f"segments of {where} leave a gap or overlap: raw_begin {raw_begin}"
+                            f", expected {expect}")
+            expect += sum(c[1] for c in seg[3])
+        if expect != nbytes:
+            r = found[-1][1] if found else holders[0] if holders else -1
+            raise _fail(self._origin(r) if r >= 0 else self.g.origin, f"items[{fqn!r}]",
+                        f"the segments of {where} hold {expect} raw bytes, expected {nbytes}")
+        return [seg for _, _, seg in found]
+
+    def _origin(self, rank: int) -> str:
+        return f"{self._paths.get(rank, self.g.shards[rank].file)} (metadata shard of rank {rank})"
+
+    def tensor(self, fqn: str) -> StoredTensor:
+        """The tensor's entry without its pieces (for its dtype and shape)."""
+        t = self.g.tensors[fqn]
+        return StoredTensor(fqn, t.dtype, t.shape, [], t.requires_grad, t.memory_format)
+
+    def piece(self, fqn: str, cell: int) -> StoredPiece:
+        key = (fqn, cell)
+        p = self._pieces.get(key)
+        if p is None:
+            t = self.g.tensors[fqn]
+            offsets, sizes = t.grid.cell(cell)
+            nbytes = math.prod(sizes) * DTYPE_SIZES[t.dtype]
+            p = StoredPiece(offsets, sizes, nbytes,
+                            self._segments(fqn, cell, nbytes, f"piece {list(offsets)}"))
+            self._pieces[key] = p
+        return p
+
+    def bytes_item(self, fqn: str) -> StoredBytes:
+        b = self.g.bytes_items[fqn]
+        return StoredBytes(fqn, b.nbytes, self._segments(fqn, 0, b.nbytes, "the value"))
+
+    def full(self) -> tuple[dict[str, StoredTensor], dict[str, StoredBytes]]:
+        """Every item with all its pieces (every shard read and checked)."""
+        self.load_all()
+        tensors = {}
+        for fqn, t in self.g.tensors.items():
+            pieces = [self.piece(fqn, c) for c in range(t.grid.ncells)]
+            tensors[fqn] = StoredTensor(fqn, t.dtype, t.shape, pieces, t.requires_grad,
+                                        t.memory_format)
+        self._pieces.clear()
+        return tensors, {fqn: self.bytes_item(fqn) for fqn in self.g.bytes_items}
