@@ -54,6 +54,12 @@ def test_corpus_covers_the_brief() -> None:
         "planes_18", "float_offset", "st_header_len_beyond_file", "st_header_len_2_64",
         "st_overlapping_data", "st_offsets_beyond_file", "st_unknown_dtype", "st_huge_shape",
         "st_duplicate_names", "st_non_utf8_header", "st_index_outside",
+        # format version 4: a shard missing, truncated, damaged, lying about its digest,
+        # swapped between ranks, of another save, or disagreeing with pyckpt.json
+        "shard_missing", "shard_truncated", "shard_bytes_flipped", "shard_digest_lie",
+        "shard_length_lie", "shard_other_rank", "shard_other_save", "shard_unknown_item",
+        "shard_chunk_moved", "shard_segment_dropped", "shard_piece_unknown", "shard_not_holder",
+        "shard_grid_lie", "shard_grid_short", "shard_file_unlisted",
     }
     assert required <= set(_BY_NAME)
 
