@@ -70,7 +70,8 @@ from torch.distributed.checkpoint.storage import WriteResult
 
 WORKLOADS = ("sharded", "replicated", "mixed")
 SYSTEMS = ("pyckpt", "dcp")
-PHASES = ("plan", "meta", "load_meta", "load_plan")
+PHASES = ("plan", "meta", "steady", "load_meta", "load_plan")
+SIZES = ("bytes", "global_bytes", "gathered", "first_gathered", "shards_read")
 CHUNK_BYTES = 4 << 20
 _COLS = 1024  # elements per row of every synthetic tensor (bf16: 2 KiB rows)
 _ITEMSIZE = 2
@@ -185,21 +186,42 @@ def _checksum(k: int) -> int:
     return (k * 0x9E3779B97F4A7C15 + 0x632BE59BD9B4E019) & ((1 << 64) - 1)
 
 
-def pyckpt_results(plans: list[SavePlan]) -> list[list[WriteResult]]:
-    """What each rank's ``pyckpt.Writer.write_data`` returns for its final plan: raw 4 MiB
-    chunks of its byte range of every item, back to back in one data file per rank."""
-    from pyckpt import _format
-    from pyckpt.storage import _Written
+class _Sink:
+    """The end of a rank's data file, as the Writer's sink shows it to ``append_shard``: the
+    chunks are not written (the file stays sparse), the shard is."""
+
+    def __init__(self, path: str, size: int) -> None:
+        self.path, self.size = path, size
+
+    def append(self, data: bytes) -> None:
+        with open(self.path, "wb") as f:
+            f.truncate(self.size)
+            f.seek(self.size)
+            f.write(data)
+        self.size += len(data)
+
+
+def pyckpt_results(plans: list[SavePlan], load_dir: str) -> tuple[list[list[WriteResult]], int]:
+    """What each rank's ``pyckpt.Writer.write_data`` does for its final plan: raw 4 MiB chunks of
+    its byte range of every item back to back, then its metadata shard (written into
+    ``load_dir``, after a sparse region standing for the chunks); returns each rank's one write
+    result and the shards' total size."""
+    from pyckpt import _format, _format_shards
+    from pyckpt.storage import _SHARD_RESULT
 
     params = _format.codec_params_for("bfloat16", None, 1, True, _format.RAW_THRESHOLD)
     out = []
     serial = 0
+    shard_bytes = 0
     for plan in plans:
         rp = plan.storage_data
+        if not plan.items:
+            out.append([])
+            continue
         name = _format.data_file_name(rp.rank, 0, rp.save_id)
-        pending = []
+        segments: dict[int, list[Any]] = {}
         offset = 0
-        for item in plan.items:
+        for idx, item in enumerate(plan.items):
             start, end = rp.ranges.get(item.index, (0, _nbytes(item)))
             chunks = []
             pos = start
@@ -209,12 +231,14 @@ def pyckpt_results(plans: list[SavePlan]) -> list[list[WriteResult]]:
                 chunks.append((offset, n, _checksum(serial), 0, (0, n)))
                 offset += n
                 pos += n
-            pending.append((item.index, end - start, [(name, start, params, chunks)]))
-        out.append([
-            WriteResult(index=index, size_in_bytes=size, storage_data=_Written(segs, name, offset))
-            for index, size, segs in pending
-        ])
-    return out
+            segments[idx] = [(name, start, params, chunks)]
+        sink = _Sink(os.path.join(load_dir, name), offset)
+        shard = _format_shards.append_shard(sink, plan.items, rp.rank, rp.save_id, segments)
+        shard_bytes += shard[1]
+        out.append([WriteResult(index=MetadataIndex(_SHARD_RESULT), size_in_bytes=offset,
+                                storage_data=_format_shards.ShardWritten(rp.rank, sink.size,
+                                                                         *shard))])
+    return out, shard_bytes
 
 
 def dcp_results(plans: list[SavePlan]) -> list[list[WriteResult]]:
@@ -246,41 +270,55 @@ def _timed(fn: Callable[..., Any], *args: Any) -> tuple[float, Any]:
     return time.perf_counter() - start, value
 
 
+def _per_rank(values: list[Any]) -> float:
+    """Mean pickled size of one rank's value (what a gather carries from each rank)."""
+    return sum(len(pickle.dumps(v)) for v in values) / max(len(values), 1)
+
+
 def run_pyckpt(tensors: list[_Tensor], ranks: int, work: str) -> dict[str, Any]:
     import pyckpt
-    from pyckpt import _gc
+    from pyckpt import _format, _format_shards, _gc
     from pyckpt.storage import Writer
 
     plans = local_plans(tensors, ranks)
-    writer = Writer(os.path.join(work, "save"))
+    first_gathered = _per_rank(plans)
+    writer = Writer(os.path.join(work, "save"), metadata_shards=True)
     writer.reset()
     writer.set_up_storage_writer(True)  # the coordinator's save (its directory lock)
 
     def plan(plans: list[SavePlan]) -> tuple[list[SavePlan], Any]:
         planner = pyckpt.SavePlanner(check_replicas=False)
-        final, metadata = planner.create_global_plan(plans)
-        return writer.prepare_global_plan(final), metadata
+        with _gc.paused():
+            final, metadata = planner.create_global_plan(plans)
+            return writer.prepare_global_plan(final), metadata
 
     def meta(metadata: Any, results: list[list[WriteResult]]) -> tuple[dict[str, int], bytes]:
         with _gc.paused():  # as Writer.finish does
-            return writer._document(metadata, results, save)
+            return _format_shards.global_document(
+                metadata, layout, results, save_id=save_id, created_by="pyckpt",
+                planner_data=_format.storable_planner_data(metadata.planner_data))
 
     t_plan, (final, metadata) = _timed(plan, plans)
     del plans
-    results = pyckpt_results(final)
-    del final
-    save = writer._active("finish")
-    t_meta, (files, encoded) = _timed(meta, metadata, results)
-    save.end()
-    del results, metadata
-
+    layout = final[0].storage_data.layout
+    save_id = final[0].storage_data.save_id
+    assert layout is not None, "the synthetic pieces form grids"
     load_dir = os.path.join(work, "load")
     os.makedirs(load_dir)
+    results, shard_bytes = pyckpt_results(final, load_dir)
+    del final
+    t_meta, (files, encoded) = _timed(meta, metadata, results)  # first save: builds the layout
+    # The steady state (the plan cached, pyckpt._savedrive): each rank's probe, then its one
+    # write result; the coordinator splices the reports into the cached layout.
+    probe = (True, 1 << 61, -1, 0)
+    gathered = len(pickle.dumps(probe)) + _per_rank([(r, None) for r in results])
+    first_gathered += _per_rank([(r, None) for r in results])
+    t_steady, (_, again) = _timed(meta, metadata, results)
+    assert again == encoded
+    writer._active("finish").end()
+    del results, metadata
     with open(os.path.join(load_dir, "pyckpt.json"), "wb") as f:
         f.write(encoded)
-    for name, size in files.items():  # sparse files of the recorded sizes
-        with open(os.path.join(load_dir, name), "wb") as f:
-            f.truncate(size)
     reader = pyckpt.Reader(load_dir)
     t_load_meta, md = _timed(reader.read_metadata)
     dest = destination(tensors, ranks - 1, ranks)
@@ -289,11 +327,22 @@ def run_pyckpt(tensors: list[_Tensor], ranks: int, work: str) -> dict[str, Any]:
         planner = pyckpt.LoadPlanner()
         planner.set_up_planner(dest, md, False)
         reader.set_up_storage_reader(md, False)
-        return reader.prepare_local_plan(planner.create_local_plan())
+        return reader.prepare_local_plan(planner.create_local_plan())  # reads its shards
 
     t_load_plan, lp = _timed(load_plan)
-    return {"plan": t_plan, "meta": t_meta, "load_meta": t_load_meta, "load_plan": t_load_plan,
-            "bytes": len(encoded), "read_items": read_items(lp)}
+    return {"plan": t_plan, "meta": t_meta, "steady": t_steady, "load_meta": t_load_meta,
+            "load_plan": t_load_plan, "bytes": len(encoded) + shard_bytes,
+            "global_bytes": len(encoded), "gathered": gathered,
+            "first_gathered": first_gathered, "read_items": read_items(lp),
+            "shards_read": reader._storage.sharded.shards_read}
+
+
+def _clear_dcp_plan_cache() -> None:
+    from torch.distributed.checkpoint.planner import SavePlanner
+
+    for name in ("_cached_save_plan", "_cached_all_plans", "_cached_global_plan",
+                 "_cached_metadata", "_cached_final_save_plan"):
+        getattr(SavePlanner, name, {}).clear()
 
 
 def run_dcp(tensors: list[_Tensor], ranks: int, work: str) -> dict[str, Any]:
@@ -305,10 +354,12 @@ def run_dcp(tensors: list[_Tensor], ranks: int, work: str) -> dict[str, Any]:
     from torch.distributed.checkpoint.metadata import Metadata
 
     plans = local_plans(tensors, ranks)
+    first_gathered = _per_rank(plans)
     writer = FileSystemWriter(os.path.join(work, "save"))
 
-    def plan(plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
-        final, metadata = DefaultSavePlanner().create_global_plan(plans)
+    def plan(plans: list[SavePlan], caching: bool = False) -> tuple[list[SavePlan], Metadata]:
+        final, metadata = DefaultSavePlanner(enable_plan_caching=caching).create_global_plan(
+            plans)
         return writer.prepare_global_plan(final), metadata
 
     def meta(metadata: Metadata, results: list[list[WriteResult]]) -> bytes:
@@ -323,11 +374,27 @@ def run_dcp(tensors: list[_Tensor], ranks: int, work: str) -> dict[str, Any]:
         metadata.storage_meta = StorageMeta(checkpoint_id=writer.path, save_id="x" * 36)
         return pickle.dumps(metadata)
 
-    t_plan, (final, metadata) = _timed(plan, plans)
-    del plans
-    results = dcp_results(final)
-    del final
-    t_meta, blob = _timed(meta, metadata, results)
+    def steady(metadata: Metadata, results: list[list[WriteResult]]) -> bytes:
+        """A save with ``enable_plan_caching=True`` whose local plans did not change: every
+        rank sends an empty unusable plan, the coordinator reuses its global plan; the write
+        results are gathered and the metadata written as on every save."""
+        plan([SavePlan([], usable=False)] * ranks, caching=True)
+        return meta(metadata, results)
+
+    _clear_dcp_plan_cache()
+    try:
+        # fills DCP's plan cache (class-level) for `steady`, with plans of its own
+        plan(local_plans(tensors, ranks), caching=True)
+        t_plan, (final, metadata) = _timed(plan, plans)
+        del plans
+        results = dcp_results(final)
+        del final
+        t_meta, blob = _timed(meta, metadata, results)
+        gathered = len(pickle.dumps(SavePlan([], usable=False))) + _per_rank(results)
+        first_gathered += _per_rank(results)
+        t_steady, _ = _timed(steady, metadata, results)
+    finally:
+        _clear_dcp_plan_cache()
     del results, metadata
     load_dir = os.path.join(work, "load")
     os.makedirs(load_dir)
@@ -344,8 +411,10 @@ def run_dcp(tensors: list[_Tensor], ranks: int, work: str) -> dict[str, Any]:
         return reader.prepare_local_plan(planner.create_local_plan())
 
     t_load_plan, lp = _timed(load_plan)
-    return {"plan": t_plan, "meta": t_meta, "load_meta": t_load_meta, "load_plan": t_load_plan,
-            "bytes": len(blob), "read_items": read_items(lp)}
+    return {"plan": t_plan, "meta": t_meta, "steady": t_steady, "load_meta": t_load_meta,
+            "load_plan": t_load_plan, "bytes": len(blob), "global_bytes": len(blob),
+            "gathered": gathered, "first_gathered": first_gathered,
+            "read_items": read_items(lp), "shards_read": 0}
 
 
 RUNNERS = {"pyckpt": run_pyckpt, "dcp": run_dcp}
@@ -368,7 +437,7 @@ def measure(workload: str, ranks: int, tensors: int, repeats: int, model_bytes: 
     """One cell: every phase of both systems, ``repeats`` times (alternating order)."""
     spec = model(workload, ranks, tensors, model_bytes)
     samples: dict[str, dict[str, list[float]]] = {s: {p: [] for p in PHASES} for s in SYSTEMS}
-    sizes: dict[str, int] = {}
+    sizes: dict[str, dict[str, float]] = {}
     items: dict[str, frozenset[tuple[Any, ...]]] = {}
     for r in range(repeats):
         for system in SYSTEMS if r % 2 == 0 else SYSTEMS[::-1]:
@@ -379,7 +448,7 @@ def measure(workload: str, ranks: int, tensors: int, repeats: int, model_bytes: 
                 shutil.rmtree(work, ignore_errors=True)
             for p in PHASES:
                 samples[system][p].append(res[p])
-            sizes[system] = res["bytes"]
+            sizes[system] = {k: res[k] for k in SIZES}
             items[system] = res["read_items"]
     if items["pyckpt"] != items["dcp"]:
         raise AssertionError(f"{workload} N={ranks} T={tensors}: the load plans differ "
@@ -388,7 +457,7 @@ def measure(workload: str, ranks: int, tensors: int, repeats: int, model_bytes: 
     return {
         "workload": workload, "ranks": ranks, "tensors": tensors,
         "write_items": ranks * (tensors + 1),
-        "samples": samples, "bytes": sizes, "read_items": len(items["pyckpt"]),
+        "samples": samples, "sizes": sizes, "read_items": len(items["pyckpt"]),
     }
 
 
@@ -406,31 +475,39 @@ def _size(n: int) -> str:
     return f"{n} B"
 
 
+def _coord(row: dict[str, Any], system: str) -> float:
+    return _med(row["samples"][system]["plan"]) + _med(row["samples"][system]["meta"])
+
+
+def _load(row: dict[str, Any], system: str) -> float:
+    return _med(row["samples"][system]["load_meta"]) + _med(row["samples"][system]["load_plan"])
+
+
 def markdown(rows: list[dict[str, Any]]) -> str:
-    """One line per cell: medians as ``pyckpt / DCP`` (the JSON report keeps every sample), and
-    the ratios pyckpt / DCP of the coordinator's time and of the metadata size."""
-    head = ("| workload | N | T | plan s | meta s | plan+meta s | ratio | metadata bytes | ratio "
-            "| rank: read metadata s | rank: load plan s |\n"
-            "|---|---:|---:|---|---|---|---:|---|---:|---|---|\n")
+    """One line per cell: medians as ``pyckpt / DCP`` (the JSON report keeps every sample)."""
+    head = ("| workload | N | T | first save: coordinator s | ratio | steady save: coordinator "
+            "s | steady: gathered per rank | metadata (global + shards) | ratio | rank: "
+            "metadata + load plan s | shards read |\n"
+            "|---|---:|---:|---|---:|---|---|---|---:|---|---:|\n")
     lines = []
     for row in rows:
-        med = {sys_: {p: _med(row["samples"][sys_][p]) for p in PHASES} for sys_ in SYSTEMS}
-        a, b = (med[x]["plan"] + med[x]["meta"] for x in SYSTEMS)
-        pb, db = row["bytes"]["pyckpt"], row["bytes"]["dcp"]
-
-        def pair(p: str, med: dict[str, dict[str, float]] = med) -> str:
-            return f"{med['pyckpt'][p]:.3f} / {med['dcp'][p]:.3f}"
-
+        sz = row["sizes"]
+        a, b = _coord(row, "pyckpt"), _coord(row, "dcp")
+        pb, db = sz["pyckpt"]["bytes"], sz["dcp"]["bytes"]
+        sa, sb = (_med(row["samples"][x]["steady"]) for x in SYSTEMS)
+        la, lb = _load(row, "pyckpt"), _load(row, "dcp")
         lines.append(
-            f"| {row['workload']} | {row['ranks']} | {row['tensors']} | {pair('plan')} "
-            f"| {pair('meta')} | {a:.3f} / {b:.3f} | {a / b:.2f} | {_size(pb)} / {_size(db)} "
-            f"| {pb / db:.2f} | {pair('load_meta')} | {pair('load_plan')} |"
+            f"| {row['workload']} | {row['ranks']} | {row['tensors']} | {a:.3f} / {b:.3f} "
+            f"| {a / b:.2f} | {sa:.3f} / {sb:.3f} | {_size(int(sz['pyckpt']['gathered']))} / "
+            f"{_size(int(sz['dcp']['gathered']))} | {_size(int(pb))} / {_size(int(db))} "
+            f"| {pb / db:.2f} | {la:.3f} / {lb:.3f} | {int(sz['pyckpt']['shards_read'])} |"
         )
     return head + "\n".join(lines) + "\n"
 
 
 def plot(rows: list[dict[str, Any]], path: str) -> None:
-    """Time (plan+meta, load_meta, load_plan) and metadata bytes vs N, per workload and T."""
+    """First-save and steady-state coordinator time, one rank's load (metadata + plan) and
+    the metadata bytes vs N, per workload and T."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -447,15 +524,14 @@ def plot(rows: list[dict[str, Any]], path: str) -> None:
         color = f"C{n}"
         for system in SYSTEMS:
             label = f"{system} {workload} T={tensors}"
-            coord = [_med(c["samples"][system]["plan"]) + _med(c["samples"][system]["meta"])
-                     for c in cells]
-            read = [_med(c["samples"][system]["load_meta"]) for c in cells]
-            load = [_med(c["samples"][system]["load_plan"]) for c in cells]
-            size = [c["bytes"][system] for c in cells]
-            for ax, ys in zip(axes, (coord, read, load, size)):
+            first = [_coord(c, system) for c in cells]
+            steady = [_med(c["samples"][system]["steady"]) for c in cells]
+            load = [_load(c, system) for c in cells]
+            size = [c["sizes"][system]["bytes"] for c in cells]
+            for ax, ys in zip(axes, (first, steady, load, size)):
                 ax.plot(xs, ys, styles[system], color=color, marker="o", label=label)
-    titles = ("coordinator: global plan + metadata encode (s)", "one rank: read metadata (s)",
-              "one rank: local load plan (s)", "metadata bytes")
+    titles = ("first save: coordinator (s)", "steady save: coordinator (s; DCP with plan "
+              "caching)", "one rank: metadata + load plan (s)", "metadata bytes")
     for ax, title in zip(axes, titles):
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
@@ -463,7 +539,7 @@ def plot(rows: list[dict[str, Any]], path: str) -> None:
         ax.set_title(title, fontsize=10)
         ax.grid(True, which="both", alpha=0.3)
     axes[3].legend(fontsize=7, loc="upper left")
-    fig.suptitle("pyckpt (solid) vs DCP (dashed): planning and metadata vs world size")
+    fig.suptitle("pyckpt (solid) vs DCP (dashed): coordination and metadata vs world size")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -540,10 +616,11 @@ def main(argv: list[str] | None = None) -> int:
                                   int(args.model_gib * (1 << 30)), root)
                     rows.append(row)
                     s = row["samples"]
+                    sz = row["sizes"]
                     print(f"{workload:10s} N={ranks:5d} T={tensors:5d}  " + "  ".join(
                         f"{p} {_med(s['pyckpt'][p]):.3f}/{_med(s['dcp'][p]):.3f}"
-                        for p in PHASES) + f"  bytes {row['bytes']['pyckpt']}/"
-                        f"{row['bytes']['dcp']}", flush=True)
+                        for p in PHASES) + f"  bytes {sz['pyckpt']['bytes']}/"
+                        f"{sz['dcp']['bytes']}", flush=True)
                     write()
     finally:
         shutil.rmtree(root, ignore_errors=True)

@@ -28,7 +28,7 @@ from __future__ import annotations
 import bisect
 import json
 import math
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -105,43 +105,25 @@ def _obj(v: Any, origin: str, path: str, keys: frozenset[str]) -> dict[str, Any]
     return v
 
 
-class _Duplicate(dict):
-    """Marks an object that repeated a key (refused once the parse is done)."""
+def _pairs_hook(duplicates: list[str]) -> Callable[[list[tuple[str, Any]]], Any]:
+    """An ``object_pairs_hook`` that records the first repeated key of any object."""
 
-    def __init__(self, key: str) -> None:
-        super().__init__()
-        self.key = key
+    def hook(pairs: list[tuple[str, Any]]) -> Any:
+        d = dict(pairs)
+        if len(d) != len(pairs) and not duplicates:
+            seen: set[str] = set()
+            for k, _ in pairs:
+                if k in seen:
+                    duplicates.append(k)
+                    break
+                seen.add(k)
+        return d
 
-
-def _hook(pairs: list[tuple[str, Any]]) -> Any:
-    d = dict(pairs)
-    if len(d) != len(pairs):
-        seen: set[str] = set()
-        for k, _ in pairs:
-            if k in seen:
-                return _Duplicate(k)
-            seen.add(k)
-    return d
+    return hook
 
 
 def _no_constant(name: str) -> Any:
     raise ValueError(f"{name} is not a JSON value")
-
-
-def _find_duplicate(v: Any, depth: int = 0) -> str | None:
-    if isinstance(v, _Duplicate):
-        return v.key
-    if depth > 8:
-        return None
-    if type(v) is dict:
-        for x in v.values():
-            if (k := _find_duplicate(x, depth + 1)) is not None:
-                return k
-    elif type(v) is list and v and type(v[0]) in (dict, list):
-        for x in v:
-            if (k := _find_duplicate(x, depth + 1)) is not None:
-                return k
-    return None
 
 
 def _parse_sealed(raw: bytes, origin: str) -> dict[str, Any]:
@@ -159,16 +141,17 @@ def _parse_sealed(raw: bytes, origin: str) -> dict[str, Any]:
     if actual != recorded:
         raise _fail(origin, "", f"metadata checksum mismatch (recorded xxh64:{recorded:016x}, "
                                 f"computed xxh64:{actual:016x}): the file is damaged")
+    duplicates: list[str] = []
     try:
         text = raw.decode("utf-8")
-        doc = json.loads(text, object_pairs_hook=_hook, parse_constant=_no_constant)
+        doc = json.loads(text, object_pairs_hook=_pairs_hook(duplicates),
+                         parse_constant=_no_constant)
     except (UnicodeDecodeError, ValueError, RecursionError) as e:
         raise _fail(origin, "", f"not valid JSON: {e}") from None
+    if duplicates:
+        raise _fail(origin, "", f"repeats the key {duplicates[0]!r} in an object")
     if type(doc) is not dict:
         raise _fail(origin, "", "must be a JSON object")
-    dup = _find_duplicate(doc)
-    if dup is not None:
-        raise _fail(origin, "", f"repeats the key {dup!r} in an object")
     return doc
 
 

@@ -11,7 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from pyckpt import _C
+from pyckpt import _C, _gc
 from pyckpt._format_shards import (
     _BYTES_KEYS,
     _GLOBAL_KEYS,
@@ -316,51 +316,31 @@ def _chunks(chunks: Any, params: Any, seed: int, raw_begin: int, limit: int, ori
     return out, pos - raw_begin
 
 
-@dataclass
 class _Shard:
-    """A validated shard: (fqn, cell) -> its segments there, (raw_begin, segment tuple)."""
+    """A shard whose digest, seal and header are checked. Its items are validated when first
+    used (:meth:`item`): a rank loading a few items of a shard pays for those only;
+    :meth:`check_all` validates the rest and that the chunks pack the data file."""
 
-    rank: int
-    cells: dict[tuple[str, int], list[tuple[int, tuple[Any, ...]]]]
+    def __init__(self, g: GlobalDoc, ref: ShardRef, path: str, items: dict[str, Any],
+                 codecs: _CodecCheck) -> None:
+        self.g, self.ref, self.path, self.codecs = g, ref, path, codecs
+        self.origin = f"{path} (metadata shard of rank {ref.rank})"
+        self.pending = items
+        # (fqn, cell) -> [(raw_begin, segment)] of the items validated so far
+        self.cells: dict[tuple[str, int], list[tuple[int, tuple[Any, ...]]]] = {}
+        self.ranges: list[tuple[int, int, str]] = []
+        self.nchunks = 0
 
-
-def parse_shard(g: GlobalDoc, ref: ShardRef, raw: bytes, path: str,
-                codecs: _CodecCheck | None = None) -> _Shard:
-    """Verifies rank ``ref.rank``'s shard ``raw`` (read from data file ``path``) against its
-    digest in ``g``, then validates it."""
-    origin = f"{path} (metadata shard of rank {ref.rank})"
-    if len(raw) != ref.length:
-        raise _fail(origin, "", f"{len(raw)} bytes, {g.origin} records {ref.length}: the shard "
-                                "is truncated")
-    actual = _C.xxh64(raw)
-    if actual != ref.xxh64:
-        raise _fail(origin, "", f"digest mismatch (recorded in {g.origin}: xxh64:"
-                                f"{ref.xxh64:016x}, computed xxh64:{actual:016x}): the shard is "
-                                "damaged, or another save's or another rank's")
-    doc = _parse_sealed(raw, origin)
-    _obj(doc, origin, "", _SHARD_KEYS)
-    if doc["format"] != SHARD_FORMAT or doc["version"] != SHARDED_VERSION:
-        raise _fail(origin, "format", "not a version-4 pyckpt metadata shard")
-    if doc["save_id"] != g.save_id or type(doc["save_id"]) is not str:
-        raise _fail(origin, "save_id", f"{_describe(doc['save_id'])} is not this save's "
-                                       f"({g.save_id})")
-    if doc["rank"] != ref.rank or type(doc["rank"]) is not int:
-        raise _fail(origin, "rank", f"{_describe(doc['rank'])}: this is not rank {ref.rank}'s "
-                                    "shard")
-    items = doc["items"]
-    if type(items) is not dict:
-        raise _fail(origin, "items", "must be an object")
-    codecs = codecs or _CodecCheck()
-    cells: dict[tuple[str, int], list[tuple[int, tuple[Any, ...]]]] = {}
-    ranges: list[tuple[int, int, str]] = []
-    nchunks = 0
-    for fqn, segs in items.items():
+    def item(self, fqn: str) -> None:
+        """Validates the segments of ``fqn`` held here (once)."""
+        segs = self.pending.pop(fqn, None)
+        if segs is None:
+            return
+        g, ref, origin = self.g, self.ref, self.origin
         ip = f"items[{fqn!r}]"
         t = g.tensors.get(fqn)
         b = g.bytes_items.get(fqn) if t is None else None
-        if t is None and b is None:
-            raise _fail(origin, ip, f"{g.origin} lists no such item")
-        for s, seg in enumerate(_list(segs, origin, ip)):
+        for s, seg in enumerate(segs):
             sp = f"{ip}[{s}]"
             if type(seg) is not list or len(seg) != 4:
                 raise _fail(origin, sp, "must be [offsets, raw_begin, codec, chunks]")
@@ -384,28 +364,67 @@ def parse_shard(g: GlobalDoc, ref: ShardRef, raw: bytes, path: str,
                 raise _fail(origin, sp, f"rank {ref.rank} is not a holder of this piece in "
                                         f"{g.origin}")
             _int(raw_begin, origin, f"{sp}[1]", 0, nbytes)
-            params = codecs(codec, dtype, origin, f"{sp}[2]")
+            params = self.codecs(codec, dtype, origin, f"{sp}[2]")
             records, held = _chunks(chunk_list, params, seed, raw_begin, ref.offset, origin,
-                                    f"{sp}[3]", ranges)
-            nchunks += len(records)
-            if nchunks > MAX_CHUNKS:
+                                    f"{sp}[3]", self.ranges)
+            self.nchunks += len(records)
+            if self.nchunks > MAX_CHUNKS:
                 raise _fail(origin, "items", f"more than {MAX_CHUNKS} chunk records")
             if raw_begin + held > nbytes:
                 raise _fail(origin, sp, f"holds raw bytes up to {raw_begin + held}, the piece has "
                                         f"{nbytes}")
-            cells.setdefault((fqn, cell), []).append(
-                (raw_begin, (path, raw_begin, params, records)))
-    prev = 0
-    for off, end, cp in sorted(ranges):
-        if off != prev:
-            raise _fail(origin, cp, f"stored bytes at offset {off} overlap another chunk's"
-                        if off < prev else f"bytes [{prev}, {off}) of the data file belong to "
-                                           "no chunk")
-        prev = end
-    if prev != ref.offset:
-        raise _fail(origin, "items", f"its chunks end at {prev}, the shard begins at "
-                                     f"{ref.offset}")
-    return _Shard(ref.rank, cells)
+            self.cells.setdefault((fqn, cell), []).append(
+                (raw_begin, (self.path, raw_begin, params, records)))
+
+    def check_all(self) -> None:
+        """Validates every item, then that the chunks are the data file's bytes back to back
+        up to the shard."""
+        for fqn in list(self.pending):
+            self.item(fqn)
+        prev = 0
+        for off, end, cp in sorted(self.ranges):
+            if off != prev:
+                raise _fail(self.origin, cp,
+                            f"stored bytes at offset {off} overlap another chunk's" if off < prev
+                            else f"bytes [{prev}, {off}) of the data file belong to no chunk")
+            prev = end
+        if prev != self.ref.offset:
+            raise _fail(self.origin, "items", f"its chunks end at {prev}, the shard begins at "
+                                              f"{self.ref.offset}")
+
+
+def parse_shard(g: GlobalDoc, ref: ShardRef, raw: bytes, path: str,
+                codecs: _CodecCheck | None = None) -> _Shard:
+    """Verifies rank ``ref.rank``'s shard ``raw`` (read from data file ``path``) against its
+    digest in ``g`` and checks its header and that it names only items of ``g``; its items are
+    validated as they are used (:class:`_Shard`)."""
+    origin = f"{path} (metadata shard of rank {ref.rank})"
+    if len(raw) != ref.length:
+        raise _fail(origin, "", f"{len(raw)} bytes, {g.origin} records {ref.length}: the shard "
+                                "is truncated")
+    actual = _C.xxh64(raw)
+    if actual != ref.xxh64:
+        raise _fail(origin, "", f"digest mismatch (recorded in {g.origin}: xxh64:"
+                                f"{ref.xxh64:016x}, computed xxh64:{actual:016x}): the shard is "
+                                "damaged, or another save's or another rank's")
+    doc = _parse_sealed(raw, origin)
+    _obj(doc, origin, "", _SHARD_KEYS)
+    if doc["format"] != SHARD_FORMAT or doc["version"] != SHARDED_VERSION:
+        raise _fail(origin, "format", "not a version-4 pyckpt metadata shard")
+    if doc["save_id"] != g.save_id or type(doc["save_id"]) is not str:
+        raise _fail(origin, "save_id", f"{_describe(doc['save_id'])} is not this save's "
+                                       f"({g.save_id})")
+    if doc["rank"] != ref.rank or type(doc["rank"]) is not int:
+        raise _fail(origin, "rank", f"{_describe(doc['rank'])}: this is not rank {ref.rank}'s "
+                                    "shard")
+    items = doc["items"]
+    if type(items) is not dict:
+        raise _fail(origin, "items", "must be an object")
+    for fqn, segs in items.items():
+        if fqn not in g.tensors and fqn not in g.bytes_items:
+            raise _fail(origin, f"items[{fqn!r}]", f"{g.origin} lists no such item")
+        _list(segs, origin, f"items[{fqn!r}]")
+    return _Shard(g, ref, path, items, codecs or _CodecCheck())
 
 
 ReadShards = Callable[[list[ShardRef]], list[tuple[bytes, str]]]
@@ -443,9 +462,10 @@ class ShardedIndex:
         refs = [self.g.shards[r] for r in sorted(set(ranks)) if r not in self._shards]
         if not refs:
             return
-        for ref, (raw, path) in zip(refs, self._read(refs)):
-            self._shards[ref.rank] = parse_shard(self.g, ref, raw, path, self._codecs)
-            self._paths[ref.rank] = path
+        with _gc.paused():  # parsed shards stay alive (see pyckpt._gc)
+            for ref, (raw, path) in zip(refs, self._read(refs)):
+                self._shards[ref.rank] = parse_shard(self.g, ref, raw, path, self._codecs)
+                self._paths[ref.rank] = path
 
     def load_cells(self, keys: list[tuple[str, int]]) -> None:
         """Reads the shards holding each (fqn, cell) of ``keys``."""
@@ -465,6 +485,7 @@ class ShardedIndex:
                            "read")
         found: list[tuple[int, int, tuple[Any, ...]]] = []
         for r in holders:
+            self._shards[r].item(fqn)
             segs = self._shards[r].cells.get((fqn, cell))
             if not segs and nbytes:
                 raise _fail(self._origin(r), f"items[{fqn!r}]", f"holds no segment of {where}, "
@@ -511,6 +532,8 @@ class ShardedIndex:
     def full(self) -> tuple[dict[str, StoredTensor], dict[str, StoredBytes]]:
         """Every item with all its pieces (every shard read and checked)."""
         self.load_all()
+        for shard in self._shards.values():
+            shard.check_all()
         tensors = {}
         for fqn, t in self.g.tensors.items():
             pieces = [self.piece(fqn, c) for c in range(t.grid.ncells)]
