@@ -146,10 +146,13 @@ class DataFiles:
 
         g = _format_shards_read.parse_global(raw, self.meta)
         local_files = set()
+        paths = {}
         for name, size in g.files.items():
-            if self.check_file(name, size) is not None:
+            full = self.check_file(name, size)
+            paths[name] = os.path.join(self.root, name) if full is None else full
+            if full is not None:
                 local_files.add(name)
-        sharded = _format_shards_read.ShardedIndex(g, self.read_shards)
+        sharded = _format_shards_read.ShardedIndex(g, self.read_shards, paths)
         tensors: dict[str, StoredTensor] = {}
         bytes_items: dict[str, StoredBytes] = {}
         if not lazy:

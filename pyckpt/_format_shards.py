@@ -28,7 +28,7 @@ from __future__ import annotations
 import bisect
 import json
 import math
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -61,7 +61,7 @@ _GLOBAL_KEYS = frozenset(("format", "version", "created_by", "save_id", "dcp_ver
                           "checksum"))
 _TENSOR_KEYS = frozenset(("type", "dtype", "shape", "requires_grad", "memory_format", "grid",
                           "holders"))
-_BYTES_KEYS = frozenset(("type", "nbytes", "holders"))
+_BYTES_KEYS = frozenset(("type", "nbytes", "segments"))
 _SHARD_KEYS = frozenset(("format", "version", "save_id", "rank", "items", "checksum"))
 
 
@@ -389,11 +389,16 @@ class Holders:
 @dataclass
 class Layout:
     """What a version-4 ``pyckpt.json`` says of a save's items, from the global plan: each
-    tensor's grid and the ranks holding its cells. The JSON text of ``items`` is built once
-    (:meth:`items_json`) and reused by every save of the plan."""
+    tensor's grid and the ranks holding its cells. The JSON text of the tensors stored in
+    shards is built once (:meth:`items_json`) and reused by every save of the plan; the items
+    stored in ``pyckpt.json`` itself (:attr:`inline`) are written with each save's records."""
 
     tensors: dict[str, tuple[Any, Grid, list[list[int]]]] = field(default_factory=dict)
     bytes_items: dict[str, list[int]] = field(default_factory=dict)
+    # Items whose chunk records go into pyckpt.json: every bytes item, and every tensor stored
+    # as one piece split between several ranks (replicated state spread by bytes), which every
+    # loading rank needs: it then reads no shard for them.
+    inline: set[str] = field(default_factory=set)
     _items_json: str | None = None
 
     @classmethod
@@ -433,64 +438,81 @@ class Layout:
                 assert n is not None
                 per_cell[n] = [r for _, r in sorted(holders)]
             layout.tensors[fqn] = (properties, grid, per_cell)
+            if grid.ncells == 1 and len(per_cell[0]) > 1:
+                layout.inline.add(fqn)
         for fqn, holders in byte_holders.items():
             layout.bytes_items[fqn] = [r for _, r in sorted(holders)]
+            layout.inline.add(fqn)
         return layout
 
-    def items_json(self, byte_sizes: Mapping[str, int]) -> str:
-        """The JSON text of ``items``: the tensors' part built once, the bytes items' sizes
-        (``byte_sizes``) this save's."""
+    def _tensor(self, fqn: str) -> dict[str, Any]:
+        p, grid, per_cell = self.tensors[fqn]
+        memory_format = str(p.memory_format).removeprefix("torch.")
+        return {
+            "type": "tensor",
+            "dtype": str(p.dtype).removeprefix("torch."),
+            "shape": list(grid.shape),
+            "requires_grad": bool(p.requires_grad),
+            "memory_format": memory_format if memory_format in MEMORY_FORMATS else
+            "contiguous_format",
+            "grid": grid.runs(),
+            "holders": Holders.encode(per_cell),
+        }
+
+    def items_json(self, inline: Mapping[str, list[Any]]) -> str:
+        """The JSON text of ``items``: the tensors stored in shards built once, the inline
+        items with this save's ``inline`` records (fqn -> ``[rank, raw_begin, codec,
+        chunks]`` of every rank, any order)."""
         if self._items_json is None:
-            items: dict[str, Any] = {}
-            for fqn, (p, grid, per_cell) in self.tensors.items():
-                memory_format = str(p.memory_format).removeprefix("torch.")
-                items[fqn] = {
-                    "type": "tensor",
-                    "dtype": str(p.dtype).removeprefix("torch."),
-                    "shape": list(grid.shape),
-                    "requires_grad": bool(p.requires_grad),
-                    "memory_format": memory_format if memory_format in MEMORY_FORMATS else
-                    "contiguous_format",
-                    "grid": grid.runs(),
-                    "holders": Holders.encode(per_cell),
-                }
-            self._items_json = _dumps(items)
-        if not self.bytes_items:
+            self._items_json = _dumps({fqn: self._tensor(fqn) for fqn in self.tensors
+                                       if fqn not in self.inline})
+        extra: dict[str, Any] = {}
+        for fqn in self.inline:
+            segments = sorted(inline.get(fqn, []), key=lambda s: s[1])
+            if fqn in self.bytes_items:
+                extra[fqn] = {"type": "bytes", "nbytes": sum(c[1] for s in segments for c in s[3]),
+                              "segments": segments}
+            else:
+                extra[fqn] = {**self._tensor(fqn), "segments": segments}
+        if not extra:
             return self._items_json
-        extra = _dumps({fqn: {"type": "bytes", "nbytes": byte_sizes.get(fqn, 0),
-                              "holders": [[ranks]]}
-                        for fqn, ranks in self.bytes_items.items()})
-        if self._items_json == "{}":
-            return extra
-        return self._items_json[:-1] + "," + extra[1:]
+        text = _dumps(extra)
+        return text if self._items_json == "{}" else self._items_json[:-1] + "," + text[1:]
+
+
+def _bound(fqn: str, offsets: Sequence[int], raw_begin: int, chunks: Sequence[Any]
+           ) -> list[list[Any]]:
+    """Chunk records in their JSON form, each checksum bound to its place (FORMAT.md, "Chunk
+    checksums")."""
+    seed = chunk_place_seed(fqn, offsets)
+    records = []
+    pos = raw_begin
+    for c in chunks:
+        records.append([c[0], c[1], c[2] ^ chunk_place_key(seed, pos), c[3], list(c[4])])
+        pos += c[1]
+    return records
 
 
 def build_shard(rank: int, save_id: str,
-                segments: Sequence[tuple[str, tuple[int, ...] | None, int, Any, Sequence[Any]]]
+                segments: Sequence[tuple[str, tuple[int, ...], int, Any, Sequence[Any]]]
                 ) -> bytes:
-    """One rank's shard: ``segments`` are (fqn, piece offsets or None for a bytes item,
-    raw_begin, params, chunk records with plain XXH64s), in the order written."""
+    """One rank's shard: ``segments`` are (fqn, piece offsets, raw_begin, params, chunk
+    records with plain XXH64s), in the order written."""
     items: dict[str, list[Any]] = {}
     for fqn, offsets, raw_begin, params, chunks in segments:
-        seed = chunk_place_seed(fqn, offsets or ())
-        records = []
-        pos = raw_begin
-        for c in chunks:
-            records.append([c[0], c[1], c[2] ^ chunk_place_key(seed, pos), c[3], list(c[4])])
-            pos += c[1]
         items.setdefault(fqn, []).append(
-            [list(offsets) if offsets is not None else None, raw_begin,
-             codec_params_json(params), records])
+            [list(offsets), raw_begin, codec_params_json(params),
+             _bound(fqn, offsets, raw_begin, chunks)])
     doc = {"format": SHARD_FORMAT, "version": SHARDED_VERSION, "save_id": save_id,
            "rank": rank, "items": items}
     return _seal(_dumps(doc).encode("utf-8"))
 
 
 def build_global(metadata: Any, layout: Layout, shards: Mapping[int, tuple[int, int, int, int]],
-                 byte_sizes: Mapping[str, int], *, save_id: str, created_by: str,
+                 inline: Mapping[str, list[Any]], *, save_id: str, created_by: str,
                  planner_data: Any) -> bytes:
     """The version-4 ``pyckpt.json``: ``shards`` maps rank -> (file size, shard offset, shard
-    length, shard XXH64); ``byte_sizes`` gives each bytes item's size."""
+    length, shard XXH64); ``inline``: see :meth:`Layout.items_json`."""
     storage_meta = metadata.storage_meta
     files = {data_file_name(r, 0, save_id): s[0] for r, s in sorted(shards.items())}
     head = {
@@ -504,8 +526,7 @@ def build_global(metadata: Any, layout: Layout, shards: Mapping[int, tuple[int, 
         "files": files,
         "shards": [[r, s[1], s[2], s[3]] for r, s in sorted(shards.items())],
     }
-    items = layout.items_json(byte_sizes)
-    body = _dumps(head)[:-1] + ',"items":' + items + "}"
+    body = _dumps(head)[:-1] + ',"items":' + layout.items_json(inline) + "}"
     return _seal(body.encode("utf-8"))
 
 
@@ -515,35 +536,38 @@ def build_global(metadata: Any, layout: Layout, shards: Mapping[int, tuple[int, 
 @dataclass(frozen=True)
 class ShardWritten:
     """What a rank of a version-4 save reports to the coordinator: its data file's size, where
-    its metadata shard lies in it and the shard's XXH64, and the raw size of each bytes item it
-    wrote part of (a few numbers, whatever the number of items)."""
+    its metadata shard lies in it and the shard's XXH64, and its records of the items stored
+    in ``pyckpt.json`` (:attr:`Layout.inline`: bytes items, split replicated tensors), as
+    ``(fqn, raw_begin, codec, chunks)`` in JSON form: a few numbers, whatever the number of
+    items it wrote."""
 
     rank: int
     file_size: int
     shard_offset: int
     shard_length: int
     shard_xxh64: int
-    byte_sizes: dict[str, int]
+    inline: list[tuple[str, int, list[Any], list[list[Any]]]]
 
 
 def append_shard(sink: Any, items: Sequence[Any], rank: int, save_id: str,
-                 segments: Mapping[int, list[Any]]) -> tuple[int, int, int, dict[str, int]]:
+                 segments: Mapping[int, list[Any]], inline: Collection[str]
+                 ) -> tuple[int, int, int, list[Any]]:
     """Appends the shard of ``rank`` to its data file ``sink`` (a ``DataSink``): ``items`` are
-    the rank's DCP write items, ``segments[i]`` the ``segment`` tuples written for item ``i``.
-    Returns (offset, length, XXH64, raw size of each bytes item written here)."""
-    from torch.distributed.checkpoint.planner import WriteItemType
-
+    the rank's DCP write items, ``segments[i]`` the ``segment`` tuples written for item ``i``;
+    the segments of items in ``inline`` are returned instead (for ``pyckpt.json``).
+    Returns (offset, length, XXH64, the inline records)."""
     records = []
-    byte_sizes: dict[str, int] = {}
+    kept: list[Any] = []
     for idx, item in enumerate(items):
         fqn = item.index.fqn
-        offsets = None
-        if item.type == WriteItemType.BYTE_IO:
-            byte_sizes[fqn] = sum(c[1] for seg in segments[idx] for c in seg[3])
-        else:
-            offsets = tuple(item.tensor_data.chunk.offsets)
+        td = item.tensor_data
+        offsets = tuple(td.chunk.offsets) if td is not None else ()
         for _, raw_begin, params, chunks in segments[idx]:
-            records.append((fqn, offsets, raw_begin, params, chunks))
+            if fqn in inline:
+                kept.append((fqn, raw_begin, codec_params_json(params),
+                             _bound(fqn, offsets, raw_begin, chunks)))
+            else:
+                records.append((fqn, offsets, raw_begin, params, chunks))
     shard = build_shard(rank, save_id, records)
     if len(shard) > MAX_CHUNK_BYTES:
         raise ValueError(f"rank {rank}: its metadata shard would be {len(shard)} bytes, more "
@@ -551,7 +575,7 @@ def append_shard(sink: Any, items: Sequence[Any], rank: int, save_id: str,
                          "pyckpt.Writer(metadata_shards=False)")
     offset = sink.size
     sink.append(shard)
-    return offset, len(shard), _C.xxh64(shard), byte_sizes
+    return offset, len(shard), _C.xxh64(shard), kept
 
 
 def global_document(metadata: Any, layout: Layout, results: Sequence[Sequence[Any]], *,
@@ -560,7 +584,7 @@ def global_document(metadata: Any, layout: Layout, results: Sequence[Sequence[An
     """The data files (name -> size) and ``pyckpt.json`` of a version-4 save, from DCP's
     metadata, the plan's layout and each rank's write results (one :class:`ShardWritten`)."""
     shards: dict[int, tuple[int, int, int, int]] = {}
-    byte_sizes: dict[str, int] = {}
+    inline: dict[str, list[Any]] = {}
     for rank_results in results:
         for wr in rank_results:
             w = wr.storage_data
@@ -568,8 +592,8 @@ def global_document(metadata: Any, layout: Layout, results: Sequence[Sequence[An
                 raise RuntimeError("pyckpt.Writer.finish: a rank wrote no metadata shard in a "
                                    "sharded save")
             shards[w.rank] = (w.file_size, w.shard_offset, w.shard_length, w.shard_xxh64)
-            for fqn, n in w.byte_sizes.items():
-                byte_sizes[fqn] = byte_sizes.get(fqn, 0) + n
-    encoded = build_global(metadata, layout, shards, byte_sizes, save_id=save_id,
+            for fqn, raw_begin, codec, chunks in w.inline:
+                inline.setdefault(fqn, []).append([w.rank, raw_begin, codec, chunks])
+    encoded = build_global(metadata, layout, shards, inline, save_id=save_id,
                            created_by=created_by, planner_data=planner_data)
     return {data_file_name(r, 0, save_id): s[0] for r, s in shards.items()}, encoded

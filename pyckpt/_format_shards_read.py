@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from pyckpt import _C, _gc
@@ -93,7 +93,6 @@ class TensorEntry:
 class BytesEntry:
     fqn: str
     nbytes: int
-    holders: Holders
 
 
 @dataclass
@@ -110,6 +109,42 @@ class GlobalDoc:
     shards: dict[int, ShardRef]
     tensors: dict[str, TensorEntry]
     bytes_items: dict[str, BytesEntry]
+    # Items stored here (Layout.inline): fqn -> (rank, raw_begin, params, chunks) by raw_begin
+    inline: dict[str, list[tuple[int, int, Any, list[tuple[Any, ...]]]]] = field(
+        default_factory=dict)
+    # Stored ranges of the inline items' chunks in each rank's file (for the packing check)
+    inline_ranges: dict[int, list[tuple[int, int, str]]] = field(default_factory=dict)
+
+
+def _inline_segments(g: GlobalDoc, fqn: str, value: Any, nbytes: int, dtype: str,
+                     holders: tuple[int, ...] | None, codecs: _CodecCheck, ip: str) -> None:
+    """Validates the segments of an item stored in ``pyckpt.json`` (``[rank, raw_begin,
+    codec, chunks]`` each, by raw_begin, covering its bytes) into ``g.inline``."""
+    origin = g.origin
+    out = []
+    expect = 0
+    seed = chunk_place_seed(fqn, [0] * len(g.tensors[fqn].shape) if fqn in g.tensors else ())
+    for k, seg in enumerate(_list(value, origin, f"{ip}.segments")):
+        sp = f"{ip}.segments[{k}]"
+        if type(seg) is not list or len(seg) != 4:
+            raise _fail(origin, sp, "must be [rank, raw_begin, codec, chunks]")
+        rank = _int(seg[0], origin, f"{sp}[0]", 0, _MAX_RANK)
+        ref = g.shards.get(rank)
+        if ref is None or (holders is not None and rank not in holders):
+            raise _fail(origin, f"{sp}[0]", f"rank {rank} "
+                        + ("has no data file" if ref is None else "is not a holder of the item"))
+        raw_begin = _int(seg[1], origin, f"{sp}[1]", 0, nbytes)
+        if raw_begin != expect:
+            raise _fail(origin, f"{sp}[1]", f"segments leave a gap or overlap: {raw_begin}, "
+                                            f"expected {expect}")
+        params = codecs(seg[2], dtype, origin, f"{sp}[2]")
+        records, held = _chunks(seg[3], params, seed, raw_begin, ref.offset, origin,
+                                f"{sp}[3]", g.inline_ranges.setdefault(rank, []))
+        expect += held
+        out.append((rank, raw_begin, params, records))
+    if expect != nbytes:
+        raise _fail(origin, f"{ip}.segments", f"hold {expect} raw bytes, expected {nbytes}")
+    g.inline[fqn] = out
 
 
 def _untag(v: Any, origin: str, path: str, depth: int) -> Any:
@@ -189,18 +224,20 @@ def parse_global(raw: bytes, origin: str) -> GlobalDoc:
         raise _fail(origin, "items", f"more than {MAX_ITEMS} items")
     tensors: dict[str, TensorEntry] = {}
     bytes_items: dict[str, BytesEntry] = {}
+    inline: list[tuple[str, Any, int, str, tuple[int, ...] | None, str]] = []
     cells = 0
     for fqn, item in items.items():
         ip = f"items[{fqn!r}]"
         if type(item) is dict and item.get("type") == "bytes":
             _obj(item, origin, ip, _BYTES_KEYS)
             nbytes = _int(item["nbytes"], origin, f"{ip}.nbytes", 0, MAX_ITEM_BYTES)
-            holders = Holders.parse(item["holders"], 1, shards, origin, f"{ip}.holders")
-            bytes_items[fqn] = BytesEntry(fqn, nbytes, holders)
+            bytes_items[fqn] = BytesEntry(fqn, nbytes)
+            inline.append((fqn, item["segments"], nbytes, _BYTES_DTYPE, None, ip))
             continue
         if type(item) is not dict or item.get("type") != "tensor":
             raise _fail(origin, f"{ip}.type", "must be \"tensor\" or \"bytes\"")
-        _obj(item, origin, ip, _TENSOR_KEYS)
+        _obj(item, origin, ip, _TENSOR_KEYS | {"segments"} if "segments" in item
+             else _TENSOR_KEYS)
         dtype = item["dtype"]
         if type(dtype) is not str:
             raise _fail(origin, f"{ip}.dtype", "must be a string")
@@ -226,8 +263,19 @@ def parse_global(raw: bytes, origin: str) -> GlobalDoc:
         holders = Holders.parse(item["holders"], grid.ncells, shards, origin, f"{ip}.holders")
         tensors[fqn] = TensorEntry(fqn, dtype, grid, holders, item["requires_grad"],
                                    item["memory_format"])
-    return GlobalDoc(origin, doc["created_by"], save_id, dcp_version, modules, planner_data,
-                     dict(files_raw), shards, tensors, bytes_items)
+        split = grid.ncells == 1 and len(holders.of(0)) > 1  # stored here (Layout.inline)
+        if split != ("segments" in item):
+            raise _fail(origin, ip, "a tensor of one piece held by several ranks lists its "
+                                    "segments here, and only such a tensor")
+        if split:
+            nbytes = math.prod(shape) * DTYPE_SIZES[dtype]
+            inline.append((fqn, item["segments"], nbytes, dtype, holders.of(0), ip))
+    g = GlobalDoc(origin, doc["created_by"], save_id, dcp_version, modules, planner_data,
+                  dict(files_raw), shards, tensors, bytes_items)
+    codecs = _CodecCheck()
+    for fqn, value, nbytes, dtype, held_by, ip in inline:
+        _inline_segments(g, fqn, value, nbytes, dtype, held_by, codecs, ip)
+    return g
 
 
 class _CodecCheck:
@@ -338,28 +386,20 @@ class _Shard:
             return
         g, ref, origin = self.g, self.ref, self.origin
         ip = f"items[{fqn!r}]"
-        t = g.tensors.get(fqn)
-        b = g.bytes_items.get(fqn) if t is None else None
+        t = g.tensors[fqn]
         for s, seg in enumerate(segs):
             sp = f"{ip}[{s}]"
             if type(seg) is not list or len(seg) != 4:
                 raise _fail(origin, sp, "must be [offsets, raw_begin, codec, chunks]")
             offsets, raw_begin, codec, chunk_list = seg
-            if t is not None:
-                offs = _list(offsets, origin, f"{sp}[0]")
-                if any(type(o) is not int for o in offs):
-                    raise _fail(origin, f"{sp}[0]", "offsets must be integers")
-                cell = t.grid.number(offs)
-                if cell is None:
-                    raise _fail(origin, f"{sp}[0]", f"{offs} is not a piece of the tensor")
-                nbytes = math.prod(t.grid.cell(cell)[1]) * DTYPE_SIZES[t.dtype]
-                holders, dtype, seed = t.holders.of(cell), t.dtype, chunk_place_seed(fqn, offs)
-            else:
-                assert b is not None
-                if offsets is not None:
-                    raise _fail(origin, f"{sp}[0]", "must be null for a bytes item")
-                cell, nbytes, holders, dtype = 0, b.nbytes, b.holders.of(0), _BYTES_DTYPE
-                seed = chunk_place_seed(fqn)
+            offs = _list(offsets, origin, f"{sp}[0]")
+            if any(type(o) is not int for o in offs):
+                raise _fail(origin, f"{sp}[0]", "offsets must be integers")
+            cell = t.grid.number(offs)
+            if cell is None:
+                raise _fail(origin, f"{sp}[0]", f"{offs} is not a piece of the tensor")
+            nbytes = math.prod(t.grid.cell(cell)[1]) * DTYPE_SIZES[t.dtype]
+            holders, dtype, seed = t.holders.of(cell), t.dtype, chunk_place_seed(fqn, offs)
             if ref.rank not in holders:
                 raise _fail(origin, sp, f"rank {ref.rank} is not a holder of this piece in "
                                         f"{g.origin}")
@@ -377,12 +417,12 @@ class _Shard:
                 (raw_begin, (self.path, raw_begin, params, records)))
 
     def check_all(self) -> None:
-        """Validates every item, then that the chunks are the data file's bytes back to back
-        up to the shard."""
+        """Validates every item, then that the chunks (with those of the rank's items stored
+        in ``pyckpt.json``) are the data file's bytes back to back up to the shard."""
         for fqn in list(self.pending):
             self.item(fqn)
         prev = 0
-        for off, end, cp in sorted(self.ranges):
+        for off, end, cp in sorted(self.ranges + self.g.inline_ranges.get(self.ref.rank, [])):
             if off != prev:
                 raise _fail(self.origin, cp,
                             f"stored bytes at offset {off} overlap another chunk's" if off < prev
@@ -421,8 +461,9 @@ def parse_shard(g: GlobalDoc, ref: ShardRef, raw: bytes, path: str,
     if type(items) is not dict:
         raise _fail(origin, "items", "must be an object")
     for fqn, segs in items.items():
-        if fqn not in g.tensors and fqn not in g.bytes_items:
-            raise _fail(origin, f"items[{fqn!r}]", f"{g.origin} lists no such item")
+        if fqn not in g.tensors or fqn in g.inline:
+            raise _fail(origin, f"items[{fqn!r}]", f"{g.origin} lists no such item stored in "
+                                                   "shards")
         _list(segs, origin, f"items[{fqn!r}]")
     return _Shard(g, ref, path, items, codecs or _CodecCheck())
 
@@ -439,9 +480,10 @@ class ShardedIndex:
     :meth:`piece` and :meth:`bytes_item` assemble what they hold, checking that the segments
     of all holders cover the piece exactly."""
 
-    def __init__(self, g: GlobalDoc, read: ReadShards) -> None:
+    def __init__(self, g: GlobalDoc, read: ReadShards, paths: dict[str, str]) -> None:
         self.g = g
         self._read = read
+        self._file_paths = paths  # data file name -> where the backend reads it
         self._shards: dict[int, _Shard] = {}
         self._codecs = _CodecCheck()
         self._pieces: dict[tuple[str, int], Any] = {}
@@ -452,10 +494,10 @@ class ShardedIndex:
         return len(self._shards)
 
     def holders(self, fqn: str, cell: int) -> tuple[int, ...]:
-        t = self.g.tensors.get(fqn)
-        if t is not None:
-            return t.holders.of(cell)
-        return self.g.bytes_items[fqn].holders.of(0)
+        """The ranks whose shards hold the cell (none for an item stored in pyckpt.json)."""
+        if fqn in self.g.inline:
+            return ()
+        return self.g.tensors[fqn].holders.of(cell)
 
     def load(self, ranks: set[int] | list[int]) -> None:
         """Reads and validates the shards of ``ranks`` not read yet."""
@@ -478,6 +520,9 @@ class ShardedIndex:
         self.load(list(self.g.shards))
 
     def _segments(self, fqn: str, cell: int, nbytes: int, where: str) -> list[Any]:
+        inline = self.g.inline.get(fqn)
+        if inline is not None:  # checked with the global document
+            return [(self._path(r), rb, params, records) for r, rb, params, records in inline]
         holders = self.holders(fqn, cell)
         missing = [r for r in holders if r not in self._shards]
         if missing:
@@ -504,6 +549,10 @@ class ShardedIndex:
             raise _fail(self._origin(r) if r >= 0 else self.g.origin, f"items[{fqn!r}]",
                         f"the segments of {where} hold {expect} raw bytes, expected {nbytes}")
         return [seg for _, _, seg in found]
+
+    def _path(self, rank: int) -> str:
+        name = self.g.shards[rank].file
+        return self._file_paths.get(name, name)
 
     def _origin(self, rank: int) -> str:
         return f"{self._paths.get(rank, self.g.shards[rank].file)} (metadata shard of rank {rank})"

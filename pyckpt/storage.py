@@ -60,6 +60,7 @@ class _RankPlan:
     # data file. The coordinator's own plan carries the save's layout (grids and holders).
     shards: bool = False
     layout: Any = None
+    inline: frozenset[str] = frozenset()  # of this rank's items, those stored in pyckpt.json
 
 
 @dataclass
@@ -433,9 +434,11 @@ class Writer(StorageWriter):
             # A pyckpt.SavePlanner hands over byte ranges of split replicated items.
             ranges = getattr(plan.storage_data, "ranges", None) or {}
             rank = rank if save.rank is None else save.rank  # rank-local: this rank's one plan
+            inline = frozenset(item.index.fqn for item in plan.items
+                               if layout is not None and item.index.fqn in layout.inline)
             out.append(dataclasses.replace(plan, storage_data=_RankPlan(
                 rank, dict(ranges), save.save_id, shards=layout is not None,
-                layout=layout if rank == 0 else None)))
+                layout=layout if rank == 0 else None, inline=inline)))
         return out
 
     def _sharded_metadata(self, save: _Save, ranks: int) -> bool:
@@ -573,7 +576,7 @@ class Writer(StorageWriter):
             if rank_plan.shards:
                 with _gc.paused():
                     shard = _format_shards.append_shard(fw, plan.items, rank_plan.rank,
-                                                        save.save_id, segments)
+                                                        save.save_id, segments, rank_plan.inline)
             fw.commit()
             file_size = fw.size
         del keepalive

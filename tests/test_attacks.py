@@ -59,7 +59,8 @@ def test_corpus_covers_the_brief() -> None:
         "shard_missing", "shard_truncated", "shard_bytes_flipped", "shard_digest_lie",
         "shard_length_lie", "shard_other_rank", "shard_other_save", "shard_unknown_item",
         "shard_chunk_moved", "shard_segment_dropped", "shard_piece_unknown", "shard_not_holder",
-        "shard_grid_lie", "shard_grid_short", "shard_file_unlisted",
+        "shard_grid_lie", "shard_grid_short", "shard_file_unlisted", "inline_rank_unknown",
+        "inline_gap", "inline_chunk_in_shard",
     }
     assert required <= set(_BY_NAME)
 

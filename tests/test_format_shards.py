@@ -217,7 +217,7 @@ def _rank_state(rank: int, world: int) -> dict[str, Any]:
         "w": distribute_tensor(torch.randn(12 * world, 8, generator=g), mesh, [Shard(0)]),
         "v": distribute_tensor(torch.randn(5 * world + 1, 3, generator=g).to(torch.bfloat16),
                                mesh, [Shard(0)]),  # uneven: the last shard is shorter
-        "norm": torch.randn(1000, generator=g),  # replicated, spread over ranks by bytes
+        "norm": torch.randn(1 << 20, generator=g),  # replicated, split between ranks by bytes
         "step": 3,
     }
 
@@ -244,6 +244,14 @@ def _save_worker(rank: int, world: int, path: str) -> None:
     for k, v in dest.items():
         assert torch.equal(v.to_local(), sd[k].to_local()), k
     assert reader._storage.sharded.shards_read == 1, reader._storage.sharded.shards_read
+    # everything, the replicated tensor split between the ranks and the step included: its own
+    # shard still (those are stored in pyckpt.json). (A cooperative load's coordinator reads
+    # the shards of every rank's cells, to share out the chunks several ranks want.)
+    dest = _sharded_only(sd) | {"norm": torch.zeros(1 << 20), "step": 0}
+    reader = pyckpt.Reader(path, cooperative=False)
+    dcp.load(dest, storage_reader=reader, planner=pyckpt.LoadPlanner())
+    assert torch.equal(dest["norm"], sd["norm"]) and dest["step"] == 3
+    assert reader._storage.sharded.shards_read == 1, reader._storage.sharded.shards_read
 
 
 def test_ranks_write_shards_and_each_rank_reads_only_its_own(tmp_path: Any) -> None:
@@ -255,17 +263,21 @@ def test_ranks_write_shards_and_each_rank_reads_only_its_own(tmp_path: Any) -> N
     assert doc["items"]["w"]["grid"][0] == [[12, WORLD]]
     assert doc["items"]["w"]["holders"] == [[0, 1, WORLD]]
     assert doc["items"]["v"]["grid"][0] == [[6, WORLD - 1], [5 * WORLD + 1 - 6 * (WORLD - 1), 1]]
-    assert "chunks" not in raw.decode()
+    norm = doc["items"]["norm"]  # split between ranks: its records are here, not in shards
+    assert norm["grid"] == [[[1 << 20, 1]]] and len(norm["holders"][0][0]) > 1
+    assert sorted({s[0] for s in norm["segments"]}) == sorted(norm["holders"][0][0])
+    assert doc["items"]["step"]["segments"][0][0] in range(WORLD)
+    assert '"chunks"' not in raw.decode()
     # resharded WORLD -> 1: every shard read and checked
     g = torch.Generator().manual_seed(9)
     w, v = torch.randn(12 * WORLD, 8, generator=g), torch.randn(
         5 * WORLD + 1, 3, generator=g).to(torch.bfloat16)
-    norm = torch.randn(1000, generator=g)
-    dest = {"w": torch.zeros_like(w), "v": torch.zeros_like(v), "norm": torch.zeros(1000),
+    norm_full = torch.randn(1 << 20, generator=g)
+    dest = {"w": torch.zeros_like(w), "v": torch.zeros_like(v), "norm": torch.zeros(1 << 20),
             "step": 0}
     pyckpt.load(dest, path)
     assert torch.equal(dest["w"], w) and torch.equal(dest["v"], v)
-    assert torch.equal(dest["norm"], norm) and dest["step"] == 3
+    assert torch.equal(dest["norm"], norm_full) and dest["step"] == 3
     from pyckpt import tools
 
     assert tools.verify(path).ok

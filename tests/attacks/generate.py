@@ -864,6 +864,14 @@ case("shard_grid_lie", "sharded: pyckpt.json splits 'w' in two pieces along dim 
                                or d["items"]["w"].__setitem__("holders", [[0, 0, 2]])))
 case("shard_grid_short", "sharded: the cells of 'w' add up to less than its shape")(
     _global_edit(lambda d: d["items"]["w"].__setitem__("grid", [[[32, 1]], [[64, 1]]])))
+case("inline_rank_unknown", "sharded: the records of 'extra.step' (stored in pyckpt.json) name "
+     "rank 7's data file, which does not exist")(
+    _global_edit(lambda d: d["items"]["extra.step"]["segments"][0].__setitem__(0, 7)))
+case("inline_gap", "sharded: the records of 'extra.step' start at raw byte 1")(
+    _global_edit(lambda d: d["items"]["extra.step"]["segments"][0].__setitem__(1, 1)))
+case("inline_chunk_in_shard", "sharded: a chunk record of 'extra.step' points into the shard")(
+    _global_edit(lambda d: d["items"]["extra.step"]["segments"][0][3][0].__setitem__(
+        0, d["shards"][0][1])))
 case("shard_file_unlisted", "sharded: 'files' lists a second data file that holds no shard")(
     _global_edit(lambda d: d["files"].__setitem__(f"1-0.{d['save_id']}.pyckpt", 0)))
 
