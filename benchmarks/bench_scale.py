@@ -233,7 +233,8 @@ def pyckpt_results(plans: list[SavePlan], load_dir: str) -> tuple[list[list[Writ
                 pos += n
             segments[idx] = [(name, start, params, chunks)]
         sink = _Sink(os.path.join(load_dir, name), offset)
-        shard = _format_shards.append_shard(sink, plan.items, rp.rank, rp.save_id, segments)
+        shard = _format_shards.append_shard(sink, plan.items, rp.rank, rp.save_id, segments,
+                                            rp.inline)
         shard_bytes += shard[1]
         out.append([WriteResult(index=MetadataIndex(_SHARD_RESULT), size_in_bytes=offset,
                                 storage_data=_format_shards.ShardWritten(rp.rank, sink.size,

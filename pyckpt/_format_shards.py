@@ -261,15 +261,29 @@ class Grid:
                 return None
             bounds.append(b)
         grid = cls(shape, tuple(bounds))
-        if grid.ncells != len(boxes):
+        if grid.ncells != len(boxes) or grid.numbers(boxes) is None:
             return None
-        seen = set()
-        for offsets, sizes in boxes:
-            cell = grid.number(offsets)
-            if cell is None or cell in seen or grid.cell(cell)[1] != tuple(sizes):
-                return None
-            seen.add(cell)
         return grid
+
+    def numbers(self, boxes: Sequence[tuple[Sequence[int], Sequence[int]]]) -> list[int] | None:
+        """The cell number of each box, None when some box is not exactly one cell or two
+        boxes are the same cell."""
+        index = [{b[i]: i for i in range(len(b) - 1)} for b in self.bounds]
+        counts = self.counts
+        seen = bytearray(self.ncells)
+        out = []
+        for offsets, sizes in boxes:
+            n = 0
+            for b, at, count, o, size in zip(self.bounds, index, counts, offsets, sizes):
+                i = at.get(o)
+                if i is None or b[i + 1] - o != size:
+                    return None
+                n = n * count + i
+            if seen[n]:
+                return None
+            seen[n] = 1
+            out.append(n)
+        return out
 
     @classmethod
     def parse(cls, shape: tuple[int, ...], value: Any, origin: str, path: str) -> Grid:
@@ -429,14 +443,14 @@ class Layout:
         layout = cls()
         for fqn, cells in boxes.items():
             properties, shape, sizes = props[fqn]
-            grid = Grid.of(shape, [(o, sizes[o]) for o in cells])
+            boxed = [(o, sizes[o]) for o in cells]
+            grid = Grid.of(shape, boxed)
             if grid is None:
                 return None
             per_cell: list[list[int]] = [[] for _ in range(grid.ncells)]
-            for offsets, holders in cells.items():
-                n = grid.number(offsets)
-                assert n is not None
-                per_cell[n] = [r for _, r in sorted(holders)]
+            for n, holders in zip(grid.numbers(boxed) or (), cells.values()):
+                per_cell[n] = [r for _, r in holders] if len(holders) == 1 else [
+                    r for _, r in sorted(holders)]
             layout.tensors[fqn] = (properties, grid, per_cell)
             if grid.ncells == 1 and len(per_cell[0]) > 1:
                 layout.inline.add(fqn)
