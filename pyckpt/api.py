@@ -23,7 +23,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata
 
-from pyckpt import _gc, _progress, _savedrive, _stateful
+from pyckpt import _gc, _loaddrive, _progress, _savedrive, _stateful
 from pyckpt._collective import bounded_group, coordination_arg, group_info, peer_errors
 from pyckpt._loadplan import LoadPlanner
 from pyckpt.planner import SavePlanner
@@ -291,6 +291,12 @@ def _load(
             _single_process_quiet(), _quiet_missing_metadata(), \
             _progress.job(progress, "load", process_group) as report, \
             _progress.native_counter(report, _progress.local_bytes(state_dict) if report else 0):
+        group = group_info(process_group)
+        # Several ranks: DCP's steps with the global plan cached (pyckpt._loaddrive), unless
+        # the checkpoint needs DCP's own path (rank-local metadata, or an error to report).
+        if group.distributed and _loaddrive.load(state_dict, reader, load_planner(trusted),
+                                                 group, (trusted,)):
+            return
         dcp.load(
             state_dict, storage_reader=reader, planner=load_planner(trusted),
             process_group=process_group,

@@ -114,6 +114,63 @@ def test_unchanged_structure_reuses_plans_and_every_change_replans_everywhere(
         assert seen == expected, f"rank {rank}: {seen}"
 
 
+def _load_sequence_worker(rank: int, world: int, root: str) -> list[tuple[str, str]]:
+    """Loads (bit-exact, pyckpt._loaddrive) in a sequence; records what each load did."""
+    import torch.distributed.checkpoint as dcp
+
+    import pyckpt
+    from pyckpt import _loaddrive
+
+    seen: list[tuple[str, str]] = []
+
+    def load(label: str, name: str, sd: dict[str, Any], dest: dict[str, Any] | None = None
+             ) -> None:
+        before = dict(_loaddrive.stats)
+        if dest is None:
+            _check_load(sd, os.path.join(root, name))
+        else:
+            pyckpt.load(dest, os.path.join(root, name))
+            for k in dest:
+                got = dest[k].to_local() if hasattr(dest[k], "to_local") else dest[k]
+                want = sd[k].to_local() if hasattr(sd[k], "to_local") else sd[k]
+                assert torch.equal(got, want) if isinstance(got, torch.Tensor) else got == want
+        done = [k for k in ("planned", "cached", "dcp") if _loaddrive.stats[k] != before[k]]
+        assert len(done) == 1, (before, _loaddrive.stats)
+        seen.append((label, done[0]))
+
+    a, b, c = _state(rank, world, 1), _state(rank, world, 2), _state(rank, world, 3, rows=13)
+    for name, sd in (("a", a), ("b", b), ("c", c)):
+        pyckpt.save(sd, os.path.join(root, name))
+    load("first", "a", a)
+    load("again", "a", a)
+    load("another save, same layout", "b", b)
+    load("another layout", "c", c)
+    load("back", "a", a)
+    load("back again", "a", a)
+    # one rank alone loads less (rank 1 leaves out 'emb', which the others load)
+    part = {k: v for k, v in _fresh_like(a).items() if not (rank == 1 and k == "emb")}
+    load("one rank's plan changes", "a", a, part)
+    load("all again", "a", a)
+    load("all again, cached", "a", a)
+    # a rank-local checkpoint has no pyckpt.json: DCP's own path (its rank-local fallback)
+    local = {"t": torch.full((4,), float(rank))}
+    dcp.save(local, storage_writer=pyckpt.Writer(os.path.join(root, "local")),
+             no_dist=False, use_collectives=False)
+    load("rank-local", "local", local, {"t": torch.zeros(4)})
+    return seen
+
+
+def test_loads_reuse_the_global_plan_until_the_layout_or_a_plan_changes(tmp_path: Any) -> None:
+    results = run_distributed(_load_sequence_worker, WORLD, str(tmp_path))
+    expected = [("first", "planned"), ("again", "cached"),
+                ("another save, same layout", "cached"), ("another layout", "planned"),
+                ("back", "planned"), ("back again", "cached"),
+                ("one rank's plan changes", "planned"), ("all again", "planned"),
+                ("all again, cached", "cached"), ("rank-local", "dcp")]
+    for rank, seen in enumerate(results):
+        assert seen == expected, f"rank {rank}: {seen}"
+
+
 def _world_change_worker(rank: int, world: int, root: str) -> list[str]:
     """The same structure saved by the whole group, then by a 2-rank subgroup: another world
     size plans again (and loads back), then caches in its turn."""
