@@ -129,10 +129,10 @@ def test_derived_group_is_made_once_and_reused(tmp_path: Path) -> None:
         assert r["made_by_second"] == 0 and r["made_in_all"] == 1 and r["same"], r
         assert r["gloo"] == "gloo" and r["ranks"] == [0, 1], r
         assert r["timeout_s"] == 123.0, r  # the user group's own timeout
-        # Every object collective of the load (DCP's planning) ran on the derived group; the
-        # saves' own exchanges (pyckpt._savedrive) would fail on the fake backend, so saves
-        # that succeed ran theirs on it too.
-        assert r["groups_seen"] == ["derived"] and r["calls"] >= 3, r
+        # No torch object collective ran: the saves and the load drive DCP's steps themselves
+        # (pyckpt._savedrive, pyckpt._loaddrive), whose exchanges would fail on the fake
+        # backend, so a save and a load that succeed ran them on the derived group.
+        assert r["groups_seen"] == [] and r["calls"] == 0, r
         assert r["loaded"], r
 
 
@@ -197,7 +197,9 @@ def test_subgroup_save_load_and_non_member(tmp_path: Path) -> None:
     assert len(errors) == 2 and all("global rank 0" in e for e in errors), errors
     for r in results[1:]:
         assert r["loaded"], r
-        assert r["groups_seen"] == ["derived"], r
+        # pyckpt drives the saves' and the loads' steps itself, over its own exchanges on the
+        # derived group (they would fail on the fake backend): no torch object collective
+        assert r["groups_seen"] == [], r
         # Group rank as in the user's subgroup; its timeout, lowered to the peer bound.
         assert r["rank"][1] == 2 and r["rank"][0] == r["rank"][2], r
         before, during, bound = r["timeouts"]
