@@ -23,9 +23,11 @@ back on every save, although nothing about the layout changed since the last one
   A difference makes every rank plan again, which names the item and the ranks
   (:class:`pyckpt.errors.ReplicaMismatchError`). Overlapping sets are never cached.
 
-The write results still travel to the coordinator, whose metadata names every chunk, and the
-coordinator commits; failures follow :func:`pyckpt._collective.agree`'s rule (a failing rank
-raises its own exception, the others the lowest failing rank's, with a note naming it).
+The write results still travel to the coordinator, which commits: in a sharded save (format
+version 4, :mod:`pyckpt._format_shards`) one report of a few numbers per rank, spliced into the
+layout cached with the plan; failures follow :func:`pyckpt._collective.agree`'s rule (a failing
+rank raises its own exception, the others the lowest failing rank's, with a note naming it).
+Loads: :mod:`pyckpt._loaddrive`.
 """
 
 from __future__ import annotations
