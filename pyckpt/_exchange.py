@@ -80,8 +80,7 @@ def writer_rank(name: str) -> int:
     return int(name.split("-", 1)[0])
 
 
-def discover(root: str, group: Group,
-             lazy: bool = False) -> tuple[_format.CheckpointIndex, PeerFiles]:
+def discover(root: str, group: Group) -> tuple[_format.CheckpointIndex, PeerFiles]:
     """Reads this rank's copy of the metadata and finds which rank holds each data file.
 
     Collective: every rank of ``group`` must call it once at the same point. A rank whose
@@ -99,7 +98,7 @@ def discover(root: str, group: Group,
     index: _format.CheckpointIndex | None = None
     error: BaseException | None = None
     try:
-        index = _format.read_index(root, all_files=False, lazy=lazy)
+        index = _format.read_index(root, all_files=False)
     except FileNotFoundError as e:
         if e.filename != meta:
             error = e

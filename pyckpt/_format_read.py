@@ -120,13 +120,19 @@ class DataFiles:
             )
         return full
 
+    def path_of(self, name: str, size: int) -> str:
+        """Where data file ``name`` (a validated plain name, of ``size`` bytes) is read from,
+        checked as :meth:`check_file` does (a file another node holds: where it would be)."""
+        full = self.check_file(name, size)
+        return os.path.join(self.root, name) if full is None else full
+
     def read_shards(self, refs: list[Any]) -> list[tuple[bytes, str]]:
         """The bytes of each metadata shard (``refs``: :class:`pyckpt._format_shards.ShardRef`)
         of a version-4 checkpoint, with the path of its data file; a shard cut short by the
         end of its file comes back short (the caller names it truncated)."""
         out = []
         for ref in refs:
-            full = self.check_file(ref.file, 0)
+            full = self.check_file(ref.file, ref.offset + ref.length)
             if full is None:
                 raise FileNotFoundError(
                     errno.ENOENT, f"the metadata shard of rank {ref.rank} is in a data file "
@@ -146,13 +152,11 @@ class DataFiles:
 
         g = _format_shards_read.parse_global(raw, self.meta)
         local_files = set()
-        paths = {}
-        for name, size in g.files.items():
-            full = self.check_file(name, size)
-            paths[name] = os.path.join(self.root, name) if full is None else full
-            if full is not None:
-                local_files.add(name)
-        sharded = _format_shards_read.ShardedIndex(g, self.read_shards, paths)
+        if not lazy:  # a lazy read checks the files it uses, when it uses them
+            for name, size in g.files.items():
+                if self.check_file(name, size) is not None:
+                    local_files.add(name)
+        sharded = _format_shards_read.ShardedIndex(g, self.read_shards, self.path_of)
         tensors: dict[str, StoredTensor] = {}
         bytes_items: dict[str, StoredBytes] = {}
         if not lazy:

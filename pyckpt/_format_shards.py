@@ -48,7 +48,7 @@ from pyckpt._format_spec import (
 )
 from pyckpt.errors import CheckpointFormatError
 
-__all__ = ["SHARDED_VERSION", "SHARD_FORMAT", "Grid", "Holders", "Layout", "ShardWritten",
+__all__ = ["SHARDED_VERSION", "SHARD_FORMAT", "Axis", "Grid", "Holders", "Layout", "ShardWritten",
            "append_shard", "build_shard", "build_global", "global_document", "is_sharded"]
 
 SHARDED_VERSION = 4
@@ -179,17 +179,85 @@ def _runs(values: Sequence[int]) -> list[list[int]]:
 
 
 @dataclass(frozen=True, slots=True)
+class Axis:
+    """The cells of a grid along one dimension, as runs of equal cells: an even split over N
+    ranks is one run, whatever N, and every query is a bisection over the runs."""
+
+    runs: tuple[tuple[int, int], ...]  # (cell size, count)
+    first: tuple[int, ...]  # number of the first cell of each run
+    start: tuple[int, ...]  # offset of the first cell of each run
+    n: int  # cells
+    length: int  # the dimension's size
+
+    @classmethod
+    def of_runs(cls, runs: Sequence[Sequence[int]]) -> Axis:
+        first, start, n, pos = [], [], 0, 0
+        for size, count in runs:
+            first.append(n)
+            start.append(pos)
+            n += count
+            pos += size * count
+        return cls(tuple((int(r[0]), int(r[1])) for r in runs), tuple(first), tuple(start), n,
+                   pos)
+
+    def _run(self, i: int) -> int:
+        return bisect.bisect_right(self.first, i) - 1
+
+    def offset(self, i: int) -> int:
+        k = self._run(i)
+        return self.start[k] + (i - self.first[k]) * self.runs[k][0]
+
+    def size(self, i: int) -> int:
+        return self.runs[self._run(i)][0]
+
+    def index_at(self, o: int) -> int | None:
+        """The cell starting at offset ``o``, None when none does."""
+        k = bisect.bisect_right(self.start, o) - 1
+        if k < 0:
+            return None
+        size, count = self.runs[k]
+        rel = o - self.start[k]
+        if size == 0:
+            return self.first[k] if rel == 0 else None
+        q, r = divmod(rel, size)
+        return self.first[k] + q if r == 0 and q < count else None
+
+    def starting_before(self, x: int) -> int:
+        """How many cells start before ``x``."""
+        k = bisect.bisect_left(self.start, x) - 1
+        if k < 0:
+            return 0
+        size, count = self.runs[k]
+        return self.first[k] + (count if size == 0 else min(count, -(-(x - self.start[k]) // size)))
+
+    def ending_by(self, x: int) -> int:
+        """How many cells end at or before ``x``."""
+        k = bisect.bisect_right(self.start, x) - 1
+        if k < 0:
+            return 0
+        size, count = self.runs[k]
+        return self.first[k] + (count if size == 0 else min(count, (x - self.start[k]) // size))
+
+
+@dataclass(frozen=True, slots=True)
 class Grid:
-    """A tensor's pieces as a grid: along each dimension, the boundaries of its cells
-    (``bounds[d]``: 0, the cells' ends, the last one the tensor's size). Cells are numbered in
-    row-major order; a cell is one stored piece (DCP's chunk of that ``MetadataIndex.index``)."""
+    """A tensor's pieces as a grid: along each dimension, its cells (:class:`Axis`). Cells
+    are numbered in row-major order; a cell is one stored piece (DCP's chunk of that
+    ``MetadataIndex.index``)."""
 
     shape: tuple[int, ...]
-    bounds: tuple[tuple[int, ...], ...]
+    axes: tuple[Axis, ...]
+
+    @classmethod
+    def from_bounds(cls, shape: Sequence[int], bounds: Sequence[Sequence[int]]) -> Grid:
+        """The grid whose cells along dimension ``d`` end at ``bounds[d][1:]`` (``bounds[d]``:
+        0, then each cell's end)."""
+        return cls(tuple(shape), tuple(
+            Axis.of_runs(_runs([b[i + 1] - b[i] for i in range(len(b) - 1)])) for b in bounds))
 
     @property
     def counts(self) -> tuple[int, ...]:
-        return tuple(len(b) - 1 for b in self.bounds)
+        return tuple(a.n for a in self.axes)
 
     @property
     def ncells(self) -> int:
@@ -197,27 +265,27 @@ class Grid:
 
     def coords(self, cell: int) -> tuple[int, ...]:
         out = []
-        for n in reversed(self.counts):
-            cell, c = divmod(cell, n)
+        for a in reversed(self.axes):
+            cell, c = divmod(cell, a.n)
             out.append(c)
         return tuple(reversed(out))
 
     def cell(self, cell: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """(offsets, sizes) of cell number ``cell``."""
         cs = self.coords(cell)
-        return (tuple(b[c] for b, c in zip(self.bounds, cs)),
-                tuple(b[c + 1] - b[c] for b, c in zip(self.bounds, cs)))
+        return (tuple(a.offset(c) for a, c in zip(self.axes, cs)),
+                tuple(a.size(c) for a, c in zip(self.axes, cs)))
 
     def number(self, offsets: Sequence[int]) -> int | None:
         """The number of the cell that starts at ``offsets``, None when none does."""
-        if len(offsets) != len(self.bounds):
+        if len(offsets) != len(self.axes):
             return None
         n = 0
-        for b, o in zip(self.bounds, offsets):
-            i = bisect.bisect_left(b, o, 0, len(b) - 1)
-            if i >= len(b) - 1 or b[i] != o:
+        for a, o in zip(self.axes, offsets):
+            i = a.index_at(o)
+            if i is None:
                 return None
-            n = n * (len(b) - 1) + i
+            n = n * a.n + i
         return n
 
     def overlapping(self, offsets: Sequence[int], sizes: Sequence[int]) -> Iterator[int]:
@@ -225,9 +293,8 @@ class Grid:
         every dimension each starts before the other ends: an empty box overlaps the cell it
         lies strictly inside of)."""
         ranges = []
-        for b, o, s in zip(self.bounds, offsets, sizes):
-            first = bisect.bisect_right(b, o, 1) - 1  # cells ending after o
-            last = bisect.bisect_left(b, o + s, 0, len(b) - 1)  # cells starting before o + s
+        for a, o, s in zip(self.axes, offsets, sizes):
+            first, last = a.ending_by(o), a.starting_before(o + s)
             if first >= last:
                 return
             ranges.append(range(first, last))
@@ -243,13 +310,14 @@ class Grid:
         yield from walk(0, 0)
 
     def runs(self) -> list[list[list[int]]]:
-        return [_runs([b[i + 1] - b[i] for i in range(len(b) - 1)]) for b in self.bounds]
+        return [[list(r) for r in a.runs] for a in self.axes]
 
     @classmethod
     def of(cls, shape: Sequence[int], boxes: Sequence[tuple[Sequence[int], Sequence[int]]]
-           ) -> Grid | None:
-        """The grid whose cells are exactly ``boxes`` ((offsets, sizes) each), None when they
-        are not one (overlaps, holes, or not a product of per-dimension splits)."""
+           ) -> tuple[Grid, list[int]] | None:
+        """The grid whose cells are exactly ``boxes`` ((offsets, sizes) each) and each box's
+        cell number; None when they are not one (overlaps, holes, or not a product of
+        per-dimension splits)."""
         shape = tuple(shape)
         bounds = []
         for d, n in enumerate(shape):
@@ -260,44 +328,41 @@ class Grid:
             if n > 0 and (starts[-1] >= n):
                 return None
             bounds.append(b)
-        grid = cls(shape, tuple(bounds))
-        if grid.ncells != len(boxes) or grid.numbers(boxes) is None:
+        grid = cls.from_bounds(shape, bounds)
+        if grid.ncells != len(boxes):
             return None
-        return grid
-
-    def numbers(self, boxes: Sequence[tuple[Sequence[int], Sequence[int]]]) -> list[int] | None:
-        """The cell number of each box, None when some box is not exactly one cell or two
-        boxes are the same cell."""
-        index = [{b[i]: i for i in range(len(b) - 1)} for b in self.bounds]
-        counts = self.counts
-        seen = bytearray(self.ncells)
-        out = []
+        # the cell number of each box, by dictionary lookups (a bisection per box and
+        # dimension costs more at thousands of ranks)
+        index = [{b[i]: i for i in range(len(b) - 1)} for b in bounds]
+        seen = bytearray(grid.ncells)
+        numbers = []
         for offsets, sizes in boxes:
-            n = 0
-            for b, at, count, o, size in zip(self.bounds, index, counts, offsets, sizes):
+            k = 0
+            for b, at, o, size in zip(bounds, index, offsets, sizes):
                 i = at.get(o)
                 if i is None or b[i + 1] - o != size:
                     return None
-                n = n * count + i
-            if seen[n]:
+                k = k * (len(b) - 1) + i
+            if seen[k]:
                 return None
-            seen[n] = 1
-            out.append(n)
-        return out
+            seen[k] = 1
+            numbers.append(k)
+        return grid, numbers
 
     @classmethod
     def parse(cls, shape: tuple[int, ...], value: Any, origin: str, path: str) -> Grid:
         dims = _list(value, origin, path)
         if len(dims) != len(shape):
             raise _fail(origin, path, f"must list {len(shape)} dimensions, got {len(dims)}")
-        bounds = []
+        axes = []
         cells = 1
         for d, (runs, n) in enumerate(zip(dims, shape)):
             dp = f"{path}[{d}]"
             runs = _list(runs, origin, dp)
             if not runs:
                 raise _fail(origin, dp, "lists no cell")
-            b = [0]
+            total = length = 0
+            checked = []
             for k, run in enumerate(runs):
                 rp = f"{dp}[{k}]"
                 if type(run) is not list or len(run) != 2:
@@ -307,17 +372,19 @@ class Grid:
                 if size == 0 and not (n == 0 and len(runs) == 1 and count == 1):
                     raise _fail(origin, rp, "an empty cell is allowed only as the one cell of "
                                             "a dimension of size 0")
-                if len(b) - 1 + count > MAX_PIECES:
-                    raise _fail(origin, dp, f"more than {MAX_PIECES} cells")
-                base = b[-1]
-                b.extend(base + size * (i + 1) for i in range(count))
-            if b[-1] != n:
-                raise _fail(origin, dp, f"cells add up to {b[-1]}, the dimension is {n}")
-            cells *= len(b) - 1
+                total += count
+                length += size * count
+                if total > MAX_PIECES or length > MAX_NUMEL:
+                    raise _fail(origin, dp, f"more than {MAX_PIECES} cells or {MAX_NUMEL} "
+                                            "elements")
+                checked.append((size, count))
+            if length != n:
+                raise _fail(origin, dp, f"cells add up to {length}, the dimension is {n}")
+            cells *= total
             if cells > MAX_PIECES:
                 raise _fail(origin, path, f"more than {MAX_PIECES} cells")
-            bounds.append(tuple(b))
-        return cls(shape, tuple(bounds))
+            axes.append(Axis.of_runs(checked))
+        return cls(shape, tuple(axes))
 
 
 @dataclass(frozen=True, slots=True)
@@ -443,12 +510,12 @@ class Layout:
         layout = cls()
         for fqn, cells in boxes.items():
             properties, shape, sizes = props[fqn]
-            boxed = [(o, sizes[o]) for o in cells]
-            grid = Grid.of(shape, boxed)
-            if grid is None:
+            found = Grid.of(shape, [(o, sizes[o]) for o in cells])
+            if found is None:
                 return None
+            grid, numbers = found
             per_cell: list[list[int]] = [[] for _ in range(grid.ncells)]
-            for n, holders in zip(grid.numbers(boxed) or (), cells.values()):
+            for n, holders in zip(numbers, cells.values()):
                 per_cell[n] = [r for _, r in holders] if len(holders) == 1 else [
                     r for _, r in sorted(holders)]
             layout.tensors[fqn] = (properties, grid, per_cell)

@@ -195,13 +195,15 @@ def parse_global(raw: bytes, origin: str) -> GlobalDoc:
             raise _fail(origin, f"files[{name!r}]", "is not a data file name of this format")
         _int(size, origin, f"files[{name!r}]", 0, _MAX_FILE_BYTES)
     shards: dict[int, ShardRef] = {}
+    last = -1
     for k, entry in enumerate(_list(doc["shards"], origin, "shards")):
         sp = f"shards[{k}]"
         if type(entry) is not list or len(entry) != 4:
             raise _fail(origin, sp, "must be [rank, file offset, length, xxh64]")
         rank = _int(entry[0], origin, f"{sp}[0]", 0, _MAX_RANK)
-        if shards and rank <= max(shards):
+        if rank <= last:
             raise _fail(origin, f"{sp}[0]", "shards must be listed by increasing rank")
+        last = rank
         name = data_file_name(rank, 0, save_id)
         size = files_raw.get(name)
         if size is None:
@@ -480,10 +482,12 @@ class ShardedIndex:
     :meth:`piece` and :meth:`bytes_item` assemble what they hold, checking that the segments
     of all holders cover the piece exactly."""
 
-    def __init__(self, g: GlobalDoc, read: ReadShards, paths: dict[str, str]) -> None:
+    def __init__(self, g: GlobalDoc, read: ReadShards, path_of: Callable[[str, int], str]
+                 ) -> None:
         self.g = g
         self._read = read
-        self._file_paths = paths  # data file name -> where the backend reads it
+        self._path_of = path_of  # (data file name, size) -> where the backend reads it, checked
+        self._file_paths: dict[str, str] = {}
         self._shards: dict[int, _Shard] = {}
         self._codecs = _CodecCheck()
         self._pieces: dict[tuple[str, int], Any] = {}
@@ -552,7 +556,10 @@ class ShardedIndex:
 
     def _path(self, rank: int) -> str:
         name = self.g.shards[rank].file
-        return self._file_paths.get(name, name)
+        path = self._file_paths.get(name)
+        if path is None:
+            path = self._file_paths[name] = self._path_of(name, self.g.files[name])
+        return path
 
     def _origin(self, rank: int) -> str:
         return f"{self._paths.get(rank, self.g.shards[rank].file)} (metadata shard of rank {rank})"

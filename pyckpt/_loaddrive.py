@@ -72,7 +72,7 @@ def layout_digest(metadata: Metadata) -> bytes:
             h.update(repr((fqn, "bytes")).encode())
             continue
         grid = getattr(md.chunks, "grid", None)  # pyckpt._loadplan.GridChunks
-        pieces = grid.bounds if grid is not None else tuple(
+        pieces = grid.runs() if grid is not None else tuple(
             (tuple(c.offsets), tuple(c.sizes)) for c in md.chunks)
         h.update(repr((fqn, str(md.properties.dtype), tuple(md.size), pieces)).encode())
     return h.digest()

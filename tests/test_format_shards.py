@@ -52,9 +52,9 @@ def test_grid_finds_the_cells_dcp_would_and_refuses_what_is_not_a_grid() -> None
             b = (0, 0) if n == 0 else (0, *cuts, 12)
             shape.append(n)
             bounds.append(b)
-        grid = Grid(tuple(shape), tuple(bounds))
+        grid = Grid.from_bounds(shape, bounds)
         cells = [grid.cell(i) for i in range(grid.ncells)]
-        assert Grid.of(shape, cells) == grid
+        assert Grid.of(shape, cells) == (grid, list(range(grid.ncells)))
         assert Grid.parse(tuple(shape), grid.runs(), "x", "grid") == grid
         for _ in range(10):
             off = [rng.randint(0, max(n, 0)) for n in shape]
@@ -338,7 +338,7 @@ def test_sharded_saves_take_any_layout_and_fall_back_when_pieces_are_no_grid() -
 
 def test_the_cells_of_an_uneven_3d_grid_tile_it() -> None:
     # Grid.cell / number agree for a 3-d grid with uneven cells
-    grid = Grid((5, 4, 3), ((0, 2, 5), (0, 1, 4), (0, 3)))
+    grid = Grid.from_bounds((5, 4, 3), ((0, 2, 5), (0, 1, 4), (0, 3)))
     seen = set()
     for i in range(grid.ncells):
         off, size = grid.cell(i)

@@ -238,4 +238,4 @@ class _DataFiles(_format.DataFiles):
 
     def read_shards(self, refs: list[Any]) -> list[tuple[bytes, str]]:
         return [(bytes(self.backend.files.get(ref.file, b"")[ref.offset:ref.offset + ref.length]),
-                 self.check_file(ref.file, 0)) for ref in refs]
+                 self.check_file(ref.file, ref.offset + ref.length)) for ref in refs]

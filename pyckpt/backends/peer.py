@@ -183,7 +183,8 @@ class PeerBackend:
         self.files = None
         if self.auto and not group.distributed:
             return self.local.read_index(lazy=lazy)
-        index, peers = discover(self.local.path, group, lazy=lazy)
+        # every data file is looked for (a version-4 checkpoint read whole)
+        index, peers = discover(self.local.path, group)
         self.files = None if (self.auto and peers.everywhere) else peers
         return index
 
