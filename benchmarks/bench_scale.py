@@ -1,4 +1,4 @@
-"""Planning and metadata at scale: pyckpt vs DCP for N = 8 .. 4096 ranks, in one process.
+"""Coordination and metadata at scale: pyckpt vs DCP for N = 8 .. 4096 ranks, in one process.
 
 For each workload (``sharded``: every tensor FSDP-sharded along dim 0 over all N ranks;
 ``replicated``: every rank holds every tensor whole, as DDP / FSDP NO_SHARD; ``mixed``: three
@@ -7,25 +7,31 @@ world size N and tensor count T, the script builds the N local save plans DCP's 
 would produce (``WriteItem``\\ s of a bf16 model of ``--model-gib`` GiB plus one replicated
 non-tensor item), then times, against DCP on the same plans:
 
-* ``plan``: the coordinator's global planning: ``pyckpt.SavePlanner.create_global_plan`` (the
-  byte balancing of replicated items) + ``pyckpt.Writer.prepare_global_plan``, vs DCP's
-  ``DefaultSavePlanner.create_global_plan`` (with its deduplication of replicated items) +
-  ``FileSystemWriter.prepare_global_plan``;
-* ``meta``: the coordinator's metadata building and encoding from every rank's write results
-  (synthetic, raw 4 MiB chunks): ``Writer.finish``'s document (``pyckpt.json``, JSON) vs DCP
-  ``FileSystemWriter.finish``'s (the pickled ``.metadata``); the encoded size is ``bytes``;
-* ``load_meta`` and ``load_plan`` for ONE rank (the last): reading the metadata (pyckpt:
-  ``Reader.read_metadata``, which validates the document and checks each data file's size with
-  one ``lstat``, on sparse files of the recorded sizes; DCP: ``FileSystemReader.read_metadata``,
-  an unpickle), then the rank's local load plan (``pyckpt.LoadPlanner``, which finds each
-  tensor's overlapping pieces through the index ``read_metadata`` built, vs DCP's
-  ``DefaultLoadPlanner``, for a destination state dict holding that rank's shards; the script
-  checks that both plans hold the same read items).
+* ``plan`` + ``meta``, the coordinator's first save: the global plan (``pyckpt.SavePlanner`` +
+  ``pyckpt.Writer.prepare_global_plan``, with the layout of the sharded metadata, format
+  version 4) and the metadata from every rank's write result (one report per rank: where its
+  shard is and its digest), vs DCP's ``DefaultSavePlanner`` + ``FileSystemWriter`` (plan, then
+  the pickled ``.metadata`` from every rank's write results);
+* ``steady``, the coordinator's work in a later save of the same structure: pyckpt's plans are
+  cached (``pyckpt._savedrive``), the metadata is the cached layout with this save's reports
+  spliced in; DCP with ``enable_plan_caching=True`` (every rank sends an empty plan, the global
+  plan is reused, the write results are gathered and the metadata written as always);
+* ``load_meta`` + ``load_plan`` for ONE rank (the last): reading the metadata (pyckpt: the
+  global document only; DCP: the whole ``.metadata``) and its local load plan (pyckpt: the
+  ``LoadPlanner`` through the grid index, and ``Reader.prepare_local_plan``, which reads the
+  metadata shards holding its pieces; DCP: ``DefaultLoadPlanner``) for a destination holding
+  that rank's shards; the script checks that both plans hold the same read items.
+
+Sizes: ``bytes``, all metadata (pyckpt: ``pyckpt.json`` plus every rank's shard, which each
+rank's ``write_data`` appends to its data file: built here from synthetic raw 4 MiB chunks);
+``gathered``, the pickled bytes one rank sends to the coordinator in a steady-state save (the
+plan check's probe and its write results; DCP: its empty plan and its write results); and the
+number of shards the loading rank read.
 
 Times are the median and [min-max] over ``--repeats`` runs, both systems alternating; no real
-ranks, no tensor data, no I/O beyond the metadata files. Cells whose plans hold more than
-``--max-items`` write items (N x T for every workload: each rank's plan has T items) are
-skipped (memory: about 1 KiB per distinct item); ``--max-items 0`` runs everything.
+ranks, no tensor data (data files are sparse), no I/O beyond the metadata. Cells whose plans
+hold more than ``--max-items`` write items are skipped (memory: about 1 KiB per distinct item);
+``--max-items 0`` runs everything; ``--systems pyckpt`` leaves DCP out of a cell.
 
     python benchmarks/bench_scale.py --json scale.json --markdown scale.md --plot scale.png
     python benchmarks/bench_scale.py --ranks 8 64 --tensors 200 --repeats 1   # a quick look
@@ -434,14 +440,14 @@ def read_items(plan: Any) -> frozenset[tuple[Any, ...]]:
 
 
 def measure(workload: str, ranks: int, tensors: int, repeats: int, model_bytes: int,
-            root: str) -> dict[str, Any]:
+            root: str, systems: tuple[str, ...] = SYSTEMS) -> dict[str, Any]:
     """One cell: every phase of both systems, ``repeats`` times (alternating order)."""
     spec = model(workload, ranks, tensors, model_bytes)
-    samples: dict[str, dict[str, list[float]]] = {s: {p: [] for p in PHASES} for s in SYSTEMS}
+    samples: dict[str, dict[str, list[float]]] = {s: {p: [] for p in PHASES} for s in systems}
     sizes: dict[str, dict[str, float]] = {}
     items: dict[str, frozenset[tuple[Any, ...]]] = {}
     for r in range(repeats):
-        for system in SYSTEMS if r % 2 == 0 else SYSTEMS[::-1]:
+        for system in systems if r % 2 == 0 else systems[::-1]:
             work = tempfile.mkdtemp(prefix=f"scale-{system}-", dir=root)
             try:
                 res = RUNNERS[system](spec, ranks, work)
@@ -451,7 +457,7 @@ def measure(workload: str, ranks: int, tensors: int, repeats: int, model_bytes: 
                 samples[system][p].append(res[p])
             sizes[system] = {k: res[k] for k in SIZES}
             items[system] = res["read_items"]
-    if items["pyckpt"] != items["dcp"]:
+    if len(items) == 2 and items["pyckpt"] != items["dcp"]:
         raise AssertionError(f"{workload} N={ranks} T={tensors}: the load plans differ "
                              f"({len(items['pyckpt'])} vs {len(items['dcp'])} read items, "
                              f"{len(items['pyckpt'] ^ items['dcp'])} not in both)")
@@ -492,6 +498,9 @@ def markdown(rows: list[dict[str, Any]]) -> str:
             "|---|---:|---:|---|---:|---|---|---|---:|---|---:|\n")
     lines = []
     for row in rows:
+        if "dcp" not in row["sizes"]:
+            lines.append(_pyckpt_only(row))
+            continue
         sz = row["sizes"]
         a, b = _coord(row, "pyckpt"), _coord(row, "dcp")
         pb, db = sz["pyckpt"]["bytes"], sz["dcp"]["bytes"]
@@ -504,6 +513,15 @@ def markdown(rows: list[dict[str, Any]]) -> str:
             f"| {pb / db:.2f} | {la:.3f} / {lb:.3f} | {int(sz['pyckpt']['shards_read'])} |"
         )
     return head + "\n".join(lines) + "\n"
+
+
+def _pyckpt_only(row: dict[str, Any]) -> str:
+    """A cell measured without DCP (``--systems pyckpt``): DCP's columns are "-"."""
+    sz = row["sizes"]["pyckpt"]
+    return (f"| {row['workload']} | {row['ranks']} | {row['tensors']} | "
+            f"{_coord(row, 'pyckpt'):.3f} / - | - | {_med(row['samples']['pyckpt']['steady']):.3f}"
+            f" / - | {_size(int(sz['gathered']))} / - | {_size(int(sz['bytes']))} / - | - | "
+            f"{_load(row, 'pyckpt'):.3f} / - | {int(sz['shards_read'])} |")
 
 
 def plot(rows: list[dict[str, Any]], path: str) -> None:
@@ -524,6 +542,8 @@ def plot(rows: list[dict[str, Any]], path: str) -> None:
         xs = [c["ranks"] for c in cells]
         color = f"C{n}"
         for system in SYSTEMS:
+            if system not in cells[0]["sizes"]:
+                continue
             label = f"{system} {workload} T={tensors}"
             first = [_coord(c, system) for c in cells]
             steady = [_med(c["samples"][system]["steady"]) for c in cells]
@@ -552,6 +572,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tensors", type=int, nargs="+", default=[200, 2000])
     parser.add_argument("--workloads", nargs="+", choices=WORKLOADS, default=list(WORKLOADS))
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--systems", nargs="+", choices=SYSTEMS, default=list(SYSTEMS),
+                        help="measure these only (a cell too slow for DCP)")
     parser.add_argument("--model-gib", type=float, default=16.0,
                         help="bytes of the synthetic bf16 model (default 16 GiB: an 8B model)")
     parser.add_argument("--max-items", type=int, default=2_000_000,
@@ -614,14 +636,14 @@ def main(argv: list[str] | None = None) -> int:
                               f"({ranks * (tensors + 1)} items > --max-items)", flush=True)
                         continue
                     row = measure(workload, ranks, tensors, args.repeats,
-                                  int(args.model_gib * (1 << 30)), root)
+                                  int(args.model_gib * (1 << 30)), root, tuple(args.systems))
                     rows.append(row)
                     s = row["samples"]
                     sz = row["sizes"]
                     print(f"{workload:10s} N={ranks:5d} T={tensors:5d}  " + "  ".join(
-                        f"{p} {_med(s['pyckpt'][p]):.3f}/{_med(s['dcp'][p]):.3f}"
-                        for p in PHASES) + f"  bytes {sz['pyckpt']['bytes']}/"
-                        f"{sz['dcp']['bytes']}", flush=True)
+                        f"{p} " + "/".join(f"{_med(s[x][p]):.3f}" for x in s)
+                        for p in PHASES) + "  bytes " + "/".join(
+                        str(sz[x]["bytes"]) for x in sz), flush=True)
                     write()
     finally:
         shutil.rmtree(root, ignore_errors=True)

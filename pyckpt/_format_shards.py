@@ -494,7 +494,7 @@ class Layout:
         for rank, plan in enumerate(plans):
             ranges = getattr(plan.storage_data, "ranges", None) or {}
             for item in plan.items:
-                start = ranges.get(item.index, (0, 0))[0]
+                start = ranges.get(item.index, (0, 0))[0] if ranges else 0
                 fqn = item.index.fqn
                 if item.type == WriteItemType.BYTE_IO:
                     byte_holders.setdefault(fqn, []).append((start, rank))
