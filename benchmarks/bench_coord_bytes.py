@@ -6,7 +6,9 @@ times 1-3), three replicated tensors and a step counter. The tensors are tiny on
 measured is the coordination (plans, write results, metadata), not the data. Each method saves
 the same state twice, into successive directories, and every rank counts the bytes it sends and
 receives in collectives during each save (benchmarks/_collective_bytes.py: logical bytes, each
-destination once):
+destination once), then during loads of the whole state on all ranks (pyckpt's first save, then
+its second: the same layout, so the second load runs on the cached plan; DCP's second save with
+``FileSystemReader``), each checked bit-exact:
 
 * ``pyckpt``: ``pyckpt.save`` (its SavePlanner and Writer, coordination on
   ``pyckpt.coordination_group``);
@@ -133,6 +135,30 @@ def _rank_work(rank: int, world: int, spec: dict[str, Any]) -> dict[str, Any]:
             if rank == 0:
                 entry["detail"] = counts.as_dict()
             out["saves"][f"{method}-{k}"] = entry
+    # Loads of the whole state on all N ranks, counted the same way: pyckpt's first load of a
+    # layout, its second (the next save, same layout: the cached global plan), and DCP's.
+    from torch.distributed.checkpoint import FileSystemReader
+
+    loaders = {
+        "pyckpt-load-1": lambda got: pyckpt.load(got, os.path.join(root, "pyckpt-1")),
+        "pyckpt-load-2": lambda got: pyckpt.load(got, os.path.join(root, "pyckpt-2")),
+        "dcp-load": lambda got: dcp.load(
+            got, storage_reader=FileSystemReader(os.path.join(root, "dcp-2"))),
+    }
+    out["bad_loads"] = []
+    for key, loader in loaders.items():
+        got = _state(mesh, world, rank, world, layers, elems, fill=False)
+        dist.barrier()
+        t0 = time.perf_counter()
+        with count_collective_bytes() as counts:
+            loader(got)
+        seconds = time.perf_counter() - t0
+        out["bad_loads"] += [f"{key}: {name}" for name in _mismatches(got, sd)]
+        entry = {"sent": counts.sent_total, "received": counts.received_total,
+                 "calls": sum(counts.calls.values()), "seconds": seconds}
+        if rank == 0:
+            entry["detail"] = counts.as_dict()
+        out["saves"][key] = entry
     # Reshard N -> M: the first M ranks (a subgroup with its own mesh) load pyckpt's second
     # save, compare bit for bit, and save it again; then N -> M's checkpoint on all N ranks.
     sub = dist.new_group(list(range(reshard)))
@@ -171,7 +197,7 @@ def _kib(n: float) -> str:
 
 
 def _table(rows: dict[str, Any]) -> str:
-    lines = ["| save | sent KiB median / max | received KiB median / max | rank 0 sent / "
+    lines = ["| operation | sent KiB median / max | received KiB median / max | rank 0 sent / "
              "received KiB | rank 0 calls | s (slowest) |", "|---|---|---|---|---|---|"]
     for key, r in rows.items():
         lines.append(
@@ -206,12 +232,13 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         shutil.rmtree(work, ignore_errors=True)
     rows = _summary(results)
-    bad = {r: (res.get("bad_down", []), res["bad_up"]) for r, res in enumerate(results)
-           if res.get("bad_down") or res["bad_up"]}
+    bad = {r: (res.get("bad_down", []), res["bad_up"], res["bad_loads"])
+           for r, res in enumerate(results)
+           if res.get("bad_down") or res["bad_up"] or res["bad_loads"]}
     print(f"{args.ranks} gloo ranks, {args.layers} sharded layers + 3 replicated tensors + a "
           f"step; bytes per save (logical: each destination once); {wall:.0f} s in all")
     print(_table(rows))
-    print(f"reshard {args.ranks} -> {reshard} -> {args.ranks}: "
+    print(f"loads, and reshard {args.ranks} -> {reshard} -> {args.ranks}: "
           + ("bit-exact" if not bad else f"MISMATCH {bad}"))
     if args.json:
         with open(args.json, "w") as f:
