@@ -28,6 +28,7 @@ from __future__ import annotations
 import bisect
 import json
 import math
+import re
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -62,6 +63,7 @@ _GLOBAL_KEYS = frozenset(("format", "version", "created_by", "save_id", "dcp_ver
 _TENSOR_KEYS = frozenset(("type", "dtype", "shape", "requires_grad", "memory_format", "grid",
                           "holders"))
 _BYTES_KEYS = frozenset(("type", "nbytes", "segments"))
+_HEX16 = re.compile(rb"[0-9a-f]{16}")
 _SHARD_KEYS = frozenset(("format", "version", "save_id", "rank", "items", "checksum"))
 
 
@@ -131,12 +133,10 @@ def _parse_sealed(raw: bytes, origin: str) -> dict[str, Any]:
     if len(raw) <= _SEAL_LEN or raw[len(raw) - _SEAL_LEN:len(raw) - 18] != _SEAL_HEAD or \
             raw[-2:] != b'"}':
         raise _fail(origin, "", "does not end with its checksum member")
-    try:
-        recorded = int(raw[-18:-2].decode("ascii"), 16)
-    except ValueError:
-        raise _fail(origin, "", "does not end with its checksum member") from None
-    if raw[-18:-2] != raw[-18:-2].lower():
+    digits = raw[-18:-2]
+    if _HEX16.fullmatch(digits) is None:
         raise _fail(origin, "", "does not end with its checksum member")
+    recorded = int(digits, 16)
     actual = _C.xxh64(memoryview(raw)[: len(raw) - _SEAL_LEN])
     if actual != recorded:
         raise _fail(origin, "", f"metadata checksum mismatch (recorded xxh64:{recorded:016x}, "

@@ -264,6 +264,7 @@ def load(
         pyckpt.CheckpointFormatError: also when a non-tensor value's pickle holds types outside
             torch's weights-only allowlist and ``trusted`` is false (names the item).
         RuntimeError: a key of ``state_dict`` is missing from the checkpoint (DCP's error).
+        ValueError: a tensor's size differs from the stored one (DCP's error).
         pyckpt.PartialLoadError: stored entries would be left behind (see ``allow_partial``).
         Errors are the lowest failing rank's own exception, re-raised from DCP's
         ``CheckpointException`` (attached as ``__cause__``).
