@@ -260,7 +260,10 @@ def _plan(cache: dict[tuple[Any, ...], _Plans] | None, key: tuple[Any, ...],
 
             def global_step() -> tuple[list[SavePlan], Metadata]:
                 all_plans, md = planner.create_global_plan(local_plans)
-                return writer.prepare_global_plan(all_plans), md
+                final = writer.prepare_global_plan(all_plans)
+                # what every rank gets back: for a sharded save, each tensor's pieces as its
+                # grid (O(tensors), not a chunk per rank and tensor)
+                return final, writer.compact_metadata(md, final)
 
             out, own = _attempt(global_step)
             if own is not None:

@@ -33,6 +33,7 @@ from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
 from pyckpt import _C, _format, _format_shards, _gc, _knobs, _options, _ranklocal
+from pyckpt._loadplan import grid_metadata
 from pyckpt._native import _check_pinned_pool_bytes, _Native
 from pyckpt._reader import Reader
 from pyckpt._staging import DeviceStaging, block_bytes_for, is_device_tensor
@@ -448,6 +449,15 @@ class Writer(StorageWriter):
         if self._backend(save.path).exchanges_chunks:  # node-local: one document per node
             return False
         return self.metadata_shards is True or ranks > 1
+
+    @staticmethod
+    def compact_metadata(metadata: Metadata, plans: list[SavePlan]) -> Metadata:
+        """``metadata`` (of ``plans``, the final plans of :meth:`prepare_global_plan`) as a
+        sharded save describes it (:func:`pyckpt._loadplan.grid_metadata`: O(tensors) bytes
+        pickled); unchanged for any other save."""
+        layout = getattr(plans[0].storage_data, "layout", None) if plans else None
+        return metadata if layout is None else grid_metadata(
+            metadata, {fqn: entry[1] for fqn, entry in layout.tensors.items()})
 
     def destination_key(self) -> tuple[Any, ...]:
         """What about this writer's destination a cached save plan depends on (the kind of

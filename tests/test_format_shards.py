@@ -231,8 +231,16 @@ def _sharded_only(sd: dict[str, Any]) -> dict[str, Any]:
 
 
 def _save_worker(rank: int, world: int, path: str) -> None:
+    from pyckpt._loadplan import GridChunks
+
     sd = _rank_state(rank, world)
-    pyckpt.save(sd, path, compression="zstd", chunk_bytes=4096, fsync=False)
+    md = pyckpt.save(sd, path, compression="zstd", chunk_bytes=4096, fsync=False)
+    # every rank got the metadata with each tensor's chunks as its grid (a few bytes), equal
+    # to DCP's list of chunks
+    chunks = md.state_dict_metadata["w"].chunks
+    assert isinstance(chunks, GridChunks) and len(chunks) == world
+    assert [tuple(c.offsets) for c in chunks] == [(12 * r, 0) for r in range(world)]
+    assert chunks == list(chunks)
     pyckpt.save(sd, path, compression="zstd", chunk_bytes=4096, fsync=False)  # cached plan
     # each rank loads its own shards of the sharded tensors: it reads its own metadata shard
     # only (with a Reader of its own, to count)
