@@ -281,7 +281,7 @@ def _plan(cache: dict[tuple[Any, ...], _Plans] | None, key: tuple[Any, ...],
     _, central, generation, replica_class = reply
     # Every rank returns the metadata, as dcp.save does (the first save of a structure only:
     # later ones return the cached copy).
-    metadata = broadcast(metadata, group, what="the save's metadata")
+    metadata = broadcast(metadata, group, what="the save's metadata", inline=_DECISION_INLINE)
     assert local is not None and metadata is not None
     if cache is not None and generation:
         cache[key] = _Plans(_structure(local), generation, central, metadata, replica_class)
