@@ -41,12 +41,12 @@ from pyckpt._format_spec import (
     MAX_CHUNK_BYTES,
     MAX_NUMEL,
     MAX_PIECES,
-    MEMORY_FORMATS,
     chunk_place_key,
     chunk_place_seed,
     codec_params_json,
     data_file_name,
 )
+from pyckpt._format_write import tensor_header
 from pyckpt.errors import CheckpointFormatError
 
 __all__ = ["SHARDED_VERSION", "SHARD_FORMAT", "Axis", "Grid", "Holders", "Layout", "ShardWritten",
@@ -528,17 +528,8 @@ class Layout:
 
     def _tensor(self, fqn: str) -> dict[str, Any]:
         p, grid, per_cell = self.tensors[fqn]
-        memory_format = str(p.memory_format).removeprefix("torch.")
-        return {
-            "type": "tensor",
-            "dtype": str(p.dtype).removeprefix("torch."),
-            "shape": list(grid.shape),
-            "requires_grad": bool(p.requires_grad),
-            "memory_format": memory_format if memory_format in MEMORY_FORMATS else
-            "contiguous_format",
-            "grid": grid.runs(),
-            "holders": Holders.encode(per_cell),
-        }
+        return {**tensor_header(p, grid.shape), "grid": grid.runs(),
+                "holders": Holders.encode(per_cell)}
 
     def items_json(self, inline: Mapping[str, list[Any]]) -> str:
         """The JSON text of ``items``: the tensors stored in shards built once, the inline

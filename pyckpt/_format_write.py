@@ -62,6 +62,19 @@ def encode_planner_data(planner_data: Any) -> Any:
     return _tag(planner_data)
 
 
+def tensor_header(properties: Any, shape: Sequence[int]) -> dict[str, Any]:
+    """The members of a tensor item every version shares, from DCP's ``TensorProperties``."""
+    memory_format = str(properties.memory_format).removeprefix("torch.")
+    return {
+        "type": "tensor",
+        "dtype": str(properties.dtype).removeprefix("torch."),
+        "shape": list(shape),
+        "requires_grad": bool(properties.requires_grad),
+        "memory_format": memory_format if memory_format in MEMORY_FORMATS else
+        "contiguous_format",
+    }
+
+
 def storable_planner_data(planner_data: Any) -> Any:
     """:func:`encode_planner_data`, or None (with a warning) when it cannot be stored."""
     try:
@@ -169,16 +182,7 @@ def build_metadata(
                     "segments": segments_to_json(segs, chunk_place_seed(fqn, chunk.offsets)),
                 }
             )
-        memory_format = str(props.memory_format).removeprefix("torch.")
-        items[fqn] = {
-            "type": "tensor",
-            "dtype": str(props.dtype).removeprefix("torch."),
-            "shape": list(md.size),
-            "requires_grad": bool(props.requires_grad),
-            "memory_format": memory_format if memory_format in MEMORY_FORMATS else
-            "contiguous_format",
-            "pieces": pieces,
-        }
+        items[fqn] = {**tensor_header(props, md.size), "pieces": pieces}
 
     planner_data = storable_planner_data(metadata.planner_data)
     storage_meta = metadata.storage_meta

@@ -34,7 +34,7 @@ from typing import Any
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner
 
-from pyckpt._collective import Group, portable, raise_first
+from pyckpt._collective import Group, attempt, portable, raise_first
 from pyckpt._collective.transport import broadcast, gather, scatter
 
 __all__ = ["load", "stats", "clear_cache"]
@@ -83,13 +83,6 @@ def _digest(value: Any) -> int:
                           "little") >> 1
 
 
-def _attempt(fn: Any) -> tuple[Any, BaseException | None]:
-    try:
-        return fn(), None
-    except Exception as e:  # a KeyboardInterrupt propagates at once
-        return None, e
-
-
 def load(state_dict: dict[str, Any], reader: Any, planner: LoadPlanner, group: Group,
          key: tuple[Any, ...] = ()) -> bool:
     """Loads ``state_dict`` with ``reader`` (a :class:`pyckpt.Reader`) and ``planner`` on
@@ -130,14 +123,14 @@ def _load(state_dict: dict[str, Any], reader: Any, planner: LoadPlanner, group: 
         reader.set_up_storage_reader(metadata, coordinator)
         return reader.prepare_local_plan(planner.create_local_plan())
 
-    local, error = _attempt(local_step)
+    local, error = attempt(local_step)
     layout = b"" if metadata is None or error is not None else layout_digest(metadata)
     cache = _cache_of(group)
     ckey = (group.rank, group.world, type(planner), getattr(planner, "allow_partial_load", None),
             getattr(reader, "cooperative", None), getattr(reader, "allow_partial", None), key)
     cached = cache.get(ckey)
-    hit = (error is None and cached is not None and cached.layout == layout
-           and cached.items == local.items)
+    hit = (error is None and local is not None and cached is not None
+           and cached.layout == layout and cached.items == local.items)
     node = getattr(local, "storage_data", None)  # pyckpt._coop.LoadNode: this checkpoint
     probe = (error is None, hit, cached.generation if hit and cached else 0,
              _digest((getattr(node, "save_id", None), getattr(node, "path", None))))
@@ -164,7 +157,7 @@ def _load(state_dict: dict[str, Any], reader: Any, planner: LoadPlanner, group: 
         central, generation = _plan(local, planner, reader, group)
         if generation:
             cache[ckey] = _Plans(list(local.items), layout, generation, central)
-    _, error = _attempt(lambda: reader.read_data(planner.finish_plan(central), planner).wait())
+    _, error = attempt(lambda: reader.read_data(planner.finish_plan(central), planner).wait())
     outcomes = gather(None if error is None else portable(error), group,
                       what="the load's reads")
     failed: Any = None
@@ -190,10 +183,11 @@ def _plan(local: LoadPlan, planner: LoadPlanner, reader: Any, group: Group
         def global_step() -> list[LoadPlan]:
             return list(reader.prepare_global_plan(planner.create_global_plan(plans)))
 
-        out, own = _attempt(global_step)
+        out, own = attempt(global_step)
         if own is not None:
             replies = [("failed", [(0, portable(own))])] * group.world
         else:
+            assert out is not None
             cacheable = all(p.storage_data is None for p in out)
             generation = random.getrandbits(62) + 1 if cacheable else 0
             replies = [("plan", p, generation) for p in out]

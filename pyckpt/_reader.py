@@ -272,10 +272,16 @@ class Reader(StorageReader):
         for fqn, sb in index.bytes_items.items():
             sd_md[fqn] = BytesStorageMetadata()
             storage[MetadataIndex(fqn)] = sb
+        return self._metadata(index, sd_md, storage, [
+            fqn for fqn, st in index.tensors.items() if all(n > 0 for n in st.shape)
+        ] + list(index.bytes_items))
+
+    def _metadata(self, index: _format.CheckpointIndex, sd_md: dict[str, Any], storage: Any,
+                  stored_keys: list[str]) -> Metadata:
+        """DCP's metadata of ``index``; keeps what reads and the partial-load check need."""
         self._storage = storage
         self._save_id = index.save_id
-        self._stored_keys = [fqn for fqn, st in index.tensors.items()
-                             if all(n > 0 for n in st.shape)] + list(index.bytes_items)
+        self._stored_keys = stored_keys
         return Metadata(
             state_dict_metadata=sd_md,
             planner_data=index.planner_data,
@@ -298,20 +304,9 @@ class Reader(StorageReader):
                 memory_format=getattr(torch, t.memory_format, torch.contiguous_format)), t.grid)
         for fqn in g.bytes_items:
             sd_md[fqn] = BytesStorageMetadata()
-        storage = _ShardStorage(index.sharded)
-        self._storage = storage  # type: ignore[assignment]
-        self._save_id = index.save_id
-        self._stored_keys = [fqn for fqn, t in g.tensors.items()
-                             if all(n > 0 for n in t.shape)] + list(g.bytes_items)
-        return Metadata(
-            state_dict_metadata=sd_md,
-            planner_data=index.planner_data,
-            storage_data=storage,
-            storage_meta=StorageMeta(
-                checkpoint_id=self.path, save_id=index.save_id, load_id=self.load_id
-            ),
-            version=index.dcp_version,
-        )
+        return self._metadata(index, sd_md, _ShardStorage(index.sharded), [
+            fqn for fqn, t in g.tensors.items() if all(n > 0 for n in t.shape)
+        ] + list(g.bytes_items))
 
     def _read_shards(self, plans: list[LoadPlan]) -> None:
         """Of a version-4 checkpoint: reads the shards holding what ``plans`` read."""

@@ -35,19 +35,16 @@ from __future__ import annotations
 import hashlib
 import random
 import weakref
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any
 
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 
-from pyckpt._collective import Group, portable, raise_first
+from pyckpt._collective import Group, attempt, portable, raise_first
 from pyckpt._collective.transport import broadcast, gather, scatter
 
 __all__ = ["save", "stats", "clear_cache"]
-
-T = TypeVar("T")
 
 #: Inline bytes of the decision broadcast (a tag and a save id fit; an error goes on in a
 #: second collective).
@@ -118,13 +115,6 @@ def _replica_classes(plans: list[SavePlan]) -> list[int] | None:
     return out
 
 
-def _attempt(fn: Callable[[], T]) -> tuple[T | None, BaseException | None]:
-    try:
-        return fn(), None
-    except Exception as e:  # a KeyboardInterrupt propagates at once
-        return None, e
-
-
 def save(state_dict: dict[str, Any], writer: Any, planner: SavePlanner, group: Group,
          destination: tuple[Any, ...] = ()) -> Metadata:
     """Saves ``state_dict`` with ``writer`` (a :class:`pyckpt.Writer`) and ``planner`` on
@@ -143,7 +133,7 @@ def save(state_dict: dict[str, Any], writer: Any, planner: SavePlanner, group: G
         writer.set_up_storage_writer(coordinator, rank=group.rank, use_collectives=True)
         return writer.prepare_local_plan(planner.create_local_plan())
 
-    local, error = _attempt(local_step)
+    local, error = attempt(local_step)
 
     cache = None
     key: tuple[Any, ...] = ()
@@ -160,7 +150,7 @@ def save(state_dict: dict[str, Any], writer: Any, planner: SavePlanner, group: G
         central, metadata = _plan(cache, key, local, error, group, planner, writer)
     assert metadata is not None
 
-    results, error = _attempt(lambda: _write(writer, planner, central))
+    results, error = attempt(lambda: _write(writer, planner, central))
     gathered = gather((results, None if error is None else portable(error)), group,
                       what="the save's writes")
     outcome: Any = ("ok", None)
@@ -170,7 +160,7 @@ def save(state_dict: dict[str, Any], writer: Any, planner: SavePlanner, group: G
         if failed:
             outcome = ("failed", failed[:1])
         else:
-            _, error = _attempt(lambda: writer.finish(metadata, [res for res, _ in gathered]))
+            _, error = attempt(lambda: writer.finish(metadata, [res for res, _ in gathered]))
             # What the commit leaves in the metadata travels to every rank: a node-local
             # save's document, which each rank writes into its own directory as it arrives
             # (pyckpt.backends.peer.PublishedMetadata).
@@ -265,7 +255,7 @@ def _plan(cache: dict[tuple[Any, ...], _Plans] | None, key: tuple[Any, ...],
                 # grid (O(tensors), not a chunk per rank and tensor)
                 return final, writer.compact_metadata(md, final)
 
-            out, own = _attempt(global_step)
+            out, own = attempt(global_step)
             if own is not None:
                 replies = [("failed", [(0, portable(own))])] * group.world
             else:

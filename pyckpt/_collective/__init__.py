@@ -25,7 +25,7 @@ No collective here waits forever on a lost rank (docs/RELIABILITY.md, "Peers tha
   operation the other ranks will never match.
 """
 
-from pyckpt._collective.agreement import add_note, agree, portable, raise_first
+from pyckpt._collective.agreement import add_note, agree, attempt, portable, raise_first
 from pyckpt._collective.group import (
     Group,
     bound_s,
@@ -41,4 +41,4 @@ from pyckpt._collective.transport import all_gather, all_to_all_single, broadcas
 __all__ = ["Group", "group_info", "broadcast", "all_gather", "all_to_all_single", "bound_s",
            "peer_errors", "bounded_group", "peer_group", "portable", "add_note", "agree",
            "is_peer_failure", "coordination_arg", "coordination_group", "coordination_info",
-           "raise_first"]
+           "raise_first", "attempt"]

@@ -32,6 +32,16 @@ def add_note(exc: BaseException, text: str) -> None:
         method(text)
 
 
+def attempt(fn: Callable[[], T]) -> tuple[T | None, BaseException | None]:
+    """``(fn(), None)``, or ``(None, the exception)`` when ``fn`` raised one (a
+    ``KeyboardInterrupt`` propagates at once): a rank's step whose outcome the others must
+    learn through a collective."""
+    try:
+        return fn(), None
+    except Exception as e:
+        return None, e
+
+
 def raise_first(errors: Sequence[BaseException | None] | Mapping[int, BaseException | None],
                 mine: BaseException | None, what: str) -> None:
     """The failure every rank raises after an exchange of outcomes: this rank's own ``mine``
