@@ -19,7 +19,8 @@ the global plan back on every load. Here, as :mod:`pyckpt._savedrive` does for s
 
 Any failure of the local step (no ``pyckpt.json``: a rank-local checkpoint, or none at all)
 hands the whole load to ``dcp.load`` on every rank, which falls back to rank-local metadata or
-raises the typed error as it always did. A failure while reading is raised on every rank (the
+raises the typed error as it always did; a lost rank (:class:`~pyckpt.errors.PeerLostError`)
+is raised at once instead. A failure while reading is raised on every rank (the
 failing rank's own exception, the lowest failing rank's on the others).
 """
 
@@ -34,7 +35,7 @@ from typing import Any
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner
 
-from pyckpt._collective import Group, attempt, portable, raise_first
+from pyckpt._collective import Group, attempt, is_peer_failure, portable, raise_first
 from pyckpt._collective.transport import broadcast, gather, scatter
 
 __all__ = ["load", "stats", "clear_cache"]
@@ -124,6 +125,8 @@ def _load(state_dict: dict[str, Any], reader: Any, planner: LoadPlanner, group: 
         return reader.prepare_local_plan(planner.create_local_plan())
 
     local, error = attempt(local_step)
+    if error is not None and is_peer_failure(error):
+        raise error  # a lost rank: no more collectives (nor dcp.load's) on this group
     layout = b"" if metadata is None or error is not None else layout_digest(metadata)
     cache = _cache_of(group)
     ckey = (group.rank, group.world, type(planner), getattr(planner, "allow_partial_load", None),
