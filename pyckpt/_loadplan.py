@@ -3,7 +3,7 @@
 DCP's ``DefaultLoadPlanner`` plans each tensor with ``create_read_items_for_chunk_list``, which
 sorts the tensor's N stored chunks on every rank: a rank loading T sharded tensors of a
 checkpoint saved by N ranks does O(T x N log N) work, though it reads only the few pieces its
-own shards overlap (BENCHMARKS.md, "Planning and metadata at scale").
+own shards overlap (BENCHMARKS.md, "Coordination and metadata at scale").
 
 :class:`pyckpt.Reader` indexes each tensor's stored chunks when it reads the metadata
 (:class:`pyckpt._chunkindex.ChunkIndex`, in :class:`IndexedTensorStorageMetadata`), and
