@@ -38,7 +38,7 @@ from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner
 from pyckpt._collective import Group, attempt, is_peer_failure, portable, raise_first
 from pyckpt._collective.transport import broadcast, gather, scatter
 
-__all__ = ["load", "stats", "clear_cache"]
+__all__ = ["load", "run", "stats", "clear_cache"]
 
 _DECISION_INLINE = 96
 
@@ -104,6 +104,17 @@ def load(state_dict: dict[str, Any], reader: Any, planner: LoadPlanner, group: G
         else:
             state_dict[k] = flat[k]
     return True
+
+
+def run(state_dict: dict[str, Any], reader: Any, planner: LoadPlanner, group: Group,
+        key: tuple[Any, ...] = ()) -> None:
+    """Loads ``state_dict`` on every rank of ``group``: through :func:`load` when the group is
+    distributed, else (or when :func:`load` hands over) with ``dcp.load``."""
+    if group.distributed and load(state_dict, reader, planner, group, key):
+        return
+    import torch.distributed.checkpoint as dcp
+
+    dcp.load(state_dict, storage_reader=reader, planner=planner, process_group=group.pg)
 
 
 def _cache_of(group: Group) -> dict[tuple[Any, ...], _Plans]:

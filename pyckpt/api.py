@@ -19,7 +19,6 @@ from collections.abc import Iterator
 from typing import Any, Literal
 
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata
 
@@ -292,13 +291,7 @@ def _load(
             _single_process_quiet(), _quiet_missing_metadata(), \
             _progress.job(progress, "load", process_group) as report, \
             _progress.native_counter(report, _progress.local_bytes(state_dict) if report else 0):
-        group = group_info(process_group)
         # Several ranks: DCP's steps with the global plan cached (pyckpt._loaddrive), unless
         # the checkpoint needs DCP's own path (rank-local metadata, or an error to report).
-        if group.distributed and _loaddrive.load(state_dict, reader, load_planner(trusted),
-                                                 group, (trusted,)):
-            return
-        dcp.load(
-            state_dict, storage_reader=reader, planner=load_planner(trusted),
-            process_group=process_group,
-        )
+        _loaddrive.run(state_dict, reader, load_planner(trusted), group_info(process_group),
+                       (trusted,))

@@ -269,6 +269,14 @@ def main(spec_path: str) -> None:
         out["durable_data_files_fetched"] = mgr.store.data_files_fetched
         out["durable_direct_loads"] = mgr.store.direct_loads
         out["durable_metadata_reads"] = mgr.store.metadata_reads
+        if spec.get("restore_again"):  # the same layout again: the cached load plan
+            from pyckpt import _loaddrive
+
+            before = dict(_loaddrive.stats)
+            again = make_state(0, world, zeros=True, device=device)
+            out["step_again"] = mgr.restore(again)
+            out["bad_again"] = check(again, out["step_again"], world, rank)
+            out["restore_again"] = [k for k, v in _loaddrive.stats.items() if v != before[k]]
     mgr.close()
     with open(os.path.join(root, "results", f"{spec['tag']}-{rank}.json"), "w") as fh:
         json.dump(out, fh)

@@ -603,10 +603,13 @@ def test_lose_one_node_restores_bit_exact_from_replicas_with_zero_durable_reads(
     shutil.rmtree(tmp_path / "nodes" / "n1")
     for f in (tmp_path / "durable").rglob("*.pyckpt"):
         f.unlink()
-    _run(tmp_path, "restore", "restore", manager=_FAST)
+    _run(tmp_path, "restore", "restore", manager=_FAST, restore_again=True)
     for r in range(WORLD):
         res = result(str(tmp_path), "restore", r)
         assert res["step"] == 3 and res["bad"] == [], res
+        # a second restore of the same layout runs on the cached load plan (pyckpt._loaddrive)
+        assert res["step_again"] == 3 and res["bad_again"] == [], res
+        assert res["restore_again"] == ["cached"], res
         assert res["warnings"] == []
         assert res["durable_data_bytes_read"] == 0 and res["durable_data_files_fetched"] == 0
         assert res["durable_direct_loads"] == 0

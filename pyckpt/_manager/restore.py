@@ -10,9 +10,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch.distributed.checkpoint as dcp
-
-from pyckpt import _format
+from pyckpt import _format, _loaddrive
 from pyckpt._collective import agree
 from pyckpt._manager.base import ManagerBase
 from pyckpt._manager.info import RestoreInfo
@@ -199,8 +197,7 @@ class Restoring(ManagerBase):
         reader = Reader(self.tier.step_dir(step), shared_filesystem=False,
                         process_group=g.pg, cooperative=False, allow_partial=allow_partial)
         with reader, _single_process_quiet(), _typed_errors():
-            dcp.load(state, storage_reader=reader, planner=load_planner(),
-                     process_group=g.pg)
+            _loaddrive.run(state, reader, load_planner(), g)  # plans cached per layout
         info.bytes_peer = reader.bytes_from_peers
         info.bytes_local = max(0, reader.bytes_read - reader.bytes_from_peers)
 
@@ -235,8 +232,7 @@ class Restoring(ManagerBase):
             with Reader(self.store.step_location(step), allow_partial=allow_partial,
                         storage_options=self.store.storage_options or None) as reader, \
                     _single_process_quiet(), _typed_errors():
-                dcp.load(state, storage_reader=reader, planner=load_planner(),
-                         process_group=g.pg)
+                _loaddrive.run(state, reader, load_planner(), g)
             nbytes = reader.bytes_fetched or reader.bytes_read
             info.bytes_durable = nbytes
             self.store.count_direct_load(nbytes)
