@@ -18,7 +18,7 @@ import os
 import stat
 from typing import Any
 
-from pyckpt import _C, _gc
+from pyckpt import _C, _format_shards, _format_shards_read, _gc
 from pyckpt._format_spec import (
     MAX_METADATA_BYTES,
     METADATA_FILE,
@@ -148,8 +148,6 @@ class DataFiles:
     def sharded(self, raw: bytes, lazy: bool) -> CheckpointIndex:
         """The index of a version-4 document ``raw``: with ``lazy``, its global part only
         (``CheckpointIndex.sharded`` reads shards on demand), else every item in full."""
-        from pyckpt import _format_shards_read
-
         g = _format_shards_read.parse_global(raw, self.meta)
         local_files = set()
         if not lazy:  # a lazy read checks the files it uses, when it uses them
@@ -240,10 +238,8 @@ def validate(raw: bytes, meta: str, files: DataFiles, lazy: bool = False,
     those of ``_C.parse_pyckpt_index`` (a rank-local part: ``disjoint_pieces``, ``rank``).
     A version-4 document (sharded, :mod:`pyckpt._format_shards`) is read by that module, its
     shards through ``files``; ``lazy``: see :func:`read_index`."""
-    from pyckpt._format_shards import is_sharded
-
     with _gc.paused():  # objects per tensor, piece and chunk, all kept (see pyckpt._gc)
-        if is_sharded(raw) and not options:
+        if _format_shards.is_sharded(raw) and not options:
             return files.sharded(raw, lazy)
         return files.index(_C.parse_pyckpt_index(raw, meta, **options))
 

@@ -162,6 +162,65 @@ def _untag(v: Any, origin: str, path: str, depth: int) -> Any:
     return v
 
 
+def _shards_at_once(entries: list[Any], files: dict[str, Any], save_id: str
+                    ) -> dict[int, ShardRef] | None:
+    """The shards of a well-formed ``shards`` list and ``files`` object, checked a column at a
+    time, in C loops (a rank's read of a 4096-rank checkpoint's global document); None when
+    any check fails (:func:`_shards_one_by_one` then names the entry)."""
+    if len(entries) != len(files) or {type(e) for e in entries} - {list} or \
+            set(map(len, entries)) - {4}:
+        return None
+    if not entries:
+        return {}
+    ranks, offsets, lengths, digests = cols = tuple(zip(*entries))
+    if set().union(*(map(type, col) for col in cols)) != {int}:
+        return None
+    if (min(ranks) < 0 or max(ranks) > _MAX_RANK or min(offsets) < 0 or min(lengths) < 1
+            or max(lengths) > MAX_CHUNK_BYTES or min(digests) < 0 or max(digests) >= 1 << 64
+            or not all(map(int.__lt__, ranks, ranks[1:]))):
+        return None
+    names = [f"{r}-0.{save_id}.pyckpt" for r in ranks]  # data_file_name
+    sizes: list[Any] = list(map(files.get, names))  # every file a shard's: as many, all found
+    if set(map(type, sizes)) != {int} or max(sizes) > _MAX_FILE_BYTES or \
+            not all(map(int.__eq__, map(int.__add__, offsets, lengths), sizes)):
+        return None
+    return dict(zip(ranks, map(ShardRef, ranks, names, offsets, lengths, digests)))
+
+
+def _shards_one_by_one(entries: list[Any], files_raw: dict[str, Any], save_id: str,
+                       origin: str) -> dict[int, ShardRef]:
+    """:func:`_shards_at_once`, entry by entry: raises naming the first wrong value."""
+    for name, size in files_raw.items():
+        if not is_data_file(name):
+            raise _fail(origin, f"files[{name!r}]", "is not a data file name of this format")
+        _int(size, origin, f"files[{name!r}]", 0, _MAX_FILE_BYTES)
+    shards: dict[int, ShardRef] = {}
+    last = -1
+    for k, entry in enumerate(entries):
+        sp = f"shards[{k}]"
+        if type(entry) is not list or len(entry) != 4:
+            raise _fail(origin, sp, "must be [rank, file offset, length, xxh64]")
+        rank = _int(entry[0], origin, f"{sp}[0]", 0, _MAX_RANK)
+        if rank <= last:
+            raise _fail(origin, f"{sp}[0]", "shards must be listed by increasing rank")
+        last = rank
+        name = data_file_name(rank, 0, save_id)
+        size = files_raw.get(name)
+        if size is None:
+            raise _fail(origin, sp, f"its data file {name} is not listed in 'files'")
+        offset = _int(entry[1], origin, f"{sp}[1]", 0, _MAX_FILE_BYTES)
+        length = _int(entry[2], origin, f"{sp}[2]", 1, MAX_CHUNK_BYTES)
+        if offset + length != size:
+            raise _fail(origin, sp, f"the shard must end its data file ({size} bytes), it ends "
+                                    f"at {offset + length}")
+        xxh = _int(entry[3], origin, f"{sp}[3]", 0, (1 << 64) - 1)
+        shards[rank] = ShardRef(rank, name, offset, length, xxh)
+    if len(shards) != len(files_raw):
+        extra = sorted(set(files_raw) - {s.file for s in shards.values()})
+        raise _fail(origin, "files", f"{extra[0]} holds no shard")
+    return shards
+
+
 def parse_global(raw: bytes, origin: str) -> GlobalDoc:
     """Verifies and validates a version-4 ``pyckpt.json`` (``origin`` names it)."""
     if len(raw) > MAX_METADATA_BYTES:
@@ -190,34 +249,10 @@ def parse_global(raw: bytes, origin: str) -> GlobalDoc:
         raise _fail(origin, "files", "must be an object")
     if len(files_raw) > MAX_FILES:
         raise _fail(origin, "files", f"more than {MAX_FILES} data files")
-    for name, size in files_raw.items():
-        if not is_data_file(name):
-            raise _fail(origin, f"files[{name!r}]", "is not a data file name of this format")
-        _int(size, origin, f"files[{name!r}]", 0, _MAX_FILE_BYTES)
-    shards: dict[int, ShardRef] = {}
-    last = -1
-    for k, entry in enumerate(_list(doc["shards"], origin, "shards")):
-        sp = f"shards[{k}]"
-        if type(entry) is not list or len(entry) != 4:
-            raise _fail(origin, sp, "must be [rank, file offset, length, xxh64]")
-        rank = _int(entry[0], origin, f"{sp}[0]", 0, _MAX_RANK)
-        if rank <= last:
-            raise _fail(origin, f"{sp}[0]", "shards must be listed by increasing rank")
-        last = rank
-        name = data_file_name(rank, 0, save_id)
-        size = files_raw.get(name)
-        if size is None:
-            raise _fail(origin, sp, f"its data file {name} is not listed in 'files'")
-        offset = _int(entry[1], origin, f"{sp}[1]", 0, _MAX_FILE_BYTES)
-        length = _int(entry[2], origin, f"{sp}[2]", 1, MAX_CHUNK_BYTES)
-        if offset + length != size:
-            raise _fail(origin, sp, f"the shard must end its data file ({size} bytes), it ends "
-                                    f"at {offset + length}")
-        xxh = _int(entry[3], origin, f"{sp}[3]", 0, (1 << 64) - 1)
-        shards[rank] = ShardRef(rank, name, offset, length, xxh)
-    if len(shards) != len(files_raw):
-        extra = sorted(set(files_raw) - {s.file for s in shards.values()})
-        raise _fail(origin, "files", f"{extra[0]} holds no shard")
+    shard_list = _list(doc["shards"], origin, "shards")
+    shards = _shards_at_once(shard_list, files_raw, save_id)
+    if shards is None:  # something is wrong: find it, entry by entry
+        shards = _shards_one_by_one(shard_list, files_raw, save_id, origin)
 
     items = doc["items"]
     if type(items) is not dict:
