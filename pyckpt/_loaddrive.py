@@ -13,7 +13,7 @@ the global plan back on every load. Here, as :mod:`pyckpt._savedrive` does for s
   sharded checkpoint it reads only the shards it needs) and compares the plan's read items and
   the checkpoint's layout (each stored tensor's dtype, shape and pieces, the stored keys) with
   the cached ones. One gather of a few numbers per rank (hit or miss, the generation, a digest
-  of the checkpoint's name) and one broadcast of the decision confirm that every rank still
+  of the checkpoint's save id) and one broadcast of the decision confirm that every rank still
   holds what the coordinator planned, and loads the same checkpoint; otherwise every rank plans
   again.
 
@@ -146,8 +146,9 @@ def _load(state_dict: dict[str, Any], reader: Any, planner: LoadPlanner, group: 
     hit = (error is None and local is not None and cached is not None
            and cached.layout == layout and cached.items == local.items)
     node = getattr(local, "storage_data", None)  # pyckpt._coop.LoadNode: this checkpoint
+    # the save id names the checkpoint (a node-local one has another path on every node)
     probe = (error is None, hit, cached.generation if hit and cached else 0,
-             _digest((getattr(node, "save_id", None), getattr(node, "path", None))))
+             _digest(getattr(node, "save_id", None)))
     probes = gather(probe, group, what="the load's plan check")
     decision: Any = None
     if coordinator:
