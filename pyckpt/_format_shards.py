@@ -6,7 +6,9 @@ and rewrites all of them on every save and every loading rank reads all of them.
 
 * each rank appends its **shard** to its own data file, after its chunks: the chunk records of
   what it wrote (compact JSON, sealed like ``pyckpt.json``), and reports to the coordinator only
-  where the shard lies and its XXH64 (a few numbers per rank);
+  where the shard lies and its XXH64 (a few numbers per rank), with the few records of the items
+  ``pyckpt.json`` keeps itself (:attr:`Layout.inline`: bytes items, replicated tensors split
+  between ranks, which every loading rank needs whole);
 * ``pyckpt.json`` names the shards with their digests and describes each tensor's pieces as a
   **grid** (run-length encoded cell sizes per dimension: an FSDP dim-0 split over N ranks is one
   run) and the ranks holding each cell (runs again: rank ``i`` holds cell ``i`` is one run). Its
@@ -15,9 +17,10 @@ and rewrites all of them on every save and every loading rank reads all of them.
 * a loading rank reads the global document, then only the shards holding the cells it loads
   (:class:`ShardedIndex`), each verified against its digest before a byte of it is parsed.
 
-This module builds both documents (:class:`Layout`, :func:`build_shard`, :func:`build_global`)
-and reads them (:func:`parse_global`, :class:`ShardedIndex`), with the same strictness as the
-version-3 reader: exact keys and types, every chunk record one the writer can produce, every
+This module holds the format's grids and holders and builds both documents (:class:`Layout`,
+:func:`append_shard`, :func:`global_document`); :mod:`pyckpt._format_shards_read` reads them
+(:func:`~pyckpt._format_shards_read.parse_global`, :class:`~pyckpt._format_shards_read.ShardedIndex`),
+with the same strictness as the version-3 reader: exact keys and types, every chunk record one the writer can produce, every
 shard's chunks packed back to back before it, every cell covered exactly by its holders'
 segments. Errors are :class:`~pyckpt.errors.CheckpointFormatError` naming the file (for a shard:
 the data file and the rank) and the key path.
