@@ -150,11 +150,15 @@ class DataFiles:
         (``CheckpointIndex.sharded`` reads shards on demand), else every item in full."""
         g = _format_shards_read.parse_global(raw, self.meta)
         local_files = set()
+        checked: dict[str, str] = {}
         if not lazy:  # a lazy read checks the files it uses, when it uses them
             for name, size in g.files.items():
-                if self.check_file(name, size) is not None:
+                full = self.check_file(name, size)
+                if full is not None:
                     local_files.add(name)
-        sharded = _format_shards_read.ShardedIndex(g, self.read_shards, self.path_of)
+                    checked[name] = full
+        sharded = _format_shards_read.ShardedIndex(
+            g, self.read_shards, lambda n, z: checked.get(n) or self.path_of(n, z))
         tensors: dict[str, StoredTensor] = {}
         bytes_items: dict[str, StoredBytes] = {}
         if not lazy:

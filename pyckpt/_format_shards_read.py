@@ -555,9 +555,6 @@ class ShardedIndex:
             ranks.update(self.holders(fqn, cell))
         self.load(ranks)
 
-    def load_all(self) -> None:
-        self.load(list(self.g.shards))
-
     def _segments(self, fqn: str, cell: int, nbytes: int, where: str) -> list[Any]:
         inline = self.g.inline.get(fqn)
         if inline is not None:  # checked with the global document
@@ -622,7 +619,7 @@ class ShardedIndex:
 
     def full(self) -> tuple[dict[str, StoredTensor], dict[str, StoredBytes]]:
         """Every item with all its pieces (every shard read and checked)."""
-        self.load_all()
+        self.load(list(self.g.shards))
         for shard in self._shards.values():
             shard.check_all()
         tensors = {}

@@ -578,10 +578,6 @@ class _ShardStorage:
             st = self._tensors[fqn] = self.sharded.tensor(fqn)
         return st, self.sharded.piece(fqn, cell)
 
-    def __contains__(self, index: object) -> bool:
-        return isinstance(index, MetadataIndex) and (
-            index.fqn in self.sharded.g.bytes_items or self._cell(index) is not None)
-
 
 def _one_checkpoint(named: list[LoadNode | None]) -> None:
     """Refuses a cooperative load whose ranks load different checkpoints (a rank restarted from
