@@ -106,8 +106,11 @@ def test_bench_coord_bytes_smoke(tmp_path: Path, capsys: pytest.CaptureFixture[s
     report = json.loads(out.read_text())
     assert report["bit_exact"] and report["reshard"] == 2
     rows = report["rows"]
-    assert set(rows) == {f"{m}-{k}" for m in METHODS for k in range(1, SAVES + 1)}
+    assert set(rows) == {f"{m}-{k}" for m in METHODS for k in range(1, SAVES + 1)} | {
+        "pyckpt-load-1", "pyckpt-load-2", "dcp-load"}
     for row in rows.values():
-        # The coordinator gathers every rank's plan and results: it receives something.
+        # The coordinator gathers every rank's plan, probe or results: it receives something.
         assert row["rank0_received"] > 0 and row["sent_max"] >= row["sent_median"] > 0
+    # a second load of the same layout exchanges no plan: less than the first
+    assert rows["pyckpt-load-2"]["rank0_received"] < rows["pyckpt-load-1"]["rank0_received"]
     assert "reshard 4 -> 2 -> 4: bit-exact" in capsys.readouterr().out

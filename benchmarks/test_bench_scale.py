@@ -43,17 +43,17 @@ def test_scale_report(tmp_path: Path, capsys: pytest.CaptureFixture[str],
     for row in report["rows"]:
         for system in ("pyckpt", "dcp"):
             assert all(len(row["samples"][system][p]) == 2 for p in PHASES)
-            assert row["bytes"][system] > 0
+            assert row["sizes"][system]["bytes"] > 0
         # The last rank's load plan reads its shard of every sharded tensor (one stored piece
         # each at the same world size), every replicated tensor and the non-tensor item.
         assert row["read_items"] >= 6 + 1
     sharded = {r["ranks"]: r for r in report["rows"] if r["workload"] == "sharded"}
     # One stored piece per rank and tensor: the metadata grows with N for both systems.
     for system in ("pyckpt", "dcp"):
-        assert sharded[8]["bytes"][system] > sharded[2]["bytes"][system]
+        assert sharded[8]["sizes"][system]["bytes"] > sharded[2]["sizes"][system]["bytes"]
     lines = table.read_text().splitlines()
     assert len(lines) == 2 + 6 and lines[2].startswith("| sharded | 2 | 6 | ")
-    assert "plan+meta" in capsys.readouterr().out
+    assert "steady" in capsys.readouterr().out
     # Cells over --max-items are skipped and reported as such.
     assert main(["--ranks", "2", "8", "--tensors", "6", "--repeats", "1", "--model-gib", "0.01",
                  "--workloads", "sharded", "--max-items", "20", "--dir", str(tmp_path),
