@@ -95,8 +95,10 @@ TEST(errors_name_the_file_and_the_key_path) {
        "(dimension 0)"},
       {std::string(b).replace(b.find("\"float32\""), 9, "\"float33\""),
        "m: items['w'].dtype: unsupported dtype 'float33'"},
+      {std::string(b).replace(b.find("\"version\":3"), 11, "\"version\":5"),
+       "m: format version 5 is not supported by this pyckpt"},
       {std::string(b).replace(b.find("\"version\":3"), 11, "\"version\":4"),
-       "m: format version 4 is not supported by this pyckpt"},
+       "m: a version 4 (sharded) document must begin with"},
   };
   for (const auto& [bad, message] : cases) {
     CHECK_THROWS(parse_pyckpt_index(seal(bad), "m"), FormatError, message);
