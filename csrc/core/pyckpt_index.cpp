@@ -176,8 +176,9 @@ class Reader {
     if (t[version].kind != JKind::Int)
       fail("version", "must be an integer, got " + t.describe(version));
     if (in_range(version, 4, 4)) {  // read by pyckpt/_format_shards_read.py, by its prefix
-      fail("", "a version 4 (sharded) document must begin with {\"format\":\"pyckpt\","
-               "\"version\":4, (docs/FORMAT.md, \"Version 4\")");
+      fail("",
+           "a version 4 (sharded) document must begin with {\"format\":\"pyckpt\","
+           "\"version\":4, (docs/FORMAT.md, \"Version 4\")");
     }
     if (!in_range(version, 1, 3)) {
       fail("", "format version " + t.int_text(version) +
