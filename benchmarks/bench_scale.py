@@ -464,7 +464,7 @@ def measure(workload: str, ranks: int, tensors: int, repeats: int, model_bytes: 
     return {
         "workload": workload, "ranks": ranks, "tensors": tensors,
         "write_items": ranks * (tensors + 1),
-        "samples": samples, "sizes": sizes, "read_items": len(items["pyckpt"]),
+        "samples": samples, "sizes": sizes, "read_items": len(next(iter(items.values()))),
     }
 
 
@@ -498,6 +498,8 @@ def markdown(rows: list[dict[str, Any]]) -> str:
             "|---|---:|---:|---|---:|---|---|---|---:|---|---:|\n")
     lines = []
     for row in rows:
+        if "pyckpt" not in row["sizes"]:
+            continue  # a cell of DCP alone (--systems dcp): in the JSON report only
         if "dcp" not in row["sizes"]:
             lines.append(_pyckpt_only(row))
             continue

@@ -24,6 +24,8 @@ from torch.distributed.checkpoint.metadata import (
 )
 from torch.distributed.checkpoint.planner import SavePlan, WriteItem, WriteItemType
 
+from pyckpt._grid import Grid, Pieces
+
 SPLIT_ALIGNMENT = 1 << 20
 """Split points inside a tensor lie at multiples of this many bytes (1 MiB) from its start.
 
@@ -53,9 +55,17 @@ class ByteRanges:
     """
 
     ranges: dict[MetadataIndex, tuple[int, int]] = dataclasses.field(default_factory=dict)
+    pieces: Pieces | None = dataclasses.field(default=None, compare=False, repr=False)
+    """On rank 0's plan from :meth:`SavePlanner.create_global_plan` only: every tensor's grid
+    and the ranks writing each cell, when all tensors are grids (what a version-4 save's
+    ``pyckpt.Writer`` describes, found here instead of from every plan again). It stays in the
+    coordinator's process: a pickled ``ByteRanges`` leaves it out."""
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"ranges": self.ranges, "pieces": None}
 
 
-@dataclasses.dataclass(eq=False)
+@dataclasses.dataclass(eq=False, slots=True)
 class _Entry:
     """One distinct item (one ``MetadataIndex``) over all plans, and where it is written."""
 
@@ -119,8 +129,9 @@ def _collect(all_plans: Sequence[SavePlan]) -> tuple[list[_Entry], list[_RankIte
     # Keyed by (fqn, offset), which is what MetadataIndex equality compares, without calling
     # the dataclass's Python-level __hash__/__eq__ for every copy.
     entries: dict[tuple[str, Any], _Entry] = {}
-    # What _check_same_item compares, per index: one tuple comparison per copy (half the cost
-    # of the call, which only runs to raise); None where a copy cannot be compared that way.
+    # What _check_same_item compares, per index held by several ranks: one tuple comparison
+    # per copy (half the cost of the call, which only runs to raise); None where a copy
+    # cannot be compared that way. Made at an index's second copy: most are held by one rank.
     signatures: dict[tuple[str, Any], tuple[Any, ...] | None] = {}
     per_rank: list[_RankItems] = []
     for rank, plan in enumerate(all_plans):
@@ -129,12 +140,8 @@ def _collect(all_plans: Sequence[SavePlan]) -> tuple[list[_Entry], list[_RankIte
         for item in plan.items:
             key = (item.index.fqn, item.index.offset)
             entry = entries.get(key)
-            td = item.tensor_data
-            if item.type == WriteItemType.BYTE_IO:
-                signature: tuple[Any, ...] | None = (WriteItemType.BYTE_IO,)
-            else:
-                signature = None if td is None else (td.size, td.chunk.sizes, td.properties.dtype)
             if entry is None:
+                td = item.tensor_data
                 splittable = item.type != WriteItemType.BYTE_IO and td is not None
                 nbytes = _item_nbytes(item)
                 weight = nbytes
@@ -142,19 +149,29 @@ def _collect(all_plans: Sequence[SavePlan]) -> tuple[list[_Entry], list[_RankIte
                     estimate = sizes.get((key[0], tuple(key[1]) if key[1] is not None else None))
                     weight = max(1, estimate) if estimate is not None else nbytes
                 entry = entries[key] = _Entry(item, nbytes, splittable, weight, [rank])
-                signatures[key] = signature
             elif entry.holders[-1] == rank:  # ranks are visited in ascending order
                 raise ValueError(
                     f"rank {rank}'s plan holds item {item.index.fqn!r} "
                     f"(offset {item.index.offset}) twice"
                 )
             else:
+                if key not in signatures:
+                    signatures[key] = _signature(entry.item)
+                signature = _signature(item)
                 if signature is None or signature != signatures[key]:
                     _check_same_item(entry.item, item, rank)
                 entry.holders.append(rank)
             mine.append((item, entry))
         per_rank.append(mine)
     return list(entries.values()), per_rank
+
+
+def _signature(item: WriteItem) -> tuple[Any, ...] | None:
+    """What :func:`_check_same_item` compares of a copy, as one tuple (None: call it)."""
+    if item.type == WriteItemType.BYTE_IO:
+        return (WriteItemType.BYTE_IO,)
+    td = item.tensor_data
+    return None if td is None else (td.size, td.chunk.sizes, td.properties.dtype)
 
 
 def _water_fill(loads: list[int], holders: Sequence[int], total: int) -> list[tuple[int, int]]:
@@ -336,48 +353,105 @@ def _balance(all_plans: Sequence[SavePlan], alignment: int) -> list[_RankItems]:
     return per_rank
 
 
-def _build_metadata(per_rank: Sequence[_RankItems]) -> Metadata:
-    """Build the checkpoint metadata from balanced entries, naming every index once.
+def _build_metadata(
+    per_rank: Sequence[_RankItems],
+) -> tuple[list[tuple[list[WriteItem], dict[MetadataIndex, tuple[int, int]]]], Metadata,
+           Pieces | None]:
+    """Build each rank's final items and byte ranges, the checkpoint metadata naming every
+    index once, and the plan's pieces (None when some tensor's chunks are not a grid), in one
+    pass over the balanced entries (at thousands of ranks each pass over every item costs
+    seconds).
 
     Mirrors DCP's ``create_default_global_save_plan`` (one chunk per item, index hint = the
     chunk's position), but visits each index once: in the plan of the rank that writes the
-    item's first byte (DCP's function would append one chunk per copy of a split item). Sets
-    each entry's ``final`` item, which every writing rank's plan then shares: copies differ at
-    most in tensor properties that only the metadata uses (writers resolve an item's data
-    from their own state dict by index).
+    item's first byte (DCP's function would append one chunk per copy of a split item), which
+    is its lowest writing rank (:func:`_assign_group` cuts in rank order). Sets each entry's
+    ``final`` item, which every writing rank's plan then shares: copies differ at most in
+    tensor properties that only the metadata uses (writers resolve an item's data from their
+    own state dict by index).
     """
     md: dict[str, Any] = {}
+    tensor_entries: dict[str, list[_Entry]] = {}
+    boxes: dict[str, tuple[list[Any], list[Any]]] = {}  # the chunks' offsets, their sizes
+    bytes_items: dict[str, list[int]] = {}
+    writes = 0
+    finals = []
     for rank, mine in enumerate(per_rank):
+        items: list[WriteItem] = []
+        ranges: dict[MetadataIndex, tuple[int, int]] = {}
+        finals.append((items, ranges))
         for item, entry in mine:
-            if rank not in entry.parts:
+            parts = entry.parts
+            if rank not in parts:
                 continue  # not written here
-            span = entry.parts[rank]
-            if span is not None and span[0] != 0:
-                continue  # not this item's first bytes
+            writes += 1
+            span = parts[rank]
+            if span is not None and span[0] != 0:  # not this item's first bytes
+                final = entry.final
+                if final is None:
+                    raise AssertionError(f"no primary writer for {item.index} before rank {rank}")
+                items.append(final)
+                ranges[final.index] = span
+                continue
             index = item.index
             if item.type != WriteItemType.SHARD and index.fqn in md:
                 raise ValueError(f"{index.fqn!r} is saved both as a whole value and as shards")
             if item.type == WriteItemType.BYTE_IO:
                 md[index.fqn] = BytesStorageMetadata()
+                bytes_items[index.fqn] = _writers(entry)
                 entry.final = item
+                items.append(item)
                 continue
             data = item.tensor_data
             if data is None:
                 raise ValueError(f"tensor item {index.fqn!r} has no tensor data")
-            tensor_md = md.setdefault(
-                index.fqn,
-                TensorStorageMetadata(properties=data.properties, size=data.size, chunks=[]),
-            )
-            if not isinstance(tensor_md, TensorStorageMetadata):
+            tensor_md = md.get(index.fqn)
+            if tensor_md is None:
+                tensor_md = md[index.fqn] = TensorStorageMetadata(
+                    properties=data.properties, size=data.size, chunks=[])
+                tensor_entries[index.fqn] = []
+                boxes[index.fqn] = ([], [])
+            elif not isinstance(tensor_md, TensorStorageMetadata):
                 raise ValueError(f"{index.fqn!r} is saved both as a non-tensor and as shards")
             hinted = MetadataIndex(index.fqn, index.offset, len(tensor_md.chunks))
-            entry.final = WriteItem(index=hinted, type=item.type, tensor_data=data)
-            tensor_md.chunks.append(data.chunk)
-    return Metadata(md)
+            final = entry.final = WriteItem(index=hinted, type=item.type, tensor_data=data)
+            items.append(final)
+            if span is not None:
+                ranges[hinted] = span
+            chunk = data.chunk
+            tensor_md.chunks.append(chunk)
+            tensor_entries[index.fqn].append(entry)
+            offsets, sizes = boxes[index.fqn]
+            offsets.append(chunk.offsets)
+            sizes.append(chunk.sizes)
+    tensors: dict[str, tuple[Any, Grid, list[list[int]]]] = {}
+    for fqn, entries in tensor_entries.items():
+        tensor_md = md[fqn]
+        found = Grid.of_boxes(tensor_md.size, *boxes[fqn])
+        if found is None:
+            return finals, Metadata(md), None
+        grid, numbers = found
+        per_cell: list[list[int]] = [[] for _ in numbers]
+        for n, entry in zip(numbers, entries):
+            parts = entry.parts
+            per_cell[n] = list(parts) if len(parts) == 1 else _writers(entry)
+        tensors[fqn] = (tensor_md.properties, grid, per_cell)
+    return finals, Metadata(md), Pieces(tensors, bytes_items, writes)
 
 
-def _validate(metadata: Metadata, world_size: int) -> list[str]:
-    """Check chunk bounds and that each tensor's chunks cover its volume exactly once."""
+def _writers(entry: _Entry) -> list[int]:
+    """The ranks writing an entry, in the order of the bytes they write."""
+    parts = entry.parts
+    if len(parts) == 1:
+        return list(parts)
+    return sorted(parts, key=lambda r: (parts[r] or (0, 0))[0])
+
+
+def _validate(metadata: Metadata, world_size: int, pieces: Pieces | None = None) -> list[str]:
+    """Check chunk bounds and that each tensor's chunks cover its volume exactly once (true of
+    every tensor of ``pieces``: its chunks are a grid's cells)."""
+    if pieces is not None:
+        return []
     errors = []
     for fqn, md in metadata.state_dict_metadata.items():
         if isinstance(md, BytesStorageMetadata) or not isinstance(md, TensorStorageMetadata):

@@ -30,9 +30,8 @@ from __future__ import annotations
 
 import bisect
 import json
-import math
 import re
-from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -50,10 +49,12 @@ from pyckpt._format_spec import (
     data_file_name,
 )
 from pyckpt._format_write import tensor_header
+from pyckpt._grid import Axis, Grid, Pieces
 from pyckpt.errors import CheckpointFormatError
 
 __all__ = ["SHARDED_VERSION", "SHARD_FORMAT", "Axis", "Grid", "Holders", "Layout", "ShardWritten",
-           "append_shard", "build_shard", "build_global", "global_document", "is_sharded"]
+           "append_shard", "build_shard", "build_global", "global_document", "is_sharded",
+           "parse_grid"]
 
 SHARDED_VERSION = 4
 SHARD_FORMAT = "pyckpt-shard"
@@ -170,224 +171,42 @@ def _dumps(v: Any) -> str:
 # ------------------------------------------------------------------------------------ grids
 
 
-def _runs(values: Sequence[int]) -> list[list[int]]:
-    """``[[value, count], ...]``: ``values`` run-length encoded."""
-    out: list[list[int]] = []
-    for v in values:
-        if out and out[-1][0] == v:
-            out[-1][1] += 1
-        else:
-            out.append([v, 1])
-    return out
-
-
-@dataclass(frozen=True, slots=True)
-class Axis:
-    """The cells of a grid along one dimension, as runs of equal cells: an even split over N
-    ranks is one run, whatever N, and every query is a bisection over the runs."""
-
-    runs: tuple[tuple[int, int], ...]  # (cell size, count)
-    first: tuple[int, ...]  # number of the first cell of each run
-    start: tuple[int, ...]  # offset of the first cell of each run
-    n: int  # cells
-    length: int  # the dimension's size
-
-    @classmethod
-    def of_runs(cls, runs: Sequence[Sequence[int]]) -> Axis:
-        first, start, n, pos = [], [], 0, 0
-        for size, count in runs:
-            first.append(n)
-            start.append(pos)
-            n += count
-            pos += size * count
-        return cls(tuple((int(r[0]), int(r[1])) for r in runs), tuple(first), tuple(start), n,
-                   pos)
-
-    def _run(self, i: int) -> int:
-        return bisect.bisect_right(self.first, i) - 1
-
-    def offset(self, i: int) -> int:
-        k = self._run(i)
-        return self.start[k] + (i - self.first[k]) * self.runs[k][0]
-
-    def size(self, i: int) -> int:
-        return self.runs[self._run(i)][0]
-
-    def index_at(self, o: int) -> int | None:
-        """The cell starting at offset ``o``, None when none does."""
-        k = bisect.bisect_right(self.start, o) - 1
-        if k < 0:
-            return None
-        size, count = self.runs[k]
-        rel = o - self.start[k]
-        if size == 0:
-            return self.first[k] if rel == 0 else None
-        q, r = divmod(rel, size)
-        return self.first[k] + q if r == 0 and q < count else None
-
-    def starting_before(self, x: int) -> int:
-        """How many cells start before ``x``."""
-        k = bisect.bisect_left(self.start, x) - 1
-        if k < 0:
-            return 0
-        size, count = self.runs[k]
-        return self.first[k] + (count if size == 0 else min(count, -(-(x - self.start[k]) // size)))
-
-    def ending_by(self, x: int) -> int:
-        """How many cells end at or before ``x``."""
-        k = bisect.bisect_right(self.start, x) - 1
-        if k < 0:
-            return 0
-        size, count = self.runs[k]
-        return self.first[k] + (count if size == 0 else min(count, (x - self.start[k]) // size))
-
-
-@dataclass(frozen=True, slots=True)
-class Grid:
-    """A tensor's pieces as a grid: along each dimension, its cells (:class:`Axis`). Cells
-    are numbered in row-major order; a cell is one stored piece (DCP's chunk of that
-    ``MetadataIndex.index``)."""
-
-    shape: tuple[int, ...]
-    axes: tuple[Axis, ...]
-
-    @classmethod
-    def from_bounds(cls, shape: Sequence[int], bounds: Sequence[Sequence[int]]) -> Grid:
-        """The grid whose cells along dimension ``d`` end at ``bounds[d][1:]`` (``bounds[d]``:
-        0, then each cell's end)."""
-        return cls(tuple(shape), tuple(
-            Axis.of_runs(_runs([b[i + 1] - b[i] for i in range(len(b) - 1)])) for b in bounds))
-
-    @property
-    def counts(self) -> tuple[int, ...]:
-        return tuple(a.n for a in self.axes)
-
-    @property
-    def ncells(self) -> int:
-        return math.prod(self.counts)
-
-    def coords(self, cell: int) -> tuple[int, ...]:
-        out = []
-        for a in reversed(self.axes):
-            cell, c = divmod(cell, a.n)
-            out.append(c)
-        return tuple(reversed(out))
-
-    def cell(self, cell: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
-        """(offsets, sizes) of cell number ``cell``."""
-        cs = self.coords(cell)
-        return (tuple(a.offset(c) for a, c in zip(self.axes, cs)),
-                tuple(a.size(c) for a, c in zip(self.axes, cs)))
-
-    def number(self, offsets: Sequence[int]) -> int | None:
-        """The number of the cell that starts at ``offsets``, None when none does."""
-        if len(offsets) != len(self.axes):
-            return None
-        n = 0
-        for a, o in zip(self.axes, offsets):
-            i = a.index_at(o)
-            if i is None:
-                return None
-            n = n * a.n + i
-        return n
-
-    def overlapping(self, offsets: Sequence[int], sizes: Sequence[int]) -> Iterator[int]:
-        """Numbers of the cells overlapping the box, in row-major order, by DCP's rule (along
-        every dimension each starts before the other ends: an empty box overlaps the cell it
-        lies strictly inside of)."""
-        ranges = []
-        for a, o, s in zip(self.axes, offsets, sizes):
-            first, last = a.ending_by(o), a.starting_before(o + s)
-            if first >= last:
-                return
-            ranges.append(range(first, last))
-        counts = self.counts
-
-        def walk(d: int, base: int) -> Iterator[int]:
-            if d == len(ranges):
-                yield base
-                return
-            for c in ranges[d]:
-                yield from walk(d + 1, base * counts[d] + c)
-
-        yield from walk(0, 0)
-
-    def runs(self) -> list[list[list[int]]]:
-        return [[list(r) for r in a.runs] for a in self.axes]
-
-    @classmethod
-    def of(cls, shape: Sequence[int], boxes: Sequence[tuple[Sequence[int], Sequence[int]]]
-           ) -> tuple[Grid, list[int]] | None:
-        """The grid whose cells are exactly ``boxes`` ((offsets, sizes) each) and each box's
-        cell number; None when they are not one (overlaps, holes, or not a product of
-        per-dimension splits)."""
-        shape = tuple(shape)
-        bounds = []
-        for d, n in enumerate(shape):
-            starts = sorted({int(o[d]) for o, _ in boxes})
-            if not starts or starts[0] != 0:
-                return None
-            b = (*starts, n) if n > 0 else (0, 0)
-            if n > 0 and (starts[-1] >= n):
-                return None
-            bounds.append(b)
-        grid = cls.from_bounds(shape, bounds)
-        if grid.ncells != len(boxes):
-            return None
-        # the cell number of each box, by dictionary lookups (a bisection per box and
-        # dimension costs more at thousands of ranks)
-        index = [{b[i]: i for i in range(len(b) - 1)} for b in bounds]
-        seen = bytearray(grid.ncells)
-        numbers = []
-        for offsets, sizes in boxes:
-            k = 0
-            for b, at, o, size in zip(bounds, index, offsets, sizes):
-                i = at.get(o)
-                if i is None or b[i + 1] - o != size:
-                    return None
-                k = k * (len(b) - 1) + i
-            if seen[k]:
-                return None
-            seen[k] = 1
-            numbers.append(k)
-        return grid, numbers
-
-    @classmethod
-    def parse(cls, shape: tuple[int, ...], value: Any, origin: str, path: str) -> Grid:
-        dims = _list(value, origin, path)
-        if len(dims) != len(shape):
-            raise _fail(origin, path, f"must list {len(shape)} dimensions, got {len(dims)}")
-        axes = []
-        cells = 1
-        for d, (runs, n) in enumerate(zip(dims, shape)):
-            dp = f"{path}[{d}]"
-            runs = _list(runs, origin, dp)
-            if not runs:
-                raise _fail(origin, dp, "lists no cell")
-            total = length = 0
-            checked = []
-            for k, run in enumerate(runs):
-                rp = f"{dp}[{k}]"
-                if type(run) is not list or len(run) != 2:
-                    raise _fail(origin, rp, "must be [cell size, count]")
-                size = _int(run[0], origin, f"{rp}[0]", 0, MAX_NUMEL)
-                count = _int(run[1], origin, f"{rp}[1]", 1, MAX_PIECES)
-                if size == 0 and not (n == 0 and len(runs) == 1 and count == 1):
-                    raise _fail(origin, rp, "an empty cell is allowed only as the one cell of "
-                                            "a dimension of size 0")
-                total += count
-                length += size * count
-                if total > MAX_PIECES or length > MAX_NUMEL:
-                    raise _fail(origin, dp, f"more than {MAX_PIECES} cells or {MAX_NUMEL} "
-                                            "elements")
-                checked.append((size, count))
-            if length != n:
-                raise _fail(origin, dp, f"cells add up to {length}, the dimension is {n}")
-            cells *= total
-            if cells > MAX_PIECES:
-                raise _fail(origin, path, f"more than {MAX_PIECES} cells")
-            axes.append(Axis.of_runs(checked))
-        return cls(shape, tuple(axes))
+def parse_grid(shape: tuple[int, ...], value: Any, origin: str, path: str) -> Grid:
+    """The grid of a tensor of ``shape`` from its JSON form (:meth:`Grid.runs`), checked."""
+    dims = _list(value, origin, path)
+    if len(dims) != len(shape):
+        raise _fail(origin, path, f"must list {len(shape)} dimensions, got {len(dims)}")
+    axes = []
+    cells = 1
+    for d, (runs, n) in enumerate(zip(dims, shape)):
+        dp = f"{path}[{d}]"
+        runs = _list(runs, origin, dp)
+        if not runs:
+            raise _fail(origin, dp, "lists no cell")
+        total = length = 0
+        checked = []
+        for k, run in enumerate(runs):
+            rp = f"{dp}[{k}]"
+            if type(run) is not list or len(run) != 2:
+                raise _fail(origin, rp, "must be [cell size, count]")
+            size = _int(run[0], origin, f"{rp}[0]", 0, MAX_NUMEL)
+            count = _int(run[1], origin, f"{rp}[1]", 1, MAX_PIECES)
+            if size == 0 and not (n == 0 and len(runs) == 1 and count == 1):
+                raise _fail(origin, rp, "an empty cell is allowed only as the one cell of "
+                                        "a dimension of size 0")
+            total += count
+            length += size * count
+            if total > MAX_PIECES or length > MAX_NUMEL:
+                raise _fail(origin, dp, f"more than {MAX_PIECES} cells or {MAX_NUMEL} "
+                                        "elements")
+            checked.append((size, count))
+        if length != n:
+            raise _fail(origin, dp, f"cells add up to {length}, the dimension is {n}")
+        cells *= total
+        if cells > MAX_PIECES:
+            raise _fail(origin, path, f"more than {MAX_PIECES} cells")
+        axes.append(Axis.of_runs(checked))
+    return Grid(shape, tuple(axes))
 
 
 @dataclass(frozen=True, slots=True)
@@ -486,48 +305,23 @@ class Layout:
     _items_json: str | None = None
 
     @classmethod
-    def of_plans(cls, plans: Sequence[Any]) -> Layout | None:
-        """The layout of DCP's final save plans (each ``storage_data`` holding the byte ranges
-        of split items, ``.ranges``), or None when some tensor's pieces are not a grid."""
-        from torch.distributed.checkpoint.planner import WriteItemType
-
-        boxes: dict[str, dict[tuple[int, ...], list[tuple[int, int]]]] = {}
-        props: dict[str, Any] = {}
-        byte_holders: dict[str, list[tuple[int, int]]] = {}
-        for rank, plan in enumerate(plans):
-            ranges = getattr(plan.storage_data, "ranges", None) or {}
-            for item in plan.items:
-                start = ranges.get(item.index, (0, 0))[0] if ranges else 0
-                fqn = item.index.fqn
-                if item.type == WriteItemType.BYTE_IO:
-                    byte_holders.setdefault(fqn, []).append((start, rank))
-                    continue
-                td = item.tensor_data
-                key = tuple(td.chunk.offsets)
-                entry = boxes.setdefault(fqn, {})
-                if key not in entry:
-                    entry[key] = []
-                    props.setdefault(fqn, (td.properties, tuple(td.size), {}))[2][key] = tuple(
-                        td.chunk.sizes)
-                entry[key].append((start, rank))
-        layout = cls()
-        for fqn, cells in boxes.items():
-            properties, shape, sizes = props[fqn]
-            found = Grid.of(shape, [(o, sizes[o]) for o in cells])
-            if found is None:
-                return None
-            grid, numbers = found
-            per_cell: list[list[int]] = [[] for _ in range(grid.ncells)]
-            for n, holders in zip(numbers, cells.values()):
-                per_cell[n] = [r for _, r in holders] if len(holders) == 1 else [
-                    r for _, r in sorted(holders)]
-            layout.tensors[fqn] = (properties, grid, per_cell)
-            if grid.ncells == 1 and len(per_cell[0]) > 1:
-                layout.inline.add(fqn)
-        for fqn, holders in byte_holders.items():
-            layout.bytes_items[fqn] = [r for _, r in sorted(holders)]
-            layout.inline.add(fqn)
+    def of_pieces(cls, pieces: Pieces) -> Layout:
+        """The layout of a save whose global plan has these pieces."""
+        layout = cls(dict(pieces.tensors), dict(pieces.bytes_items))
+        layout.inline = {fqn for fqn, (_, grid, per_cell) in pieces.tensors.items()
+                         if grid.ncells == 1 and len(per_cell[0]) > 1}
+        layout.inline.update(pieces.bytes_items)
         return layout
+
+    @classmethod
+    def of_plans(cls, plans: Sequence[Any]) -> Layout | None:
+        """The layout of DCP's final save plans: the pieces that :class:`pyckpt.SavePlanner`
+        handed over with them (rank 0's ``storage_data.pieces``), else found in the plans
+        (:meth:`Pieces.of_plans`); None when some tensor's pieces are not a grid."""
+        pieces = getattr(plans[0].storage_data, "pieces", None) if plans else None
+        if not isinstance(pieces, Pieces) or not pieces.describes(plans):
+            pieces = Pieces.of_plans(plans)
+        return None if pieces is None else cls.of_pieces(pieces)
 
     def _tensor(self, fqn: str) -> dict[str, Any]:
         p, grid, per_cell = self.tensors[fqn]

@@ -277,35 +277,18 @@ class SavePlanner(DefaultSavePlanner):
         if self.check_replicas:
             check_replica_digests(all_plans)
         per_rank = _balance(all_plans, self.split_alignment)
-        metadata = _build_metadata(per_rank)
-        global_plan = []
-        for rank, (plan, mine) in enumerate(zip(all_plans, per_rank)):
-            items = []
-            ranges = {}
-            for _, entry in mine:
-                if rank not in entry.parts:
-                    continue
-                final = entry.final
-                if final is None:  # every written index has a writer of its first bytes
-                    raise AssertionError(f"no primary writer for {entry.item.index}")
-                items.append(final)
-                span = entry.parts[rank]
-                if span is not None:
-                    ranges[final.index] = span
-            global_plan.append(  # a plain SavePlan: the digests need not travel back
-                SavePlan(
-                    items=items,
-                    storage_data=ByteRanges(ranges),
-                    planner_data=plan.planner_data,
-                    usable=plan.usable,
-                )
-            )
+        finals, metadata, pieces = _build_metadata(per_rank)
+        global_plan = [  # plain SavePlans: the digests need not travel back
+            SavePlan(items=items, storage_data=ByteRanges(ranges, pieces if rank == 0 else None),
+                     planner_data=plan.planner_data, usable=plan.usable)
+            for rank, (plan, (items, ranges)) in enumerate(zip(all_plans, finals))
+        ]
 
         if self.flatten_state_dict:
             merged = dict(ChainMap(*(p.planner_data for p in all_plans if p.planner_data)))
             metadata = dataclasses.replace(metadata, planner_data=merged)
 
-        errors = _validate(metadata, len(all_plans))
+        errors = _validate(metadata, len(all_plans), pieces)
         if errors:
             summary = "; ".join(errors)
             if len(summary) > 500:

@@ -436,7 +436,8 @@ class Writer(StorageWriter):
             ranges = getattr(plan.storage_data, "ranges", None) or {}
             rank = rank if save.rank is None else save.rank  # rank-local: this rank's one plan
             inline = frozenset(item.index.fqn for item in plan.items
-                               if layout is not None and item.index.fqn in layout.inline)
+                               if item.index.fqn in layout.inline) if layout and layout.inline \
+                else frozenset()
             out.append(dataclasses.replace(plan, storage_data=_RankPlan(
                 rank, dict(ranges), save.save_id, shards=layout is not None,
                 layout=layout if rank == 0 else None, inline=inline)))

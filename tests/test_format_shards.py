@@ -19,7 +19,7 @@ from dist_utils import run_distributed
 
 import pyckpt
 from pyckpt import _C, _format, _format_shards
-from pyckpt._format_shards import Grid, Holders
+from pyckpt._format_shards import Grid, Holders, parse_grid
 from pyckpt.errors import CheckpointFormatError
 
 WORLD = 3
@@ -55,7 +55,7 @@ def test_grid_finds_the_cells_dcp_would_and_refuses_what_is_not_a_grid() -> None
         grid = Grid.from_bounds(shape, bounds)
         cells = [grid.cell(i) for i in range(grid.ncells)]
         assert Grid.of(shape, cells) == (grid, list(range(grid.ncells)))
-        assert Grid.parse(tuple(shape), grid.runs(), "x", "grid") == grid
+        assert parse_grid(tuple(shape), grid.runs(), "x", "grid") == grid
         for _ in range(10):
             off = [rng.randint(0, max(n, 0)) for n in shape]
             size = [rng.randint(0, n - o) for n, o in zip(shape, off)]

@@ -770,3 +770,65 @@ def test_stored_size_estimates_follow_the_codec() -> None:
     assert sizes[3] >= 1 and sizes[4] == 0
     raw = Encoding(None, 1, True, RAW_THRESHOLD)
     assert stored_sizes(tensors, raw) == [t.nbytes for t in tensors]
+
+
+# --- the pieces handed to the storage writer -----------------------------------------------
+
+
+@given(layouts(), st.integers(1, 4), st.integers(1, 3))
+def test_planner_pieces_are_those_of_its_final_plans(
+    layout: tuple[list[SavePlan], list[int]], rows: int, cols: int
+) -> None:
+    """The grids and writers the planner hands over with rank 0's plan are what the writer
+    would find in the final plans itself; a pickled plan leaves them behind."""
+    import pickle
+
+    from pyckpt._grid import Pieces
+
+    before, _ = layout
+    world = len(before)
+    # a tensor split into a rows x cols grid of uneven tiles, tile k held by rank k % world
+    row_bounds, col_bounds = [0, 1, 3, 4, 7][: rows + 1], [0, 2, 3, 5][: cols + 1]
+    full = (row_bounds[-1], col_bounds[-1])
+    k = 0
+    for r0, r1 in zip(row_bounds, row_bounds[1:]):
+        for c0, c1 in zip(col_bounds, col_bounds[1:]):
+            before[k % world].items.append(
+                tensor_item("tp", (r1 - r0, c1 - c0), offset=(r0, c0), full=full))
+            k += 1
+    plans, metadata = SavePlanner(split_alignment=ALIGN).create_global_plan(before)
+    pieces = plans[0].storage_data.pieces
+    assert pieces is not None and pieces.describes(plans)
+    assert pieces == Pieces.of_plans(plans)
+    assert pieces.tensors["tp"][1].counts == (rows, cols)
+    for fqn, (_, grid, _) in pieces.tensors.items():
+        md = metadata.state_dict_metadata[fqn]
+        assert sorted((tuple(c.offsets), tuple(c.sizes)) for c in md.chunks) == sorted(
+            grid.cell(i) for i in range(grid.ncells))
+    again = pickle.loads(pickle.dumps(plans[0].storage_data))
+    assert again.pieces is None and again.ranges == plans[0].storage_data.ranges
+    assert all(p.storage_data.pieces is None for p in plans[1:])
+
+
+def test_no_pieces_when_a_tensor_is_not_a_grid() -> None:
+    full = (4, 4)
+    before = [SavePlan([tensor_item("w", (2, 4), offset=(0, 0), full=full)]),
+              SavePlan([tensor_item("w", (2, 2), offset=(2, 0), full=full),
+                        tensor_item("w", (2, 2), offset=(2, 2), full=full)])]
+    plans, _ = SavePlanner().create_global_plan(before)
+    assert plans[0].storage_data.pieces is None
+
+
+def test_the_writer_finds_the_pieces_again_when_the_plans_changed() -> None:
+    from pyckpt import _format_shards
+
+    full = (4, 4)
+    before = [SavePlan([tensor_item("w", (2, 4), offset=(0, 0), full=full)]),
+              SavePlan([tensor_item("w", (2, 4), offset=(2, 0), full=full), bytes_item("s")])]
+    plans, _ = SavePlanner().create_global_plan(before)
+    assert plans[0].storage_data.pieces is not None
+    # a planner subclass dropping an item after the balancing: the handed-over pieces are stale
+    plans[1] = SavePlan(plans[1].items[:1], storage_data=plans[1].storage_data)
+    layout = _format_shards.Layout.of_plans(plans)
+    assert layout is not None and layout.bytes_items == {}
+    assert layout.tensors["w"][2] == [[0], [1]]
