@@ -62,6 +62,11 @@ class _RankPlan:
     shards: bool = False
     layout: Any = None
     inline: frozenset[str] = frozenset()  # of this rank's items, those stored in pyckpt.json
+    # Set when a save writes with this plan: DCP's plan cache (DefaultSavePlanner(
+    # enable_plan_caching=True)) hands a later save the same object, whose save id is the
+    # earlier save's (a pickled copy, as each rank receives it, starts unset).
+    written: list[bool] = dataclasses.field(default_factory=lambda: [False], compare=False,
+                                            repr=False)
 
 
 @dataclass
@@ -473,8 +478,8 @@ class Writer(StorageWriter):
         rank_plan = plan.storage_data
         if not isinstance(rank_plan, _RankPlan):
             raise RuntimeError("pyckpt.Writer.renew_plan: not a plan of prepare_global_plan")
-        return dataclasses.replace(plan, storage_data=dataclasses.replace(rank_plan,
-                                                                          save_id=save_id))
+        return dataclasses.replace(plan, storage_data=dataclasses.replace(
+            rank_plan, save_id=save_id, written=[False]))
 
     def _encoding(self) -> Encoding:
         level = self.level if self.level is not None else _knobs.zstd_level()
@@ -512,6 +517,15 @@ class Writer(StorageWriter):
         rank_plan = plan.storage_data
         if not isinstance(rank_plan, _RankPlan):
             raise RuntimeError("pyckpt.Writer.write_data called without prepare_global_plan")
+        if rank_plan.written[0]:
+            # Its data files would take the earlier save's names: an overwrite of that
+            # checkpoint would replace its files in place, and two saves would share an id.
+            raise ValueError(
+                f"pyckpt.Writer ({save.path}): rank {rank_plan.rank} was handed the final plan "
+                "of an earlier save again, as DCP's DefaultSavePlanner(enable_plan_caching=True) "
+                "does; pyckpt.save caches plans itself (see docs/USAGE.md), or save without "
+                "enable_plan_caching")
+        rank_plan.written[0] = True
         save.save_id = rank_plan.save_id or save.save_id  # the coordinator's, on every rank
         save.layout = rank_plan.layout
         backend = self._backend(save.path)

@@ -224,6 +224,41 @@ def test_resave_same_directory_replaces_and_cleans(tmp_path: Path) -> None:
     assert torch.equal(out["a"], torch.full((10,), 2.0))
 
 
+def test_a_plan_dcp_cached_is_refused_not_written_with_an_earlier_save_id(
+    tmp_path: Path,
+) -> None:
+    """DCP's plan cache hands a later save the earlier save's final plan, whose save id would
+    name this save's data files: an overwrite would replace the live files in place. The save
+    is refused before a byte is written; the earlier checkpoint stays whole."""
+    from torch.distributed.checkpoint.api import CheckpointException
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+    from torch.distributed.checkpoint.planner import SavePlanner
+
+    def clear() -> None:
+        for name in ("_cached_save_plan", "_cached_all_plans", "_cached_global_plan",
+                     "_cached_metadata", "_cached_final_save_plan"):
+            getattr(SavePlanner, name, {}).clear()
+
+    clear()
+    try:
+        dcp.save({"a": torch.ones(10)}, storage_writer=pyckpt.Writer(tmp_path),
+                 planner=DefaultSavePlanner(enable_plan_caching=True))
+        before = {p.name: p.read_bytes() for p in tmp_path.glob("[!.]*")}
+        with pytest.raises(CheckpointException, match="final plan of an earlier save"):
+            dcp.save({"a": torch.full((10,), 2.0)}, storage_writer=pyckpt.Writer(tmp_path),
+                     planner=DefaultSavePlanner(enable_plan_caching=True))
+    finally:
+        clear()
+    assert {p.name: p.read_bytes() for p in tmp_path.glob("[!.]*")} == before
+    out = {"a": torch.zeros(10)}
+    dcp.load(out, storage_reader=pyckpt.Reader(tmp_path))
+    assert torch.equal(out["a"], torch.ones(10))
+    # the directory is free again: a save without DCP's cache goes through
+    dcp.save({"a": torch.full((10,), 3.0)}, storage_writer=pyckpt.Writer(tmp_path))
+    dcp.load(out, storage_reader=pyckpt.Reader(tmp_path))
+    assert torch.equal(out["a"], torch.full((10,), 3.0))
+
+
 def test_writer_is_picklable_and_reusable(tmp_path: Path) -> None:
     w = pyckpt.Writer(tmp_path / "a", compression="zstd", threads=2)
     dcp.save({"x": torch.arange(10.0)}, storage_writer=w)
