@@ -77,7 +77,7 @@ class _Entry:
     holders: list[int]  # ranks whose plan holds the item, ascending
     parts: dict[int, tuple[int, int] | None] = dataclasses.field(default_factory=dict)
     """Writing ranks -> byte range, or None when that rank writes the item whole."""
-    final: WriteItem | None = None  # the primary copy with its metadata index hint, once known
+    final: WriteItem | None = None  # the copy every writer's final plan holds, once known
 
 
 # A rank's items, each with the entry shared by all copies of its index.
@@ -362,13 +362,15 @@ def _build_metadata(
     pass over the balanced entries (at thousands of ranks each pass over every item costs
     seconds).
 
-    Mirrors DCP's ``create_default_global_save_plan`` (one chunk per item, index hint = the
-    chunk's position), but visits each index once: in the plan of the rank that writes the
-    item's first byte (DCP's function would append one chunk per copy of a split item), which
-    is its lowest writing rank (:func:`_assign_group` cuts in rank order). Sets each entry's
-    ``final`` item, which every writing rank's plan then shares: copies differ at most in
-    tensor properties that only the metadata uses (writers resolve an item's data from their
-    own state dict by index).
+    Mirrors DCP's ``create_default_global_save_plan`` (one chunk per item), but visits each
+    index once: in the plan of the rank that writes the item's first byte (DCP's function would
+    append one chunk per copy of a split item), which is its lowest writing rank
+    (:func:`_assign_group` cuts in rank order). That rank's copy is the entry's ``final`` item,
+    which every writing rank's plan then shares: copies differ at most in tensor properties
+    that only the metadata uses (writers resolve an item's data from their own state dict by
+    index). Unlike DCP's function it sets no index hints (``MetadataIndex.index``, the chunk's
+    position in the metadata): no writer uses them at save time (a load's hints come from the
+    metadata it reads), and making a new item per item costs a second at 4096 ranks.
     """
     md: dict[str, Any] = {}
     tensor_entries: dict[str, list[_Entry]] = {}
@@ -413,11 +415,10 @@ def _build_metadata(
                 boxes[index.fqn] = ([], [])
             elif not isinstance(tensor_md, TensorStorageMetadata):
                 raise ValueError(f"{index.fqn!r} is saved both as a non-tensor and as shards")
-            hinted = MetadataIndex(index.fqn, index.offset, len(tensor_md.chunks))
-            final = entry.final = WriteItem(index=hinted, type=item.type, tensor_data=data)
-            items.append(final)
+            entry.final = item
+            items.append(item)
             if span is not None:
-                ranges[hinted] = span
+                ranges[index] = span
             chunk = data.chunk
             tensor_md.chunks.append(chunk)
             tensor_entries[index.fqn].append(entry)

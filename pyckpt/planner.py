@@ -106,8 +106,9 @@ class SavePlanner(DefaultSavePlanner):
 
     Local planning is DCP's (every rank lists every item it holds, flattened like DCP does);
     global planning replaces DCP's whole-item deduplication with :func:`balance_save_plans`.
-    The metadata names each item once, with the same index hint in every rank's copy. Plan
-    caching (``enable_plan_caching``) is not supported: global planning is cheap.
+    The metadata names each item once, and every rank writing part of it holds the same copy
+    (no index hints: no writer uses them). Plan caching (``enable_plan_caching``) is not
+    supported: :func:`pyckpt.save` caches plans itself.
 
     Requires :class:`pyckpt.Writer`, which writes only each rank's byte ranges. With DCP's
     default planner, :class:`pyckpt.Writer` still works, but each replicated item is then
