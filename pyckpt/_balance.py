@@ -373,8 +373,9 @@ def _build_metadata(
     metadata it reads), and making a new item per item costs a second at 4096 ranks.
     """
     md: dict[str, Any] = {}
-    tensor_entries: dict[str, list[_Entry]] = {}
-    boxes: dict[str, tuple[list[Any], list[Any]]] = {}  # the chunks' offsets, their sizes
+    # per tensor, in chunk order: its metadata's chunk list, the chunks' offsets, their sizes,
+    # the ranks writing each (gathered here, while each item is at hand)
+    pieces: dict[str, tuple[list[Any], list[Any], list[Any], list[list[int]]]] = {}
     bytes_items: dict[str, list[int]] = {}
     writes = 0
     finals = []
@@ -396,47 +397,48 @@ def _build_metadata(
                 ranges[final.index] = span
                 continue
             index = item.index
-            if item.type != WriteItemType.SHARD and index.fqn in md:
-                raise ValueError(f"{index.fqn!r} is saved both as a whole value and as shards")
+            fqn = index.fqn
+            if item.type != WriteItemType.SHARD and fqn in md:
+                raise ValueError(f"{fqn!r} is saved both as a whole value and as shards")
             if item.type == WriteItemType.BYTE_IO:
-                md[index.fqn] = BytesStorageMetadata()
-                bytes_items[index.fqn] = _writers(entry)
+                md[fqn] = BytesStorageMetadata()
+                bytes_items[fqn] = _writers(entry)
                 entry.final = item
                 items.append(item)
                 continue
             data = item.tensor_data
             if data is None:
-                raise ValueError(f"tensor item {index.fqn!r} has no tensor data")
-            tensor_md = md.get(index.fqn)
-            if tensor_md is None:
-                tensor_md = md[index.fqn] = TensorStorageMetadata(
+                raise ValueError(f"tensor item {fqn!r} has no tensor data")
+            mine_of = pieces.get(fqn)
+            if mine_of is None:
+                if fqn in md:
+                    raise ValueError(f"{fqn!r} is saved both as a non-tensor and as shards")
+                tensor_md = md[fqn] = TensorStorageMetadata(
                     properties=data.properties, size=data.size, chunks=[])
-                tensor_entries[index.fqn] = []
-                boxes[index.fqn] = ([], [])
-            elif not isinstance(tensor_md, TensorStorageMetadata):
-                raise ValueError(f"{index.fqn!r} is saved both as a non-tensor and as shards")
+                mine_of = pieces[fqn] = (tensor_md.chunks, [], [], [])
             entry.final = item
             items.append(item)
             if span is not None:
                 ranges[index] = span
             chunk = data.chunk
-            tensor_md.chunks.append(chunk)
-            tensor_entries[index.fqn].append(entry)
-            offsets, sizes = boxes[index.fqn]
+            chunks, offsets, sizes, writers = mine_of
+            chunks.append(chunk)
             offsets.append(chunk.offsets)
             sizes.append(chunk.sizes)
+            writers.append(list(parts) if len(parts) == 1 else _writers(entry))
     tensors: dict[str, tuple[Any, Grid, list[list[int]]]] = {}
-    for fqn, entries in tensor_entries.items():
+    for fqn, (_, offsets, sizes, writers) in pieces.items():
         tensor_md = md[fqn]
-        found = Grid.of_boxes(tensor_md.size, *boxes[fqn])
+        found = Grid.of_boxes(tensor_md.size, offsets, sizes)
         if found is None:
             return finals, Metadata(md), None
         grid, numbers = found
-        per_cell: list[list[int]] = [[] for _ in numbers]
-        for n, entry in zip(numbers, entries):
-            parts = entry.parts
-            per_cell[n] = list(parts) if len(parts) == 1 else _writers(entry)
-        tensors[fqn] = (tensor_md.properties, grid, per_cell)
+        if numbers != list(range(len(numbers))):  # chunks not in cell order: place them
+            per_cell: list[list[int]] = [[] for _ in numbers]
+            for n, w in zip(numbers, writers):
+                per_cell[n] = w
+            writers = per_cell
+        tensors[fqn] = (tensor_md.properties, grid, writers)
     return finals, Metadata(md), Pieces(tensors, bytes_items, writes)
 
 

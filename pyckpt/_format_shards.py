@@ -323,6 +323,16 @@ class Layout:
             pieces = Pieces.of_plans(plans)
         return None if pieces is None else cls.of_pieces(pieces)
 
+    def inline_by_rank(self) -> dict[int, frozenset[str]]:
+        """rank -> the items of :attr:`inline` it writes (part of)."""
+        out: dict[int, set[str]] = {}
+        for fqn in self.inline:
+            writers = self.bytes_items[fqn] if fqn in self.bytes_items else \
+                self.tensors[fqn][2][0]
+            for r in writers:
+                out.setdefault(r, set()).add(fqn)
+        return {r: frozenset(fqns) for r, fqns in out.items()}
+
     def _tensor(self, fqn: str) -> dict[str, Any]:
         p, grid, per_cell = self.tensors[fqn]
         return {**tensor_header(p, grid.shape), "grid": grid.runs(),

@@ -35,6 +35,7 @@ from torch.futures import Future
 from pyckpt import _C, _format, _format_shards, _gc, _knobs, _options, _ranklocal
 from pyckpt._loadplan import grid_metadata
 from pyckpt._native import _check_pinned_pool_bytes, _Native
+from pyckpt._rankplan import _RankPlan
 from pyckpt._reader import Reader
 from pyckpt._staging import DeviceStaging, block_bytes_for, is_device_tensor
 from pyckpt._stored_size import Encoding, WriterMeta
@@ -47,26 +48,6 @@ if TYPE_CHECKING:
 __all__ = ["Writer", "Reader"]
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class _RankPlan:
-    """What the coordinator tells each rank: its rank number, the save's id (shared by every
-    rank's data files) and byte ranges of split items."""
-
-    rank: int
-    ranges: dict[MetadataIndex, tuple[int, int]]
-    save_id: str = ""
-    # Format version 4 (pyckpt._format_shards): every rank appends its metadata shard to its
-    # data file. The coordinator's own plan carries the save's layout (grids and holders).
-    shards: bool = False
-    layout: Any = None
-    inline: frozenset[str] = frozenset()  # of this rank's items, those stored in pyckpt.json
-    # Set when a save writes with this plan: DCP's plan cache (DefaultSavePlanner(
-    # enable_plan_caching=True)) hands a later save the same object, whose save id is the
-    # earlier save's (a pickled copy, as each rank receives it, starts unset).
-    written: list[bool] = dataclasses.field(default_factory=lambda: [False], compare=False,
-                                            repr=False)
 
 
 @dataclass
@@ -430,22 +411,23 @@ class Writer(StorageWriter):
         return plan
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        with _gc.paused():  # a plan per rank and a cell per rank and tensor (see pyckpt._gc)
+            return self._prepare_global_plan(plans)
+
+    def _prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         save = self._active("prepare_global_plan")
         layout = None
         if self._sharded_metadata(save, len(plans)):
-            with _gc.paused():  # a cell per rank and tensor at scale (see pyckpt._gc)
-                layout = _format_shards.Layout.of_plans(plans)
+            layout = _format_shards.Layout.of_plans(plans)
         out = []
+        inline = layout.inline_by_rank() if layout is not None else {}
         for rank, plan in enumerate(plans):
             # A pyckpt.SavePlanner hands over byte ranges of split replicated items.
             ranges = getattr(plan.storage_data, "ranges", None) or {}
             rank = rank if save.rank is None else save.rank  # rank-local: this rank's one plan
-            inline = frozenset(item.index.fqn for item in plan.items
-                               if item.index.fqn in layout.inline) if layout and layout.inline \
-                else frozenset()
             out.append(dataclasses.replace(plan, storage_data=_RankPlan(
                 rank, dict(ranges), save.save_id, shards=layout is not None,
-                layout=layout if rank == 0 else None, inline=inline)))
+                layout=layout if rank == 0 else None, inline=inline.get(rank, frozenset()))))
         return out
 
     def _sharded_metadata(self, save: _Save, ranks: int) -> bool:
@@ -517,15 +499,7 @@ class Writer(StorageWriter):
         rank_plan = plan.storage_data
         if not isinstance(rank_plan, _RankPlan):
             raise RuntimeError("pyckpt.Writer.write_data called without prepare_global_plan")
-        if rank_plan.written[0]:
-            # Its data files would take the earlier save's names: an overwrite of that
-            # checkpoint would replace its files in place, and two saves would share an id.
-            raise ValueError(
-                f"pyckpt.Writer ({save.path}): rank {rank_plan.rank} was handed the final plan "
-                "of an earlier save again, as DCP's DefaultSavePlanner(enable_plan_caching=True) "
-                "does; pyckpt.save caches plans itself (see docs/USAGE.md), or save without "
-                "enable_plan_caching")
-        rank_plan.written[0] = True
+        rank_plan.claim(save.path)
         save.save_id = rank_plan.save_id or save.save_id  # the coordinator's, on every rank
         save.layout = rank_plan.layout
         backend = self._backend(save.path)
