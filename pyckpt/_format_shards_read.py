@@ -5,10 +5,9 @@ and its writing side: :mod:`pyckpt._format_shards`; ``docs/FORMAT.md``, "Version
 
 from __future__ import annotations
 
-import bisect
 import json
 import math
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -107,8 +106,8 @@ class GlobalDoc:
     dcp_version: str | None
     modules: list[str]
     planner_data: Any
-    files_listed: dict[str, Any]  # as listed: see :attr:`files`
-    shards: Mapping[int, ShardRef]
+    files: dict[str, int]
+    shards: dict[int, ShardRef]
     tensors: dict[str, TensorEntry]
     bytes_items: dict[str, BytesEntry]
     # Items stored here (Layout.inline): fqn -> (rank, raw_begin, params, chunks) by raw_begin
@@ -116,14 +115,6 @@ class GlobalDoc:
         default_factory=dict)
     # Stored ranges of the inline items' chunks in each rank's file (for the packing check)
     inline_ranges: dict[int, list[tuple[int, int, str]]] = field(default_factory=dict)
-
-    @property
-    def files(self) -> dict[str, int]:
-        """The data files (name -> size), once every shard entry is checked (each names its
-        rank's data file and ends it; as many entries as files)."""
-        for rank in self.shards:
-            self.shards[rank]
-        return dict(self.files_listed)
 
 
 def _inline_segments(g: GlobalDoc, fqn: str, value: Any, nbytes: int, dtype: str,
@@ -172,74 +163,29 @@ def _untag(v: Any, origin: str, path: str, depth: int) -> Any:
     return v
 
 
-class _Shards(Mapping[int, ShardRef]):
-    """rank -> :class:`ShardRef` of a ``shards`` list whose form and ranks were checked at
-    once (:func:`_shards_at_once`); each entry's numbers and data file are checked when it is
-    first used, and a wrong one is named as :func:`_shards_one_by_one` names it. A rank that
-    reads one shard of a 4096-rank checkpoint checks one entry; a full read
-    (:meth:`ShardedIndex.full`) uses, so checks, them all."""
-
-    __slots__ = ("_ranks", "_entries", "_files", "_save_id", "_origin", "_checked")
-
-    def __init__(self, ranks: tuple[int, ...], entries: list[list[int]], files: dict[str, Any],
-                 save_id: str, origin: str) -> None:
-        self._ranks, self._entries, self._files = ranks, entries, files
-        self._save_id, self._origin = save_id, origin
-        self._checked: dict[int, ShardRef] = {}
-
-    def _at(self, rank: Any) -> int:
-        ranks = self._ranks
-        if type(rank) is not int:
-            return -1
-        k = rank if 0 <= rank < len(ranks) and ranks[rank] == rank else \
-            bisect.bisect_left(ranks, rank)
-        return k if k < len(ranks) and ranks[k] == rank else -1
-
-    def __getitem__(self, rank: int) -> ShardRef:
-        ref = self._checked.get(rank)
-        if ref is not None:
-            return ref
-        k = self._at(rank)
-        if k < 0:
-            raise KeyError(rank)
-        _, offset, length, xxh = self._entries[k]
-        name = data_file_name(rank, 0, self._save_id)
-        size = self._files.get(name)
-        if not (type(offset) is int and type(length) is int and type(xxh) is int
-                and 0 <= offset and 1 <= length <= MAX_CHUNK_BYTES and 0 <= xxh < 1 << 64
-                and type(size) is int and size <= _MAX_FILE_BYTES and offset + length == size):
-            _shards_one_by_one(self._entries, self._files, self._save_id, self._origin)
-            raise AssertionError(f"shards entry of rank {rank} is wrong and was not named")
-        ref = self._checked[rank] = ShardRef(rank, name, offset, length, xxh)
-        return ref
-
-    def __contains__(self, rank: object) -> bool:
-        return self._at(rank) >= 0
-
-    def __iter__(self) -> Iterator[int]:
-        return iter(self._ranks)
-
-    def __len__(self) -> int:
-        return len(self._ranks)
-
-
-def _shards_at_once(entries: list[Any], files: dict[str, Any], save_id: str, origin: str
-                    ) -> Mapping[int, ShardRef] | None:
-    """The shards of a ``shards`` list and ``files`` object of the right form: as many, each
-    entry a list of 4, the ranks integers in increasing order (checked a column at a time,
-    in C loops: a rank's read of a 4096-rank checkpoint's global document), the rest of each
-    entry checked on use (:class:`_Shards`); None when a check fails
-    (:func:`_shards_one_by_one` then names the entry)."""
-    if len(entries) != len(files) or set(map(type, entries)) - {list} or \
+def _shards_at_once(entries: list[Any], files: dict[str, Any], save_id: str
+                    ) -> dict[int, ShardRef] | None:
+    """The shards of a well-formed ``shards`` list and ``files`` object, checked a column at a
+    time, in C loops (a rank's read of a 4096-rank checkpoint's global document); None when
+    any check fails (:func:`_shards_one_by_one` then names the entry)."""
+    if len(entries) != len(files) or {type(e) for e in entries} - {list} or \
             set(map(len, entries)) - {4}:
         return None
     if not entries:
         return {}
-    ranks = tuple(next(zip(*entries)))
-    if set(map(type, ranks)) != {int} or ranks[0] < 0 or ranks[-1] > _MAX_RANK or \
-            not all(map(int.__lt__, ranks, ranks[1:])):
+    ranks, offsets, lengths, digests = cols = tuple(zip(*entries))
+    if set().union(*(map(type, col) for col in cols)) != {int}:
         return None
-    return _Shards(ranks, entries, files, save_id, origin)
+    if (min(ranks) < 0 or max(ranks) > _MAX_RANK or min(offsets) < 0 or min(lengths) < 1
+            or max(lengths) > MAX_CHUNK_BYTES or min(digests) < 0 or max(digests) >= 1 << 64
+            or not all(map(int.__lt__, ranks, ranks[1:]))):
+        return None
+    names = [f"{r}-0.{save_id}.pyckpt" for r in ranks]  # data_file_name
+    sizes: list[Any] = list(map(files.get, names))  # every file a shard's: as many, all found
+    if set(map(type, sizes)) != {int} or max(sizes) > _MAX_FILE_BYTES or \
+            not all(map(int.__eq__, map(int.__add__, offsets, lengths), sizes)):
+        return None
+    return dict(zip(ranks, map(ShardRef, ranks, names, offsets, lengths, digests)))
 
 
 def _shards_one_by_one(entries: list[Any], files_raw: dict[str, Any], save_id: str,
@@ -305,7 +251,7 @@ def parse_global(raw: bytes, origin: str) -> GlobalDoc:
     if len(files_raw) > MAX_FILES:
         raise _fail(origin, "files", f"more than {MAX_FILES} data files")
     shard_list = _list(doc["shards"], origin, "shards")
-    shards = _shards_at_once(shard_list, files_raw, save_id, origin)
+    shards = _shards_at_once(shard_list, files_raw, save_id)
     if shards is None:  # something is wrong: find it, entry by entry
         shards = _shards_one_by_one(shard_list, files_raw, save_id, origin)
 
@@ -363,7 +309,7 @@ def parse_global(raw: bytes, origin: str) -> GlobalDoc:
             nbytes = math.prod(shape) * DTYPE_SIZES[dtype]
             inline.append((fqn, item["segments"], nbytes, dtype, holders.of(0), ip))
     g = GlobalDoc(origin, doc["created_by"], save_id, dcp_version, modules, planner_data,
-                  files_raw, shards, tensors, bytes_items)
+                  dict(files_raw), shards, tensors, bytes_items)
     codecs = _CodecCheck()
     for fqn, value, nbytes, dtype, held_by, ip in inline:
         _inline_segments(g, fqn, value, nbytes, dtype, held_by, codecs, ip)
@@ -642,10 +588,10 @@ class ShardedIndex:
         return [seg for _, _, seg in found]
 
     def _path(self, rank: int) -> str:
-        ref = self.g.shards[rank]  # its file ends with the shard
-        path = self._file_paths.get(ref.file)
+        name = self.g.shards[rank].file
+        path = self._file_paths.get(name)
         if path is None:
-            path = self._file_paths[ref.file] = self._path_of(ref.file, ref.offset + ref.length)
+            path = self._file_paths[name] = self._path_of(name, self.g.files[name])
         return path
 
     def _origin(self, rank: int) -> str:

@@ -272,7 +272,7 @@ class CheckpointIndex:
     version: int = FORMAT_VERSION  # format version of the metadata file
     local_files: set[str] = field(default_factory=set)  # data files present under ``path``
     # A version-4 checkpoint read lazily (``read_index(..., lazy=True)``): the global document
-    # and the shards read so far (pyckpt._format_shards.ShardedIndex); ``tensors``,
-    # ``bytes_items`` and ``files`` are then empty (a shard names its file when it is read).
+    # and the shards read so far (pyckpt._format_shards.ShardedIndex); ``tensors`` and
+    # ``bytes_items`` are then empty.
     sharded: Any = None
 
