@@ -133,16 +133,27 @@ def _item(t: _Tensor, rank: int, ranks: int) -> WriteItem:
     )
 
 
-def local_plans(tensors: list[_Tensor], ranks: int) -> list[SavePlan]:
-    """The N local plans (as DCP's local planning makes them, with flatten mappings)."""
+def local_plans(tensors: list[_Tensor], ranks: int, digests: bool = False) -> list[SavePlan]:
+    """The N local plans (as DCP's local planning makes them, with flatten mappings);
+    ``digests``: as ``pyckpt.SavePlanner``'s (``check_replicas=False``), each with the digest
+    of its items that each rank computes for itself."""
+    from pyckpt._balance import plan_digest
+    from pyckpt.planner import _LocalPlan
+
     mappings = {t.fqn: (t.fqn,) for t in tensors}
     mappings["extra"] = ("extra",)
     shared = [_item(t, 0, ranks) for t in tensors if not t.sharded]
     shared.append(WriteItem(index=MetadataIndex("extra"), type=WriteItemType.BYTE_IO))
-    plans = []
+    plans: list[SavePlan] = []
+    digest = b""
     for rank in range(ranks):
-        items = [_item(t, rank, ranks) for t in tensors if t.sharded]
-        plans.append(SavePlan(items=items + shared, planner_data=mappings))
+        items = [_item(t, rank, ranks) for t in tensors if t.sharded] + shared
+        if not digests:
+            plans.append(SavePlan(items=items, planner_data=mappings))
+            continue
+        if len(items) > len(shared) or not digest:  # replicated only: every rank's is rank 0's
+            digest = plan_digest(items, {})
+        plans.append(_LocalPlan(items=items, planner_data=mappings, digest=digest))
     return plans
 
 
@@ -287,7 +298,7 @@ def run_pyckpt(tensors: list[_Tensor], ranks: int, work: str) -> dict[str, Any]:
     from pyckpt import _format, _format_shards, _gc
     from pyckpt.storage import Writer
 
-    plans = local_plans(tensors, ranks)
+    plans = local_plans(tensors, ranks, digests=True)
     first_gathered = _per_rank(plans)
     writer = Writer(os.path.join(work, "save"), metadata_shards=True)
     writer.reset()

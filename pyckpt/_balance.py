@@ -12,7 +12,9 @@ estimated stored bytes: each item weighs its lowest holder's estimate. Imported 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import math
+from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
@@ -124,8 +126,31 @@ def _check_same_item(first: WriteItem, other: WriteItem, rank: int) -> None:
         )
 
 
+def plan_digest(items: Sequence[WriteItem], replica_digests: dict[Any, Any]) -> bytes:
+    """One hash of what the coordinator takes from a local plan: each item's index, type,
+    shape, chunk and dtype, in order, and the plan's replica digests (see
+    :mod:`pyckpt._replicas`). Plans with equal digests are collected once (:func:`_collect`)."""
+    rows: list[Any] = []
+    for item in items:
+        index, td = item.index, item.tensor_data
+        if td is None:
+            rows.append((index.fqn, index.offset, item.type))
+        else:
+            rows.append((index.fqn, index.offset, item.type, td.size, td.chunk.offsets,
+                         td.chunk.sizes, td.properties.dtype))
+    if replica_digests:
+        rows.append(sorted(replica_digests.items(), key=repr))
+    return hashlib.blake2b(repr(rows).encode(), digest_size=16).digest()
+
+
 def _collect(all_plans: Sequence[SavePlan]) -> tuple[list[_Entry], list[_RankItems]]:
-    """Group the copies of each index over all plans (one hash lookup per copy)."""
+    """Group the copies of each index over all plans (one hash lookup per copy).
+
+    Plans carrying equal ``digest`` attributes (:func:`plan_digest`, as :class:`SavePlanner`'s
+    local plans do) hold the same items: the lowest such rank's plan is collected item by item,
+    and every other shares its pairs and joins its entries' holders at the end (DDP or
+    ``NO_SHARD`` state at thousands of ranks: one plan's items, not every rank's).
+    """
     # Keyed by (fqn, offset), which is what MetadataIndex equality compares, without calling
     # the dataclass's Python-level __hash__/__eq__ for every copy.
     entries: dict[tuple[str, Any], _Entry] = {}
@@ -134,7 +159,16 @@ def _collect(all_plans: Sequence[SavePlan]) -> tuple[list[_Entry], list[_RankIte
     # cannot be compared that way. Made at an index's second copy: most are held by one rank.
     signatures: dict[tuple[str, Any], tuple[Any, ...] | None] = {}
     per_rank: list[_RankItems] = []
+    alike: dict[bytes, tuple[_RankItems, list[int]]] = {}  # digest -> first plan's pairs, ranks
     for rank, plan in enumerate(all_plans):
+        digest = getattr(plan, "digest", b"")
+        if digest:
+            same = alike.get(digest)
+            # (a plan whose items were replaced after its digest was taken is collected whole)
+            if same is not None and len(same[0]) == len(plan.items):
+                same[1].append(rank)
+                per_rank.append(same[0])
+                continue
         mine: _RankItems = []
         sizes: dict[Any, int] = getattr(plan, "stored_sizes", None) or {}
         for item in plan.items:
@@ -163,6 +197,16 @@ def _collect(all_plans: Sequence[SavePlan]) -> tuple[list[_Entry], list[_RankIte
                 entry.holders.append(rank)
             mine.append((item, entry))
         per_rank.append(mine)
+        if digest and digest not in alike:
+            alike[digest] = (mine, [])
+    for mine, ranks in alike.values():
+        if ranks:
+            for _, entry in mine:
+                holders = entry.holders
+                ordered = holders[-1] < ranks[0]
+                holders.extend(ranks)
+                if not ordered:  # the entry is also held by another group's ranks
+                    holders.sort()
     return list(entries.values()), per_rank
 
 
@@ -379,11 +423,23 @@ def _build_metadata(
     bytes_items: dict[str, list[int]] = {}
     writes = 0
     finals = []
+    # Ranks sharing one plan's pairs (see _collect) visit only the pairs they write.
+    sharing = Counter(map(id, per_rank))
+    written: dict[int, dict[int, list[int]]] = {}  # id(pairs) -> rank -> positions it writes
     for rank, mine in enumerate(per_rank):
         items: list[WriteItem] = []
         ranges: dict[MetadataIndex, tuple[int, int]] = {}
         finals.append((items, ranges))
-        for item, entry in mine:
+        pairs = mine
+        if sharing[id(mine)] > 1:
+            positions = written.get(id(mine))
+            if positions is None:
+                positions = written[id(mine)] = {}
+                for position, (_, entry) in enumerate(mine):
+                    for r in entry.parts:
+                        positions.setdefault(r, []).append(position)
+            pairs = [mine[p] for p in positions.get(rank, ())]
+        for item, entry in pairs:
             parts = entry.parts
             if rank not in parts:
                 continue  # not written here

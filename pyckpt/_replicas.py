@@ -318,10 +318,24 @@ def check_replica_digests(all_plans: Sequence[SavePlan]) -> None:
             (``ranks [0, 2] vs [1, 3]``). Digests of different kinds (one copy in host memory,
             another on a device) are compared only within their kind.
     """
+    if _differ(all_plans, once=True):
+        _raise_mismatches(_differ(all_plans, once=False))
+
+
+def _differ(all_plans: Sequence[SavePlan], once: bool) -> dict[str, list[list[int]]]:
+    """Each item whose holders reported different digests -> its holders grouped by digest;
+    ``once``: plans with equal ``digest`` attributes (which cover the replica digests, see
+    :func:`pyckpt._balance.plan_digest`) are looked at once (the ranks are then incomplete)."""
     seen: dict[_ItemKey, dict[Digest, list[int]]] = {}
+    looked: set[bytes] = set()
     for rank, plan in enumerate(all_plans):
-        for key, digest in getattr(plan, "replica_digests", {}).items():
-            seen.setdefault(key, {}).setdefault(digest, []).append(rank)
+        digest = getattr(plan, "digest", b"") if once else b""
+        if digest:
+            if digest in looked:
+                continue
+            looked.add(digest)
+        for key, value in getattr(plan, "replica_digests", {}).items():
+            seen.setdefault(key, {}).setdefault(value, []).append(rank)
     mismatches: dict[str, list[list[int]]] = {}
     for key, by_digest in seen.items():
         if len(by_digest) < 2:
@@ -330,8 +344,10 @@ def check_replica_digests(all_plans: Sequence[SavePlan]) -> None:
         if all(kinds.count(kind) < 2 for kind in kinds):
             continue  # one digest per kind: nothing comparable differs
         mismatches[_item_name(key)] = sorted(by_digest.values())
-    if not mismatches:
-        return
+    return mismatches
+
+
+def _raise_mismatches(mismatches: dict[str, list[list[int]]]) -> None:
     shown = []
     for name in sorted(mismatches)[:8]:
         groups = " vs ".join(str(g) for g in mismatches[name])

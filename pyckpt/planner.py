@@ -62,6 +62,7 @@ from pyckpt._balance import (
     _build_metadata,
     _validate,
     balance_save_plans,
+    plan_digest,
 )
 from pyckpt._options import canonical
 from pyckpt._replicas import (
@@ -95,6 +96,9 @@ class _LocalPlan(_CheckedPlan):
     :func:`pyckpt._stored_size.stored_sizes`). ``dataclasses.replace`` keeps both."""
 
     stored_sizes: dict[_ItemKey, int] = dataclasses.field(default_factory=dict)
+    digest: bytes = b""
+    """:func:`pyckpt._balance.plan_digest` of the items and replica digests: the coordinator
+    collects plans with equal digests once."""
 
 
 class SavePlanner(DefaultSavePlanner):
@@ -196,13 +200,11 @@ class SavePlanner(DefaultSavePlanner):
         plan = super().create_local_plan()
         encoding = self.encoding
         estimate = encoding is not None and encoding.compresses
-        if not (self.check_replicas or estimate) or not (
-            dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-        ):
+        if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
             return plan
         replicable: list[tuple[_ItemKey, torch.Tensor]] = []
         others: list[tuple[_ItemKey, torch.Tensor]] = []
-        for item in plan.items:
+        for item in plan.items if self.check_replicas or estimate else ():
             if item.type == WriteItemType.BYTE_IO:
                 continue
             may_be_replicated = _may_be_replicated(self.state_dict.get(item.index.fqn), item)
@@ -242,8 +244,6 @@ class SavePlanner(DefaultSavePlanner):
                 len(estimated),
                 time.perf_counter() - start,
             )
-        if not digests and not sizes:
-            return plan
         plan = _LocalPlan(
             items=plan.items,
             storage_data=plan.storage_data,
@@ -251,6 +251,7 @@ class SavePlanner(DefaultSavePlanner):
             usable=plan.usable,
             replica_digests=digests,
             stored_sizes=sizes,
+            digest=plan_digest(plan.items, digests),
         )
         self.plan = plan
         return plan

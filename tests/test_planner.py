@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import math
 import random
 import time
+from typing import Any
 
 import pytest
 import torch
@@ -14,6 +16,7 @@ from hypothesis import strategies as st
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
     ChunkStorageMetadata,
+    Metadata,
     MetadataIndex,
     TensorProperties,
     TensorStorageMetadata,
@@ -834,3 +837,64 @@ def test_the_writer_finds_the_pieces_again_when_the_plans_changed() -> None:
     layout = _format_shards.Layout.of_plans(plans)
     assert layout is not None and layout.bytes_items == {}
     assert layout.tensors["w"][2] == [[0], [1]]
+
+
+# --- plans collected once per digest ---------------------------------------------------------
+
+
+def _digested(plans: list[SavePlan]) -> list[SavePlan]:
+    """The plans as pyckpt.SavePlanner's local step makes them: each with its digest."""
+    from pyckpt._balance import plan_digest
+    from pyckpt.planner import _LocalPlan
+
+    return [_LocalPlan(items=p.items, replica_digests=getattr(p, "replica_digests", {}),
+                       digest=plan_digest(p.items, getattr(p, "replica_digests", {})))
+            for p in plans]
+
+
+def _outcome(plans: list[SavePlan], metadata: Metadata) -> tuple[Any, ...]:
+    per_rank = [([(i.index.fqn, tuple(i.index.offset or ())) for i in p.items],
+                 sorted((k.fqn, tuple(k.offset or ()), v)
+                        for k, v in p.storage_data.ranges.items())) for p in plans]
+    return per_rank, metadata.state_dict_metadata
+
+
+@given(layouts(), st.lists(st.integers(0, 5), min_size=2, max_size=12))
+def test_plans_with_equal_digests_are_planned_as_without_them(
+    layout: tuple[list[SavePlan], list[int]], pattern: list[int]
+) -> None:
+    """Ranks whose plans hold the same items (DDP, HSDP replica groups, interleaved or not) are
+    collected once per digest; the global plan and metadata are those of a per-item pass."""
+    import copy
+
+    kinds, _ = layout
+    # rank r holds the items of plan pattern[r] (copies, as unpickled plans are)
+    before = [SavePlan(copy.deepcopy(kinds[k % len(kinds)].items)) for k in pattern]
+    plain = SavePlanner(split_alignment=ALIGN).create_global_plan(before)
+    digested = SavePlanner(split_alignment=ALIGN).create_global_plan(_digested(before))
+    assert _outcome(*digested) == _outcome(*plain)
+    check_tiling(before, digested[0], ALIGN)
+
+
+def test_a_plan_changed_after_its_digest_is_collected_item_by_item() -> None:
+    """A writer's prepare_local_plan that drops items after the digest was taken: that rank
+    is collected on its own (its plan's length differs), never from another rank's items."""
+    items = [tensor_item("w", (4 * MiB,)), tensor_item("b", (16,))]
+    before = _digested([SavePlan(list(items)), SavePlan(list(items)), SavePlan(list(items))])
+    before[2] = dataclasses.replace(before[2], items=items[:1])
+    plans, metadata = SavePlanner(check_replicas=False).create_global_plan(before)
+    writers_of_b = [r for r, p in enumerate(plans) if any(i.index.fqn == "b" for i in p.items)]
+    assert writers_of_b and 2 not in writers_of_b
+    assert set(metadata.state_dict_metadata) == {"w", "b"}
+
+
+def test_replica_mismatch_with_digests_names_every_rank() -> None:
+    items = [tensor_item("w", (4 * MiB,)), tensor_item("b", (16,))]
+    same = {"w": ("xxh64", 1), "b": ("xxh64", 2)}
+    odd = {"w": ("xxh64", 9), "b": ("xxh64", 2)}
+    plans = _digested([checked_plan(items, d) for d in (same, odd, same, odd, odd)])
+    assert len({p.digest for p in plans}) == 2
+    with pytest.raises(ReplicaMismatchError) as info:
+        SavePlanner().create_global_plan(plans)
+    assert info.value.mismatches == {"w": [[0, 2], [1, 3, 4]]}
+    SavePlanner().create_global_plan(_digested([checked_plan(items, same)] * 3))
