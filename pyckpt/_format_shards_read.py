@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,6 +20,7 @@ from pyckpt._format_shards import (
     _TENSOR_KEYS,
     SHARD_FORMAT,
     SHARDED_VERSION,
+    ZSTD_MAGIC,
     Grid,
     Holders,
     _describe,
@@ -61,7 +62,7 @@ from pyckpt._format_spec import (
     data_file_name,
     is_data_file,
 )
-from pyckpt.errors import UnsupportedDtypeError
+from pyckpt.errors import CheckpointFormatError, CompressionError, UnsupportedDtypeError
 
 __all__ = ["GlobalDoc", "ShardRef", "ShardedIndex", "parse_global", "parse_shard"]
 
@@ -74,6 +75,27 @@ class ShardRef:
     offset: int
     length: int
     xxh64: int
+
+
+class _ShardTable(Mapping[int, ShardRef]):
+    """Rank -> :class:`ShardRef` of a checked ``shards`` list, each made when asked for (a
+    rank's load of a 4096-rank checkpoint asks for one or two)."""
+
+    def __init__(self, ranks: tuple[int, ...], names: list[str], offsets: tuple[int, ...],
+                 lengths: tuple[int, ...], digests: tuple[int, ...]) -> None:
+        self._at = dict(zip(ranks, range(len(ranks))))
+        self._cols = names, offsets, lengths, digests
+
+    def __getitem__(self, rank: int) -> ShardRef:
+        k = self._at[rank]
+        names, offsets, lengths, digests = self._cols
+        return ShardRef(rank, names[k], offsets[k], lengths[k], digests[k])
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._at)
+
+    def __len__(self) -> int:
+        return len(self._at)
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,7 +129,7 @@ class GlobalDoc:
     modules: list[str]
     planner_data: Any
     files: dict[str, int]
-    shards: dict[int, ShardRef]
+    shards: Mapping[int, ShardRef]
     tensors: dict[str, TensorEntry]
     bytes_items: dict[str, BytesEntry]
     # Items stored here (Layout.inline): fqn -> (rank, raw_begin, params, chunks) by raw_begin
@@ -164,7 +186,7 @@ def _untag(v: Any, origin: str, path: str, depth: int) -> Any:
 
 
 def _shards_at_once(entries: list[Any], files: dict[str, Any], save_id: str
-                    ) -> dict[int, ShardRef] | None:
+                    ) -> Mapping[int, ShardRef] | None:
     """The shards of a well-formed ``shards`` list and ``files`` object, checked a column at a
     time, in C loops (a rank's read of a 4096-rank checkpoint's global document); None when
     any check fails (:func:`_shards_one_by_one` then names the entry)."""
@@ -185,7 +207,7 @@ def _shards_at_once(entries: list[Any], files: dict[str, Any], save_id: str
     if set(map(type, sizes)) != {int} or max(sizes) > _MAX_FILE_BYTES or \
             not all(map(int.__eq__, map(int.__add__, offsets, lengths), sizes)):
         return None
-    return dict(zip(ranks, map(ShardRef, ranks, names, offsets, lengths, digests)))
+    return _ShardTable(ranks, names, offsets, lengths, digests)
 
 
 def _shards_one_by_one(entries: list[Any], files_raw: dict[str, Any], save_id: str,
@@ -485,6 +507,11 @@ def parse_shard(g: GlobalDoc, ref: ShardRef, raw: bytes, path: str,
         raise _fail(origin, "", f"digest mismatch (recorded in {g.origin}: xxh64:"
                                 f"{ref.xxh64:016x}, computed xxh64:{actual:016x}): the shard is "
                                 "damaged, or another save's or another rank's")
+    if raw[:4] == ZSTD_MAGIC:  # else the JSON text itself, which begins with "{"
+        try:
+            raw = _C.zstd_unframe(raw, MAX_CHUNK_BYTES)
+        except (CompressionError, CheckpointFormatError) as e:
+            raise _fail(origin, "", f"not one zstd frame of a shard: {e}") from e
     doc = _parse_sealed(raw, origin)
     _obj(doc, origin, "", _SHARD_KEYS)
     if doc["format"] != SHARD_FORMAT or doc["version"] != SHARDED_VERSION:

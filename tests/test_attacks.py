@@ -61,6 +61,10 @@ def test_corpus_covers_the_brief() -> None:
         "shard_chunk_moved", "shard_segment_dropped", "shard_piece_unknown", "shard_not_holder",
         "shard_grid_lie", "shard_grid_short", "shard_file_unlisted", "inline_rank_unknown",
         "inline_gap", "inline_chunk_in_shard",
+        # a shard is one zstd frame of its JSON: garbage, trailing bytes, no content size, a
+        # bomb; and a plain-JSON shard is still checked
+        "shard_zstd_garbage", "shard_zstd_trailing", "shard_zstd_no_size", "shard_zstd_bomb",
+        "shard_plain_json_other_rank",
     }
     assert required <= set(_BY_NAME)
 

@@ -475,3 +475,21 @@ def test_the_formats_codec_table_is_the_native_cores() -> None:
         _C.CodecParams("lz4")
     raw = _C.CodecParams(*_format.RAW_CODEC_PARAMS)
     assert _format.codec_params_json(raw) == list(_format.RAW_CODEC_PARAMS)
+
+
+def test_zstd_frames_of_metadata_read_back_by_zstandard_and_are_checked_before_decoding() -> None:
+    data = b'{"items":' + b"[1,2,3]," * 5000 + b"0}"
+    frame = _C.zstd_frame(data)
+    assert zstandard.ZstdDecompressor().decompress(frame) == data
+    assert _C.zstd_unframe(frame, len(data)) == data
+    assert _C.zstd_unframe(zstandard.compress(data), len(data)) == data
+    with pytest.raises(CheckpointFormatError, match="declares 40011 decoded bytes, more than"):
+        _C.zstd_unframe(frame, len(data) - 1)
+    with pytest.raises(CheckpointFormatError, match="hold a zstd frame of"):
+        _C.zstd_unframe(frame + b"\0", len(data))
+    with pytest.raises(CompressionError, match="without its content size"):
+        _C.zstd_unframe(zstandard.ZstdCompressor(write_content_size=False).compress(data), 10**6)
+    with pytest.raises(CompressionError):
+        _C.zstd_unframe(frame[:-3], len(data))
+    with pytest.raises(CompressionError, match="not a valid zstd frame"):
+        _C.zstd_unframe(data, len(data))

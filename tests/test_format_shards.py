@@ -173,6 +173,34 @@ def test_sharded_checkpoint_consolidates_to_safetensors(tmp_path: Any) -> None:
         assert torch.equal(got[k], v), k
 
 
+def test_a_shard_is_one_zstd_frame_of_its_json_and_a_plain_one_still_loads(
+        tmp_path: Any) -> None:
+    import zstandard
+
+    sd = _state()
+    src = str(tmp_path / "ckpt")
+    _save(sd, src, metadata_shards=True)
+    doc = json.loads(_bytes(os.path.join(src, "pyckpt.json")))
+    (name,) = doc["files"]
+    _, off, length, xxh = doc["shards"][0]
+    data = _bytes(os.path.join(src, name))
+    stored = data[off:off + length]
+    assert len(data) == off + length and _C.xxh64(stored) == xxh
+    text = zstandard.ZstdDecompressor().decompress(stored)  # an independent reader
+    shard = json.loads(text)
+    assert shard["format"] == "pyckpt-shard" and set(shard["items"]) >= {"w"}
+    assert len(stored) < len(text)
+    # the same shard stored as its JSON text (what the writer keeps when zstd does not pay)
+    with open(os.path.join(src, name), "wb") as f:
+        f.write(data[:off] + text)
+    doc["shards"][0][2:] = [len(text), _C.xxh64(text)]
+    doc["files"][name] = off + len(text)
+    _format.rewrite_metadata(src, lambda d: d.update(files=doc["files"], shards=doc["shards"]))
+    out = _zeros(sd)
+    pyckpt.load(out, src)
+    _equal(out, sd)
+
+
 def test_damaged_shards_are_typed_errors_naming_the_shard(tmp_path: Any) -> None:
     sd = _state()
     src = str(tmp_path / "ckpt")

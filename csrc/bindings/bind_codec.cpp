@@ -175,6 +175,34 @@ Raises:
       py::arg("data"), py::arg("seed") = 0, R"pbdoc(XXH64 of a contiguous buffer.)pbdoc");
 
   m.def(
+      "zstd_frame",
+      [](py::handle data, int level) {
+        BufferRef b(data, false);
+        std::vector<std::uint8_t> out;
+        {
+          GilRelease nogil;
+          out = zstd_frame(b.data(), b.size(), level);
+        }
+        return py::bytes(reinterpret_cast<const char*>(out.data()), out.size());
+      },
+      py::arg("data"), py::arg("level") = 3,
+      R"pbdoc(One standard zstd frame of a contiguous buffer, with its content size.)pbdoc");
+
+  m.def(
+      "zstd_unframe",
+      [](py::handle data, std::uint64_t max_len) {
+        BufferRef b(data, false);
+        std::vector<std::uint8_t> out;
+        {
+          GilRelease nogil;
+          out = zstd_unframe(b.data(), b.size(), static_cast<std::size_t>(max_len));
+        }
+        return py::bytes(reinterpret_cast<const char*>(out.data()), out.size());
+      },
+      py::arg("data"), py::arg("max_len"),
+      R"pbdoc(The content of exactly one zstd frame declaring its content size, at most max_len bytes (checked before decoding): CompressionError / CheckpointFormatError otherwise.)pbdoc");
+
+  m.def(
       "max_encoded_size",
       [](std::uint64_t raw_len, const CodecParams& params) {
         return max_encoded_size(static_cast<std::size_t>(raw_len), params);

@@ -624,6 +624,37 @@ void check_plane_decodes(const std::uint8_t* src, std::size_t len, std::size_t e
 
 }  // namespace
 
+std::vector<std::uint8_t> zstd_frame(const void* src, std::size_t len, int level) {
+  std::vector<std::uint8_t> out(ZSTD_compressBound(len));
+  ZSTD_CCtx* c = cctx_for(level);
+  const std::size_t r = ZSTD_compress2(c, out.data(), out.size(), src, len);
+  if (ZSTD_isError(r)) ZSTD_CCtx_reset(c, ZSTD_reset_session_only);
+  zstd_check(r, "compression");
+  out.resize(r);
+  return out;
+}
+
+std::vector<std::uint8_t> zstd_unframe(const void* src, std::size_t len, std::size_t max_len) {
+  const auto* in = static_cast<const std::uint8_t*>(src);
+  const unsigned long long declared = ZSTD_getFrameContentSize(in, len);
+  if (declared == ZSTD_CONTENTSIZE_ERROR) throw CompressionError("not a valid zstd frame");
+  if (declared == ZSTD_CONTENTSIZE_UNKNOWN) {
+    throw CompressionError("a zstd frame without its content size");
+  }
+  PYCKPT_EXPECT_FORMAT(declared <= max_len, FormatKind::Header, "the zstd frame declares ",
+                       declared, " decoded bytes, more than the ", max_len, " allowed");
+  const std::size_t frame = ZSTD_findFrameCompressedSize(in, len);
+  zstd_check(frame, "frame parsing");
+  PYCKPT_EXPECT_FORMAT(frame == len, FormatKind::Header, len, " bytes hold a zstd frame of ",
+                       frame, " bytes");
+  std::vector<std::uint8_t> out(static_cast<std::size_t>(declared));
+  const std::size_t r = ZSTD_decompressDCtx(dctx(), out.data(), out.size(), in, len);
+  zstd_check(r, "decompression");
+  PYCKPT_EXPECT_FORMAT(r == out.size(), FormatKind::Header, "the zstd frame decoded to ", r,
+                       " bytes, it declares ", declared);
+  return out;
+}
+
 bool is_plain_chunk(const ChunkRecord& rec) noexcept {
   return rec.transform == Transform::None && rec.planes.size() == 1 &&
          rec.planes[0].mode == PlaneMode::Raw && rec.stored_len == rec.raw_len;

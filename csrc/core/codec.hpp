@@ -211,6 +211,22 @@ DecodedChunk decode_chunk_planes(const void* stored, const ChunkRecord& rec,
 void verify_chunk(const void* stored, const ChunkRecord& rec, const CodecParams& params);
 
 /**
+ * @brief One standard zstd frame of `len` bytes at `src`, with its content size (for metadata
+ *        that is not a chunk: a version-4 metadata shard).
+ * @throws CompressionError if zstd fails.
+ */
+std::vector<std::uint8_t> zstd_frame(const void* src, std::size_t len, int level);
+
+/**
+ * @brief The content of exactly one standard zstd frame that declares its content size, checked
+ *        from the frame header before anything is decoded.
+ * @throws CompressionError if `src` is not such a frame or does not decode;
+ *         FormatError (Header) if it declares more than `max_len` bytes, has bytes after the
+ *         frame or decodes to other than it declares.
+ */
+std::vector<std::uint8_t> zstd_unframe(const void* src, std::size_t len, std::size_t max_len);
+
+/**
  * @brief Frees this thread's codec scratch (grouped planes) when it holds more than `keep` bytes.
  */
 void trim_codec_scratch(std::size_t keep) noexcept;

@@ -180,7 +180,7 @@ def _write_shard(ckpt: str, doc4: dict[str, Any], prefix: bytes, body: bytes,
     shard's length and digest (the old digest when ``stale``)."""
     from pyckpt import _C
 
-    new = generate.seal(body)
+    new = _C.zstd_frame(generate.seal(body))  # as the writer stores it
     doc = copy.deepcopy(doc4)
     entry = doc["shards"][0]
     (name,) = doc["files"]
@@ -217,7 +217,7 @@ def main(argv: list[str]) -> int:
     with open(os.path.join(base4, shard_file), "rb") as f:
         data = f.read()
     shard_offset = doc4["shards"][0][1]
-    prefix, shard0 = data[:shard_offset], json.loads(data[shard_offset:])
+    prefix, shard0 = data[:shard_offset], json.loads(generate.shard_text(data[shard_offset:]))
     shard0.pop("checksum")
     targets = ("v3", "v4-global", "v4-shard")
     rng = random.Random(seed)

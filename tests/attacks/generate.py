@@ -783,9 +783,32 @@ def _write_global(c: Ctx, doc: dict[str, Any]) -> None:
     write_metadata(c.ckpt, doc)
 
 
-def _reshard(edit: Callable[[dict[str, Any]], Any]) -> Callable[[Ctx], None]:
-    """Case builder: edits the parsed shard, writes it back sealed in place of the old one (the
-    data file and the global document's size, length and digest follow)."""
+def shard_text(stored: bytes) -> bytes:
+    """A stored metadata shard's JSON text (the writer stores one zstd frame of it)."""
+    from pyckpt import _C
+
+    return _C.zstd_unframe(stored, 1 << 28) if stored[:4] == b"\x28\xb5\x2f\xfd" else stored
+
+
+def _restore_shard(c: Ctx, doc: dict[str, Any], path: str, entry: list[Any], new: bytes) -> None:
+    """Puts ``new`` in place of the shard at the end of ``path``; the data file's size and the
+    shard's length and digest in the global document follow."""
+    from pyckpt import _C
+
+    with open(path, "rb") as f:
+        data = f.read()
+    with open(path, "wb") as f:
+        f.write(data[:entry[1]] + new)
+    entry[2], entry[3] = len(new), _C.xxh64(new)
+    doc["files"][os.path.basename(path)] = entry[1] + len(new)
+    _write_global(c, doc)
+
+
+def _reshard(edit: Callable[[dict[str, Any]], Any], compress: bool = True
+             ) -> Callable[[Ctx], None]:
+    """Case builder: edits the parsed shard, writes it back sealed (and compressed, as the
+    writer stores it) in place of the old one (the data file and the global document's size,
+    length and digest follow)."""
 
     def build(c: Ctx) -> None:
         from pyckpt import _C
@@ -793,17 +816,31 @@ def _reshard(edit: Callable[[dict[str, Any]], Any]) -> Callable[[Ctx], None]:
         doc, path, entry = _sharded(c)
         with open(path, "rb") as f:
             data = f.read()
-        shard = json.loads(data[entry[1]:])
+        shard = json.loads(shard_text(data[entry[1]:]))
         shard.pop("checksum")
         edit(shard)
         new = seal(dumps(shard))
-        with open(path, "wb") as f:
-            f.write(data[:entry[1]] + new)
-        entry[2], entry[3] = len(new), _C.xxh64(new)
-        doc["files"][os.path.basename(path)] = entry[1] + len(new)
-        _write_global(c, doc)
+        _restore_shard(c, doc, path, entry, _C.zstd_frame(new) if compress else new)
 
     return build
+
+
+def _restore_raw(make: Callable[[bytes], bytes]) -> Callable[[Ctx], None]:
+    """Case builder: stores ``make(the shard's JSON text)`` as the shard, digest matching."""
+
+    def build(c: Ctx) -> None:
+        doc, path, entry = _sharded(c)
+        with open(path, "rb") as f:
+            data = f.read()
+        _restore_shard(c, doc, path, entry, make(shard_text(data[entry[1]:])))
+
+    return build
+
+
+def _zstd(data: bytes, content_size: bool = True) -> bytes:
+    import zstandard
+
+    return zstandard.ZstdCompressor(write_content_size=content_size).compress(data)
 
 
 def _global_edit(edit: Callable[[dict[str, Any]], Any]) -> Callable[[Ctx], None]:
@@ -846,6 +883,18 @@ case("shard_length_lie", "sharded: pyckpt.json says the shard is 1 byte shorter 
 case("shard_other_rank", "sharded: the shard says it is rank 1's (as when shards are swapped "
      "between ranks), resealed with a matching digest")(
     _reshard(lambda s: s.__setitem__("rank", 1)))
+case("shard_zstd_garbage", "sharded: the shard begins like a zstd frame and is garbage after "
+     "the magic, digest matching")(_restore_raw(lambda t: b"\x28\xb5\x2f\xfd" + t[4:]))
+case("shard_zstd_trailing", "sharded: the shard's zstd frame is followed by more bytes, digest "
+     "matching")(_restore_raw(lambda t: _zstd(t) + b"{}"))
+case("shard_zstd_no_size", "sharded: the shard is a zstd frame without its content size, "
+     "digest matching")(_restore_raw(lambda t: _zstd(t, content_size=False)))
+case("shard_zstd_bomb", "sharded: the shard is a zstd frame of 257 MiB (about 8 KiB stored, "
+     "more than a shard may hold), digest matching")(
+    _restore_raw(lambda t: _zstd(t + b" " * ((257 << 20) - len(t)))))
+case("shard_plain_json_other_rank", "sharded: the shard stored as plain JSON (uncompressed), "
+     "saying it is rank 1's, digest matching")(
+    _reshard(lambda s: s.__setitem__("rank", 1), compress=False))
 case("shard_other_save", "sharded: the shard names another save id, resealed")(
     _reshard(lambda s: s.__setitem__("save_id", "0123456789ab")))
 case("shard_unknown_item", "sharded: the shard holds segments of an item pyckpt.json lacks")(
