@@ -645,8 +645,8 @@ std::vector<std::uint8_t> zstd_unframe(const void* src, std::size_t len, std::si
                        declared, " decoded bytes, more than the ", max_len, " allowed");
   const std::size_t frame = ZSTD_findFrameCompressedSize(in, len);
   zstd_check(frame, "frame parsing");
-  PYCKPT_EXPECT_FORMAT(frame == len, FormatKind::Header, len, " bytes hold a zstd frame of ",
-                       frame, " bytes");
+  PYCKPT_EXPECT_FORMAT(frame == len, FormatKind::Header, len, " bytes hold a zstd frame of ", frame,
+                       " bytes");
   std::vector<std::uint8_t> out(static_cast<std::size_t>(declared));
   const std::size_t r = ZSTD_decompressDCtx(dctx(), out.data(), out.size(), in, len);
   zstd_check(r, "decompression");

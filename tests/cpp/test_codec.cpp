@@ -205,6 +205,23 @@ TEST(rejects_unknown_codes_and_impossible_plane_counts) {
   bad([](ChunkRecord& r) { r.planes[0].stored_len = UINT64_MAX; }, kBf16, "overflow");
 }
 
+TEST(metadata_frames_round_trip_and_are_bounded_before_decoding) {
+  std::string text;
+  for (int i = 0; i < 4000; ++i) text += "[1,2,3],";
+  const auto frame = zstd_frame(text.data(), text.size(), 3);
+  CHECK(frame.size() < text.size() / 10);
+  const auto back = zstd_unframe(frame.data(), frame.size(), text.size());
+  CHECK(std::string(back.begin(), back.end()) == text);
+  CHECK_THROWS(zstd_unframe(frame.data(), frame.size(), text.size() - 1), FormatError, "more than");
+  auto longer = frame;
+  longer.push_back(0);
+  CHECK_THROWS(zstd_unframe(longer.data(), longer.size(), text.size()), FormatError,
+               "hold a zstd frame");
+  CHECK_THROWS(zstd_unframe(text.data(), text.size(), text.size()), CompressionError,
+               "not a valid zstd frame");
+  CHECK_THROWS(zstd_unframe(frame.data(), frame.size() - 2, text.size()), CompressionError, "zstd");
+}
+
 TEST(zstd_frame_size_must_match_the_record) {
   // 64 KiB of zeros: one tiny zstd frame that declares 65536 decoded bytes.
   const std::vector<std::uint8_t> zeros(65536, 0);
