@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import io
 import logging
+import math
 import os
 import uuid
 import warnings
@@ -350,8 +351,7 @@ class Reader(StorageReader):
         def wanted() -> list[dict[Any, int]]:
             nonlocal wants
             if wants is None:
-                self._read_shards(plans)  # version 4: the coordinator needs every rank's spans
-                wants = [chunks_of([self._span(item) for item in p.items]) for p in plans]
+                wants = self._wants(plans)
             return wants
 
         if self.cooperative is None:
@@ -379,6 +379,47 @@ class Reader(StorageReader):
                                    self.path, groups)
         warnings.warn(PartialLoadWarning(_partial.message(self.path, groups, raising=False)),
                       stacklevel=2)
+
+    def _wants(self, plans: list[LoadPlan]) -> list[dict[Any, int]]:
+        """Per rank, the stored chunks it reads -> their stored bytes (:func:`chunks_of`).
+
+        Of a version-4 checkpoint in a shared place, the coordinator reads only the shards of
+        the cells several ranks read (a sharded load at the world size it was saved with reads
+        none): a cell one rank reads is never exchanged, and stands as one key of its own
+        weighing the raw bytes read (a little more than it stores, when compressed)."""
+        storage = self._storage
+        if not isinstance(storage, _ShardStorage) or holders_of(self._backend) is not None:
+            self._read_shards(plans)  # node-local: who holds a file matters for every chunk
+            return [chunks_of([self._span(item) for item in p.items]) for p in plans]
+        g = storage.sharded.g
+        cells: list[list[int | None]] = []  # per rank and item: its cell (None: not sharded)
+        readers: dict[tuple[str, int], set[int]] = {}
+        for rank, p in enumerate(plans):
+            mine: list[int | None] = []
+            for item in p.items:
+                index = item.storage_index
+                cell = None if index.fqn in g.inline else storage._cell(index)
+                mine.append(cell)
+                if cell is not None:
+                    readers.setdefault((index.fqn, cell), set()).add(rank)
+            cells.append(mine)
+        shared = {key for key, ranks in readers.items() if len(ranks) > 1}
+        storage.load([item.storage_index for p, mine in zip(plans, cells)
+                      for item, cell in zip(p.items, mine) if (item.storage_index.fqn, cell)
+                      in shared])
+        out = []
+        for p, mine in zip(plans, cells):
+            spans, alone = [], {}
+            for item, cell in zip(p.items, mine):
+                fqn = item.storage_index.fqn
+                if cell is None or (fqn, cell) in shared:
+                    spans.append(self._span(item))
+                    continue
+                key = ("\0" + fqn, cell)  # no data file's name begins with a NUL
+                size = math.prod(item.lengths) * DTYPE_SIZES[g.tensors[fqn].dtype]
+                alone[key] = alone.get(key, 0) + size
+            out.append(chunks_of(spans) | alone)
+        return out
 
     def _span(self, req: ReadItem) -> tuple[Any, int, int]:
         """``(segments, lo, hi)``: the stored raw bytes ``req`` reads."""

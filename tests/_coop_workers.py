@@ -114,16 +114,19 @@ def save_mixed(rank: int, world: int, path: str) -> None:
     pyckpt.save(_mixed(world, zeros=False), path, compression="zstd", chunk_bytes=CHUNK)
 
 
-def load_mixed(rank: int, world: int, path: str, cooperative: bool) -> dict[str, Any]:
-    sd = _mixed(world, zeros=True)
-    reader = pyckpt.Reader(path, cooperative=cooperative)
+def load_mixed(rank: int, world: int, path: str, cooperative: bool,
+               prefix: str = "") -> dict[str, Any]:
+    """Loads the mixed state (the keys beginning with ``prefix``)."""
+    sd = {k: v for k, v in _mixed(world, zeros=True).items() if k.startswith(prefix)}
+    reader = pyckpt.Reader(path, cooperative=cooperative, allow_partial=bool(prefix))
     with reader:
         dcp.load(sd, storage_reader=reader, planner=load_planner())
-    want = _mixed(world, zeros=False)
+    want = {k: v for k, v in _mixed(world, zeros=False).items() if k.startswith(prefix)}
     bad = [k for k in want if not torch.equal(
         (sd[k].to_local() if hasattr(sd[k], "to_local") else sd[k]).view(torch.uint8),
         (want[k].to_local() if hasattr(want[k], "to_local") else want[k]).view(torch.uint8))]
-    return {"bad": bad, "bytes_read": reader.bytes_read}
+    return {"bad": bad, "bytes_read": reader.bytes_read,
+            "shards_read": reader._storage.sharded.shards_read}
 
 
 # -- node-local -----------------------------------------------------------------------------

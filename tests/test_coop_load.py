@@ -137,6 +137,10 @@ def test_mixed_sharded_and_replicated(tmp_path: Path) -> None:
     # Without cooperation each rank reads its shards plus every replicated byte: the difference
     # is the replicated bytes the other rank read for it, never more (shards are not shared).
     assert sum(r["bytes_read"] for r in alone) > sum(r["bytes_read"] for r in coop)
+    # The sharded tensors alone, cooperatively: planning it, the coordinator reads no other
+    # rank's metadata shard (each cell is read by one rank, so nothing is exchanged).
+    sharded = run_distributed(load_mixed, 2, path, True, "sharded.")
+    assert [(r["bad"], r["shards_read"]) for r in sharded] == [([], 1)] * 2, sharded
 
 
 @pytest.mark.slow
