@@ -164,7 +164,7 @@ class DataFiles:
         if not lazy:
             tensors, bytes_items = sharded.full()
         return CheckpointIndex(
-            path=self.root, tensors=tensors, bytes_items=bytes_items, files=dict(g.files),
+            path=self.root, tensors=tensors, bytes_items=bytes_items, files=g.files,
             save_id=g.save_id, dcp_version=g.dcp_version, planner_data=g.planner_data,
             storage_meta={"modules": g.modules}, created_by=g.created_by,
             version=4, local_files=local_files,

@@ -65,7 +65,7 @@ ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
 PREFIX = b'{"format":"pyckpt","version":4,'
 _MAX_RANK = (1 << 31) - 1
 _GLOBAL_KEYS = frozenset(("format", "version", "created_by", "save_id", "dcp_version",
-                          "storage_meta", "planner_data", "files", "shards", "items",
+                          "storage_meta", "planner_data", "shards", "items",
                           "checksum"))
 _TENSOR_KEYS = frozenset(("type", "dtype", "shape", "requires_grad", "memory_format", "grid",
                           "holders"))
@@ -396,7 +396,6 @@ def build_global(metadata: Any, layout: Layout, shards: Mapping[int, tuple[int, 
     """The version-4 ``pyckpt.json``: ``shards`` maps rank -> (file size, shard offset, shard
     length, shard XXH64); ``inline``: see :meth:`Layout.items_json`."""
     storage_meta = metadata.storage_meta
-    files = {data_file_name(r, 0, save_id): s[0] for r, s in sorted(shards.items())}
     head = {
         "format": FORMAT_NAME,
         "version": SHARDED_VERSION,
@@ -405,7 +404,6 @@ def build_global(metadata: Any, layout: Layout, shards: Mapping[int, tuple[int, 
         "dcp_version": metadata.version,
         "storage_meta": {"modules": list(storage_meta.modules) if storage_meta else []},
         "planner_data": planner_data,
-        "files": files,
         "shards": [[r, s[1], s[2], s[3]] for r, s in sorted(shards.items())],
     }
     body = _dumps(head)[:-1] + ',"items":' + layout.items_json(inline) + "}"
@@ -476,6 +474,9 @@ def global_document(metadata: Any, layout: Layout, results: Sequence[Sequence[An
             if not isinstance(w, ShardWritten):
                 raise RuntimeError("pyckpt.Writer.finish: a rank wrote no metadata shard in a "
                                    "sharded save")
+            if w.file_size != w.shard_offset + w.shard_length:  # readers take it as the size
+                raise RuntimeError(f"pyckpt.Writer.finish: rank {w.rank}'s metadata shard does "
+                                   "not end its data file")
             shards[w.rank] = (w.file_size, w.shard_offset, w.shard_length, w.shard_xxh64)
             for fqn, raw_begin, codec, chunks in w.inline:
                 inline.setdefault(fqn, []).append([w.rank, raw_begin, codec, chunks])

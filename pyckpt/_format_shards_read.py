@@ -60,7 +60,7 @@ from pyckpt._format_spec import (
     chunk_place_key,
     chunk_place_seed,
     data_file_name,
-    is_data_file,
+    data_file_rank,
 )
 from pyckpt.errors import CheckpointFormatError, CompressionError, UnsupportedDtypeError
 
@@ -81,21 +81,54 @@ class _ShardTable(Mapping[int, ShardRef]):
     """Rank -> :class:`ShardRef` of a checked ``shards`` list, each made when asked for (a
     rank's load of a 4096-rank checkpoint asks for one or two)."""
 
-    def __init__(self, ranks: tuple[int, ...], names: list[str], offsets: tuple[int, ...],
+    def __init__(self, save_id: str, ranks: tuple[int, ...], offsets: tuple[int, ...],
                  lengths: tuple[int, ...], digests: tuple[int, ...]) -> None:
         self._at = dict(zip(ranks, range(len(ranks))))
-        self._cols = names, offsets, lengths, digests
+        self._save_id = save_id
+        self._cols = offsets, lengths, digests
 
     def __getitem__(self, rank: int) -> ShardRef:
         k = self._at[rank]
-        names, offsets, lengths, digests = self._cols
-        return ShardRef(rank, names[k], offsets[k], lengths[k], digests[k])
+        offsets, lengths, digests = self._cols
+        return ShardRef(rank, data_file_name(rank, 0, self._save_id), offsets[k], lengths[k],
+                        digests[k])
 
     def __iter__(self) -> Iterator[int]:
         return iter(self._at)
 
     def __len__(self) -> int:
         return len(self._at)
+
+    def files(self) -> Mapping[str, int]:
+        """Data file name -> size (each file ends with its shard), made when asked for."""
+        return _FileSizes(self)
+
+
+class _FileSizes(Mapping[str, int]):
+    """The data files of a :class:`_ShardTable` and their sizes: ``<rank>-0.<save_id>.pyckpt``
+    of every rank with a shard, ending where its shard ends."""
+
+    def __init__(self, table: _ShardTable) -> None:
+        self._table = table
+
+    def __getitem__(self, name: str) -> int:
+        t = self._table
+        try:
+            rank = data_file_rank(name)
+        except ValueError:
+            raise KeyError(name) from None
+        k = t._at.get(rank)
+        if k is None or name != data_file_name(rank, 0, t._save_id):
+            raise KeyError(name)
+        offsets, lengths, _ = t._cols
+        return offsets[k] + lengths[k]
+
+    def __iter__(self) -> Iterator[str]:
+        save_id = self._table._save_id
+        return (data_file_name(rank, 0, save_id) for rank in self._table._at)
+
+    def __len__(self) -> int:
+        return len(self._table)
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,7 +161,7 @@ class GlobalDoc:
     dcp_version: str | None
     modules: list[str]
     planner_data: Any
-    files: dict[str, int]
+    files: Mapping[str, int]  # data file name -> size
     shards: Mapping[int, ShardRef]
     tensors: dict[str, TensorEntry]
     bytes_items: dict[str, BytesEntry]
@@ -185,39 +218,27 @@ def _untag(v: Any, origin: str, path: str, depth: int) -> Any:
     return v
 
 
-def _shards_at_once(entries: list[Any], files: dict[str, Any], save_id: str
-                    ) -> Mapping[int, ShardRef] | None:
-    """The shards of a well-formed ``shards`` list and ``files`` object, checked a column at a
-    time, in C loops (a rank's read of a 4096-rank checkpoint's global document); None when
-    any check fails (:func:`_shards_one_by_one` then names the entry)."""
-    if len(entries) != len(files) or {type(e) for e in entries} - {list} or \
-            set(map(len, entries)) - {4}:
+def _shards_at_once(entries: list[Any], save_id: str) -> _ShardTable | None:
+    """The shards of a well-formed ``shards`` list, checked a column at a time, in C loops (a
+    rank's read of a 4096-rank checkpoint's global document); None when any check fails
+    (:func:`_shards_one_by_one` then names the entry)."""
+    if set(map(type, entries)) - {list} or set(map(len, entries)) - {4}:
         return None
     if not entries:
-        return {}
+        return _ShardTable(save_id, (), (), (), ())
     ranks, offsets, lengths, digests = cols = tuple(zip(*entries))
     if set().union(*(map(type, col) for col in cols)) != {int}:
         return None
     if (min(ranks) < 0 or max(ranks) > _MAX_RANK or min(offsets) < 0 or min(lengths) < 1
             or max(lengths) > MAX_CHUNK_BYTES or min(digests) < 0 or max(digests) >= 1 << 64
+            or max(map(int.__add__, offsets, lengths)) > _MAX_FILE_BYTES
             or not all(map(int.__lt__, ranks, ranks[1:]))):
         return None
-    names = [f"{r}-0.{save_id}.pyckpt" for r in ranks]  # data_file_name
-    sizes: list[Any] = list(map(files.get, names))  # every file a shard's: as many, all found
-    if set(map(type, sizes)) != {int} or max(sizes) > _MAX_FILE_BYTES or \
-            not all(map(int.__eq__, map(int.__add__, offsets, lengths), sizes)):
-        return None
-    return _ShardTable(ranks, names, offsets, lengths, digests)
+    return _ShardTable(save_id, ranks, offsets, lengths, digests)
 
 
-def _shards_one_by_one(entries: list[Any], files_raw: dict[str, Any], save_id: str,
-                       origin: str) -> dict[int, ShardRef]:
+def _shards_one_by_one(entries: list[Any], save_id: str, origin: str) -> _ShardTable:
     """:func:`_shards_at_once`, entry by entry: raises naming the first wrong value."""
-    for name, size in files_raw.items():
-        if not is_data_file(name):
-            raise _fail(origin, f"files[{name!r}]", "is not a data file name of this format")
-        _int(size, origin, f"files[{name!r}]", 0, _MAX_FILE_BYTES)
-    shards: dict[int, ShardRef] = {}
     last = -1
     for k, entry in enumerate(entries):
         sp = f"shards[{k}]"
@@ -227,21 +248,14 @@ def _shards_one_by_one(entries: list[Any], files_raw: dict[str, Any], save_id: s
         if rank <= last:
             raise _fail(origin, f"{sp}[0]", "shards must be listed by increasing rank")
         last = rank
-        name = data_file_name(rank, 0, save_id)
-        size = files_raw.get(name)
-        if size is None:
-            raise _fail(origin, sp, f"its data file {name} is not listed in 'files'")
         offset = _int(entry[1], origin, f"{sp}[1]", 0, _MAX_FILE_BYTES)
         length = _int(entry[2], origin, f"{sp}[2]", 1, MAX_CHUNK_BYTES)
-        if offset + length != size:
-            raise _fail(origin, sp, f"the shard must end its data file ({size} bytes), it ends "
-                                    f"at {offset + length}")
-        xxh = _int(entry[3], origin, f"{sp}[3]", 0, (1 << 64) - 1)
-        shards[rank] = ShardRef(rank, name, offset, length, xxh)
-    if len(shards) != len(files_raw):
-        extra = sorted(set(files_raw) - {s.file for s in shards.values()})
-        raise _fail(origin, "files", f"{extra[0]} holds no shard")
-    return shards
+        if offset + length > _MAX_FILE_BYTES:
+            raise _fail(origin, sp, f"the shard ends at {offset + length}, beyond the "
+                                    f"{_MAX_FILE_BYTES} bytes a data file may hold")
+        _int(entry[3], origin, f"{sp}[3]", 0, (1 << 64) - 1)
+    ranks, offsets, lengths, digests = (tuple(col) for col in zip(*entries))
+    return _ShardTable(save_id, ranks, offsets, lengths, digests)
 
 
 def parse_global(raw: bytes, origin: str) -> GlobalDoc:
@@ -249,6 +263,8 @@ def parse_global(raw: bytes, origin: str) -> GlobalDoc:
     if len(raw) > MAX_METADATA_BYTES:
         raise _fail(origin, "", f"more than the {MAX_METADATA_BYTES} bytes this pyckpt reads")
     doc = _parse_sealed(raw, origin)
+    if type(doc) is dict:  # the first version-4 writers also listed every data file's size
+        doc.pop("files", None)  # in "files": the shards give them (each file ends with its own)
     _obj(doc, origin, "", _GLOBAL_KEYS)
     if doc["format"] != FORMAT_NAME or doc["version"] != SHARDED_VERSION:
         raise _fail(origin, "format", "not a version-4 pyckpt document")
@@ -267,15 +283,12 @@ def parse_global(raw: bytes, origin: str) -> GlobalDoc:
         raise _fail(origin, "storage_meta.modules", "must be a list of strings")
     planner_data = _untag(doc["planner_data"], origin, "planner_data", 0)
 
-    files_raw = doc["files"]
-    if type(files_raw) is not dict:
-        raise _fail(origin, "files", "must be an object")
-    if len(files_raw) > MAX_FILES:
-        raise _fail(origin, "files", f"more than {MAX_FILES} data files")
     shard_list = _list(doc["shards"], origin, "shards")
-    shards = _shards_at_once(shard_list, files_raw, save_id)
+    if len(shard_list) > MAX_FILES:
+        raise _fail(origin, "shards", f"more than {MAX_FILES} data files")
+    shards = _shards_at_once(shard_list, save_id)
     if shards is None:  # something is wrong: find it, entry by entry
-        shards = _shards_one_by_one(shard_list, files_raw, save_id, origin)
+        shards = _shards_one_by_one(shard_list, save_id, origin)
 
     items = doc["items"]
     if type(items) is not dict:
@@ -331,7 +344,7 @@ def parse_global(raw: bytes, origin: str) -> GlobalDoc:
             nbytes = math.prod(shape) * DTYPE_SIZES[dtype]
             inline.append((fqn, item["segments"], nbytes, dtype, holders.of(0), ip))
     g = GlobalDoc(origin, doc["created_by"], save_id, dcp_version, modules, planner_data,
-                  dict(files_raw), shards, tensors, bytes_items)
+                  shards.files(), shards, tensors, bytes_items)
     codecs = _CodecCheck()
     for fqn, value, nbytes, dtype, held_by, ip in inline:
         _inline_segments(g, fqn, value, nbytes, dtype, held_by, codecs, ip)

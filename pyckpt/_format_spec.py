@@ -7,7 +7,7 @@ from __future__ import annotations
 import functools
 import re
 import uuid
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -263,7 +263,7 @@ class CheckpointIndex:
     path: str
     tensors: dict[str, StoredTensor] = field(default_factory=dict)
     bytes_items: dict[str, StoredBytes] = field(default_factory=dict)
-    files: dict[str, int] = field(default_factory=dict)  # data file name -> size in bytes
+    files: Mapping[str, int] = field(default_factory=dict)  # data file name -> size in bytes
     save_id: str = ""
     dcp_version: str | None = None
     planner_data: Any = None

@@ -409,7 +409,8 @@ class Reader(StorageReader):
                       in shared])
         out = []
         for p, mine in zip(plans, cells):
-            spans, alone = [], {}
+            spans: list[tuple[Any, int, int]] = []
+            alone: dict[Any, int] = {}
             for item, cell in zip(p.items, mine):
                 fqn = item.storage_index.fqn
                 if cell is None or (fqn, cell) in shared:

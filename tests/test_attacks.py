@@ -59,7 +59,7 @@ def test_corpus_covers_the_brief() -> None:
         "shard_missing", "shard_truncated", "shard_bytes_flipped", "shard_digest_lie",
         "shard_length_lie", "shard_other_rank", "shard_other_save", "shard_unknown_item",
         "shard_chunk_moved", "shard_segment_dropped", "shard_piece_unknown", "shard_not_holder",
-        "shard_grid_lie", "shard_grid_short", "shard_file_unlisted", "inline_rank_unknown",
+        "shard_grid_lie", "shard_grid_short", "inline_rank_unknown",
         "inline_gap", "inline_chunk_in_shard",
         # a shard is one zstd frame of its JSON: garbage, trailing bytes, no content size, a
         # bomb; and a plain-JSON shard is still checked

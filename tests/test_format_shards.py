@@ -181,7 +181,8 @@ def test_a_shard_is_one_zstd_frame_of_its_json_and_a_plain_one_still_loads(
     src = str(tmp_path / "ckpt")
     _save(sd, src, metadata_shards=True)
     doc = json.loads(_bytes(os.path.join(src, "pyckpt.json")))
-    (name,) = doc["files"]
+    assert "files" not in doc  # each data file ends with its shard: the shards give the sizes
+    name = f"0-0.{doc['save_id']}.pyckpt"
     _, off, length, xxh = doc["shards"][0]
     data = _bytes(os.path.join(src, name))
     stored = data[off:off + length]
@@ -194,8 +195,7 @@ def test_a_shard_is_one_zstd_frame_of_its_json_and_a_plain_one_still_loads(
     with open(os.path.join(src, name), "wb") as f:
         f.write(data[:off] + text)
     doc["shards"][0][2:] = [len(text), _C.xxh64(text)]
-    doc["files"][name] = off + len(text)
-    _format.rewrite_metadata(src, lambda d: d.update(files=doc["files"], shards=doc["shards"]))
+    _format.rewrite_metadata(src, lambda d: d.update(shards=doc["shards"]))
     out = _zeros(sd)
     pyckpt.load(out, src)
     _equal(out, sd)
@@ -206,8 +206,8 @@ def test_damaged_shards_are_typed_errors_naming_the_shard(tmp_path: Any) -> None
     src = str(tmp_path / "ckpt")
     _save(sd, src, metadata_shards=True)
     doc = json.loads(_bytes(os.path.join(src, "pyckpt.json")))
-    (name,) = doc["files"]
     rank, off, length, _ = doc["shards"][0]
+    name = f"{rank}-0.{doc['save_id']}.pyckpt"
     data = _bytes(os.path.join(src, name))
 
     def case(label: str, mutate: Any, err: type[BaseException], match: str) -> None:
@@ -230,6 +230,21 @@ def test_damaged_shards_are_typed_errors_naming_the_shard(tmp_path: Any) -> None
     case("truncated", lambda d: os.truncate(os.path.join(d, name), off + length - 5),
          CheckpointFormatError, "truncated")
     case("missing", lambda d: os.unlink(os.path.join(d, name)), FileNotFoundError, "missing")
+
+def test_a_global_document_of_the_first_version_4_writers_still_loads(tmp_path: Any) -> None:
+    sd = _state()
+    src = str(tmp_path / "ckpt")
+    _save(sd, src, metadata_shards=True)
+    doc = json.loads(_bytes(os.path.join(src, "pyckpt.json")))
+    rank, off, length, _ = doc["shards"][0]
+    name = f"{rank}-0.{doc['save_id']}.pyckpt"
+    # they also listed every data file's size in "files" (the shards give it)
+    _format.rewrite_metadata(src, lambda d: d.update(files={name: off + length}))
+    assert "files" in json.loads(_bytes(os.path.join(src, "pyckpt.json")))
+    out = _zeros(sd)
+    pyckpt.load(out, src)
+    _equal(out, sd)
+    assert dict(_format.read_index(src).files) == {name: off + length}
 
 
 # ------------------------------------------------------------------------ real ranks
@@ -333,7 +348,6 @@ def test_shards_swapped_between_ranks_are_refused_naming_the_shard(tmp_path: Any
     f0, f1 = (os.path.join(path, f"{r}-0.{sid}.pyckpt") for r in (0, 1))
     # rank 1's data file (and shard) in rank 0's place, pyckpt.json made to agree on sizes
     shutil.copyfile(f1, f0)
-    doc["files"][os.path.basename(f0)] = os.path.getsize(f1)
     doc["shards"][0][1:] = doc["shards"][1][1:]
     body = json.dumps(doc, separators=(",", ":")).encode()
     with open(meta, "wb") as f:

@@ -168,7 +168,7 @@ def test_two_ranks_save_then_resharded_loads(s3: SeaweedServer) -> None:
     run_distributed(worker_save, 2, url, s3.env(), None)
     meta = json.loads(s3.boto3().get_object(Bucket=BUCKET, Key=url.split("/", 3)[3] +
                                             "/pyckpt.json")["Body"].read())
-    assert sorted(_format.data_file_rank(n) for n in meta["files"]) == [0, 1]
+    assert sorted(_format.data_file_rank(n) for n in _data_files(meta)) == [0, 1]
 
     # 2 -> 3 ranks: every rank gets exactly its shards and fetches little more than it needs.
     results = run_distributed(worker_load, 3, url, s3.env())
@@ -496,6 +496,14 @@ def _metadata(s3: SeaweedServer, url: str) -> dict[str, Any]:
     return dict(json.loads(s3.boto3().get_object(Bucket=BUCKET, Key=key)["Body"].read()))
 
 
+def _data_files(doc: dict[str, Any]) -> dict[str, int]:
+    """Data file name -> size of a ``pyckpt.json`` (version 4: each rank's file ends with its
+    metadata shard, whose place the shards list gives)."""
+    if doc["version"] == 4:
+        return {f"{r}-0.{doc['save_id']}.pyckpt": off + n for r, off, n, _ in doc["shards"]}
+    return dict(doc["files"])
+
+
 def test_two_ranks_consolidate_object_store_to_object_store(s3: SeaweedServer,
                                                             tmp_path: Any) -> None:
     from safetensors.torch import load_file
@@ -504,7 +512,7 @@ def test_two_ranks_consolidate_object_store_to_object_store(s3: SeaweedServer,
     dst_prefix = _prefix()
     dst = _url(dst_prefix)
     run_distributed(worker_save, 2, src, s3.env(), "zstd")
-    sizes = _metadata(s3, src)["files"]
+    sizes = _data_files(_metadata(s3, src))
     assert len(sizes) == 2
 
     # "r" and "v" (11 KiB) in one file, "w" (384 KiB) in the other: one output file per rank.
@@ -548,7 +556,7 @@ def test_two_ranks_consolidate_failure_leaves_no_index(s3: SeaweedServer) -> Non
     run_distributed(worker_save, 2, src, s3.env(), None)
     # Corrupt one data object (same size): the rank that reads its chunks fails mid-way.
     client = s3.boto3()
-    name = sorted(_metadata(s3, src)["files"])[1]
+    name = sorted(_data_files(_metadata(s3, src)))[1]
     key = f"{src_prefix}/{name}"
     data = bytearray(client.get_object(Bucket=BUCKET, Key=key)["Body"].read())
     data[len(data) // 2] ^= 0xFF

@@ -176,17 +176,15 @@ def _save_sharded_baseline(ckpt: str) -> None:
 def _write_shard(ckpt: str, doc4: dict[str, Any], prefix: bytes, body: bytes,
                  stale: bool) -> None:
     """Seals ``body`` as the shard of the version-4 checkpoint ``ckpt`` (its data file:
-    ``prefix`` + the shard) and rewrites pyckpt.json (``doc4``) with the file's size and the
-    shard's length and digest (the old digest when ``stale``)."""
+    ``prefix`` + the shard) and rewrites pyckpt.json (``doc4``) with the shard's length and
+    digest (the old digest when ``stale``)."""
     from pyckpt import _C
 
     new = _C.zstd_frame(generate.seal(body))  # as the writer stores it
     doc = copy.deepcopy(doc4)
     entry = doc["shards"][0]
-    (name,) = doc["files"]
-    with open(os.path.join(ckpt, name), "wb") as f:
+    with open(os.path.join(ckpt, generate.shard_file(doc, entry)), "wb") as f:
         f.write(prefix + new)
-    doc["files"][name] = len(prefix) + len(new)
     entry[2] = len(new)
     if not stale:
         entry[3] = _C.xxh64(new)
@@ -213,8 +211,7 @@ def main(argv: list[str]) -> int:
     original = generate.baseline_state_dict()
     doc0 = generate.read_metadata(base)
     doc4 = generate.read_metadata(base4)
-    (shard_file,) = doc4["files"]
-    with open(os.path.join(base4, shard_file), "rb") as f:
+    with open(os.path.join(base4, generate.shard_file(doc4, doc4["shards"][0])), "rb") as f:
         data = f.read()
     shard_offset = doc4["shards"][0][1]
     prefix, shard0 = data[:shard_offset], json.loads(generate.shard_text(data[shard_offset:]))

@@ -774,8 +774,13 @@ def _sharded(c: Ctx) -> tuple[dict[str, Any], str, list[Any]]:
                     fsync=False, metadata_shards=True)
     doc = c.doc
     (entry,) = doc["shards"]
-    (name,) = doc["files"]
-    return doc, os.path.join(c.ckpt, name), entry
+    return doc, os.path.join(c.ckpt, shard_file(doc, entry)), entry
+
+
+def shard_file(doc: dict[str, Any], entry: list[Any]) -> str:
+    """The data file holding the shard of ``entry`` (of a version-4 ``doc``'s shards): its
+    rank's first file of the save."""
+    return f"{entry[0]}-0.{doc['save_id']}.pyckpt"
 
 
 def _write_global(c: Ctx, doc: dict[str, Any]) -> None:
@@ -791,8 +796,8 @@ def shard_text(stored: bytes) -> bytes:
 
 
 def _restore_shard(c: Ctx, doc: dict[str, Any], path: str, entry: list[Any], new: bytes) -> None:
-    """Puts ``new`` in place of the shard at the end of ``path``; the data file's size and the
-    shard's length and digest in the global document follow."""
+    """Puts ``new`` in place of the shard at the end of ``path``; the shard's length and digest
+    in the global document follow (the data file ends with it)."""
     from pyckpt import _C
 
     with open(path, "rb") as f:
@@ -800,15 +805,14 @@ def _restore_shard(c: Ctx, doc: dict[str, Any], path: str, entry: list[Any], new
     with open(path, "wb") as f:
         f.write(data[:entry[1]] + new)
     entry[2], entry[3] = len(new), _C.xxh64(new)
-    doc["files"][os.path.basename(path)] = entry[1] + len(new)
     _write_global(c, doc)
 
 
 def _reshard(edit: Callable[[dict[str, Any]], Any], compress: bool = True
              ) -> Callable[[Ctx], None]:
     """Case builder: edits the parsed shard, writes it back sealed (and compressed, as the
-    writer stores it) in place of the old one (the data file and the global document's size,
-    length and digest follow)."""
+    writer stores it) in place of the old one (the global document's length and digest
+    follow)."""
 
     def build(c: Ctx) -> None:
         from pyckpt import _C
@@ -921,8 +925,6 @@ case("inline_gap", "sharded: the records of 'extra.step' start at raw byte 1")(
 case("inline_chunk_in_shard", "sharded: a chunk record of 'extra.step' points into the shard")(
     _global_edit(lambda d: d["items"]["extra.step"]["segments"][0][3][0].__setitem__(
         0, d["shards"][0][1])))
-case("shard_file_unlisted", "sharded: 'files' lists a second data file that holds no shard")(
-    _global_edit(lambda d: d["files"].__setitem__(f"1-0.{d['save_id']}.pyckpt", 0)))
 
 
 # ------------------------------------------------------------------------------------ driver
