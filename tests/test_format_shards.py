@@ -173,16 +173,22 @@ def test_sharded_checkpoint_consolidates_to_safetensors(tmp_path: Any) -> None:
         assert torch.equal(got[k], v), k
 
 
-def test_a_shard_is_one_zstd_frame_of_its_json_and_a_plain_one_still_loads(
-        tmp_path: Any) -> None:
-    import zstandard
-
+def _saved_with_shard(tmp_path: Any) -> tuple[dict[str, Any], str, dict[str, Any], str]:
+    """A one-process sharded save of :func:`_state`: the state, the checkpoint, its parsed
+    ``pyckpt.json`` and the data file holding the (one) shard."""
     sd = _state()
     src = str(tmp_path / "ckpt")
     _save(sd, src, metadata_shards=True)
     doc = json.loads(_bytes(os.path.join(src, "pyckpt.json")))
+    return sd, src, doc, f"{doc['shards'][0][0]}-0.{doc['save_id']}.pyckpt"
+
+
+def test_a_shard_is_one_zstd_frame_of_its_json_and_a_plain_one_still_loads(
+        tmp_path: Any) -> None:
+    import zstandard
+
+    sd, src, doc, name = _saved_with_shard(tmp_path)
     assert "files" not in doc  # each data file ends with its shard: the shards give the sizes
-    name = f"0-0.{doc['save_id']}.pyckpt"
     _, off, length, xxh = doc["shards"][0]
     data = _bytes(os.path.join(src, name))
     stored = data[off:off + length]
@@ -202,12 +208,8 @@ def test_a_shard_is_one_zstd_frame_of_its_json_and_a_plain_one_still_loads(
 
 
 def test_damaged_shards_are_typed_errors_naming_the_shard(tmp_path: Any) -> None:
-    sd = _state()
-    src = str(tmp_path / "ckpt")
-    _save(sd, src, metadata_shards=True)
-    doc = json.loads(_bytes(os.path.join(src, "pyckpt.json")))
-    rank, off, length, _ = doc["shards"][0]
-    name = f"{rank}-0.{doc['save_id']}.pyckpt"
+    sd, src, doc, name = _saved_with_shard(tmp_path)
+    _, off, length, _ = doc["shards"][0]
     data = _bytes(os.path.join(src, name))
 
     def case(label: str, mutate: Any, err: type[BaseException], match: str) -> None:
@@ -231,13 +233,10 @@ def test_damaged_shards_are_typed_errors_naming_the_shard(tmp_path: Any) -> None
          CheckpointFormatError, "truncated")
     case("missing", lambda d: os.unlink(os.path.join(d, name)), FileNotFoundError, "missing")
 
+
 def test_a_global_document_of_the_first_version_4_writers_still_loads(tmp_path: Any) -> None:
-    sd = _state()
-    src = str(tmp_path / "ckpt")
-    _save(sd, src, metadata_shards=True)
-    doc = json.loads(_bytes(os.path.join(src, "pyckpt.json")))
-    rank, off, length, _ = doc["shards"][0]
-    name = f"{rank}-0.{doc['save_id']}.pyckpt"
+    sd, src, doc, name = _saved_with_shard(tmp_path)
+    _, off, length, _ = doc["shards"][0]
     # they also listed every data file's size in "files" (the shards give it)
     _format.rewrite_metadata(src, lambda d: d.update(files={name: off + length}))
     assert "files" in json.loads(_bytes(os.path.join(src, "pyckpt.json")))
