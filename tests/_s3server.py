@@ -111,7 +111,7 @@ class SeaweedServer:
                 "actions": ["Read", "List"],
             }]}, f)
         cmd = [
-            weed, "server", f"-dir={data}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
+            weed, f"-logdir={self.dir}", "server", f"-dir={data}",  # its logs go with it "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
             f"-master.port={master}", f"-volume.port={volume}", f"-filer.port={filer}",
             "-s3", f"-s3.port={s3}", f"-s3.config={config}", "-s3.port.iceberg=0", "-s3.port.lance=0",
             "-master.telemetry=false", "-master.volumeSizeLimitMB=64", "-volume.max=0",
@@ -215,8 +215,8 @@ class SeaweedServer:
         self.start()
 
     def close(self) -> None:
-        """Kills the server (its data goes with it) and removes its directory and the local
-        sockets weed creates in /tmp (``seaweedfs-<service>-<port>.sock``, for each port and its
+        """Kills the server (its data and logs go with it) and removes its directory and the
+        local sockets weed creates in /tmp (``seaweedfs-<service>-<port>.sock``, for each port and its
         gRPC port + 10000), which it does not remove when killed."""
         self.kill()
         shutil.rmtree(self.dir, ignore_errors=True)

@@ -7,6 +7,7 @@ client is obstore, the server is real, multi-rank saves run on gloo ranks.
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 import uuid
@@ -54,6 +55,18 @@ def s3(s3server: SeaweedServer, monkeypatch: pytest.MonkeyPatch) -> SeaweedServe
     for k, v in s3server.env().items():
         monkeypatch.setenv(k, v)
     return s3server
+
+
+def test_a_closed_server_leaves_nothing_behind() -> None:
+    srv = started("closing")
+    assert srv.proc is not None
+    pid = srv.proc.pid
+    logs = glob.glob(os.path.join(srv.dir, "weed.*"))  # not in the temporary directory
+    srv.close()
+    assert logs and not os.path.exists(srv.dir)
+    assert not [s for p in srv._ports for s in glob.glob(f"/tmp/seaweedfs-*-{p}.sock")]
+    with pytest.raises(ProcessLookupError):  # stopped by its process id, and reaped
+        os.kill(pid, 0)
 
 
 def _prefix() -> str:
