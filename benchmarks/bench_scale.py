@@ -348,9 +348,12 @@ def run_pyckpt(tensors: list[_Tensor], ranks: int, work: str) -> dict[str, Any]:
     results, shard_bytes = pyckpt_results(final, load_dir)
     del final
     t_meta, (files, encoded) = _timed(meta, metadata, results)  # first save: builds the layout
-    # The steady state (the plan cached, pyckpt._savedrive): each rank's probe, then its one
-    # write result; the coordinator splices the reports into the cached layout.
-    probe = (True, 1 << 61, -1, 0)
+    # The steady state (the plan cached, pyckpt._savedrive): each rank's probe (hit, the
+    # generation, a hash per replica class: the replicated tensors, held by every rank, are
+    # one), then its one write result; the coordinator splices the reports into the cached
+    # layout.
+    replicated = any(not t.sharded for t in tensors)
+    probe = (True, 1 << 61, ((0, (1 << 63) - 1),) if replicated else ())
     gathered = len(pickle.dumps(probe)) + _per_rank([(r, None) for r in results])
     first_gathered += _per_rank([(r, None) for r in results])
     t_steady, (_, again) = _timed(meta, metadata, results)

@@ -17,11 +17,12 @@ back on every save, although nothing about the layout changed since the last one
   cache also holds the world size, the rank, the destination's kind (backend, shared or
   node-local, compression) and the planner's settings, so changing any of them replans;
 * **the replica check** (:class:`pyckpt.SavePlanner`'s ``check_replicas``) still runs on every
-  save. The first plan groups the ranks by the set of replicated items they hold; when those
-  sets are disjoint (DDP, FSDP ``NO_SHARD``: one set; HSDP: one per shard group), each rank sends
-  one hash of its items' digests, and the coordinator compares the hashes within each group.
-  A difference makes every rank plan again, which names the item and the ranks
-  (:class:`pyckpt.errors.ReplicaMismatchError`). Overlapping sets are never cached.
+  save. The first plan groups the replicated items by the set of ranks holding them (DDP, FSDP
+  ``NO_SHARD``: one class of all ranks; HSDP: one per replica group, plus one of all ranks for
+  the plain tensors every rank holds, such as an optimizer's step); each rank sends one hash of
+  its digests per class it holds items of, and the coordinator compares the hashes within each
+  class. A difference makes every rank plan again, which names the item and the ranks
+  (:class:`pyckpt.errors.ReplicaMismatchError`).
 
 The write results still travel to the coordinator, which commits: in a sharded save (format
 version 4, :mod:`pyckpt._format_shards`) one report of a few numbers per rank, spliced into the
@@ -51,15 +52,19 @@ __all__ = ["save", "stats", "clear_cache"]
 _DECISION_INLINE = 96
 
 
+_Classes = tuple[tuple[int, tuple[Any, ...]], ...]
+"""A rank's replica classes (:func:`_replica_classes`): (class, its items' keys) pairs."""
+
+
 @dataclass
 class _Plans:
     """One rank's cached plan of one structure."""
 
     structure: tuple[Any, ...]
-    generation: int  # 0: the coordinator did not cache this structure
+    generation: int  # drawn by the coordinator for the plans of one structure
     central: SavePlan  # this rank's final plan from the coordinator
     metadata: Metadata  # the global metadata of the structure
-    replica_class: int  # -1: this rank holds no replicated item checked
+    replica_classes: _Classes  # the replica classes this rank holds items of
 
 
 #: Process group -> cache key -> plans. Weak: a destroyed group's plans go with it.
@@ -87,32 +92,41 @@ def _structure(plan: SavePlan) -> tuple[Any, ...]:
     return tuple(items), repr(plan.planner_data)
 
 
-def _replica_hash(plan: SavePlan) -> tuple[frozenset[Any], int]:
-    """The replicated items this rank's plan digested, and one hash of their digests."""
+def _replica_hashes(plan: SavePlan, classes: _Classes) -> tuple[tuple[int, int], ...] | None:
+    """This rank's hash of its digests of each replica class it holds items of, as
+    ``(class, hash)`` pairs; None when the plan digested other items than the classes name."""
     digests = getattr(plan, "replica_digests", None) or {}
-    h = hashlib.blake2b(digest_size=8)
-    for key in sorted(digests, key=repr):
-        h.update(repr((key, digests[key])).encode())
-    return frozenset(digests), int.from_bytes(h.digest(), "little") >> 1
-
-
-def _replica_classes(plans: list[SavePlan]) -> list[int] | None:
-    """Each rank's class (ranks holding the same set of replicated items), -1 for none; None
-    when two classes share an item (a per-item comparison is then needed every save)."""
-    classes: dict[frozenset[Any], int] = {}
+    if len(digests) != sum(len(keys) for _, keys in classes):
+        return None
     out = []
-    for plan in plans:
-        keys, _ = _replica_hash(plan)
-        if not keys:
-            out.append(-1)
-            continue
-        out.append(classes.setdefault(keys, len(classes)))
-    seen: set[Any] = set()
-    for keys in classes:
-        if seen & keys:
-            return None
-        seen |= keys
-    return out
+    for cls, keys in classes:
+        h = hashlib.blake2b(digest_size=8)
+        for key in keys:
+            if key not in digests:
+                return None
+            h.update(repr((key, digests[key])).encode())
+        out.append((cls, int.from_bytes(h.digest(), "little") >> 1))
+    return tuple(out)
+
+
+def _replica_classes(plans: list[SavePlan]) -> list[_Classes]:
+    """Each rank's replica classes: the replicated items its plan digested, grouped by the set
+    of ranks holding them (DDP and ``NO_SHARD``: one class of all ranks; HSDP: one per replica
+    group, and one of all ranks for the plain tensors every rank holds), as ``(class, keys in
+    order)`` pairs."""
+    holders: dict[Any, list[int]] = {}
+    for rank, plan in enumerate(plans):
+        for key in getattr(plan, "replica_digests", None) or {}:
+            holders.setdefault(key, []).append(rank)
+    numbers: dict[tuple[int, ...], int] = {}
+    per_rank: list[dict[int, list[Any]]] = [{} for _ in plans]
+    for key in sorted(holders, key=repr):
+        ranks = tuple(holders[key])
+        cls = numbers.setdefault(ranks, len(numbers))
+        for rank in ranks:
+            per_rank[rank].setdefault(cls, []).append(key)
+    return [tuple((cls, tuple(keys)) for cls, keys in sorted(mine.items()))
+            for mine in per_rank]
 
 
 def save(state_dict: dict[str, Any], writer: Any, planner: SavePlanner, group: Group,
@@ -202,12 +216,13 @@ def _confirm(cache: dict[tuple[Any, ...], _Plans], key: tuple[Any, ...],
     or (None, None) when every rank must plan again."""
     cached = cache.get(key)
     hit = (error is None and local is not None and cached is not None
-           and cached.generation != 0 and cached.structure == _structure(local))
-    probe = (False, 0, -1, 0)
+           and cached.structure == _structure(local))
+    probe: tuple[Any, ...] = (False, 0, ())
     if hit:
         assert cached is not None and local is not None
-        _, rhash = _replica_hash(local)
-        probe = (True, cached.generation, cached.replica_class, rhash)
+        rhashes = _replica_hashes(local, cached.replica_classes)
+        if rhashes is not None:
+            probe = (True, cached.generation, rhashes)
     probes = gather(probe, group, what="the save's plan check")
     decision: Any = None
     if group.rank == 0:
@@ -215,8 +230,8 @@ def _confirm(cache: dict[tuple[Any, ...], _Plans], key: tuple[Any, ...],
         generations = {p[1] for p in probes}
         agreed = all(p[0] for p in probes) and len(generations) == 1
         hashes: dict[int, set[int]] = {}
-        for _, _, cls, h in probes:
-            if cls >= 0:
+        for _, _, pairs in probes:
+            for cls, h in pairs:
                 hashes.setdefault(cls, set()).add(h)
         if agreed and all(len(hs) == 1 for hs in hashes.values()):
             decision = ("go", writer.save_id)
@@ -262,19 +277,18 @@ def _plan(cache: dict[tuple[Any, ...], _Plans] | None, key: tuple[Any, ...],
                 assert out is not None
                 all_plans, metadata = out
                 classes = _replica_classes(local_plans)
-                generation = random.getrandbits(62) + 1 if classes is not None else 0
-                classes = classes or [-1] * group.world
+                generation = random.getrandbits(62) + 1
                 replies = [("plan", p, generation, c) for p, c in zip(all_plans, classes)]
     reply = scatter(replies, group, what="the save's planning")
     if reply[0] == "failed":
         raise_first(dict(reply[1]), error if error is not None else own, "the save's planning")
-    _, central, generation, replica_class = reply
+    _, central, generation, replica_classes = reply
     # Every rank returns the metadata, as dcp.save does (the first save of a structure only:
     # later ones return the cached copy).
     metadata = broadcast(metadata, group, what="the save's metadata", inline=_DECISION_INLINE)
     assert local is not None and metadata is not None
-    if cache is not None and generation:
-        cache[key] = _Plans(_structure(local), generation, central, metadata, replica_class)
+    if cache is not None:
+        cache[key] = _Plans(_structure(local), generation, central, metadata, replica_classes)
     return central, metadata
 
 

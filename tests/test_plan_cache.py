@@ -282,3 +282,61 @@ def _setup_failure_worker(rank: int, world: int, root: str) -> str:
 @pytest.mark.slow
 def test_a_set_up_failure_on_the_coordinator_reaches_every_rank(tmp_path: Any) -> None:
     assert run_distributed(_setup_failure_worker, WORLD, str(tmp_path)) == ["raised"] * WORLD
+
+
+def _hsdp_state(seed: int, *, drift: str | None = None) -> dict[str, Any]:
+    """An HSDP state on a (2 replicas, 2 shards) mesh of 4 ranks, as FSDP2 makes it: parameters
+    ``[Replicate(), Shard(0)]`` (each shard held by its replica pair), a tensor sharded across
+    the replicas and replicated within them, and the plain tensors every rank holds (an
+    optimizer's step): ranks hold overlapping sets of replicated items. ``drift``: one key
+    whose copy on rank 3 differs."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (2, 2))
+    g = torch.Generator().manual_seed(seed)
+    sd: dict[str, Any] = {
+        "w": distribute_tensor(torch.randn(8, 6, generator=g), mesh, [Replicate(), Shard(0)]),
+        "v": distribute_tensor(torch.randn(4, 10, generator=g), mesh, [Shard(0), Replicate()]),
+        "optim.step": torch.tensor(float(seed)),
+        "norm": torch.randn(16, generator=g),
+        "epoch": seed,
+    }
+    if drift is not None and dist.get_rank() == 3:
+        v = sd[drift]
+        if isinstance(v, DTensor):
+            sd[drift] = DTensor.from_local(v.to_local() + 1, mesh, v.placements,
+                                           shape=v.shape, stride=v.stride())
+        else:
+            sd[drift] = v + 1
+    return sd
+
+
+def _hsdp_worker(rank: int, world: int, root: str) -> list[str]:
+    import pyckpt
+    from pyckpt.errors import ReplicaMismatchError
+
+    seen = []
+    for i in range(3):
+        sd = _hsdp_state(i)
+        path = os.path.join(root, f"s{i}")
+        seen.append(_save_counting(sd, path))
+        _check_load(sd, path)
+    # a replica drifts after the plans were cached: refused, naming the item
+    for key in ("w", "optim.step"):
+        seen.append(_save_counting(_hsdp_state(4), os.path.join(root, f"clean_{key}")))
+        with pytest.raises(ReplicaMismatchError) as info:
+            pyckpt.save(_hsdp_state(5, drift=key), os.path.join(root, f"drift_{key}"))
+        assert f"'{key}" in str(info.value), str(info.value)
+    return seen
+
+
+def test_hsdp_state_reuses_plans_and_a_drifting_replica_is_refused(tmp_path: Any) -> None:
+    """Ranks hold overlapping sets of replicated items (HSDP parameters shared by a replica
+    pair, plain tensors shared by all): the plans are still cached, and the replica check of a
+    cached save still compares every item's holders."""
+    results = run_distributed(_hsdp_worker, 4, str(tmp_path))
+    # after the first refusal the plans are made again (the refused save dropped them)
+    assert results == [["planned", "cached", "cached", "cached", "planned"]] * 4
+    assert not any((tmp_path / f"drift_{k}" / "pyckpt.json").exists() for k in ("w", "optim.step"))
