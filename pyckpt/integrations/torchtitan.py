@@ -15,7 +15,8 @@ Everything torchtitan's manager does stays as it is (intervals, ``async_mode``,
 ``export_dtype``, ``initial_load_path``); only the two methods that touch storage change:
 
 * ``dcp_save`` writes with :class:`pyckpt.Writer` and :class:`pyckpt.SavePlanner` (compressed
-  with ``compression="zstd"``), in the three ``async_mode``\\ s: ``"disabled"`` (``dcp.save``),
+  with ``compression="zstd"``), in the three ``async_mode``\\ s: ``"disabled"``
+  (:func:`pyckpt.save`: the plans cached while the state's structure holds),
   ``"async"`` (``dcp.async_save`` on a thread, the writer staging the state dict) and
   ``"async_with_pinned_mem"`` (DCP's process-based async save with torchtitan's
   ``DefaultStager``: the writer is pickled into DCP's checkpoint process). A pyckpt error on
@@ -69,7 +70,9 @@ from torch.distributed.checkpoint.state_dict_saver import (
     AsyncCheckpointerType,
     AsyncSaveResponse,
 )
+from torch.distributed.checkpoint.stateful import Stateful
 
+import pyckpt
 from pyckpt._collective import coordination_arg
 from pyckpt._consolidate import consolidate
 from pyckpt._format import CODEC_NONE, CODECS
@@ -258,15 +261,13 @@ class PyckptCheckpointManager(CheckpointManager):
 
     # -- storage --------------------------------------------------------------------------
 
+    def _writer_options(self) -> dict[str, Any]:
+        return {"compression": self.compression, "level": self.zstd_level,
+                "threads": self.threads, "overwrite": self.overwrite,
+                "shared_filesystem": self.shared_filesystem}
+
     def _writer(self, path: str) -> Writer:
-        return Writer(
-            path,
-            self.compression,
-            level=self.zstd_level,
-            threads=self.threads,
-            overwrite=self.overwrite,
-            shared_filesystem=self.shared_filesystem,
-        )
+        return Writer(path, **self._writer_options())
 
     @torch.no_grad()
     def dcp_save(
@@ -314,10 +315,13 @@ class PyckptCheckpointManager(CheckpointManager):
             else:
                 ret = _typed_future(response)
         else:
-            with _typed_errors():
-                # Coordination on a gloo group with the training's ranks (no GPU memory).
-                dcp.save(state_dict, storage_writer=self._writer(checkpoint_id),
-                         planner=SavePlanner(), process_group=coordination_arg())
+            # pyckpt.save: the plans are cached while the state's structure holds (a later
+            # save gathers a few hundred bytes per rank), coordination on a gloo group with
+            # the training's ranks (no GPU memory), errors typed. Stateful values become their
+            # state dicts here, as dcp.save makes them (torchtitan's optimizers container is
+            # an Optimizer: pyckpt.save would key its state by parameter name).
+            pyckpt.save({k: v.state_dict() if isinstance(v, Stateful) else v
+                      for k, v in state_dict.items()}, checkpoint_id, **self._writer_options())
         if enable_garbage_collection:
             GarbageCollection.collect("GC collection invoked by checkpointer.")
         return ret
