@@ -320,8 +320,9 @@ class PyckptCheckpointManager(CheckpointManager):
             # the training's ranks (no GPU memory), errors typed. Stateful values become their
             # state dicts here, as dcp.save makes them (torchtitan's optimizers container is
             # an Optimizer: pyckpt.save would key its state by parameter name).
-            pyckpt.save({k: v.state_dict() if isinstance(v, Stateful) else v
-                      for k, v in state_dict.items()}, checkpoint_id, **self._writer_options())
+            state = {k: v.state_dict() if isinstance(v, Stateful) else v
+                     for k, v in state_dict.items()}
+            pyckpt.save(state, checkpoint_id, **self._writer_options())
         if enable_garbage_collection:
             GarbageCollection.collect("GC collection invoked by checkpointer.")
         return ret
