@@ -137,7 +137,7 @@ def _killed(op: str, world: int, root: Path, victim: int, after: float) -> list[
                 if res["rank"] is not None:
                     assert res["rank"] == victim, res
                     assert f"rank {victim}" in res["message"], res
-            out.append({"rank": r, "waited": waited, **res})
+            out.append({"rank": r, "waited": waited, "elapsed": at - t0, **res})
         del t0
         return out
     finally:
@@ -170,12 +170,20 @@ def test_killed_rank_raises_peer_lost_on_every_survivor_in_time(
     victims = [world - 1, 1, 0][:POINTS]
     named = 0
     lost = 0
-    for point in range(POINTS):
+    point = runs = 0
+    while point < POINTS and runs < 2 * POINTS:
+        runs += 1
         after = fractions[point] * statistics.median(durations)
         results = _killed(op, world, tmp_path, victims[point], after)
+        if all(r["ok"] for r in results):
+            # The operation ended before the kill (the first run, on a loaded machine, took
+            # longer than this one): its duration joins the median and the point runs again.
+            durations.append(max(r["elapsed"] for r in results))
+            continue
         lost += sum(not r["ok"] for r in results)
         named += sum(r["rank"] == victims[point] for r in results)
-    assert lost > 0  # the kills landed inside the operation
+        point += 1
+    assert lost > 0, durations  # the kills landed inside the operation
     assert named > 0  # and the lost rank could be told
 
 
