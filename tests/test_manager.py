@@ -68,6 +68,12 @@ def _committed(tmp: Path) -> list[int]:
                   if p.name.startswith("step-") and (p / METADATA_FILE).is_file())
 
 
+def _tree(root: Path) -> dict[str, tuple[int, int]]:
+    """Every file under ``root``: its path -> (size, mtime in ns)."""
+    return {str(p.relative_to(root)): (p.stat().st_size, p.stat().st_mtime_ns)
+            for p in root.rglob("*") if p.is_file()}
+
+
 def _train(mgr: pyckpt.CheckpointManager, steps: range) -> list[int]:
     saved = []
     for s in steps:
@@ -202,6 +208,7 @@ def test_a_second_job_on_one_durable_tier_is_refused(tmp_path: Path) -> None:
     assert (tmp_path / "durable" / _tier_io.JOB_DIR / METADATA_FILE).is_file()
     before = _committed(tmp_path)
     assert before == [4, 8]
+    files = _tree(tmp_path / "durable")
     # Job B, its own fast tier, the same durable tier: its restore never returns A's step 8...
     for job in ("B", None):
         with _mgr(tmp_path, local=tmp_path / "local-b", job=job) as b:
@@ -220,7 +227,7 @@ def test_a_second_job_on_one_durable_tier_is_refused(tmp_path: Path) -> None:
         with contextlib.suppress(pyckpt.JobMismatchError):
             b.close()
     assert _committed(tmp_path) == before
-    assert not [p for p in (tmp_path / "durable").rglob("*") if "100" in p.name]
+    assert _tree(tmp_path / "durable") == files  # not a file added, changed or removed
     with pytest.raises(pyckpt.JobMismatchError, match="job 'A'"):  # durable only: at once
         pyckpt.CheckpointManager(tmp_path / "durable", job="B", fsync=False)
     # Job A restarts (on new machines) and gets its own step back.
