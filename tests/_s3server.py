@@ -111,7 +111,9 @@ class SeaweedServer:
                 "actions": ["Read", "List"],
             }]}, f)
         cmd = [
-            weed, f"-logdir={self.dir}", "server", f"-dir={data}",  # its logs go with it "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
+            # -logdir: its logs go with its directory (glog writes them to /tmp otherwise)
+            weed, f"-logdir={self.dir}", "server", f"-dir={data}", "-ip=127.0.0.1",
+            "-ip.bind=127.0.0.1",
             f"-master.port={master}", f"-volume.port={volume}", f"-filer.port={filer}",
             "-s3", f"-s3.port={s3}", f"-s3.config={config}", "-s3.port.iceberg=0", "-s3.port.lance=0",
             "-master.telemetry=false", "-master.volumeSizeLimitMB=64", "-volume.max=0",

@@ -57,10 +57,26 @@ def s3(s3server: SeaweedServer, monkeypatch: pytest.MonkeyPatch) -> SeaweedServe
     return s3server
 
 
+def _listening(ports: list[int], loopback: bool = True) -> list[str]:
+    """Sockets listening on ``ports``: on 127.0.0.1, or (``loopback=False``) on any other
+    address (/proc/net/tcp and tcp6: local address, state 0A)."""
+    out = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as f:
+            for line in f.readlines()[1:]:
+                local, state = line.split()[1], line.split()[3]
+                addr, port = local.split(":")
+                if state == "0A" and int(port, 16) in ports and \
+                        (addr == "0100007F") == loopback:
+                    out.append(local)
+    return out
+
+
 def test_a_closed_server_leaves_nothing_behind() -> None:
     srv = started("closing")
     assert srv.proc is not None
     pid = srv.proc.pid
+    assert _listening(srv._ports) and not _listening(srv._ports, loopback=False)
     logs = glob.glob(os.path.join(srv.dir, "weed.*"))  # not in the temporary directory
     srv.close()
     assert logs and not os.path.exists(srv.dir)
