@@ -17,6 +17,7 @@ All saves fsync. Loads are timed cold (page cache of the checkpoint dropped with
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import math
@@ -25,7 +26,7 @@ import os
 import shutil
 import statistics
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -608,13 +609,52 @@ def check_resources(nbytes: int, workdir: str) -> str:
             f"{disk_need / gib:.1f} GiB on disk in {workdir} ({disk_free / gib:.1f} GiB free)")
 
 
+@contextlib.contextmanager
+def _work_directory(parent: str) -> Iterator[str]:
+    """A new temporary directory under ``parent``, removed on leaving, and also on SIGTERM or
+    Ctrl-C, which then end the process at once with the status a shell reports for the signal
+    (143, 130).
+
+    The handler does not raise into the measurement to unwind it: an exception raised by a
+    signal handler lands at any bytecode of the main thread, also just after a lock was taken
+    and before the ``with`` that would release it (``threading.Condition.__enter__`` is Python
+    code). A bench ended by SIGTERM that way once hung for good in the interpreter's exit, its
+    worker threads waiting for a lock that nothing would release. Removing the directory
+    takes no Python lock, and ``os._exit`` joins no thread.
+    """
+    import signal
+    import tempfile
+
+    work: list[str] = []
+
+    def on_signal(signum: int, frame: Any) -> None:
+        for path in work:
+            for _ in range(3):  # a writer thread may still add a file while the tree goes
+                shutil.rmtree(path, ignore_errors=True)
+                if not os.path.lexists(path):
+                    break
+            os.write(2, f"pyckpt bench: interrupted ({signal.Signals(signum).name}); "
+                        f"removed {path}\n".encode())
+        os._exit(128 + signum)
+
+    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        work.append(tempfile.mkdtemp(prefix="pyckpt-bench-", dir=parent))
+        try:
+            yield work[0]
+        finally:
+            shutil.rmtree(work[0], ignore_errors=True)
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+
 def run_cli(args: Any) -> int:
     """Runs ``pyckpt bench`` with parsed arguments; returns the exit status.
 
     The work directory (a temporary directory under ``--workdir``) is removed on every exit:
     success, an error, Ctrl-C or SIGTERM.
     """
-    import signal
     import tempfile
 
     if getattr(args, "plot", None):
@@ -642,16 +682,9 @@ def run_cli(args: Any) -> int:
     print(f"workload: {source}; {state_dict_bytes(sd) / 2**30:.2f} GiB; methods: "
           f"{', '.join(methods)}; {args.repeats} repeat(s)", flush=True)
 
-    def on_term(signum: int, frame: Any) -> None:
-        raise SystemExit(128 + signum)  # unwinds through the temp directory's clean-up
-
-    previous = signal.signal(signal.SIGTERM, on_term)
-    try:
-        with tempfile.TemporaryDirectory(prefix="pyckpt-bench-", dir=workdir) as work:
-            report = compare(sd, work, methods, args.repeats,
-                             progress=lambda m: print(f"  {m} ...", flush=True))
-    finally:
-        signal.signal(signal.SIGTERM, previous)
+    with _work_directory(workdir) as work:
+        report = compare(sd, work, methods, args.repeats,
+                         progress=lambda m: print(f"  {m} ...", flush=True))
     print(format_table(report))
     if args.json:
         Path(args.json).write_text(report_json(report))

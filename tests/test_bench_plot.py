@@ -151,3 +151,49 @@ def test_bench_removes_its_work_directory_on_sigterm(tmp_path: Path) -> None:
     assert proc.returncode != 0
     assert "needs about" in out  # said up front
     assert not list(tmp_path.glob("pyckpt-bench-*")), err
+
+
+# A child that holds a lock a non-daemon worker thread waits for: what an exception raised by a
+# signal handler can leave behind (it lands after ``Condition.__enter__`` took its lock and
+# before the ``with`` that releases it), as in a bench that once hung for good after SIGTERM.
+_HELD_LOCK_CHILD = """
+import sys, threading, time
+from concurrent.futures import ThreadPoolExecutor
+from pyckpt import bench
+
+lock = threading.Lock()
+pool = ThreadPoolExecutor(1)
+with bench._work_directory(sys.argv[1]) as work:
+    open(work + "/part", "wb").close()
+    lock.acquire()
+    pool.submit(lock.acquire)
+    print(work, flush=True)
+    while True:
+        time.sleep(0.01)
+"""
+
+
+@pytest.mark.parametrize("signame", ["SIGTERM", "SIGINT"])
+def test_a_signal_removes_the_work_directory_and_ends_the_bench_whatever_lock_is_held(
+        tmp_path: Path, signame: str) -> None:
+    import signal
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen([sys.executable, "-c", _HELD_LOCK_CHILD, str(tmp_path)],
+                            env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    try:
+        assert proc.stdout is not None
+        work = Path(proc.stdout.readline().strip())
+        assert work.parent == tmp_path and (work / "part").exists()
+        signum = getattr(signal, signame)
+        proc.send_signal(signum)
+        out, err = proc.communicate(timeout=60)  # a raise into the main thread hangs: no exit
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 128 + signum, err
+    assert f"interrupted ({signame}); removed {work}" in err
+    assert list(tmp_path.iterdir()) == []
