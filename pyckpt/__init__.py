@@ -6,7 +6,8 @@ Public API (torch-dependent names are imported lazily, so ``import pyckpt`` stay
 * :class:`SavePlanner` -- DCP save planner that spreads replicated state over ranks by bytes.
 * :class:`LoadPlanner` -- DCP load planner whose per-rank planning does not grow with the
   number of saving ranks (indexed stored chunks), weights-only for non-tensor values.
-* :func:`save` / :func:`load` -- one-line conveniences using the above.
+* :func:`save` / :func:`async_save` / :func:`load` -- one-line conveniences using the above
+  (plans cached across saves; ``async_save`` returns once the state is staged).
 * :func:`consolidate` -- rank-partitioned export to Hugging Face safetensors.
 * :func:`coordination_group` -- the gloo group (same ranks) checkpoint coordination runs on.
 * :func:`find_error` -- pyckpt's error inside DCP's ``CheckpointException`` wrapper.
@@ -55,6 +56,7 @@ __all__ = [
     "SavePlanner",
     "LoadPlanner",
     "save",
+    "async_save",
     "load",
     "consolidate",
     "coordination_group",
@@ -92,6 +94,7 @@ _LAZY = {
     "SavePlanner": "pyckpt.planner",
     "LoadPlanner": "pyckpt._loadplan",
     "save": "pyckpt.api",
+    "async_save": "pyckpt.api",
     "load": "pyckpt.api",
     "CheckpointManager": "pyckpt.manager",
     "coordination_group": "pyckpt._collective.group",

@@ -130,12 +130,13 @@ def _replica_classes(plans: list[SavePlan]) -> list[_Classes]:
 
 
 def save(state_dict: dict[str, Any], writer: Any, planner: SavePlanner, group: Group,
-         destination: tuple[Any, ...] = ()) -> Metadata:
+         destination: tuple[Any, ...] = (), failed: BaseException | None = None) -> Metadata:
     """Saves ``state_dict`` with ``writer`` (a :class:`pyckpt.Writer`) and ``planner`` on
     every rank of ``group``; returns the global metadata (on every rank).
 
     ``destination`` adds to the cache key what the writer's kind does not tell (the caller's
-    settings that change the plan).
+    settings that change the plan). ``failed``: this rank's failure before the save (its
+    staging copy): every rank learns it in the first exchange and nothing is written.
     """
     coordinator = group.rank == 0
 
@@ -147,7 +148,7 @@ def save(state_dict: dict[str, Any], writer: Any, planner: SavePlanner, group: G
         writer.set_up_storage_writer(coordinator, rank=group.rank, use_collectives=True)
         return writer.prepare_local_plan(planner.create_local_plan())
 
-    local, error = attempt(local_step)
+    local, error = (None, failed) if failed is not None else attempt(local_step)
 
     cache = None
     key: tuple[Any, ...] = ()
@@ -170,9 +171,9 @@ def save(state_dict: dict[str, Any], writer: Any, planner: SavePlanner, group: G
     outcome: Any = ("ok", None)
     if coordinator:
         assert gathered is not None
-        failed = [(r, e) for r, (_, e) in enumerate(gathered) if e is not None]
-        if failed:
-            outcome = ("failed", failed[:1])
+        failures = [(r, e) for r, (_, e) in enumerate(gathered) if e is not None]
+        if failures:
+            outcome = ("failed", failures[:1])
         else:
             _, error = attempt(lambda: writer.finish(metadata, [res for res, _ in gathered]))
             # What the commit leaves in the metadata travels to every rank: a node-local

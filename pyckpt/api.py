@@ -1,9 +1,10 @@
 """One-line save and load through DCP with pyckpt's writer, reader and planner.
 
     pyckpt.save(model.state_dict(), "/ckpt/step-100")           # every rank calls it
+    fut = pyckpt.async_save(model.state_dict(), "/ckpt/step-200")  # returns once staged
     pyckpt.load(state_dict, "/ckpt/step-100")                    # fills state_dict in place
 
-Both are collective when a default process group exists (or ``process_group`` is given) and
+All three are collective when a default process group exists (or ``process_group`` is given) and
 work in a single process otherwise, like ``dcp.save`` / ``dcp.load`` (without DCP's warning
 about running in a single process).
 """
@@ -14,21 +15,30 @@ import contextlib
 import contextvars
 import logging
 import os
+import threading
 import warnings
 from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Literal
 
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata
 
-from pyckpt import _gc, _loaddrive, _progress, _savedrive, _stateful
-from pyckpt._collective import bounded_group, coordination_arg, group_info, peer_errors
+from pyckpt import _background, _gc, _loaddrive, _progress, _savedrive, _stateful
+from pyckpt._collective import (
+    Group,
+    bounded_group,
+    coordination_arg,
+    group_info,
+    own_group,
+    peer_errors,
+)
 from pyckpt._loadplan import LoadPlanner
 from pyckpt.planner import SavePlanner
 from pyckpt.storage import Reader, Writer
 
-__all__ = ["save", "load"]
+__all__ = ["save", "async_save", "load"]
 
 
 def load_planner(trusted: bool = False) -> LoadPlanner:
@@ -172,6 +182,7 @@ def save(
             from DCP's ``CheckpointException`` (attached as ``__cause__``), e.g. ``OSError``
             (ENOSPC, EFBIG) from a data file or :class:`pyckpt.UnsupportedDtypeError`.
     """
+    _settle_async()  # its exchanges run on the same group
     # The save's per-tensor objects (items, plans, results) die with its Writer when _save
     # returns, before any collection walks them (pyckpt._gc).
     with _gc.paused():
@@ -198,6 +209,100 @@ def _save(
             _progress.count_writer(writer, totals)
         return _savedrive.save(state_dict, writer, SavePlanner(check_replicas=check_replicas),
                                group_info(process_group))
+
+
+# -- asynchronous save ----------------------------------------------------------------------
+# One background thread per process runs the saves of async_save, one at a time, in the order
+# of the calls (every rank calls in the same order, so their exchanges pair up). save(), load()
+# and async_save() first wait for the one in flight: their exchanges share its group.
+
+_async_lock = threading.Lock()
+_async_lane: ThreadPoolExecutor | None = None
+_async_last: Future[Metadata] | None = None
+
+
+def _forget_async_after_fork() -> None:
+    # A forked child has no save thread and no save in flight.
+    global _async_lock, _async_lane, _async_last
+    _async_lock = threading.Lock()
+    _async_lane = None
+    _async_last = None
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_async_after_fork)
+
+
+def _settle_async() -> None:
+    """Waits for this process's async save in flight, if any (its outcome stays in its
+    future, which its caller holds)."""
+    with _async_lock:
+        last = _async_last
+    if last is not None:
+        try:
+            last.result()
+        except Exception:
+            pass
+
+
+def async_save(
+    state_dict: dict[str, Any],
+    path: str | os.PathLike[str],
+    *,
+    process_group: Any = None,
+    check_replicas: bool | Literal["sample", "full"] = True,
+    **writer_options: Any,
+) -> Future[Metadata]:
+    """:func:`save` in the background: returns once ``state_dict`` is copied (GPU tensors into
+    pinned host memory, CPU tensors and other values as copies), so training may change it
+    while the copy is written. The future completes with the DCP ``Metadata`` once the
+    checkpoint is committed, or fails with the exception :func:`save` would raise.
+
+    Plans are cached as for :func:`save` (DCP's ``async_save`` gathers every rank's plan on
+    every save). The save's exchanges run on a gloo group of its own over the ranks of
+    ``process_group`` (made by the first call, which every rank of the group must make at the
+    same point), so the training's collectives go on meanwhile, on any group. Every rank must
+    call it, in the same order as its other saves and loads; a call first waits for the
+    previous async save of this process to end (as do :func:`save` and :func:`load`), so at
+    most one is in flight and one staged copy is held. The save thread is joined at the
+    interpreter's exit: a save in flight completes first.
+
+    A staging failure on one rank (a :class:`pyckpt.CudaError` naming the tensor) writes
+    nothing on any rank: every rank's future fails, on that rank with its own error and on
+    the others with a note naming it.
+
+    Args: as for :func:`save` (no ``progress``).
+
+    Raises:
+        ValueError: Invalid writer options (on this thread, before staging).
+    """
+    global _async_lane, _async_last
+    _settle_async()
+    # Its own gloo group over the ranks (made once): the save's exchanges run on the save
+    # thread while the training's go on, on whatever group, in the calling thread.
+    group = own_group(process_group, "async_save")
+    writer = Writer(path, **writer_options)
+    staged: Any = None
+    failed: BaseException | None = None
+    try:
+        with _gc.paused():
+            staged = writer.stage(_stateful.to_save(state_dict))
+    except Exception as e:  # every rank learns it in the save's first exchange
+        failed = e
+    with _async_lock:
+        if _async_lane is None:
+            _async_lane = _background.lane("pyckpt-async-save")
+        fut = _async_lane.submit(_save_staged, staged, writer, group, check_replicas, failed)
+        _async_last = fut
+    return fut
+
+
+def _save_staged(staged: Any, writer: Writer, group: Group,
+                 check_replicas: bool | Literal["sample", "full"],
+                 failed: BaseException | None) -> Metadata:
+    with _gc.paused(), peer_errors(group.pg, "pyckpt.async_save"), writer, _typed_errors():
+        return _savedrive.save(staged, writer, SavePlanner(check_replicas=check_replicas),
+                               group, failed=failed)
 
 
 def load(
@@ -268,6 +373,7 @@ def load(
         Errors are the lowest failing rank's own exception, re-raised from DCP's
         ``CheckpointException`` (attached as ``__cause__``).
     """
+    _settle_async()  # as in save()
     process_group = coordination_arg(process_group)  # as in save()
     reader_options = {"shared_filesystem": shared_filesystem, "process_group": process_group,
                       "storage_options": storage_options, "cooperative": cooperative,

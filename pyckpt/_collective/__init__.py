@@ -33,12 +33,13 @@ from pyckpt._collective.group import (
     coordination_group,
     coordination_info,
     group_info,
+    own_group,
     peer_group,
 )
 from pyckpt._collective.liveness import bounded_group, is_peer_failure, peer_errors
 from pyckpt._collective.transport import all_gather, all_to_all_single, broadcast
 
 __all__ = ["Group", "group_info", "broadcast", "all_gather", "all_to_all_single", "bound_s",
-           "peer_errors", "bounded_group", "peer_group", "portable", "add_note", "agree",
+           "peer_errors", "bounded_group", "peer_group", "own_group", "portable", "add_note", "agree",
            "is_peer_failure", "coordination_arg", "coordination_group", "coordination_info",
            "raise_first", "attempt"]

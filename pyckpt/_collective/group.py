@@ -14,7 +14,7 @@ from typing import Any
 
 from pyckpt import _knobs
 
-__all__ = ["Group", "group_info", "bound_s", "peer_group", "coordination_group",
+__all__ = ["Group", "group_info", "bound_s", "peer_group", "own_group", "coordination_group",
            "coordination_info"]
 
 
@@ -150,6 +150,43 @@ def _timeout_of(pg: Any) -> timedelta:
     except Exception:  # another backend or torch version
         pass
     return dist.default_pg_timeout
+
+
+# (ranks, purpose) -> weak references to (the default group it was made under, the gloo group).
+# Groups are kept for the life of the default group and reused by later managers: destroying a
+# subgroup makes torch give the next one over the same ranks the same store prefix as an
+# earlier one, whose stale keys then break its rendezvous. Weak: torch's registry keeps a group
+# until destroy_process_group(), which then frees it (with the managers that used it); a strong
+# reference here would keep it until the interpreter finalizes, where tearing down a gloo group
+# can abort a process whose work is done.
+_GROUPS: dict[tuple[tuple[int, ...], str], tuple[Any, Any]] = {}
+_GROUPS_LOCK = threading.Lock()
+
+
+def own_group(process_group: Any, purpose: str) -> Group:
+    """A gloo group over the ranks of ``process_group`` (or one process), for background
+    collectives (the checkpoint manager's, :func:`pyckpt.async_save`'s), so they never
+    interleave with the training's on its group, gloo or not.
+
+    Bounded as every exchange of pyckpt (:func:`pyckpt._collective.peer_group`): DCP's
+    collectives on it wait ``PYCKPT_PEER_TIMEOUT`` at most, pyckpt's own up to the job's
+    timeout for ranks that still beat; a frozen or dead rank raises ``PeerLostError`` naming it
+    (:func:`peer_typed`)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        if process_group is not None:
+            raise ValueError("process_group given but torch.distributed is not initialised")
+        return Group(None, 0, 1, False)
+    ranks = tuple(dist.get_process_group_ranks(process_group or dist.group.WORLD))
+    world = dist.group.WORLD
+    with _GROUPS_LOCK:
+        made = _GROUPS.get((ranks, purpose))
+        pg = None if made is None or made[0]() is not world else made[1]()
+        if pg is None:
+            pg = peer_group(list(ranks))
+            _GROUPS[(ranks, purpose)] = (weakref.ref(world), weakref.ref(pg))
+    return Group(pg, dist.get_rank(pg), dist.get_world_size(pg), True)
 
 
 # User group -> weak reference to the gloo group derived from it (coordination_group). Weak

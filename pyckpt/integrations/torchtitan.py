@@ -17,7 +17,8 @@ Everything torchtitan's manager does stays as it is (intervals, ``async_mode``,
 * ``dcp_save`` writes with :class:`pyckpt.Writer` and :class:`pyckpt.SavePlanner` (compressed
   with ``compression="zstd"``), in the three ``async_mode``\\ s: ``"disabled"``
   (:func:`pyckpt.save`: the plans cached while the state's structure holds),
-  ``"async"`` (``dcp.async_save`` on a thread, the writer staging the state dict) and
+  ``"async"`` (:func:`pyckpt.async_save`: staged in the call, written on pyckpt's save
+  thread, the plans cached as well) and
   ``"async_with_pinned_mem"`` (DCP's process-based async save with torchtitan's
   ``DefaultStager``: the writer is pickled into DCP's checkpoint process). A pyckpt error on
   any rank reaches the caller as itself (``FileExistsError``, ``OSError``,
@@ -155,6 +156,13 @@ def _typed_errors() -> Iterator[None]:
         raise original from wrapped
 
 
+def _state_dicts(state_dict: dict[str, Any]) -> dict[str, Any]:
+    """Stateful values as their state dicts, as DCP's save makes them (torchtitan's optimizers
+    container is an ``Optimizer``: :func:`pyckpt.save` would key its state by parameter
+    name)."""
+    return {k: v.state_dict() if isinstance(v, Stateful) else v for k, v in state_dict.items()}
+
+
 def _typed_future(fut: Future[Any]) -> Future[Any]:
     """A future that completes with ``fut``: its error unwrapped as in :func:`_typed_errors`."""
     typed: Future[Any] = Future()
@@ -288,15 +296,11 @@ class PyckptCheckpointManager(CheckpointManager):
         if to_hf:
             self._save_hf(state_dict, checkpoint_id)
         elif async_mode == AsyncMode.ASYNC:
-            with _typed_errors():
-                fut = dcp.async_save(
-                    state_dict,
-                    storage_writer=self._writer(checkpoint_id),
-                    planner=SavePlanner(),
-                    process_group=self.pg,
-                )
-            assert isinstance(fut, Future)
-            ret = _typed_future(fut)
+            # pyckpt.async_save: staged here, written on pyckpt's save thread with the plans
+            # cached as for "disabled" (dcp.async_save plans in full every save), its
+            # exchanges on a gloo group of its own; the future fails with the typed error.
+            ret = pyckpt.async_save(_state_dicts(state_dict), checkpoint_id,
+                                    process_group=self.pg, **self._writer_options())
         elif async_mode == AsyncMode.ASYNC_WITH_PINNED_MEM:
             with _typed_errors():
                 response = dcp.async_save(
@@ -317,12 +321,8 @@ class PyckptCheckpointManager(CheckpointManager):
         else:
             # pyckpt.save: the plans are cached while the state's structure holds (a later
             # save gathers a few hundred bytes per rank), coordination on a gloo group with
-            # the training's ranks (no GPU memory), errors typed. Stateful values become their
-            # state dicts here, as dcp.save makes them (torchtitan's optimizers container is
-            # an Optimizer: pyckpt.save would key its state by parameter name).
-            state = {k: v.state_dict() if isinstance(v, Stateful) else v
-                     for k, v in state_dict.items()}
-            pyckpt.save(state, checkpoint_id, **self._writer_options())
+            # the training's ranks (no GPU memory), errors typed.
+            pyckpt.save(_state_dicts(state_dict), checkpoint_id, **self._writer_options())
         if enable_garbage_collection:
             GarbageCollection.collect("GC collection invoked by checkpointer.")
         return ret
