@@ -289,6 +289,9 @@ def async_save(
             staged = writer.stage(_stateful.to_save(state_dict))
     except Exception as e:  # every rank learns it in the save's first exchange
         failed = e
+    except BaseException:  # Ctrl-C: nothing is submitted
+        writer.close()
+        raise
     with _async_lock:
         if _async_lane is None:
             _async_lane = _background.lane("pyckpt-async-save")
