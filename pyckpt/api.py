@@ -182,7 +182,7 @@ def save(
             from DCP's ``CheckpointException`` (attached as ``__cause__``), e.g. ``OSError``
             (ENOSPC, EFBIG) from a data file or :class:`pyckpt.UnsupportedDtypeError`.
     """
-    _settle_async()  # its exchanges run on the same group
+    _settle_async()  # one save at a time: one staged copy, one set of writes
     # The save's per-tensor objects (items, plans, results) die with its Writer when _save
     # returns, before any collection walks them (pyckpt._gc).
     with _gc.paused():
@@ -213,8 +213,9 @@ def _save(
 
 # -- asynchronous save ----------------------------------------------------------------------
 # One background thread per process runs the saves of async_save, one at a time, in the order
-# of the calls (every rank calls in the same order, so their exchanges pair up). save(), load()
-# and async_save() first wait for the one in flight: their exchanges share its group.
+# of the calls (every rank calls in the same order, so their exchanges pair up), on a gloo
+# group of their own. save(), load() and async_save() first wait for the one in flight: one
+# staged copy and one set of writes at a time, and a load sees what the save committed.
 
 _async_lock = threading.Lock()
 _async_lane: ThreadPoolExecutor | None = None
@@ -376,7 +377,7 @@ def load(
         Errors are the lowest failing rank's own exception, re-raised from DCP's
         ``CheckpointException`` (attached as ``__cause__``).
     """
-    _settle_async()  # as in save()
+    _settle_async()  # a load after an async save sees what it committed
     process_group = coordination_arg(process_group)  # as in save()
     reader_options = {"shared_filesystem": shared_filesystem, "process_group": process_group,
                       "storage_options": storage_options, "cooperative": cooperative,
