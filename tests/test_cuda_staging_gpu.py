@@ -13,6 +13,7 @@ import gc
 import pytest
 import torch
 
+import pyckpt
 from pyckpt import _staging
 
 pytestmark = [
@@ -127,6 +128,19 @@ def test_writer_sync_and_async_save_then_load(tmp_path) -> None:
             dcp.load(out, storage_reader=r, no_dist=True)
         for k, v in sd.items():
             assert torch.equal(out[k], v), (d, k)
+
+
+def test_pyckpt_async_save_holds_the_state_at_the_call_and_loads_into_cuda(tmp_path) -> None:
+    sd = _tensors()
+    expect = {k: v.clone() for k, v in sd.items()}
+    fut = pyckpt.async_save(sd, tmp_path / "c", compression="zstd")
+    for v in sd.values():  # the next training step, queued on the current stream
+        v.add_(1)
+    fut.result(timeout=120)
+    out = {k: torch.zeros_like(v) for k, v in sd.items()}
+    pyckpt.load(out, tmp_path / "c")
+    for k, v in expect.items():
+        assert out[k].is_cuda and torch.equal(out[k], v), k
 
 
 def test_twenty_async_saves_do_not_grow_rss_or_pinned_memory(fresh_pinned, tmp_path) -> None:

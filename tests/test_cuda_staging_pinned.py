@@ -120,6 +120,39 @@ def test_new_writer_per_async_save_page_locks_once_per_process(fake, tmp_path) -
     assert fake.counter("unpinned_copies") == 0
 
 
+def test_pyckpt_async_save_stages_device_tensors_once_per_process(fake, tmp_path) -> None:
+    sd = _model_state(fake.dev)
+    for step in range(4):
+        expect = _clone(sd)
+        fut = pyckpt.async_save(sd, tmp_path / f"step-{step}")
+        _train_step(sd)  # training goes on while the save is written
+        fut.result()
+        gc.collect()
+        if step == 0:
+            registered = fake.counter("register_calls")
+            assert registered >= 1
+        assert fake.counter("register_calls") == registered, step
+        assert fake.counter("unregister_calls") == 0, step
+        _load_equal(tmp_path / f"step-{step}", expect)
+    assert fake.counter("bytes_d2h") == 4 * (_state_bytes(sd) - sd["step"].element_size())
+    assert fake.counter("unpinned_copies") == 0
+    assert pyckpt.pinned_stats()["extents_in_use"] == 0
+
+
+def test_pyckpt_async_save_staging_failure_fails_the_future_and_writes_nothing(
+        fake, tmp_path) -> None:
+    sd = _model_state(fake.dev)
+    fake.fake_cudart_fail_on(b"cudaMemcpyAsync", 1, 700)
+    fut = pyckpt.async_save(sd, tmp_path / "c")  # returns: the failure is the future's
+    with pytest.raises(pyckpt.CudaError, match=r"\['model'\]"):
+        fut.result(timeout=60)
+    assert not (tmp_path / "c" / "pyckpt.json").exists()
+    assert pyckpt.pinned_stats()["extents_in_use"] == 0
+    expect = _clone(sd)
+    pyckpt.async_save(sd, tmp_path / "again").result(timeout=60)  # the next one saves
+    _load_equal(tmp_path / "again", expect)
+
+
 def test_no_unregister_or_free_while_a_background_save_is_in_flight(fake, tmp_path,
                                                                      monkeypatch) -> None:
     import torch.distributed.checkpoint as dcp
