@@ -8,6 +8,7 @@ from __future__ import annotations
 import gc
 import threading
 import warnings
+from typing import Any
 
 import psutil
 import pytest
@@ -95,14 +96,19 @@ def _clone(sd: dict) -> dict:
 # -- a new Writer per save --------------------------------------------------------------------
 
 
-def test_new_writer_per_async_save_page_locks_once_per_process(fake, tmp_path) -> None:
+@pytest.mark.parametrize("how", ["dcp.async_save", "pyckpt.async_save"])
+def test_new_writer_per_async_save_page_locks_once_per_process(fake, tmp_path, how) -> None:
     import torch.distributed.checkpoint as dcp
+
+    def async_save(sd: dict, path) -> Any:
+        if how == "pyckpt.async_save":
+            return pyckpt.async_save(sd, path)
+        return dcp.async_save(sd, storage_writer=pyckpt.Writer(path), no_dist=True)
 
     sd = _model_state(fake.dev)
     for step in range(5):
         expect = _clone(sd)
-        fut = dcp.async_save(sd, storage_writer=pyckpt.Writer(tmp_path / f"step-{step}"),
-                             no_dist=True)
+        fut = async_save(sd, tmp_path / f"step-{step}")
         _train_step(sd)  # training goes on while the save is written
         fut.result()
         gc.collect()  # the Writer is gone now: nothing it used may be freed
@@ -118,25 +124,8 @@ def test_new_writer_per_async_save_page_locks_once_per_process(fake, tmp_path) -
     assert stats["extent_bytes"] == _pinned._align(_state_bytes(sd), 2 * MiB)
     assert fake.counter("streams_created") <= 1  # one side stream for the process
     assert fake.counter("unpinned_copies") == 0
-
-
-def test_pyckpt_async_save_stages_device_tensors_once_per_process(fake, tmp_path) -> None:
-    sd = _model_state(fake.dev)
-    for step in range(4):
-        expect = _clone(sd)
-        fut = pyckpt.async_save(sd, tmp_path / f"step-{step}")
-        _train_step(sd)  # training goes on while the save is written
-        fut.result()
-        gc.collect()
-        if step == 0:
-            registered = fake.counter("register_calls")
-            assert registered >= 1
-        assert fake.counter("register_calls") == registered, step
-        assert fake.counter("unregister_calls") == 0, step
-        _load_equal(tmp_path / f"step-{step}", expect)
-    assert fake.counter("bytes_d2h") == 4 * (_state_bytes(sd) - sd["step"].element_size())
-    assert fake.counter("unpinned_copies") == 0
-    assert pyckpt.pinned_stats()["extents_in_use"] == 0
+    # every device byte copied once per save (the step counter is a host tensor)
+    assert fake.counter("bytes_d2h") == 5 * (_state_bytes(sd) - sd["step"].element_size())
 
 
 def test_pyckpt_async_save_staging_failure_fails_the_future_and_writes_nothing(
