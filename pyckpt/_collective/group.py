@@ -153,7 +153,7 @@ def _timeout_of(pg: Any) -> timedelta:
 
 
 # (ranks, purpose) -> weak references to (the default group it was made under, the gloo group).
-# Groups are kept for the life of the default group and reused by later managers: destroying a
+# Groups are kept for the life of the default group and reused by later users: destroying a
 # subgroup makes torch give the next one over the same ranks the same store prefix as an
 # earlier one, whose stale keys then break its rendezvous. Weak: torch's registry keeps a group
 # until destroy_process_group(), which then frees it (with the managers that used it); a strong
@@ -171,7 +171,7 @@ def own_group(process_group: Any, purpose: str) -> Group:
     Bounded as every exchange of pyckpt (:func:`pyckpt._collective.peer_group`): DCP's
     collectives on it wait ``PYCKPT_PEER_TIMEOUT`` at most, pyckpt's own up to the job's
     timeout for ranks that still beat; a frozen or dead rank raises ``PeerLostError`` naming it
-    (:func:`peer_typed`)."""
+    (the manager's ``peer_typed``, :func:`peer_errors` around ``pyckpt.async_save``'s save)."""
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized()):
