@@ -164,19 +164,38 @@ def test_a_save_in_flight_completes_before_the_interpreter_exits(tmp_path: Path)
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
-def test_a_forked_child_has_no_save_in_flight(tmp_path: Path) -> None:
+def test_a_forked_child_has_no_save_in_flight(tmp_path: Path, monkeypatch: Any) -> None:
     import multiprocessing as mp
 
+    from pyckpt import _savedrive
+
+    # The parent's save waits in Python (no lock held, no native work) until the child is done:
+    # a child that inherited "a save in flight" would wait for it forever.
+    parent, entered, release = os.getpid(), threading.Event(), threading.Event()
+    save = _savedrive.save
+
+    def held(*args: Any, **kwargs: Any) -> Any:
+        if os.getpid() == parent:
+            entered.set()
+            assert release.wait(120)
+        return save(*args, **kwargs)
+
+    monkeypatch.setattr(_savedrive, "save", held)
     fut = pyckpt.async_save({"t": torch.ones(10)}, tmp_path / "parent")
-    ctx = mp.get_context("fork")
-    p = ctx.Process(target=_child_saves, args=(str(tmp_path / "child"),))
-    p.start()
-    p.join(120)
-    assert p.exitcode == 0
+    try:
+        assert entered.wait(60)
+        p = mp.get_context("fork").Process(target=_child_saves, args=(str(tmp_path / "child"),))
+        p.start()
+        p.join(120)
+        assert p.exitcode == 0
+        assert not fut.done()
+    finally:
+        release.set()
     fut.result(timeout=60)
-    dest = {"t": torch.zeros(10)}
-    pyckpt.load(dest, tmp_path / "child")
-    assert torch.equal(dest["t"], torch.full((10,), 2.0))
+    for name, value in (("child", 2.0), ("parent", 1.0)):
+        dest = {"t": torch.zeros(10)}
+        pyckpt.load(dest, tmp_path / name)
+        assert torch.equal(dest["t"], torch.full((10,), value)), name
 
 
 def _child_saves(path: str) -> None:
