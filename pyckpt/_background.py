@@ -12,8 +12,9 @@ One of the thread models of docs/ARCHITECTURE.md ("Threads"). Two shapes of work
 * **Long-lived ordered work** (:func:`lane`): a lane is an executor with one thread of its own,
   whose tasks run one at a time in the order submitted, all on that thread (thread-local state,
   such as a Writer's save in progress or torch's current stream, stays with the lane). The
-  checkpoint manager's fast-tier saves and its persistence are one lane each. Its owner shuts it
-  down.
+  checkpoint manager's fast-tier saves and its persistence are one lane each, and
+  :func:`pyckpt.async_save`'s saves one for the process. Its owner shuts it down (the async
+  saves' lane lives as long as the process; the interpreter's exit joins it).
 
 Exit: both are :mod:`concurrent.futures` executors, so the interpreter's exit (threading's exit
 hook, before :mod:`atexit` handlers) lets the work already submitted finish and joins their
