@@ -23,7 +23,7 @@ WORLD = 3
 
 
 def _state(rank: int, world: int, seed: int, rows: int = 12) -> dict[str, Any]:
-    """A sharded DTensor, a replicated tensor, a per-rank tensor and a nested value."""
+    """A sharded DTensor, a replicated tensor and a nested non-tensor value."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
@@ -37,19 +37,13 @@ def _state(rank: int, world: int, seed: int, rows: int = 12) -> dict[str, Any]:
 
 
 def _snapshot(sd: dict[str, Any]) -> dict[str, Any]:
-    from torch.distributed.tensor import DTensor
-
-    return {"w": sd["w"].to_local().clone() if isinstance(sd["w"], DTensor) else sd["w"].clone(),
-            "norm": sd["norm"].clone(),
+    return {"w": sd["w"].to_local().clone(), "norm": sd["norm"].clone(),
             "extra": {"step": sd["extra"]["step"], "history": list(sd["extra"]["history"])}}
 
 
 def _scribble(sd: dict[str, Any]) -> None:
     """What training does to the state after the call returned."""
-    from torch.distributed.tensor import DTensor
-
-    w = sd["w"].to_local() if isinstance(sd["w"], DTensor) else sd["w"]
-    w.add_(1000.0)
+    sd["w"].to_local().add_(1000.0)
     sd["norm"].fill_(-7.0)
     sd["extra"]["history"].append(99)
 
@@ -83,8 +77,8 @@ def _cycle_worker(rank: int, world: int, root: str) -> dict[str, Any]:
     counts = {k: _savedrive.stats[k] - before[k] for k in ("planned", "cached")}
     for i, (sd, want) in enumerate(zip(states, wants)):
         _loads_back(sd, want, os.path.join(root, f"s{i}"))
-    # A blocking save right after an async one (not waited for): it waits for it, then the
-    # two are both complete (their exchanges do not interleave on the group).
+    # A blocking save right after an async one (not waited for) first waits for it: both
+    # complete, each with the state as it was at its call.
     sd = _state(rank, world, 50)
     want_a = _snapshot(sd)
     fut = pyckpt.async_save(sd, os.path.join(root, "a"), compression="zstd")
