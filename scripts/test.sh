@@ -14,6 +14,8 @@
 #   6. lint        ruff, mypy on pyckpt/, clang-format on csrc/ and tests/cpp/
 #   7. wheel       scripts/check_wheel.sh: builds the distribution wheel (zstd linked statically)
 #                  and checks with readelf that its extension has no libzstd.so dependency
+# With the tests stage, the wheel and the sanitizer build run in the background while the tests
+# run (at idle CPU priority, below); their stages report them after.
 # --quick (first argument): the fast lane, under 3 minutes on 2 cores (148-169 s measured with the
 # machine shared): the tests stage only, without the slow lane (tests marked `slow` next to them:
 # multi-process fault, crash, kill and timeout tests, fuzzing, the demo, the largest multi-rank
@@ -81,11 +83,69 @@ if has_stage lint; then
   run_stage lint .venv/bin/clang-format --dry-run --Werror \
     $(git ls-files 'csrc/*.[ch]pp' 'tests/cpp/*.[ch]pp')
 fi
-if has_stage wheel; then
-  # A few minutes on 2 cores the first time; build/wheel-static is kept, so later runs are
-  # incremental. cmake, ninja and scikit-build-core come from the venv.
-  PATH="$PWD/.venv/bin:$PATH" run_stage wheel scripts/check_wheel.sh .venv/bin/python dist
+# The two other C++ builds, the distribution wheel's (zstd linked statically) and the sanitizer
+# build (for the sanitize and cpp stages), take about 6 minutes of the 2 cores; the tests stage
+# leaves them idle much of its time (it waits on rank processes, timeouts and servers). So with
+# the tests stage selected they run in the background while it runs, one after the other, at
+# SCHED_IDLE priority (chrt --idle: they get only CPU time nothing else wants, so the tests'
+# timing does not change), and their stages report their output and status afterwards.
+BG=build/ci-background
+bg_pid=""
+bg_jobs=()
+has_stage wheel && bg_jobs+=(wheel)
+{ has_stage sanitize || has_stage cpp; } && bg_jobs+=(asan-build)
+# bg_job NAME: one background job, its output to $BG/NAME.log.
+bg_job() {
+  case $1 in
+    # build/wheel-static is kept, so later runs are incremental. cmake, ninja and
+    # scikit-build-core come from the venv.
+    wheel) PATH="$PWD/.venv/bin:$PATH" scripts/check_wheel.sh .venv/bin/python dist ;;
+    asan-build) PATH="$PWD/.venv/bin:$PATH" PYTHON=.venv/bin/python bash scripts/sanitize.sh --build ;;
+  esac
+}
+if [ "$quick" = 0 ] && has_stage tests && [ "${#bg_jobs[@]}" -gt 0 ]; then
+  rm -rf "$BG" && mkdir -p "$BG"
+  echo "=== [background] ${bg_jobs[*]}, at idle priority while the tests run"
+  (
+    for job in "${bg_jobs[@]}"; do
+      start=$SECONDS rc=0
+      chrt --idle 0 bash -c "$(declare -f bg_job); bg_job $job" >"$BG/$job.log" 2>&1 || rc=$?
+      echo "$rc $((SECONDS - start))" >"$BG/$job.rc.tmp" && mv "$BG/$job.rc.tmp" "$BG/$job.rc"
+    done
+  ) &
+  bg_pid=$!
 fi
+# bg_collect NAME: waits for background job NAME, prints its output and how long it ran, and
+# returns its exit status.
+bg_collect() {
+  local job=$1
+  while [ ! -f "$BG/$job.rc" ] && kill -0 "$bg_pid" 2>/dev/null; do sleep 1; done
+  cat "$BG/$job.log" 2>/dev/null || true
+  if [ ! -f "$BG/$job.rc" ]; then
+    echo "background job $job ended without a status"
+    return 1
+  fi
+  local rc seconds
+  read -r rc seconds <"$BG/$job.rc"
+  echo "(background job $job: exit $rc after $seconds s)"
+  return "$rc"
+}
+# asan_build_log: the background sanitizer build's output, once, before the first stage that uses
+# the build (sanitize.sh then finds nothing to build; a failed build fails again there, visibly).
+asan_build_logged=0
+asan_build_log() {
+  [ -n "$bg_pid" ] && [ "$asan_build_logged" = 0 ] || return 0
+  asan_build_logged=1
+  echo "=== [asan-build] built in the background:"
+  bg_collect asan-build || true
+}
+run_wheel_stage() {
+  if [ -n "$bg_pid" ]; then
+    run_stage wheel bg_collect wheel
+  else
+    run_stage wheel bg_job wheel
+  fi
+}
 if has_stage tests; then
   # Two workers (PYCKPT_TEST_WORKERS; 0 runs in this process), a whole module per worker so
   # module fixtures (a saved checkpoint, an S3 server) are made once: most of the suite waits on
@@ -102,10 +162,17 @@ if has_stage tests; then
     "${ignore[@]}" "$@"
   # With a selection in "$@" (-k ...), these may hold none of it; the quick lane skips them.
   [ "$quick" = 1 ] && exit $status
+  # The scheduling tests run on a quiet machine: the background builds finish first.
+  if [ -n "$bg_pid" ]; then
+    echo "=== [background] waiting for ${bg_jobs[*]}"
+    wait "$bg_pid" || true
+    stage_done background
+  fi
   # shellcheck disable=SC2086
   run_stage_pytest tests-serial "$([ $# -gt 0 ] && echo 1 || echo 0)" .venv/bin/pytest \
     -p no:cacheprovider --rootdir=. -c pyproject.toml $SERIAL "$@"
 fi
+has_stage wheel && run_wheel_stage
 if has_stage benchmarks; then
   run_stage_pytest benchmarks 0 .venv/bin/pytest -p no:cacheprovider --rootdir=. \
     -c pyproject.toml benchmarks --benchmark-disable -q -o testpaths=benchmarks
@@ -121,6 +188,7 @@ if has_stage sanitize; then
     echo "=== [sanitize] FAILED: scripts/sanitize.sh is missing"
     status=1
   else
+    asan_build_log
     # Slower under ASan: a longer per-task deadline for the attack workers; no RLIMIT_AS (ASan
     # reserves terabytes of shadow address space; harness.py drops the limit by itself too).
     # cmake, ninja and pybind11 come from the venv (the 'sanitize' extra).
@@ -133,8 +201,9 @@ if has_stage sanitize; then
   fi
 fi
 if has_stage cpp; then
-  # In the sanitizer build directory (built by the sanitize stage, or here when that stage did
-  # not run): the C++ unit tests run under ASan+UBSan, and the core is compiled once for both.
+  # In the sanitizer build directory (built in the background, by the sanitize stage, or here
+  # when neither ran): the C++ unit tests run under ASan+UBSan, and the core is compiled once for both.
+  asan_build_log
   PATH="$PWD/.venv/bin:$PATH" PYTHON=.venv/bin/python run_stage cpp bash scripts/sanitize.sh --ctest
 fi
 exit $status
