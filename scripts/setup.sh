@@ -10,6 +10,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 PYTHON=${PYTHON:-python3}
+# say MESSAGE: a progress line with the seconds since the start (CI logs show where time goes).
+say() { echo "[pyckpt setup] $* (at ${SECONDS} s)"; }
 SUDO=""
 [ "$(id -u)" -ne 0 ] && SUDO="sudo"
 
@@ -24,13 +26,13 @@ if ! "$PYTHON" -c 'import ensurepip, venv' >/dev/null 2>&1; then
   missing+=("python3-venv")
 fi
 if [ "${#missing[@]}" -gt 0 ]; then
-  echo "[pyckpt setup] installing system packages: ${missing[*]}"
+  say "installing system packages: ${missing[*]}"
   $SUDO apt-get update -qq
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${missing[@]}" >/dev/null
 fi
 
 if [ ! -x .venv/bin/python ]; then
-  echo "[pyckpt setup] creating .venv"
+  say "creating .venv"
   "$PYTHON" -m venv .venv
 fi
 PY="$PWD/.venv/bin/python"
@@ -38,11 +40,11 @@ QUIET_PIP='is ignored: it is neither a file nor a directory'  # noise from this 
 
 # torch first, pinned: a bare 'torch' requirement could pull a multi-GB CUDA build.
 if ! "$PY" -c 'import torch, sys; sys.exit(torch.__version__.split("+")[0] != "2.13.0")' 2>/dev/null; then
-  echo "[pyckpt setup] installing torch==2.13.0"
+  say "installing torch==2.13.0"
   "$PY" -m pip install -q --disable-pip-version-check "torch==2.13.0" 2>&1 | { grep -v "$QUIET_PIP" || true; }
 fi
 
-echo "[pyckpt setup] building and installing pyckpt"
+say "building and installing pyckpt"
 # The build requirements live in the venv and the build runs without pip's isolated build
 # environment: an isolated one has a new temporary path on every run, its pybind11 include
 # directory changes every compile command, and ninja then rebuilds every object. Here the
@@ -60,6 +62,7 @@ PATH="$(dirname "$PY"):$PATH" "$PY" -m pip install -q --disable-pip-version-chec
   -c "$constraint" -Ccmake.define.PYCKPT_BUILD_TESTING_RUNTIME=ON \
   ".[test,bench,model,demo,fuzz,sanitize,lint,s3,s3-test,s3-bench,accelerate,lightning]" 2>&1 \
   | { grep -v "$QUIET_PIP" || true; }
+say "installing torchtitan"
 # torchtitan (the `torchtitan` extra) with what its checkpoint, optimizer and state-dict-adapter
 # modules import: its training-data and logging requirements (datasets with pyarrow and pandas,
 # wandb, tensorboard) are not used by checkpointing and would double the setup time.
@@ -70,3 +73,4 @@ PATH="$(dirname "$PY"):$PATH" "$PY" -m pip install -q --disable-pip-version-chec
   tyro "spmd_types==0.2.3" torch_checkpointing einops 2>&1 | { grep -v "$QUIET_PIP" || true; }
 # Checked from outside the checkout, whose pyckpt/ (without the built _C) would shadow the install.
 (cd / && "$PY" -c 'import pyckpt, pyckpt._C; print("[pyckpt setup] pyckpt", pyckpt.__version__, "with zstd", pyckpt._C.zstd_version)')
+say "done"
