@@ -9,8 +9,6 @@
 #        scripts/sanitize.sh --ctest
 #   runs the C++ unit tests (tests/cpp, built into the same directory with warnings as errors)
 #   under ctest instead: one sanitized build serves both, so CI compiles the core once for them.
-#        scripts/sanitize.sh --build
-#   only builds (scripts/test.sh runs this in the background while the main tests run).
 #   PYTHON=/path/to/python (default .venv/bin/python); PYCKPT_SANITIZE (default address;undefined)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -38,7 +36,6 @@ if [ ! -f "$BUILD/build.ninja" ]; then
     -Dpybind11_DIR="$("$PY" -m pybind11 --cmakedir)" >/dev/null
 fi
 cmake --build "$BUILD" -j"$(nproc)"
-[ "${1:-}" = "--build" ] && exit 0
 
 if [ "${1:-}" = "--ctest" ]; then
   # The test executables link the sanitizer runtimes themselves: no preload needed.

@@ -2,8 +2,8 @@
 # Sets up (idempotently, see scripts/setup.sh) and runs every check CI runs, in stages:
 #   1. tests       the whole test suite (includes the attack corpus, tests/test_attacks.py, and
 #                  the structure-aware metadata fuzz, tests/test_fuzz_metadata.py), on
-#                  PYCKPT_TEST_WORKERS pytest-xdist workers (default 2); first, alone, the few
-#                  tests that time CPU scheduling (tests-serial)
+#                  PYCKPT_TEST_WORKERS pytest-xdist workers (default 2), then the few tests that
+#                  time CPU scheduling, alone (tests-serial)
 #   2. benchmarks  a smoke run of the benchmarks (timings disabled)
 #   3. fuzz        every atheris harness in fuzz/ for PYCKPT_FUZZ_SECONDS_PER_HARNESS (default 30)
 #   4. sanitize    scripts/sanitize.sh: the C++-heavy tests, the attack corpus, the native
@@ -14,8 +14,6 @@
 #   6. lint        ruff, mypy on pyckpt/, clang-format on csrc/ and tests/cpp/
 #   7. wheel       scripts/check_wheel.sh: builds the distribution wheel (zstd linked statically)
 #                  and checks with readelf that its extension has no libzstd.so dependency
-# With the tests stage, the wheel and the sanitizer build run in the background from the lint
-# stage on (at idle CPU priority, below); their stages report them after.
 # --quick (first argument): the fast lane, under 3 minutes on 2 cores (148-169 s measured with the
 # machine shared): the tests stage only, without the slow lane (tests marked `slow` next to them:
 # multi-process fault, crash, kill and timeout tests, fuzzing, the demo, the largest multi-rank
@@ -76,74 +74,6 @@ run_stage() {
   stage_done "$name"
 }
 
-# The few tests that measure CPU scheduling itself (the GIL release checks, SIGINT latency) run
-# first, alone, on a quiet machine: before the background builds below start.
-SERIAL="tests/test_gil.py tests/test_interrupt.py"
-if has_stage tests && [ "$quick" = 0 ]; then
-  # With a selection in "$@" (-k ...), these may hold none of it.
-  # shellcheck disable=SC2086
-  run_stage_pytest tests-serial "$([ $# -gt 0 ] && echo 1 || echo 0)" .venv/bin/pytest \
-    -p no:cacheprovider --rootdir=. -c pyproject.toml $SERIAL "$@"
-fi
-# The two other C++ builds, the distribution wheel's (zstd linked statically) and the sanitizer
-# build (for the sanitize and cpp stages), take about 6 minutes of the 2 cores. The lint, tests,
-# benchmarks and fuzz stages leave the CPUs idle much of their time (mypy and the fuzzers use one
-# core; the tests wait on rank processes, timeouts and servers). So with the tests stage selected
-# the builds run in the background from here, one after the other, at SCHED_IDLE priority
-# (chrt --idle: they get only CPU time nothing else wants, so the stages' timing does not
-# change), and the wheel, sanitize and cpp stages report their output and status.
-BG=build/ci-background
-bg_pid=""
-bg_jobs=()
-has_stage wheel && bg_jobs+=(wheel)
-{ has_stage sanitize || has_stage cpp; } && bg_jobs+=(asan-build)
-# bg_job NAME: one build; in the background, its output goes to $BG/NAME.log.
-bg_job() {
-  case $1 in
-    # build/wheel-static is kept, so later runs are incremental. cmake, ninja and
-    # scikit-build-core come from the venv.
-    wheel) PATH="$PWD/.venv/bin:$PATH" scripts/check_wheel.sh .venv/bin/python dist ;;
-    asan-build) PATH="$PWD/.venv/bin:$PATH" PYTHON=.venv/bin/python bash scripts/sanitize.sh --build ;;
-  esac
-}
-if [ "$quick" = 0 ] && has_stage tests && [ "${#bg_jobs[@]}" -gt 0 ]; then
-  rm -rf "$BG" && mkdir -p "$BG"
-  echo "=== [background] ${bg_jobs[*]}, at idle CPU priority while the next stages run"
-  (
-    for job in "${bg_jobs[@]}"; do
-      start=$SECONDS rc=0
-      chrt --idle 0 bash -c "$(declare -f bg_job); bg_job $job" >"$BG/$job.log" 2>&1 || rc=$?
-      echo "$rc $((SECONDS - start))" >"$BG/$job.rc.tmp" && mv "$BG/$job.rc.tmp" "$BG/$job.rc"
-    done
-  ) &
-  bg_pid=$!
-fi
-# bg_collect NAME: waits for background job NAME, prints its output and how long it ran, and
-# returns its exit status.
-bg_collect() {
-  local job=$1
-  while [ ! -f "$BG/$job.rc" ] && kill -0 "$bg_pid" 2>/dev/null; do sleep 1; done
-  cat "$BG/$job.log" 2>/dev/null || true
-  if [ ! -f "$BG/$job.rc" ]; then
-    echo "background job $job ended without a status"
-    return 1
-  fi
-  local rc seconds
-  read -r rc seconds <"$BG/$job.rc"
-  echo "(background job $job: exit $rc after $seconds s)"
-  return "$rc"
-}
-# asan_build_log: the background sanitizer build's output, once, before the first stage that uses
-# the build (sanitize.sh then finds nothing to build; a failed build fails again there, visibly).
-asan_build_logged=0
-asan_build_log() {
-  [ -n "$bg_pid" ] && [ "$asan_build_logged" = 0 ] || return 0
-  asan_build_logged=1
-  echo "=== [asan-build] built in the background:"
-  bg_collect asan-build || true
-  stage_done asan-build
-}
-
 if has_stage lint; then
   run_stage lint .venv/bin/ruff check pyckpt tests benchmarks examples fuzz
   run_stage lint .venv/bin/mypy pyckpt
@@ -151,19 +81,30 @@ if has_stage lint; then
   run_stage lint .venv/bin/clang-format --dry-run --Werror \
     $(git ls-files 'csrc/*.[ch]pp' 'tests/cpp/*.[ch]pp')
 fi
+if has_stage wheel; then
+  # A few minutes on 2 cores the first time; build/wheel-static is kept, so later runs are
+  # incremental. cmake, ninja and scikit-build-core come from the venv.
+  PATH="$PWD/.venv/bin:$PATH" run_stage wheel scripts/check_wheel.sh .venv/bin/python dist
+fi
 if has_stage tests; then
   # Two workers (PYCKPT_TEST_WORKERS; 0 runs in this process), a whole module per worker so
   # module fixtures (a saved checkpoint, an S3 server) are made once: most of the suite waits on
   # child processes, timeouts and servers rather than computing, so two modules at a time on
   # 2 cores halve its wall time (944 -> 570 s measured on the 2-core VM). Modules go out in
   # collection order, longest first (tests/conftest.py, _LONGEST_FIRST), not xdist's default
-  # order by test count, which left a long module of few tests for the end.
+  # order by test count, which left a long module of few tests for the end. The few tests that
+  # measure CPU scheduling itself (the GIL release checks, SIGINT latency) run after, alone.
+  SERIAL="tests/test_gil.py tests/test_interrupt.py"
   ignore=()
   for f in $SERIAL; do ignore+=(--ignore="$f"); done
   run_stage_pytest tests 0 .venv/bin/pytest -p no:cacheprovider --rootdir=. -c pyproject.toml \
     -n "${PYCKPT_TEST_WORKERS:-2}" --dist loadfile --no-loadscope-reorder --durations=30 tests \
     "${ignore[@]}" "$@"
+  # With a selection in "$@" (-k ...), these may hold none of it; the quick lane skips them.
   [ "$quick" = 1 ] && exit $status
+  # shellcheck disable=SC2086
+  run_stage_pytest tests-serial "$([ $# -gt 0 ] && echo 1 || echo 0)" .venv/bin/pytest \
+    -p no:cacheprovider --rootdir=. -c pyproject.toml $SERIAL "$@"
 fi
 if has_stage benchmarks; then
   run_stage_pytest benchmarks 0 .venv/bin/pytest -p no:cacheprovider --rootdir=. \
@@ -175,19 +116,11 @@ if has_stage fuzz; then
     || { echo "=== [fuzz] FAILED"; status=1; }
   stage_done fuzz
 fi
-if has_stage wheel; then
-  if [ -n "$bg_pid" ]; then
-    run_stage wheel bg_collect wheel
-  else
-    run_stage wheel bg_job wheel
-  fi
-fi
 if has_stage sanitize; then
   if [ ! -x scripts/sanitize.sh ] && [ ! -f scripts/sanitize.sh ]; then
     echo "=== [sanitize] FAILED: scripts/sanitize.sh is missing"
     status=1
   else
-    asan_build_log
     # Slower under ASan: a longer per-task deadline for the attack workers; no RLIMIT_AS (ASan
     # reserves terabytes of shadow address space; harness.py drops the limit by itself too).
     # cmake, ninja and pybind11 come from the venv (the 'sanitize' extra).
@@ -200,9 +133,8 @@ if has_stage sanitize; then
   fi
 fi
 if has_stage cpp; then
-  # In the sanitizer build directory (built in the background, by the sanitize stage, or here
-  # when neither ran): the C++ unit tests run under ASan+UBSan, and the core is compiled once for both.
-  asan_build_log
+  # In the sanitizer build directory (built by the sanitize stage, or here when that stage did
+  # not run): the C++ unit tests run under ASan+UBSan, and the core is compiled once for both.
   PATH="$PWD/.venv/bin:$PATH" PYTHON=.venv/bin/python run_stage cpp bash scripts/sanitize.sh --ctest
 fi
 exit $status
