@@ -252,6 +252,7 @@ def async_save(
     *,
     process_group: Any = None,
     check_replicas: bool | Literal["sample", "full"] = True,
+    progress: _progress.ProgressArg = False,
     **writer_options: Any,
 ) -> Future[Metadata]:
     """:func:`save` in the background: returns once ``state_dict`` is copied (GPU tensors into
@@ -272,12 +273,16 @@ def async_save(
     nothing on any rank: every rank's future fails, on that rank with its own error and on
     the others with a note naming it.
 
-    Args: as for :func:`save` (no ``progress``).
+    Args: as for :func:`save`; ``progress`` counts the background writes (the bar, or the
+        callback's calls, come from the save thread).
 
     Raises:
         ValueError: Invalid writer options (on this thread, before staging).
+        TypeError: ``progress`` is neither a bool nor a callable (on this thread).
     """
     global _async_lane, _async_last
+    # Checks its type now (True would open the bar here: the save thread opens it).
+    _progress.resolve(False if isinstance(progress, bool) else progress, "save")
     _settle_async()
     # Its own gloo group over the ranks (made once): the save's exchanges run on the save
     # thread while the training's go on, on whatever group, in the calling thread.
@@ -296,15 +301,21 @@ def async_save(
     with _async_lock:
         if _async_lane is None:
             _async_lane = _background.lane("pyckpt-async-save")
-        fut = _async_lane.submit(_save_staged, staged, writer, group, check_replicas, failed)
+        fut = _async_lane.submit(_save_staged, staged, writer, group, check_replicas, progress,
+                                 failed)
         _async_last = fut
     return fut
 
 
 def _save_staged(staged: Any, writer: Writer, group: Group,
-                 check_replicas: bool | Literal["sample", "full"],
+                 check_replicas: bool | Literal["sample", "full"], progress: _progress.ProgressArg,
                  failed: BaseException | None) -> Metadata:
-    with _gc.paused(), peer_errors(group.pg, "pyckpt.async_save"), writer, _typed_errors():
+    totals = [0]  # this rank's planned bytes, known once the plan is
+    with _gc.paused(), peer_errors(group.pg, "pyckpt.async_save"), writer, _typed_errors(), \
+            _progress.job(progress, "save", group.pg) as report, \
+            _progress.native_counter(report, totals):
+        if report is not None:
+            _progress.count_writer(writer, totals)
         return _savedrive.save(staged, writer, SavePlanner(check_replicas=check_replicas),
                                group, failed=failed)
 

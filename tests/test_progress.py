@@ -8,6 +8,7 @@ import os
 import re
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -91,6 +92,33 @@ def test_save_and_load_report_native_bytes_up_to_the_total(tmp_path: Path) -> No
     pyckpt.load(back, tmp_path / "c", progress=lambda d, t: got.append((d, t)))
     assert got[-1] == (total, total)
     assert torch.equal(back["a"], sd["a"]) and torch.equal(back["b"], sd["b"])
+
+
+def test_async_save_reports_its_background_writes_up_to_the_total(tmp_path: Path) -> None:
+    sd = {"a": torch.randn(300, 1000), "b": torch.arange(50_000, dtype=torch.int64)}
+    total = 300 * 1000 * 4 + 50_000 * 8
+    seen: list[tuple[int, int, str]] = []
+    fut = pyckpt.async_save(
+        sd, tmp_path / "c", compression="zstd", chunk_bytes=64 << 10,
+        progress=lambda d, t: seen.append((d, t, threading.current_thread().name)))
+    fut.result(timeout=60)
+    assert seen[-1][:2] == (total, total)
+    assert all(t == total for _, t, _ in seen)
+    assert [d for d, _, _ in seen] == sorted(d for d, _, _ in seen)
+    assert threading.main_thread().name not in {name for _, _, name in seen}
+
+    with pytest.raises(TypeError, match="progress"):
+        pyckpt.async_save(sd, tmp_path / "d", progress="yes")  # type: ignore[arg-type]
+    assert not (tmp_path / "d").exists()
+
+
+def test_async_save_progress_true_prints_one_final_line_to_a_log(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    pyckpt.async_save({"w": torch.randn(100_000)}, tmp_path / "c",
+                      progress=True).result(timeout=60)
+    err = capsys.readouterr().err
+    lines = [ln for ln in err.splitlines() if ln.startswith("save:")]
+    assert len(lines) == 1 and _percent(lines[0]) == 100, err
 
 
 def test_save_progress_true_prints_one_final_line_to_a_log(
