@@ -273,8 +273,8 @@ def async_save(
     nothing on any rank: every rank's future fails, on that rank with its own error and on
     the others with a note naming it.
 
-    Args: as for :func:`save`; ``progress`` counts the background writes (the bar, or the
-        callback's calls, come from the save thread).
+    Args: as for :func:`save`; ``progress`` counts the background writes (the bar is drawn,
+        and the callback called, from pyckpt's background threads).
 
     Raises:
         ValueError: Invalid writer options (on this thread, before staging).

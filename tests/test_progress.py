@@ -105,7 +105,7 @@ def test_async_save_reports_its_background_writes_up_to_the_total(tmp_path: Path
     assert seen[-1][:2] == (total, total)
     assert all(t == total for _, t, _ in seen)
     assert [d for d, _, _ in seen] == sorted(d for d, _, _ in seen)
-    assert threading.main_thread().name not in {name for _, _, name in seen}
+    assert threading.main_thread().name not in {name for _, _, name in seen}  # background
 
     with pytest.raises(TypeError, match="progress"):
         pyckpt.async_save(sd, tmp_path / "d", progress="yes")  # type: ignore[arg-type]
