@@ -198,17 +198,26 @@ def _save(
     progress: _progress.ProgressArg,
     writer_options: dict[str, Any],
 ) -> Metadata:
-    totals = [0]  # this rank's planned bytes, known once DCP has planned
     # The save's exchanges run on a gloo group with the same ranks (host memory, even for NCCL).
     process_group = coordination_arg(process_group)
     with peer_errors(process_group, "pyckpt.save"), Writer(path, **writer_options) as writer, \
             _single_process_quiet(), _typed_errors(), \
-            _progress.job(progress, "save", process_group) as report, \
+            _save_progress(progress, writer, process_group):
+        return _savedrive.save(state_dict, writer, SavePlanner(check_replicas=check_replicas),
+                               group_info(process_group))
+
+
+@contextlib.contextmanager
+def _save_progress(progress: _progress.ProgressArg, writer: Writer,
+                   process_group: Any) -> Iterator[None]:
+    """A save's progress: the native bytes written, towards this rank's planned bytes (known
+    once the plan is, when ``writer.write_data`` starts)."""
+    totals = [0]
+    with _progress.job(progress, "save", process_group) as report, \
             _progress.native_counter(report, totals):
         if report is not None:
             _progress.count_writer(writer, totals)
-        return _savedrive.save(state_dict, writer, SavePlanner(check_replicas=check_replicas),
-                               group_info(process_group))
+        yield
 
 
 # -- asynchronous save ----------------------------------------------------------------------
@@ -310,12 +319,8 @@ def async_save(
 def _save_staged(staged: Any, writer: Writer, group: Group,
                  check_replicas: bool | Literal["sample", "full"], progress: _progress.ProgressArg,
                  failed: BaseException | None) -> Metadata:
-    totals = [0]  # this rank's planned bytes, known once the plan is
     with _gc.paused(), peer_errors(group.pg, "pyckpt.async_save"), writer, _typed_errors(), \
-            _progress.job(progress, "save", group.pg) as report, \
-            _progress.native_counter(report, totals):
-        if report is not None:
-            _progress.count_writer(writer, totals)
+            _save_progress(progress, writer, group.pg):
         return _savedrive.save(staged, writer, SavePlanner(check_replicas=check_replicas),
                                group, failed=failed)
 
