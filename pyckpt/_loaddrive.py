@@ -46,6 +46,7 @@ _DECISION_INLINE = 96
 @dataclass
 class _Plans:
     items: list[Any]  # the local plan's read items
+    planner_data: Any  # the local plan's (pyckpt.LoadPlanner: the state dict's top-level keys)
     layout: bytes  # digest of the checkpoint's layout
     generation: int
     central: LoadPlan  # this rank's final plan from the coordinator
@@ -144,7 +145,8 @@ def _load(state_dict: dict[str, Any], reader: Any, planner: LoadPlanner, group: 
             getattr(reader, "cooperative", None), getattr(reader, "allow_partial", None), key)
     cached = cache.get(ckey)
     hit = (error is None and local is not None and cached is not None
-           and cached.layout == layout and cached.items == local.items)
+           and cached.layout == layout and cached.items == local.items
+           and cached.planner_data == local.planner_data)
     node = getattr(local, "storage_data", None)  # pyckpt._coop.LoadNode: this checkpoint
     # the save id names the checkpoint (a node-local one has another path on every node)
     probe = (error is None, hit, cached.generation if hit and cached else 0,
@@ -171,7 +173,8 @@ def _load(state_dict: dict[str, Any], reader: Any, planner: LoadPlanner, group: 
         cache.pop(ckey, None)  # never a stale plan, whatever happens below
         central, generation = _plan(local, planner, reader, group)
         if generation:
-            cache[ckey] = _Plans(list(local.items), layout, generation, central)
+            cache[ckey] = _Plans(list(local.items), local.planner_data, layout, generation,
+                                 central)
     _, error = attempt(lambda: reader.read_data(planner.finish_plan(central), planner).wait())
     outcomes = gather(None if error is None else portable(error), group,
                       what="the load's reads")

@@ -38,7 +38,7 @@ from pyckpt import _gc
 from pyckpt._chunkindex import ChunkIndex
 from pyckpt.errors import CheckpointFormatError
 
-__all__ = ["GridChunks", "IndexedTensorStorageMetadata", "LoadPlanner", "grid_metadata",
+__all__ = ["GridChunks", "HeldKeys", "IndexedTensorStorageMetadata", "LoadPlanner", "grid_metadata",
            "grid_tensor_metadata", "indexed_tensor_metadata", "read_items_for_chunks"]
 
 
@@ -221,6 +221,13 @@ def _bytes_item(fqn: str) -> ReadItem:
     )
 
 
+class HeldKeys(frozenset[str]):
+    """``LoadPlan.planner_data`` of :class:`LoadPlanner`'s local plans: the top-level keys of the
+    rank's state dict, for :class:`pyckpt.Reader`'s partial-load check (a key whose value asks
+    for nothing, an empty dict or a ``Stateful`` not used yet, still holds the stored entries
+    under it)."""
+
+
 class LoadPlanner(DefaultLoadPlanner):
     """DCP load planner for pyckpt checkpoints (``pyckpt.LoadPlanner``; :func:`pyckpt.load`
     uses it; pass ``planner=pyckpt.LoadPlanner()`` to ``dcp.load`` to get it there).
@@ -270,7 +277,9 @@ class LoadPlanner(DefaultLoadPlanner):
 
     def create_local_plan(self) -> LoadPlan:
         with _gc.paused():  # read items per tensor and stored chunk, all kept (see pyckpt._gc)
-            return self._create_local_plan()
+            plan = self._create_local_plan()
+        held = HeldKeys(str(k) for k in getattr(self, "original_state_dict", None) or ())
+        return dataclasses.replace(plan, planner_data=held)
 
     def _create_local_plan(self) -> LoadPlan:
         metadata = self.metadata

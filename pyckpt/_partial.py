@@ -8,10 +8,15 @@ without a word. The same happens to any sub-dict the destination holds but has n
 
 The rule: a stored entry that no rank asks for is *left behind* when the destination holds a
 key above it, i.e. some requested key shares a dotted prefix with it (``optim.state.0.exp_avg``
-is left behind when ``optim.param_groups`` is requested). Entries under keys the destination
-does not hold at all (loading only ``model`` from a ``{model, optim}`` checkpoint) are a
-deliberate selection and are not reported. Stored tensors with no elements are never read and
-are not counted.
+is left behind when ``optim.param_groups`` is requested), or shares its first component with a
+top-level key of the destination (``loader.pos`` is left behind when the destination holds
+``loader`` as an empty dict, or as a ``Stateful`` whose ``state_dict()`` is still empty: such a
+key asks for nothing, yet it is held). Entries under keys the destination does not hold at all
+(loading only ``model`` from a ``{model, optim}`` checkpoint) are a deliberate selection and are
+not reported. The top-level keys come from :class:`pyckpt.LoadPlanner` (``pyckpt.load``,
+``CheckpointManager.restore``, ``dcp.load(..., planner=pyckpt.LoadPlanner())``); with DCP's
+``DefaultLoadPlanner`` only the prefixes of requested keys count as held. Stored tensors with
+no elements are never read and are not counted.
 """
 
 from __future__ import annotations
@@ -27,13 +32,15 @@ def _prefixes(key: str) -> list[str]:
     return [".".join(parts[:i]) for i in range(1, len(parts))]
 
 
-def left_behind(stored: Iterable[str], requested: Iterable[str]) -> dict[str, list[str]]:
-    """Stored keys that are not requested although the destination holds a key above them,
-    grouped by the key one level below the deepest prefix they share with a requested key
+def left_behind(stored: Iterable[str], requested: Iterable[str],
+                top_level: Iterable[str] = ()) -> dict[str, list[str]]:
+    """Stored keys that are not requested although the destination holds a key above them (a
+    proper prefix of a requested key, or one of ``top_level``: the destination's top-level
+    keys, where known), grouped by the key one level below the deepest such prefix
     (``{"optim.state": ["optim.state.0.exp_avg", ...]}``); lists sorted. Empty: nothing left
     behind. O(total key length)."""
     wanted = set(requested)
-    held: set[str] = set()
+    held: set[str] = set(top_level)
     for key in wanted:
         held.update(_prefixes(key))
     groups: dict[str, list[str]] = {}

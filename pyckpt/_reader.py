@@ -43,7 +43,7 @@ from pyckpt._coop import (
     pays_off,
 )
 from pyckpt._format import DTYPE_SIZES, METADATA_FILE
-from pyckpt._loadplan import grid_tensor_metadata, indexed_tensor_metadata
+from pyckpt._loadplan import HeldKeys, grid_tensor_metadata, indexed_tensor_metadata
 from pyckpt._native import _check_pinned_pool_bytes, _Native
 from pyckpt._staging import DeviceStaging, is_device_tensor
 from pyckpt.backends import Backend, node_local_choice, open_backend
@@ -371,7 +371,9 @@ class Reader(StorageReader):
         if self.allow_partial or self._rank_local is not None:
             return  # a rank-local part names only this rank's items
         requested = {item.dest_index.fqn for p in plans for item in p.items}
-        groups = _partial.left_behind(self._stored_keys, requested)
+        # pyckpt.LoadPlanner names each rank's top-level keys (DCP's planner does not)
+        top = {k for p in plans if isinstance(p.planner_data, HeldKeys) for k in p.planner_data}
+        groups = _partial.left_behind(self._stored_keys, requested, top)
         if not groups:
             return
         if self.allow_partial is False:

@@ -69,7 +69,49 @@ def test_left_behind_groups_entries_under_keys_the_destination_holds() -> None:
     assert left_behind(["m.0.w", "m.1.w", "m.2.w"], ["m.0.w", "m.1.w"]) == {"m.2": ["m.2.w"]}
 
 
+def test_a_held_top_level_key_that_asks_for_nothing_holds_the_entries_under_it() -> None:
+    stored = ["model.w", "loader.pos", "extra.lr"]
+    # 'loader' is held (an empty dict, a Stateful not used yet): its entry is left behind
+    assert left_behind(stored, ["model.w"], ["model", "loader"]) == {"loader.pos": ["loader.pos"]}
+    assert left_behind(stored, ["model.w"], ["model"]) == {}
+
+
 # -- single process ----------------------------------------------------------------------------
+
+
+class _Loader:
+    """A Stateful data-loader position: its state_dict() is empty until the first batch."""
+
+    def __init__(self, pos: int | None = None) -> None:
+        self.pos = pos
+
+    def state_dict(self) -> dict[str, int]:
+        return {} if self.pos is None else {"pos": self.pos}
+
+    def load_state_dict(self, sd: dict[str, int]) -> None:
+        self.pos = sd.get("pos")
+
+
+def test_a_stateful_whose_state_is_still_empty_is_refused_not_skipped(tmp_path: Path) -> None:
+    """A top-level key asking for nothing (a Stateful not used yet, an empty dict) would
+    leave the stored entries under it unloaded: the resumed loader would restart at 0."""
+    model = torch.nn.Linear(3, 2)
+    pyckpt.save({"model": model, "loader": _Loader(1234), "extra": {"lr": 0.5}}, tmp_path / "ck")
+    fresh = _Loader()
+    with pytest.raises(pyckpt.PartialLoadError, match=r"'loader\.pos'") as info:
+        pyckpt.load({"model": torch.nn.Linear(3, 2), "loader": fresh, "extra": {"lr": 0.0}},
+                    tmp_path / "ck")
+    assert list(info.value.unloaded) == ["loader.pos"] and fresh.pos is None
+    state: dict[str, object] = {"model": {"weight": torch.zeros(2, 3)}, "extra": {}}
+    with pytest.raises(pyckpt.PartialLoadError, match=r"'extra\.lr'"):
+        pyckpt.load(state, tmp_path / "ck", allow_partial=False)
+    with pytest.warns(pyckpt.PartialLoadWarning, match=r"'loader\.pos'"):
+        dcp.load({"loader": _Loader()}, storage_reader=pyckpt.Reader(tmp_path / "ck"),
+                 planner=pyckpt.LoadPlanner())
+    # not held at all: a deliberate selection; used, the loader loads its position
+    loader = _Loader(0)
+    pyckpt.load({"model": torch.nn.Linear(3, 2), "loader": loader}, tmp_path / "ck")
+    assert loader.pos == 1234
 
 
 def test_pyckpt_load_of_a_fresh_optimizer_raises_and_loads_nothing(tmp_path: Path) -> None:
@@ -184,6 +226,24 @@ def _fresh_optimizer_on_every_rank(rank: int, world: int, path: str) -> str:
     except pyckpt.PartialLoadError as e:
         return sorted(e.unloaded)[0]
     return "loaded"
+
+
+def _held_key_after_cached_plans(rank: int, world: int, path: str) -> list[str]:
+    pyckpt.save({"w": torch.ones(4), "loader": _Loader(7)}, path)
+    out = []
+    for state in ({"w": torch.zeros(4)}, {"w": torch.zeros(4)},  # the second: a cached plan
+                  {"w": torch.zeros(4), "loader": _Loader()}):  # same read items, more keys
+        try:
+            pyckpt.load(state, path)
+            out.append("loaded")
+        except pyckpt.PartialLoadError as e:
+            out.append(sorted(e.unloaded)[0])
+    return out
+
+
+def test_a_cached_plan_does_not_skip_the_check_of_a_new_held_key(tmp_path: Path) -> None:
+    assert run_distributed(_held_key_after_cached_plans, 2, str(tmp_path / "ck")) == [
+        ["loaded", "loaded", "loader.pos"]] * 2
 
 
 @pytest.mark.slow
