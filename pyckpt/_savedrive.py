@@ -15,7 +15,8 @@ back on every save, although nothing about the layout changed since the last one
   confirm that *every* rank still holds the structure the coordinator planned: if any rank
   differs, or a rank's cache is from another generation, every rank plans again. The key of a
   cache also holds the world size, the rank, the destination's kind (backend, shared or
-  node-local, compression) and the planner's settings, so changing any of them replans;
+  node-local, compression, metadata format) and the planner's settings, so changing any of
+  them replans;
 * **the replica check** (:class:`pyckpt.SavePlanner`'s ``check_replicas``) still runs on every
   save. The first plan groups the replicated items by the set of ranks holding them (DDP, FSDP
   ``NO_SHARD``: one class of all ranks; HSDP: one per replica group, plus one of all ranks for

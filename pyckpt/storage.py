@@ -449,10 +449,13 @@ class Writer(StorageWriter):
 
     def destination_key(self) -> tuple[Any, ...]:
         """What about this writer's destination a cached save plan depends on (the kind of
-        place and the encoding, not the path: successive checkpoints of one job share plans)."""
+        place, the encoding and the metadata format, not the path: successive checkpoints of
+        one job share plans). ``metadata_shards`` is part of it: the final plans carry the
+        choice of format (version 4's layout), so a plan cached by a save with another setting
+        would otherwise override this writer's."""
         backend = self._backend(self._current().path)
         return (type(backend).__name__, backend.in_place, self.shared_filesystem,
-                self._encoding())
+                self._encoding(), self.metadata_shards)
 
     def renew_plan(self, plan: SavePlan, save_id: str) -> SavePlan:
         """A final plan of an earlier save (from :meth:`prepare_global_plan`) for the save

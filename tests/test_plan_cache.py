@@ -340,3 +340,46 @@ def test_hsdp_state_reuses_plans_and_a_drifting_replica_is_refused(tmp_path: Any
     # after the first refusal the plans are made again (the refused save dropped them)
     assert results == [["planned", "cached", "cached", "cached", "planned"]] * 4
     assert not any((tmp_path / f"drift_{k}" / "pyckpt.json").exists() for k in ("w", "optim.step"))
+
+
+def _metadata_shards_worker(rank: int, world: int, root: str) -> list[tuple[str, str, int]]:
+    """Saves of one structure with different ``metadata_shards``: each writes the format it
+    asks for (the setting is part of the cache key), and a save refused for a metadata shard
+    over the limit succeeds when saved again with ``metadata_shards=False``, as its error
+    says, although a plan of that structure is cached."""
+    import json
+
+    import pyckpt
+    from pyckpt import _format_shards
+
+    def version(path: str) -> int:
+        with open(os.path.join(path, "pyckpt.json"), "rb") as f:
+            return int(json.loads(f.read())["version"])
+
+    seen: list[tuple[str, str, int]] = []
+
+    def step(name: str, sd: dict[str, Any], shards: bool | None) -> None:
+        path = os.path.join(root, name)
+        seen.append((name, _save_counting(sd, path, metadata_shards=shards), version(path)))
+        _check_load(sd, path)
+
+    step("v4", _state(rank, world, 1), True)
+    step("v3", _state(rank, world, 2), False)
+    step("v3_again", _state(rank, world, 3), False)
+    step("v4_again", _state(rank, world, 4), True)
+    limit = _format_shards.MAX_CHUNK_BYTES
+    _format_shards.MAX_CHUNK_BYTES = 64  # every rank's metadata shard is over the limit
+    try:
+        with pytest.raises(ValueError, match="metadata_shards=False"):
+            pyckpt.save(_state(rank, world, 5), os.path.join(root, "too_big"))
+        step("retry", _state(rank, world, 6), False)
+    finally:
+        _format_shards.MAX_CHUNK_BYTES = limit
+    return seen
+
+
+def test_metadata_shards_is_part_of_the_cache_key(tmp_path: Any) -> None:
+    results = run_distributed(_metadata_shards_worker, 2, str(tmp_path))
+    expected = [("v4", "planned", 4), ("v3", "planned", 3), ("v3_again", "cached", 3),
+                ("v4_again", "cached", 4), ("retry", "cached", 3)]
+    assert results == [expected] * 2
