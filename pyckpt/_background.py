@@ -12,9 +12,12 @@ One of the thread models of docs/ARCHITECTURE.md ("Threads"). Two shapes of work
 * **Long-lived ordered work** (:func:`lane`): a lane is an executor with one thread of its own,
   whose tasks run one at a time in the order submitted, all on that thread (thread-local state,
   such as a Writer's save in progress or torch's current stream, stays with the lane). The
-  checkpoint manager's fast-tier saves and its persistence are one lane each, and
-  :func:`pyckpt.async_save`'s saves one for the process. Its owner shuts it down (the async
-  saves' lane lives as long as the process; the interpreter's exit joins it).
+  checkpoint manager's fast-tier saves and its persistence run on shared lanes
+  (:func:`shared_lane`), one per gloo group they use (so the work of several managers over the
+  same ranks takes its turns in the order the training submitted it: on every rank the same
+  order, which the group's collectives need), and :func:`pyckpt.async_save`'s saves on one lane for the process. A
+  :func:`lane`'s owner shuts it down; the shared lanes and the async saves' lane live as long as
+  the process (the interpreter's exit joins them).
 
 Exit: both are :mod:`concurrent.futures` executors, so the interpreter's exit (threading's exit
 hook, before :mod:`atexit` handlers) lets the work already submitted finish and joins their
@@ -27,12 +30,13 @@ from __future__ import annotations
 
 import os
 import threading
+import weakref
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
 from typing import Any, TypeVar
 
-__all__ = ["MAX_WORKERS", "lane", "map_parallel"]
+__all__ = ["MAX_WORKERS", "idle", "lane", "map_parallel", "shared_lane"]
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -42,6 +46,8 @@ MAX_WORKERS = 64
 
 _lock = threading.Lock()
 _shared: ThreadPoolExecutor | None = None
+# shared lanes by owner and name (an owner freed, e.g. a destroyed process group, drops them)
+_lanes: weakref.WeakKeyDictionary[Any, dict[str, ThreadPoolExecutor]] = weakref.WeakKeyDictionary()
 
 
 def _executor() -> ThreadPoolExecutor:
@@ -54,9 +60,10 @@ def _executor() -> ThreadPoolExecutor:
 
 def _forget_after_fork() -> None:
     # A forked child has none of the parent's threads: it starts its own executor on demand.
-    global _lock, _shared
+    global _lock, _shared, _lanes
     _lock = threading.Lock()
     _shared = None
+    _lanes = weakref.WeakKeyDictionary()
 
 
 if hasattr(os, "register_at_fork"):
@@ -115,7 +122,31 @@ def map_parallel(fn: Callable[[T], R], items: Iterable[T], workers: int) -> list
     return results
 
 
+class _Process:
+    """The owner of the shared lanes of None (work without a process group)."""
+
+
+_PROCESS = _Process()
+
+
 def lane(name: str) -> ThreadPoolExecutor:
     """A lane for long-lived ordered work: an executor with one thread named ``name``; its
     owner shuts it down (``shutdown(wait=True)`` waits for the tasks submitted)."""
     return ThreadPoolExecutor(1, thread_name_prefix=name)
+
+
+def shared_lane(owner: object, name: str) -> ThreadPoolExecutor:
+    """The process's lane named ``name`` for ``owner`` (e.g. a process group: the work of every
+    user of that group then runs one task at a time, in the order submitted), made by the first
+    call, held while ``owner`` lives (weakly: a destroyed process group is freed; None: the process), never shut
+    down (the interpreter's exit joins it). Its users wait for their own futures instead."""
+    with _lock:
+        lanes = _lanes.setdefault(_PROCESS if owner is None else owner, {})
+        if name not in lanes:
+            lanes[name] = lane(name)
+        return lanes[name]
+
+
+def idle(ex: ThreadPoolExecutor) -> None:
+    """Waits until every task submitted to lane ``ex`` so far has ended."""
+    ex.submit(lambda: None).result()

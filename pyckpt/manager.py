@@ -131,6 +131,13 @@ class CheckpointManager(Saving, Restoring):
         self._group = own_group(process_group, "fast")
         self._persist_group = (own_group(process_group, "persist") if self.tier is not None
                                else self._group)
+        # Every manager over these ranks saves on the same two lanes (one per group), so two
+        # managers' background collectives never run at once on a group: they take turns in
+        # the order the training called save(), the same on every rank.
+        self._save_ex = _background.shared_lane(self._group.pg, "pyckpt-manager-save")
+        self._persist_ex = _background.shared_lane(self._persist_group.pg,
+                                                   "pyckpt-manager-persist")
+        _background.idle(self._save_ex)  # another manager's save on this group ends first
         self.nodes: list[str] = all_gather(self.node, self._group)
         self.replicas = replicas if self.tier is not None else 0
         if self.tier is not None:
@@ -154,8 +161,6 @@ class CheckpointManager(Saving, Restoring):
                                 Writer(self.store.url, compression,
                                        storage_options=self.store.storage_options or None,
                                        **options))
-        self._save_ex = _background.lane("pyckpt-manager-save")
-        self._persist_ex = _background.lane("pyckpt-manager-persist")
         self._fast_future: Future[int] | None = None
         self._persist_future: Future[int | None] | None = None  # the newest persistence task
         self._pinned_lock = threading.Lock()  # guards the fields below (several threads)
@@ -363,8 +368,10 @@ class CheckpointManager(Saving, Restoring):
             self.wait()
         finally:
             self._closed = True
-            self._save_ex.shutdown(wait=True)
-            self._persist_ex.shutdown(wait=True)
+            # the lanes are shared with other managers over these ranks: wait for ours only
+            mine: list[Future[Any]] = [f for f in (self._fast_future, self._persist_future)
+                                       if f is not None]
+            wait_futures(mine)
             for w in (self._fast_writer, self._durable_writer):
                 if w is not None:
                     w.close()

@@ -11,6 +11,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
 from typing import TYPE_CHECKING
 
+from pyckpt import _background
 from pyckpt._collective import add_note
 from pyckpt.errors import TierWarning
 
@@ -108,11 +109,13 @@ class ManagerBase:
             warnings.warn(TierWarning(message), stacklevel=3)
 
     def _drain(self) -> None:
-        """Waits for the work in flight; a failure of it is logged, not raised (a restore is
-        what follows a failure)."""
+        """Waits for the work in flight, and for other managers' saves on this group (the
+        restore's collectives follow on it); a failure of this manager's work is logged, not
+        raised (a restore is what follows a failure)."""
         self._settle(self._fast_future)
         if self._persist_future is not None:
             wait_futures([self._persist_future])
+        _background.idle(self._save_ex)
         with self._pinned_lock:
             failures, self._failures = self._failures, []
         for exc in failures:
