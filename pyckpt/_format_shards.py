@@ -274,9 +274,12 @@ class Holders:
                 last = first + (count - 1) * step
                 if not 0 <= last <= _MAX_RANK:
                     raise _fail(origin, rp, f"names rank {last}")
-                for r in (first, last) if count > 1 else (first,):
-                    if r not in ranks:
-                        raise _fail(origin, rp, f"rank {r} has no shard")
+                if cell + count > ncells:  # refused below, before its ranks are looked up
+                    cell += count
+                    break
+                missing = _missing_in_run(first, step, count, ranks)
+                if missing is not None:
+                    raise _fail(origin, rp, f"rank {missing} has no shard")
                 starts.append(cell)
                 out.append((first, step, count))
                 cell += count
@@ -287,6 +290,24 @@ class Holders:
         if cell != ncells:
             raise _fail(origin, path, f"name holders of {cell} cells, the item has {ncells}")
         return cls(tuple(starts), tuple(out))
+
+
+def _missing_in_run(first: int, step: int, count: int, ranks: Mapping[int, Any]) -> int | None:
+    """A rank of the holders run ``[first, step, count]`` without a shard in ``ranks``, else
+    None. Every rank of the run is named a holder (not only its first and last): a reader looks
+    up the shard of each. ``ranks`` may answer for the run itself (``missing_in_run``: the
+    reader's shard table does it in O(1) for the usual step of 1, and once per distinct run)."""
+    if count == 1 or step == 0:
+        return None if first in ranks else first
+    fast = getattr(ranks, "missing_in_run", None)
+    if fast is not None:
+        return fast(first, step, count)
+    # more distinct ranks than shards: one is missing, found within len(ranks) + 1 steps
+    for k in range(count):
+        r = first + k * step
+        if r not in ranks:
+            return r
+    return None
 
 
 # ---------------------------------------------------------------------------------- writing

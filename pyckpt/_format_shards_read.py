@@ -86,6 +86,27 @@ class _ShardTable(Mapping[int, ShardRef]):
         self._at = dict(zip(ranks, range(len(ranks))))
         self._save_id = save_id
         self._cols = offsets, lengths, digests
+        self._runs: dict[tuple[int, int, int], int | None] = {}
+
+    def missing_in_run(self, first: int, step: int, count: int) -> int | None:
+        """A rank of the holders run ``[first, step, count]`` (``count`` > 1, ``step`` != 0)
+        without a shard, else None (for :meth:`Holders.parse`): O(1) for a step of 1 or -1 (the
+        ranks are sorted and unique, so those in a span are counted by position), else once per
+        distinct run (every tensor of an FSDP save has the same one)."""
+        key = (first, step, count)
+        if key in self._runs:
+            return self._runs[key]
+        at = self._at
+        last = first + (count - 1) * step
+        lo, hi = min(first, last), max(first, last)
+        missing: int | None = None
+        if lo not in at or hi not in at:
+            missing = first if first not in at else last
+        elif abs(step) != 1 or at[hi] - at[lo] != hi - lo:
+            # more distinct ranks than shards: one is missing, found within len(self) + 1 steps
+            missing = next((r for r in range(first, last + step, step) if r not in at), None)
+        self._runs[key] = missing
+        return missing
 
     def __getitem__(self, rank: int) -> ShardRef:
         k = self._at[rank]

@@ -87,6 +87,36 @@ def test_holders_round_trip_and_are_short_for_regular_splits() -> None:
         Holders.parse([[0, 1, 3]], 2, shards, "x", "h")
 
 
+def test_every_rank_of_a_holders_run_has_a_shard(tmp_path: Any) -> None:
+    # A run names every rank between its first and its last: one without a shard in the middle
+    # is refused with the global document (a reader would look its shard up: KeyError).
+    from pyckpt._format_shards_read import _ShardTable, parse_global
+
+    sparse = {r: None for r in (0, 2, 3, 5, 7)}
+    table = _ShardTable("0" * 12, tuple(sparse), (0,) * 5, (1,) * 5, (0,) * 5)
+    for ranks in (sparse, table):
+        for run, missing in (([0, 1, 3], 1), ([3, -1, 4], 1), ([0, 2, 3], 4), ([7, -2, 4], 1),
+                             ([3, 2, 3], None), ([2, 1, 2], None), ([0, 0, 5], None),
+                             ([0, 1, 2], 1)):
+            if missing is None:
+                assert Holders.parse([run], run[2], ranks, "x", "h").of(run[2] - 1) == \
+                    (run[0] + (run[2] - 1) * run[1],)
+            else:
+                with pytest.raises(CheckpointFormatError, match=f"rank {missing} has no shard"):
+                    Holders.parse([run], run[2], ranks, "x", "h")
+    # in a real document: 'w' in three cells held by ranks 0, 1, 2; shards of 0 and 2 only
+    _, src, doc, _ = _saved_with_shard(tmp_path)
+    doc.pop("checksum")
+    entry = doc["shards"][0]
+    doc["shards"] = [entry, [2, *entry[1:]]]
+    doc["items"]["w"].update(grid=[[[32, 3]], [[40, 1]]], holders=[[0, 1, 3]])
+    body = json.dumps(doc, separators=(",", ":")).encode()[:-1]
+    raw = body + b',"checksum":"xxh64:' + b"%016x" % _C.xxh64(body) + b'"}'
+    with pytest.raises(CheckpointFormatError,
+                       match=r"pyckpt.json: items\['w'\].holders\[0\]: rank 1 has no shard"):
+        parse_global(raw, "pyckpt.json")
+
+
 # ------------------------------------------------------------------------ one process
 
 
