@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import errno
+import itertools
 import os
 import stat
 from typing import Any
@@ -26,6 +27,7 @@ from pyckpt._format_spec import (
     StoredBytes,
     StoredPiece,
     StoredTensor,
+    check_item_names,
 )
 from pyckpt.errors import CheckpointFormatError
 
@@ -245,7 +247,9 @@ def validate(raw: bytes, meta: str, files: DataFiles, lazy: bool = False,
     with _gc.paused():  # objects per tensor, piece and chunk, all kept (see pyckpt._gc)
         if _format_shards.is_sharded(raw) and not options:
             return files.sharded(raw, lazy)
-        return files.index(_C.parse_pyckpt_index(raw, meta, **options))
+        index = files.index(_C.parse_pyckpt_index(raw, meta, **options))
+        check_item_names(itertools.chain(index.tensors, index.bytes_items), meta)
+        return index
 
 
 def tensor_index(path: str | os.PathLike[str]) -> dict[str, StoredTensor]:

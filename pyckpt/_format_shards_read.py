@@ -57,6 +57,7 @@ from pyckpt._format_spec import (
     StoredBytes,
     StoredPiece,
     StoredTensor,
+    check_item_names,
     chunk_place_key,
     chunk_place_seed,
     data_file_name,
@@ -320,6 +321,7 @@ def parse_global(raw: bytes, origin: str) -> GlobalDoc:
     bytes_items: dict[str, BytesEntry] = {}
     inline: list[tuple[str, Any, int, str, tuple[int, ...] | None, str]] = []
     cells = 0
+    check_item_names(items, origin)
     for fqn, item in items.items():
         ip = f"items[{fqn!r}]"
         if type(item) is dict and item.get("type") == "bytes":

@@ -7,7 +7,7 @@ from __future__ import annotations
 import functools
 import re
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -165,6 +165,22 @@ def data_file_rank(name: str) -> int:
     if m is None:
         raise ValueError(f"{name!r} is not a pyckpt data file name")
     return int(m.group(1))
+
+
+def check_item_names(names: Iterable[str], origin: str) -> None:
+    """Refuses an item name that is not Unicode text (a ``\\u`` escape of a lone surrogate: the
+    JSON reads it, but no tensor name can be one, and the native readers cannot take it) with
+    ``CheckpointFormatError`` naming ``origin`` and the item."""
+    from pyckpt.errors import CheckpointFormatError
+
+    for name in names:
+        if not name.isascii():
+            try:
+                name.encode("utf-8")
+            except UnicodeEncodeError:
+                raise CheckpointFormatError(
+                    f"{origin}: items[{name!r}]: the name holds a lone surrogate (not Unicode "
+                    "text)") from None
 
 
 def chunk_place_seed(fqn: str, offsets: Sequence[int] = ()) -> int:

@@ -424,3 +424,27 @@ def test_the_cells_of_an_uneven_3d_grid_tile_it() -> None:
         assert grid.number(off) == i
         seen.update(itertools.product(*(range(o, o + s) for o, s in zip(off, size))))
     assert len(seen) == 5 * 4 * 3
+
+
+@pytest.mark.parametrize("shards", [False, True])
+def test_an_item_name_with_a_lone_surrogate_is_a_format_error(tmp_path: Any, shards: bool) -> None:
+    # JSON reads "\ud800w"; no tensor name is one, and the native readers and writers cannot take
+    # it (a RuntimeError or TypeError deep in a load, verify or consolidation before)
+    from pyckpt import tools
+
+    path = str(tmp_path / "ckpt")
+    _save({"w": torch.randn(8, 4), "step": 3}, path, metadata_shards=shards)
+    meta = os.path.join(path, "pyckpt.json")
+    with open(meta, "rb") as f:
+        doc = json.loads(f.read())
+    doc.pop("checksum")
+    doc["items"] = {("\ud800" + k if k == "step" else k): v for k, v in doc["items"].items()}
+    body = json.dumps(doc, separators=(",", ":")).encode()  # the name as a \u escape
+    with open(meta, "wb") as f:
+        f.write(_format_shards._seal(body))
+    with pytest.raises(CheckpointFormatError, match=r"pyckpt\.json: items\['\\ud800step'\]"):
+        _format.read_index(path)
+    with pytest.raises(CheckpointFormatError, match="lone surrogate"):
+        pyckpt.load({"w": torch.zeros(8, 4), "\ud800step": 0}, path)
+    with pytest.raises(CheckpointFormatError, match="lone surrogate"):
+        tools.verify(path)
