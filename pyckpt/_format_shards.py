@@ -40,7 +40,6 @@ from pyckpt._format_spec import (
     _SEAL_HEAD,
     _SEAL_LEN,
     FORMAT_NAME,
-    MAX_CHUNK_BYTES,
     MAX_NUMEL,
     MAX_PIECES,
     chunk_place_key,
@@ -63,6 +62,14 @@ SHARD_ZSTD_LEVEL = 3
 ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
 # A version-4 document begins with exactly these bytes (readers dispatch on them).
 PREFIX = b'{"format":"pyckpt","version":4,'
+MAX_SHARD_TEXT = 64 << 20
+"""A shard's JSON text, at most (stored as a zstd frame, or as itself). It bounds what a shard
+costs to parse (about 10x its text in Python objects): a rank's 64 MiB are a million chunk
+records, 4 TiB of its state in 4 MiB chunks. A save that needs more writes version 3."""
+MIN_CONTAINER_BYTES = 6
+"""A shard's text holds at most one JSON array or object per this many bytes: the densest a
+writer makes are the segments of empty pieces, about one per 8 bytes. A denser text (``[]``
+over and over: a few KiB as a zstd frame, gigabytes of Python objects) is refused unparsed."""
 _MAX_RANK = (1 << 31) - 1
 _GLOBAL_KEYS = frozenset(("format", "version", "created_by", "save_id", "dcp_version",
                           "storage_meta", "planner_data", "shards", "items",
@@ -470,9 +477,9 @@ def append_shard(sink: Any, items: Sequence[Any], rank: int, save_id: str,
             else:
                 records.append((fqn, offsets, raw_begin, params, chunks))
     shard = build_shard(rank, save_id, records)
-    if len(shard) > MAX_CHUNK_BYTES:
+    if len(shard) > MAX_SHARD_TEXT:
         raise ValueError(f"rank {rank}: its metadata shard would be {len(shard)} bytes, more "
-                         f"than {MAX_CHUNK_BYTES}; save with "
+                         f"than {MAX_SHARD_TEXT}; save with "
                          "pyckpt.Writer(metadata_shards=False)")
     packed = _C.zstd_frame(shard, SHARD_ZSTD_LEVEL)  # about 4x smaller: the digests stay
     if len(packed) < len(shard):

@@ -18,6 +18,8 @@ from pyckpt._format_shards import (
     _MAX_RANK,
     _SHARD_KEYS,
     _TENSOR_KEYS,
+    MAX_SHARD_TEXT,
+    MIN_CONTAINER_BYTES,
     SHARD_FORMAT,
     SHARDED_VERSION,
     ZSTD_MAGIC,
@@ -252,7 +254,7 @@ def _shards_at_once(entries: list[Any], save_id: str) -> _ShardTable | None:
     if set().union(*(map(type, col) for col in cols)) != {int}:
         return None
     if (min(ranks) < 0 or max(ranks) > _MAX_RANK or min(offsets) < 0 or min(lengths) < 1
-            or max(lengths) > MAX_CHUNK_BYTES or min(digests) < 0 or max(digests) >= 1 << 64
+            or max(lengths) > MAX_SHARD_TEXT or min(digests) < 0 or max(digests) >= 1 << 64
             or max(map(int.__add__, offsets, lengths)) > _MAX_FILE_BYTES
             or not all(map(int.__lt__, ranks, ranks[1:]))):
         return None
@@ -271,7 +273,7 @@ def _shards_one_by_one(entries: list[Any], save_id: str, origin: str) -> _ShardT
             raise _fail(origin, f"{sp}[0]", "shards must be listed by increasing rank")
         last = rank
         offset = _int(entry[1], origin, f"{sp}[1]", 0, _MAX_FILE_BYTES)
-        length = _int(entry[2], origin, f"{sp}[2]", 1, MAX_CHUNK_BYTES)
+        length = _int(entry[2], origin, f"{sp}[2]", 1, MAX_SHARD_TEXT)
         if offset + length > _MAX_FILE_BYTES:
             raise _fail(origin, sp, f"the shard ends at {offset + length}, beyond the "
                                     f"{_MAX_FILE_BYTES} bytes a data file may hold")
@@ -545,9 +547,14 @@ def parse_shard(g: GlobalDoc, ref: ShardRef, raw: bytes, path: str,
                                 "damaged, or another save's or another rank's")
     if raw[:4] == ZSTD_MAGIC:  # else the JSON text itself, which begins with "{"
         try:
-            raw = _C.zstd_unframe(raw, MAX_CHUNK_BYTES)
+            raw = _C.zstd_unframe(raw, MAX_SHARD_TEXT)
         except (CompressionError, CheckpointFormatError) as e:
             raise _fail(origin, "", f"not one zstd frame of a shard: {e}") from e
+    containers = raw.count(b"[") + raw.count(b"{")
+    if containers * MIN_CONTAINER_BYTES > len(raw) + 64:  # before the parse: it costs per value
+        raise _fail(origin, "", f"{containers} JSON arrays and objects in {len(raw)} bytes of "
+                                "text: denser than any shard's records (at most one per "
+                                f"{MIN_CONTAINER_BYTES} bytes)")
     doc = _parse_sealed(raw, origin)
     _obj(doc, origin, "", _SHARD_KEYS)
     if doc["format"] != SHARD_FORMAT or doc["version"] != SHARDED_VERSION:
@@ -570,6 +577,7 @@ def parse_shard(g: GlobalDoc, ref: ShardRef, raw: bytes, path: str,
 
 
 ReadShards = Callable[[list[ShardRef]], list[tuple[bytes, str]]]
+_FULL_BATCH = 64  # shards read at once by ShardedIndex.full (one read batch; parsed, checked)
 
 
 class ShardedIndex:
@@ -683,9 +691,12 @@ class ShardedIndex:
 
     def full(self) -> tuple[dict[str, StoredTensor], dict[str, StoredBytes]]:
         """Every item with all its pieces (every shard read and checked)."""
-        self.load(list(self.g.shards))
-        for shard in self._shards.values():
-            shard.check_all()
+        ranks = list(self.g.shards)
+        for k in range(0, len(ranks), _FULL_BATCH):  # a batch's parsed JSON is freed by the
+            batch = ranks[k:k + _FULL_BATCH]         # checks before the next batch is read
+            self.load(batch)
+            for r in batch:
+                self._shards[r].check_all()
         tensors = {}
         for fqn, t in self.g.tensors.items():
             pieces = [self.piece(fqn, c) for c in range(t.grid.ncells)]

@@ -264,6 +264,29 @@ def test_damaged_shards_are_typed_errors_naming_the_shard(tmp_path: Any) -> None
     case("missing", lambda d: os.unlink(os.path.join(d, name)), FileNotFoundError, "missing")
 
 
+def test_a_shard_of_json_far_denser_than_records_is_refused_before_it_is_parsed(
+        tmp_path: Any) -> None:
+    # 8 MiB of "[]," as one zstd frame of a few KiB, sealed and digested like a real shard:
+    # parsed, about 60 bytes of Python per 3 bytes of text (a 64 MiB one: gigabytes)
+    sd, src, doc, name = _saved_with_shard(tmp_path)
+    _, off, _, _ = doc["shards"][0]
+    body = (b'{"format":"pyckpt-shard","version":4,"save_id":"' + doc["save_id"].encode()
+            + b'","rank":0,"items":{"w":[' + b"[]," * ((8 << 20) // 3) + b'[]]}}')
+    stored = _C.zstd_frame(_format_shards._seal(body), 3)
+    assert len(stored) < 64 << 10
+    with open(os.path.join(src, name), "r+b") as f:
+        f.truncate(off)
+        f.seek(off)
+        f.write(stored)
+    doc["shards"][0][2:] = [len(stored), _C.xxh64(stored)]
+    _format.rewrite_metadata(src, lambda d: d.update(shards=doc["shards"]))
+    match = r"metadata shard of rank 0\): \d+ JSON arrays and objects in \d+ bytes"
+    with pytest.raises(CheckpointFormatError, match=match):
+        _format.read_index(src)
+    with pytest.raises(CheckpointFormatError, match=match):
+        pyckpt.load(_zeros(sd), src)
+
+
 def test_a_global_document_of_the_first_version_4_writers_still_loads(tmp_path: Any) -> None:
     sd, src, doc, name = _saved_with_shard(tmp_path)
     _, off, length, _ = doc["shards"][0]

@@ -367,14 +367,14 @@ def _metadata_shards_worker(rank: int, world: int, root: str) -> list[tuple[str,
     step("v3", _state(rank, world, 2), False)
     step("v3_again", _state(rank, world, 3), False)
     step("v4_again", _state(rank, world, 4), True)
-    limit = _format_shards.MAX_CHUNK_BYTES
-    _format_shards.MAX_CHUNK_BYTES = 64  # every rank's metadata shard is over the limit
+    limit = _format_shards.MAX_SHARD_TEXT
+    _format_shards.MAX_SHARD_TEXT = 64  # every rank's metadata shard is over the limit
     try:
         with pytest.raises(ValueError, match="metadata_shards=False"):
             pyckpt.save(_state(rank, world, 5), os.path.join(root, "too_big"))
         step("retry", _state(rank, world, 6), False)
     finally:
-        _format_shards.MAX_CHUNK_BYTES = limit
+        _format_shards.MAX_SHARD_TEXT = limit
     return seen
 
 
