@@ -352,7 +352,15 @@ class Layout:
         pieces = getattr(plans[0].storage_data, "pieces", None) if plans else None
         if not isinstance(pieces, Pieces) or not pieces.describes(plans):
             pieces = Pieces.of_plans(plans)
-        return None if pieces is None else cls.of_pieces(pieces)
+        if pieces is None:
+            return None
+        # A reader refuses a tensor of more non-empty pieces than there are shards (a few
+        # bytes of grid must not make a loading rank plan millions of reads): such a save (a
+        # rank writing several pieces of one tensor, never DTensor's) is written as version 3.
+        writers = max(1, sum(1 for p in plans if p.items))
+        if any(grid.nonempty > writers for _, grid, _ in pieces.tensors.values()):
+            return None
+        return cls.of_pieces(pieces)
 
     def inline_by_rank(self) -> dict[int, frozenset[str]]:
         """rank -> the items of :attr:`inline` it writes (part of)."""

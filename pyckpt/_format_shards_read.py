@@ -355,6 +355,9 @@ def parse_global(raw: bytes, origin: str) -> GlobalDoc:
         if item["memory_format"] not in MEMORY_FORMATS or type(item["memory_format"]) is not str:
             raise _fail(origin, f"{ip}.memory_format", f"must be one of {list(MEMORY_FORMATS)}")
         grid = parse_grid(tuple(shape), item["grid"], origin, f"{ip}.grid")
+        if grid.nonempty > max(1, len(shards)):  # before any read is planned for its cells
+            raise _fail(origin, f"{ip}.grid", f"{grid.nonempty} non-empty pieces, more than the "
+                                              f"{len(shards)} shards (ranks that wrote)")
         cells += grid.ncells
         if cells > MAX_PIECES:
             raise _fail(origin, "items", f"more than {MAX_PIECES} pieces")

@@ -121,6 +121,11 @@ class Grid:
     def ncells(self) -> int:
         return math.prod(self.counts)
 
+    @property
+    def nonempty(self) -> int:
+        """Cells with at least one element."""
+        return math.prod(sum(count for size, count in a.runs if size) for a in self.axes)
+
     def coords(self, cell: int) -> tuple[int, ...]:
         out = []
         for a in reversed(self.axes):

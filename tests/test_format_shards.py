@@ -104,11 +104,11 @@ def test_every_rank_of_a_holders_run_has_a_shard(tmp_path: Any) -> None:
             else:
                 with pytest.raises(CheckpointFormatError, match=f"rank {missing} has no shard"):
                     Holders.parse([run], run[2], ranks, "x", "h")
-    # in a real document: 'w' in three cells held by ranks 0, 1, 2; shards of 0 and 2 only
+    # in a real document: 'w' in three cells held by ranks 0, 1, 2; shards of 0, 2 and 3 only
     _, src, doc, _ = _saved_with_shard(tmp_path)
     doc.pop("checksum")
     entry = doc["shards"][0]
-    doc["shards"] = [entry, [2, *entry[1:]]]
+    doc["shards"] = [entry, [2, *entry[1:]], [3, *entry[1:]]]
     doc["items"]["w"].update(grid=[[[32, 3]], [[40, 1]]], holders=[[0, 1, 3]])
     body = json.dumps(doc, separators=(",", ":")).encode()[:-1]
     raw = body + b',"checksum":"xxh64:' + b"%016x" % _C.xxh64(body) + b'"}'
@@ -285,6 +285,49 @@ def test_a_shard_of_json_far_denser_than_records_is_refused_before_it_is_parsed(
         _format.read_index(src)
     with pytest.raises(CheckpointFormatError, match=match):
         pyckpt.load(_zeros(sd), src)
+
+
+def test_a_grid_of_more_non_empty_pieces_than_shards_is_refused_before_planning(
+        tmp_path: Any) -> None:
+    # A few bytes of grid could name millions of one-element pieces of a large tensor: a loading
+    # rank would plan a read of each (gigabytes of read items) before any shard says otherwise.
+    # Each rank writes at most one piece of a tensor in a version-4 save.
+    sd, src, doc, _ = _saved_with_shard(tmp_path)
+
+    def many(d: dict[str, Any]) -> None:
+        d["items"]["w"].update(grid=[[[1, 96]], [[40, 1]]], holders=[[0, 0, 96]])
+
+    _format.rewrite_metadata(src, many)
+    match = r"pyckpt\.json: items\['w'\]\.grid: 96 non-empty pieces, more than the 1 shards"
+    with pytest.raises(CheckpointFormatError, match=match):
+        _format.read_index(src)
+    with pytest.raises(CheckpointFormatError, match=match):
+        pyckpt.load(_zeros(sd), src)
+
+
+def test_a_save_whose_rank_writes_several_pieces_of_a_tensor_is_version_3() -> None:
+    from torch.distributed.checkpoint.metadata import (
+        ChunkStorageMetadata,
+        MetadataIndex,
+        TensorProperties,
+    )
+    from torch.distributed.checkpoint.planner import (
+        SavePlan,
+        TensorWriteData,
+        WriteItem,
+        WriteItemType,
+    )
+
+    def item(offset: int) -> WriteItem:
+        return WriteItem(MetadataIndex("w", torch.Size([offset, 0])), WriteItemType.SHARD,
+                         tensor_data=TensorWriteData(
+                             ChunkStorageMetadata(torch.Size([offset, 0]), torch.Size([4, 8])),
+                             TensorProperties(torch.float32), torch.Size([16, 8])))
+
+    one_each = [SavePlan([item(4 * r)]) for r in range(4)]
+    two_each = [SavePlan([item(8 * r), item(8 * r + 4)]) for r in range(2)]
+    assert _format_shards.Layout.of_plans(one_each) is not None
+    assert _format_shards.Layout.of_plans(two_each) is None
 
 
 def test_a_global_document_of_the_first_version_4_writers_still_loads(tmp_path: Any) -> None:
