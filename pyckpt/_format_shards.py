@@ -66,6 +66,10 @@ MAX_SHARD_TEXT = 64 << 20
 """A shard's JSON text, at most (stored as a zstd frame, or as itself). It bounds what a shard
 costs to parse (about 10x its text in Python objects): a rank's 64 MiB are a million chunk
 records, 4 TiB of its state in 4 MiB chunks. A save that needs more writes version 3."""
+MAX_SHARD_RATIO = 32
+"""A shard stored as a zstd frame holds at most this many times its stored bytes of text (plus
+1 MiB): its records' checksums do not compress, so a writer's shards hold about 4x. Checked
+from the frame header, before anything is decoded."""
 MIN_CONTAINER_BYTES = 6
 """A shard's text holds at most one JSON array or object per this many bytes: the densest a
 writer makes are the segments of empty pieces, about one per 8 bytes. A denser text (``[]``
@@ -143,7 +147,8 @@ def _no_constant(name: str) -> Any:
 
 
 def _parse_sealed(raw: bytes, origin: str) -> dict[str, Any]:
-    """Checks the checksum member that ends ``raw``, then parses it as strict UTF-8 JSON."""
+    """Checks the checksum member that ends ``raw`` and its density (:func:`check_density`),
+    then parses it as strict UTF-8 JSON."""
     if len(raw) <= _SEAL_LEN or raw[len(raw) - _SEAL_LEN:len(raw) - 18] != _SEAL_HEAD or \
             raw[-2:] != b'"}':
         raise _fail(origin, "", "does not end with its checksum member")
@@ -155,6 +160,7 @@ def _parse_sealed(raw: bytes, origin: str) -> dict[str, Any]:
     if actual != recorded:
         raise _fail(origin, "", f"metadata checksum mismatch (recorded xxh64:{recorded:016x}, "
                                 f"computed xxh64:{actual:016x}): the file is damaged")
+    check_density(raw, origin)
     duplicates: list[str] = []
     try:
         text = raw.decode("utf-8")
@@ -167,6 +173,17 @@ def _parse_sealed(raw: bytes, origin: str) -> dict[str, Any]:
     if type(doc) is not dict:
         raise _fail(origin, "", "must be a JSON object")
     return doc
+
+
+def check_density(raw: bytes, origin: str) -> None:
+    """Refuses JSON text ``raw`` (a shard, a version-4 ``pyckpt.json``) holding more than one
+    array or object per :data:`MIN_CONTAINER_BYTES` bytes, before it is parsed: a writer's
+    documents hold far fewer, and each costs tens of bytes of Python objects once parsed."""
+    containers = raw.count(b"[") + raw.count(b"{")
+    if containers * MIN_CONTAINER_BYTES > len(raw) + 64:
+        raise _fail(origin, "", f"{containers} JSON arrays and objects in {len(raw)} bytes of "
+                                "text: denser than pyckpt writes them (at most one per "
+                                f"{MIN_CONTAINER_BYTES} bytes)")
 
 
 def _seal(body: bytes) -> bytes:
@@ -490,8 +507,8 @@ def append_shard(sink: Any, items: Sequence[Any], rank: int, save_id: str,
                          f"than {MAX_SHARD_TEXT}; save with "
                          "pyckpt.Writer(metadata_shards=False)")
     packed = _C.zstd_frame(shard, SHARD_ZSTD_LEVEL)  # about 4x smaller: the digests stay
-    if len(packed) < len(shard):
-        shard = packed
+    if len(packed) < len(shard) <= MAX_SHARD_RATIO * len(packed) + (1 << 20):
+        shard = packed  # (a reader refuses a frame of more text than that)
     offset = sink.size
     sink.append(shard)
     return offset, len(shard), _C.xxh64(shard), kept
