@@ -262,13 +262,19 @@ def _mib(n: int) -> str:
     return f"{n / 2**20:,.1f} MiB"
 
 
+def _shown(text: str) -> str:
+    """``text`` from a checkpoint as printed: itself when printable, else its repr (a name or
+    ``created_by`` with terminal escape sequences must not drive the terminal)."""
+    return text if text.isprintable() else repr(text)
+
+
 def _cmd_inspect(args: argparse.Namespace) -> int:
     _input_dir(args.path)
     from pyckpt import tools
 
     s = tools.summarize(args.path, top=args.top)
     ratio = s.stored_bytes / s.raw_bytes if s.raw_bytes else 1.0
-    print(f"{s.path}: pyckpt format v{s.version}, save {s.save_id}, {s.created_by}")
+    print(f"{s.path}: pyckpt format v{s.version}, save {s.save_id}, {_shown(s.created_by)}")
     print(f"  {s.tensors} tensors, {s.bytes_items} other values; {_mib(s.raw_bytes)} raw, "
           f"{_mib(s.stored_bytes)} stored ({ratio:.3f}x) in {len(s.files)} data file(s)")
     print("  by dtype:   " + ", ".join(f"{k} {_mib(v)}" for k, v in sorted(s.dtypes.items())))
@@ -281,7 +287,7 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
     if s.largest:
         print(f"  largest {len(s.largest)} tensors:")
         for fqn, dtype, shape, nbytes in s.largest:
-            print(f"    {fqn:<60} {dtype:<10} {list(shape)!s:<20} {_mib(nbytes)}")
+            print(f"    {_shown(fqn):<60} {dtype:<10} {list(shape)!s:<20} {_mib(nbytes)}")
     return 0
 
 

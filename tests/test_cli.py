@@ -34,6 +34,17 @@ def test_inspect(ckpt: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert "by rank:    1 rank(s), max/mean 1.000: 0: " in out
 
 
+def test_inspect_prints_names_with_control_characters_escaped(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # a name from a checkpoint someone sent must not drive the terminal (retitle it, clear it)
+    name = "w\x1b]0;PWNED\x07\x1b[2J"
+    pyckpt.save({name: torch.ones(4), "plain": torch.ones(2)}, tmp_path / "c", fsync=False)
+    assert main(["inspect", str(tmp_path / "c")]) == 0
+    out = capsys.readouterr().out
+    assert "\x1b" not in out and "\x07" not in out
+    assert repr(name) in out and "    plain " in out
+
+
 def test_inspect_not_a_checkpoint(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["inspect", str(tmp_path)]) == 1
     assert "pyckpt.json is missing" in capsys.readouterr().err
