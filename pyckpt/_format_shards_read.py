@@ -479,6 +479,7 @@ class _Shard:
         self.cells: dict[tuple[str, int], list[tuple[int, tuple[Any, ...]]]] = {}
         self.ranges: list[tuple[int, int, str]] = []
         self.nchunks = 0
+        self.checked = False  # check_all done
 
     def item(self, fqn: str) -> None:
         """Validates the segments of ``fqn`` held here (once)."""
@@ -519,7 +520,9 @@ class _Shard:
 
     def check_all(self) -> None:
         """Validates every item, then that the chunks (with those of the rank's items stored
-        in ``pyckpt.json``) are the data file's bytes back to back up to the shard."""
+        in ``pyckpt.json``) are the data file's bytes back to back up to the shard (once)."""
+        if self.checked:
+            return
         for fqn in list(self.pending):
             self.item(fqn)
         prev = 0
@@ -532,6 +535,7 @@ class _Shard:
         if prev != self.ref.offset:
             raise _fail(self.origin, "items", f"its chunks end at {prev}, the shard begins at "
                                               f"{self.ref.offset}")
+        self.checked = True
 
 
 def parse_shard(g: GlobalDoc, ref: ShardRef, raw: bytes, path: str,
@@ -698,6 +702,8 @@ class ShardedIndex:
         ranks = list(self.g.shards)
         for k in range(0, len(ranks), _FULL_BATCH):  # one read batch at a time
             self.load(ranks[k:k + _FULL_BATCH], check=True)
+        for shard in self._shards.values():  # those read before, lazily
+            shard.check_all()
         tensors = {}
         for fqn, t in self.g.tensors.items():
             pieces = [self.piece(fqn, c) for c in range(t.grid.ncells)]
