@@ -15,9 +15,9 @@ One of the thread models of docs/ARCHITECTURE.md ("Threads"). Two shapes of work
   checkpoint manager's fast-tier saves and its persistence run on shared lanes
   (:func:`shared_lane`), one per gloo group they use (so the work of several managers over the
   same ranks takes its turns in the order the training submitted it: on every rank the same
-  order, which the group's collectives need), and :func:`pyckpt.async_save`'s saves on one lane for the process. A
-  :func:`lane`'s owner shuts it down; the shared lanes and the async saves' lane live as long as
-  the process (the interpreter's exit joins them).
+  order, which the group's collectives need), and :func:`pyckpt.async_save`'s saves on one
+  lane for the process. A :func:`lane`'s owner shuts it down; the shared lanes and the async
+  saves' lane live as long as the process (the interpreter's exit joins them).
 
 Exit: both are :mod:`concurrent.futures` executors, so the interpreter's exit (threading's exit
 hook, before :mod:`atexit` handlers) lets the work already submitted finish and joins their
@@ -137,9 +137,10 @@ def lane(name: str) -> ThreadPoolExecutor:
 
 def shared_lane(owner: object, name: str) -> ThreadPoolExecutor:
     """The process's lane named ``name`` for ``owner`` (e.g. a process group: the work of every
-    user of that group then runs one task at a time, in the order submitted), made by the first
-    call, held while ``owner`` lives (weakly: a destroyed process group is freed; None: the process), never shut
-    down (the interpreter's exit joins it). Its users wait for their own futures instead."""
+    user of that group then runs one task at a time, in the order submitted; None: the
+    process), made by the first call and held while ``owner`` lives (weakly: a destroyed
+    process group is freed). Never shut down (the interpreter's exit joins it): its users wait
+    for their own futures instead."""
     with _lock:
         lanes = _lanes.setdefault(_PROCESS if owner is None else owner, {})
         if name not in lanes:

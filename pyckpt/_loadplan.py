@@ -38,8 +38,9 @@ from pyckpt import _gc
 from pyckpt._chunkindex import ChunkIndex
 from pyckpt.errors import CheckpointFormatError
 
-__all__ = ["GridChunks", "HeldKeys", "IndexedTensorStorageMetadata", "LoadPlanner", "grid_metadata",
-           "grid_tensor_metadata", "indexed_tensor_metadata", "read_items_for_chunks"]
+__all__ = ["GridChunks", "HeldKeys", "IndexedTensorStorageMetadata", "LoadPlanner",
+           "grid_metadata", "grid_tensor_metadata", "indexed_tensor_metadata",
+           "read_items_for_chunks"]
 
 
 @dataclasses.dataclass(eq=False)

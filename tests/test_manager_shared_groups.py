@@ -47,8 +47,9 @@ def _worker(rank: int, world: int, root: str) -> dict[str, Any]:
     # A: durable only (its saves on the "fast" group's lane); B: a fast tier per rank, copied
     # to its durable tier in the background (the "persist" group's lane too).
     ma = pyckpt.CheckpointManager(os.path.join(root, "A"), keep_durable=10, fsync=False)
-    mb = pyckpt.CheckpointManager(os.path.join(root, "B"), local=os.path.join(root, "local-{node}"),
-                                  node=str(rank), replicas=0, persist_every=2, keep_local=10, keep_durable=10,
+    mb = pyckpt.CheckpointManager(os.path.join(root, "B"),
+                                  local=os.path.join(root, "local-{node}"), node=str(rank),
+                                  replicas=0, persist_every=2, keep_local=10, keep_durable=10,
                                   fsync=False)
     futures = []
     for step in range(1, 7):  # never waiting in between: A's save and B's are in flight at once
