@@ -31,12 +31,13 @@ from __future__ import annotations
 import bisect
 import json
 import re
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from pyckpt import _C
 from pyckpt._format_spec import (
+    _MAX_FILE_BYTES,
     _SEAL_HEAD,
     _SEAL_LEN,
     FORMAT_NAME,
@@ -46,6 +47,7 @@ from pyckpt._format_spec import (
     chunk_place_seed,
     codec_params_json,
     data_file_name,
+    data_file_rank,
 )
 from pyckpt._format_write import tensor_header
 from pyckpt._grid import Axis, Grid, Pieces
@@ -332,6 +334,133 @@ def _missing_in_run(first: int, step: int, count: int, ranks: Mapping[int, Any])
         if r not in ranks:
             return r
     return None
+
+
+# ------------------------------------------------------------- the global list of shards
+
+
+@dataclass(frozen=True, slots=True)
+class ShardRef:
+    rank: int
+    file: str
+    offset: int
+    length: int
+    xxh64: int
+
+
+class _ShardTable(Mapping[int, ShardRef]):
+    """Rank -> :class:`ShardRef` of a checked ``shards`` list, each made when asked for (a
+    rank's load of a 4096-rank checkpoint asks for one or two)."""
+
+    def __init__(self, save_id: str, ranks: tuple[int, ...], offsets: tuple[int, ...],
+                 lengths: tuple[int, ...], digests: tuple[int, ...]) -> None:
+        self._at = dict(zip(ranks, range(len(ranks))))
+        self._save_id = save_id
+        self._cols = offsets, lengths, digests
+        self._runs: dict[tuple[int, int, int], int | None] = {}
+
+    def missing_in_run(self, first: int, step: int, count: int) -> int | None:
+        """A rank of the holders run ``[first, step, count]`` (``count`` > 1, ``step`` != 0)
+        without a shard, else None (for :meth:`Holders.parse`): O(1) for a step of 1 or -1 (the
+        ranks are sorted and unique, so those in a span are counted by position), else once per
+        distinct run (every tensor of an FSDP save has the same one)."""
+        key = (first, step, count)
+        if key in self._runs:
+            return self._runs[key]
+        at = self._at
+        last = first + (count - 1) * step
+        lo, hi = min(first, last), max(first, last)
+        missing: int | None = None
+        if lo not in at or hi not in at:
+            missing = first if first not in at else last
+        elif abs(step) != 1 or at[hi] - at[lo] != hi - lo:
+            # more distinct ranks than shards: one is missing, found within len(self) + 1 steps
+            missing = next((r for r in range(first, last + step, step) if r not in at), None)
+        self._runs[key] = missing
+        return missing
+
+    def __getitem__(self, rank: int) -> ShardRef:
+        k = self._at[rank]
+        offsets, lengths, digests = self._cols
+        return ShardRef(rank, data_file_name(rank, 0, self._save_id), offsets[k], lengths[k],
+                        digests[k])
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._at)
+
+    def __len__(self) -> int:
+        return len(self._at)
+
+    def files(self) -> Mapping[str, int]:
+        """Data file name -> size (each file ends with its shard), made when asked for."""
+        return _FileSizes(self)
+
+
+class _FileSizes(Mapping[str, int]):
+    """The data files of a :class:`_ShardTable` and their sizes: ``<rank>-0.<save_id>.pyckpt``
+    of every rank with a shard, ending where its shard ends."""
+
+    def __init__(self, table: _ShardTable) -> None:
+        self._table = table
+
+    def __getitem__(self, name: str) -> int:
+        t = self._table
+        try:
+            rank = data_file_rank(name)
+        except ValueError:
+            raise KeyError(name) from None
+        k = t._at.get(rank)
+        if k is None or name != data_file_name(rank, 0, t._save_id):
+            raise KeyError(name)
+        offsets, lengths, _ = t._cols
+        return offsets[k] + lengths[k]
+
+    def __iter__(self) -> Iterator[str]:
+        save_id = self._table._save_id
+        return (data_file_name(rank, 0, save_id) for rank in self._table._at)
+
+    def __len__(self) -> int:
+        return len(self._table)
+
+
+def _shards_at_once(entries: list[Any], save_id: str) -> _ShardTable | None:
+    """The shards of a well-formed ``shards`` list, checked a column at a time, in C loops (a
+    rank's read of a 4096-rank checkpoint's global document); None when any check fails
+    (:func:`_shards_one_by_one` then names the entry)."""
+    if set(map(type, entries)) - {list} or set(map(len, entries)) - {4}:
+        return None
+    if not entries:
+        return _ShardTable(save_id, (), (), (), ())
+    ranks, offsets, lengths, digests = cols = tuple(zip(*entries))
+    if set().union(*(map(type, col) for col in cols)) != {int}:
+        return None
+    if (min(ranks) < 0 or max(ranks) > _MAX_RANK or min(offsets) < 0 or min(lengths) < 1
+            or max(lengths) > MAX_SHARD_TEXT or min(digests) < 0 or max(digests) >= 1 << 64
+            or max(map(int.__add__, offsets, lengths)) > _MAX_FILE_BYTES
+            or not all(map(int.__lt__, ranks, ranks[1:]))):
+        return None
+    return _ShardTable(save_id, ranks, offsets, lengths, digests)
+
+
+def _shards_one_by_one(entries: list[Any], save_id: str, origin: str) -> _ShardTable:
+    """:func:`_shards_at_once`, entry by entry: raises naming the first wrong value."""
+    last = -1
+    for k, entry in enumerate(entries):
+        sp = f"shards[{k}]"
+        if type(entry) is not list or len(entry) != 4:
+            raise _fail(origin, sp, "must be [rank, file offset, length, xxh64]")
+        rank = _int(entry[0], origin, f"{sp}[0]", 0, _MAX_RANK)
+        if rank <= last:
+            raise _fail(origin, f"{sp}[0]", "shards must be listed by increasing rank")
+        last = rank
+        offset = _int(entry[1], origin, f"{sp}[1]", 0, _MAX_FILE_BYTES)
+        length = _int(entry[2], origin, f"{sp}[2]", 1, MAX_SHARD_TEXT)
+        if offset + length > _MAX_FILE_BYTES:
+            raise _fail(origin, sp, f"the shard ends at {offset + length}, beyond the "
+                                    f"{_MAX_FILE_BYTES} bytes a data file may hold")
+        _int(entry[3], origin, f"{sp}[3]", 0, (1 << 64) - 1)
+    ranks, offsets, lengths, digests = (tuple(col) for col in zip(*entries))
+    return _ShardTable(save_id, ranks, offsets, lengths, digests)
 
 
 # ---------------------------------------------------------------------------------- writing

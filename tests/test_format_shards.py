@@ -90,7 +90,8 @@ def test_holders_round_trip_and_are_short_for_regular_splits() -> None:
 def test_every_rank_of_a_holders_run_has_a_shard(tmp_path: Any) -> None:
     # A run names every rank between its first and its last: one without a shard in the middle
     # is refused with the global document (a reader would look its shard up: KeyError).
-    from pyckpt._format_shards_read import _ShardTable, parse_global
+    from pyckpt._format_shards import _ShardTable
+    from pyckpt._format_shards_read import parse_global
 
     sparse = {r: None for r in (0, 2, 3, 5, 7)}
     table = _ShardTable("0" * 12, tuple(sparse), (0,) * 5, (1,) * 5, (0,) * 5)
