@@ -184,6 +184,7 @@ def save(state_dict: dict[str, Any], writer: Any, planner: SavePlanner, group: G
                        else ("failed", [(0, portable(error))]))
     outcome = broadcast(outcome, group, what="the save's commit", inline=_DECISION_INLINE)
     if outcome[0] == "failed":
+        writer.end_failed_save()  # every rank's writes are done: its directory may go
         raise_first(dict(outcome[1]), error, "the save")
     metadata.storage_data = outcome[1]
     return metadata

@@ -218,3 +218,47 @@ def test_refused_save_leaves_no_directory(tmp_path: Path) -> None:
     from pyckpt import tools
 
     assert tools.leftovers(path) == {".pyckpt.lock": "lock file of a save that committed nothing"}
+
+
+def _coordinator_fails_first(rank: int, world: int, root: str) -> list[str]:
+    """Rank 0's writes fail at once (a stand-in for a tensor it cannot store, a full disk); rank
+    1 opens its data file up to 2 s later, in the directory rank 0's save made."""
+    import pyckpt
+    from pyckpt.storage import Writer
+
+    real = Writer._write_data
+
+    def failing(self: Any, *args: Any) -> Any:
+        if rank == 0:
+            raise ValueError("rank 0 cannot store this")
+        deadline = time.monotonic() + 2.0  # rank 0 has failed by then (or took the directory)
+        while os.path.isdir(path) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return real(self, *args)
+
+    path = os.path.join(root, "new_dir")
+    sd = {"w": torch.arange(100_000, dtype=torch.float32)}  # replicated: both ranks write
+    Writer._write_data = failing  # type: ignore[method-assign]
+    try:
+        pyckpt.save(sd, path)
+    except Exception as e:
+        seen = [type(e).__name__, str(e)]
+    finally:
+        Writer._write_data = real  # type: ignore[method-assign]
+    pyckpt.save(sd, path)  # the retry into the same directory commits
+    out = {"w": torch.zeros(100_000)}
+    pyckpt.load(out, path)
+    return [*seen, "same" if torch.equal(out["w"], sd["w"]) else "differs"]
+
+
+def test_a_failing_coordinator_leaves_the_directory_to_the_other_ranks_writes(
+        tmp_path: Path) -> None:
+    # The coordinator used to remove the directory its save made as soon as its own writes
+    # failed: a rank still opening its file there failed with FileNotFoundError instead of
+    # reporting the coordinator's error.
+    from dist_utils import run_distributed
+
+    results = run_distributed(_coordinator_fails_first, 2, str(tmp_path))
+    for kind, message, loaded in results:
+        assert kind == "ValueError" and "rank 0 cannot store this" in message, results
+        assert loaded == "same"
