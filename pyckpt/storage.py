@@ -491,19 +491,16 @@ class Writer(StorageWriter):
             with self._encode_lock:
                 fut = self._write_data(plan, planner, save)
         except BaseException:
-            # The save failed: finish will not come. Alone, the coordinator frees the directory
-            # now; with other ranks, which may still be opening their files in a directory this
-            # save made, once every rank's writes are done (pyckpt's drivers call
-            # end_failed_save then), else at this writer's next save on this thread.
+            # Failed: no finish. Other ranks may still open files in a directory this save
+            # made: then end_failed_save (pyckpt's drivers), or this thread's next save, ends it.
             if save.is_coordinator and _world_size() == 1:
                 save.end()
             raise
         return self._release_staged_after(fut, plan, planner)
 
     def end_failed_save(self) -> None:
-        """Ends this thread's save if it started and did not commit (its directory lock, and
-        the directory when the save made it and nothing else is in it). For a driver that
-        knows no rank is still writing into it."""
+        """Ends this thread's uncommitted save (its lock; its directory if it made it and it is
+        empty): for a driver that knows no rank is still writing into it."""
         save: _Save | None = getattr(self._thread_state(), "save", None)
         if save is not None and save.started and not save.finished:
             save.end()
