@@ -72,6 +72,13 @@ MAX_SHARD_RATIO = 32
 """A shard stored as a zstd frame holds at most this many times its stored bytes of text (plus
 1 MiB): its records' checksums do not compress, so a writer's shards hold about 4x. Checked
 from the frame header, before anything is decoded."""
+
+
+def shard_text_limit(stored: int) -> int:
+    """The most text a shard stored as a zstd frame of ``stored`` bytes may hold."""
+    return min(MAX_SHARD_TEXT, MAX_SHARD_RATIO * stored + (1 << 20))
+
+
 MIN_CONTAINER_BYTES = 6
 """A shard's text holds at most one JSON array or object per this many bytes: the densest a
 writer makes are the segments of empty pieces, about one per 8 bytes. A denser text (``[]``
@@ -636,7 +643,7 @@ def append_shard(sink: Any, items: Sequence[Any], rank: int, save_id: str,
                          f"than {MAX_SHARD_TEXT}; save with "
                          "pyckpt.Writer(metadata_shards=False)")
     packed = _C.zstd_frame(shard, SHARD_ZSTD_LEVEL)  # about 4x smaller: the digests stay
-    if len(packed) < len(shard) <= MAX_SHARD_RATIO * len(packed) + (1 << 20):
+    if len(packed) < len(shard) <= shard_text_limit(len(packed)):
         shard = packed  # (a reader refuses a frame of more text than that)
     offset = sink.size
     sink.append(shard)

@@ -18,8 +18,6 @@ from pyckpt._format_shards import (
     _MAX_RANK,
     _SHARD_KEYS,
     _TENSOR_KEYS,
-    MAX_SHARD_RATIO,
-    MAX_SHARD_TEXT,
     SHARD_FORMAT,
     SHARDED_VERSION,
     ZSTD_MAGIC,
@@ -35,6 +33,7 @@ from pyckpt._format_shards import (
     _shards_at_once,
     _shards_one_by_one,
     parse_grid,
+    shard_text_limit,
 )
 from pyckpt._format_spec import (
     _BYTES_DTYPE,
@@ -431,8 +430,7 @@ def parse_shard(g: GlobalDoc, ref: ShardRef, raw: bytes, path: str,
                                 "damaged, or another save's or another rank's")
     if raw[:4] == ZSTD_MAGIC:  # else the JSON text itself, which begins with "{"
         try:
-            raw = _C.zstd_unframe(raw, min(MAX_SHARD_TEXT,
-                                           MAX_SHARD_RATIO * len(raw) + (1 << 20)))
+            raw = _C.zstd_unframe(raw, shard_text_limit(len(raw)))
         except (CompressionError, CheckpointFormatError) as e:
             raise _fail(origin, "", f"not one zstd frame of a shard: {e}") from e
     doc = _parse_sealed(raw, origin)
