@@ -34,10 +34,10 @@ Loads: :mod:`pyckpt._loaddrive`.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import random
 import weakref
-from dataclasses import dataclass
 from typing import Any
 
 from torch.distributed.checkpoint.metadata import Metadata
@@ -57,7 +57,7 @@ _Classes = tuple[tuple[int, tuple[Any, ...]], ...]
 """A rank's replica classes (:func:`_replica_classes`): (class, its items' keys) pairs."""
 
 
-@dataclass
+@dataclasses.dataclass
 class _Plans:
     """One rank's cached plan of one structure."""
 
@@ -186,8 +186,8 @@ def save(state_dict: dict[str, Any], writer: Any, planner: SavePlanner, group: G
     if outcome[0] == "failed":
         writer.end_failed_save()  # every rank's writes are done: its directory may go
         raise_first(dict(outcome[1]), error, "the save")
-    metadata.storage_data = outcome[1]
-    return metadata
+    # A copy: the cached metadata serves the next save of this structure too.
+    return dataclasses.replace(metadata, storage_data=outcome[1])
 
 
 def _cache_of(group: Group) -> dict[tuple[Any, ...], _Plans]:

@@ -383,3 +383,23 @@ def test_metadata_shards_is_part_of_the_cache_key(tmp_path: Any) -> None:
     expected = [("v4", "planned", 4), ("v3", "planned", 3), ("v3_again", "cached", 3),
                 ("v4_again", "cached", 4), ("retry", "cached", 3)]
     assert results == [expected] * 2
+
+
+def _returned_metadata_worker(rank: int, world: int, root: str) -> list[Any]:
+    """Two node-local saves of one structure (the second from the cache): the first's returned
+    metadata still names the first save's document after the second."""
+    import pyckpt
+
+    def save(name: str, seed: int) -> Any:
+        return pyckpt.save(_state(rank, world, seed), os.path.join(root, name),
+                           shared_filesystem=False)
+
+    first = save("a", 1)
+    kept = first.storage_data.save_id
+    second = save("b", 2)
+    return [first.storage_data.save_id == kept, second.storage_data.save_id != kept]
+
+
+def test_a_cached_save_returns_its_own_metadata(tmp_path: Any) -> None:
+    results = run_distributed(_returned_metadata_worker, 2, str(tmp_path))
+    assert results == [[True, True]] * 2
