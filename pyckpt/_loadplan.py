@@ -36,6 +36,7 @@ from torch.distributed.tensor import DTensor
 
 from pyckpt import _gc
 from pyckpt._chunkindex import ChunkIndex
+from pyckpt._stateful import FreshOptimizerState
 from pyckpt.errors import CheckpointFormatError
 
 __all__ = ["GridChunks", "HeldKeys", "IndexedTensorStorageMetadata", "LoadPlanner",
@@ -275,6 +276,19 @@ class LoadPlanner(DefaultLoadPlanner):
                          flatten_sharded_tensors=flatten_sharded_tensors,
                          allow_partial_load=allow_partial_load)
         self.trusted = trusted
+
+    def set_up_planner(self, state_dict: Any, metadata: Metadata | None = None,
+                       is_coordinator: bool = False) -> None:
+        super().set_up_planner(state_dict, metadata, is_coordinator)
+        if metadata is None or not self.flatten_state_dict:
+            return
+        # A fresh optimizer (pyckpt.load, CheckpointManager.restore) asks only for the moments
+        # the checkpoint holds (pyckpt._stateful.FreshOptimizerState).
+        for key, value in self.original_state_dict.items():
+            if isinstance(value, FreshOptimizerState):
+                for flat in value.unheld(str(key), metadata.state_dict_metadata).values():
+                    for name in flat:
+                        self.state_dict.pop(name, None)
 
     def create_local_plan(self) -> LoadPlan:
         with _gc.paused():  # read items per tensor and stored chunk, all kept (see pyckpt._gc)

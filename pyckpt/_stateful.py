@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
     get_model_state_dict,
     get_optimizer_state_dict,
     set_model_state_dict,
@@ -26,7 +27,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.checkpoint.stateful import Stateful
 
-__all__ = ["has_objects", "to_save", "to_load"]
+__all__ = ["FreshOptimizerState", "has_objects", "optimizer_state", "to_save", "to_load"]
 
 
 def has_objects(state: Any) -> bool:
@@ -47,10 +48,11 @@ def _owner(key: str, optim: torch.optim.Optimizer,
     return owners[0]
 
 
-def to_save(state: Any) -> Any:
+def to_save(state: Any, fresh_moments: bool = False) -> Any:
     """``state`` with every module, optimizer and ``Stateful`` value replaced by its state dict
-    (models and optimizers through ``get_model_state_dict`` / ``get_optimizer_state_dict``);
-    ``state`` itself when it holds none."""
+    (models and optimizers through ``get_model_state_dict`` / :func:`optimizer_state`, which
+    leaves an optimizer that has not stepped as it was); ``state`` itself when it holds none.
+    ``fresh_moments``: such an optimizer's moments made for a load (:func:`to_load`)."""
     if not has_objects(state):
         return state
     modules = {k: v for k, v in state.items() if isinstance(v, torch.nn.Module)}
@@ -59,7 +61,7 @@ def to_save(state: Any) -> Any:
         if isinstance(value, torch.nn.Module):
             out[key] = get_model_state_dict(value)
         elif isinstance(value, torch.optim.Optimizer):
-            out[key] = get_optimizer_state_dict(_owner(key, value, modules), value)
+            out[key] = optimizer_state(_owner(key, value, modules), value, fresh_moments)
         elif isinstance(value, Stateful):
             out[key] = value.state_dict()
         else:
@@ -67,14 +69,52 @@ def to_save(state: Any) -> Any:
     return out
 
 
+def optimizer_state(owner: torch.nn.Module, optim: torch.optim.Optimizer,
+                    fresh_moments: bool = False) -> dict[str, Any]:
+    """``get_optimizer_state_dict(owner, optim)`` without its side effect on an optimizer that
+    has not stepped: torch makes that optimizer's state by a step at lr 0, so Adam's step count
+    would start at 1 before the first real step and the training differ from one without the
+    save. That state is dropped again and the result holds none, as ``optim.state_dict()``
+    does; ``fresh_moments``: keep both (what a load fills, :class:`FreshOptimizerState`)."""
+    fresh = not optim.state
+    state = get_optimizer_state_dict(owner, optim)
+    if fresh_moments and fresh:
+        return FreshOptimizerState(state)
+    if fresh and optim.state:
+        optim.state.clear()
+        state["state"] = {}
+    return state
+
+
+class FreshOptimizerState(dict[str, Any]):
+    """The state dict a fresh optimizer loads into: its moments made for every parameter by
+    ``get_optimizer_state_dict``. :class:`pyckpt.LoadPlanner` asks for no moments of a
+    parameter the checkpoint holds none of (an optimizer saved before its first step, or a
+    parameter that never had a gradient) and names those in ``absent``; :func:`to_load` then
+    leaves them without state, as in the run that saved."""
+
+    absent: frozenset[str] = frozenset()
+
+    def unheld(self, key: str, stored: Mapping[str, Any]) -> dict[str, list[str]]:
+        """The flattened keys of the moments of each parameter whose moments ``stored`` (a
+        checkpoint's ``state_dict_metadata``) holds none of, this being the state under
+        top-level ``key``; records those parameters in ``absent``."""
+        out = {fqn: [f"{key}.state.{fqn}.{name}" for name in moments]
+               for fqn, moments in self.get("state", {}).items()}
+        out = {fqn: flat for fqn, flat in out.items() if not any(k in stored for k in flat)}
+        self.absent = frozenset(out)
+        return out
+
+
 def to_load(state: Any) -> tuple[Any, Callable[[], None]]:
     """What to load ``state`` into, and the call that applies the loaded values to its modules,
     optimizers and ``Stateful`` objects and puts its other top-level values back into
     ``state`` (call it after the load). A fresh optimizer's state is
-    created here (by ``get_optimizer_state_dict``), so the load asks for every moment."""
+    created here (by ``get_optimizer_state_dict``), so the load asks for every moment the
+    checkpoint holds (see :class:`FreshOptimizerState`)."""
     if not has_objects(state):
         return state, lambda: None
-    dest = to_save(state)
+    dest = to_save(state, fresh_moments=True)
 
     def apply() -> None:
         modules = {k: v for k, v in state.items() if isinstance(v, torch.nn.Module)}
@@ -84,7 +124,13 @@ def to_load(state: Any) -> tuple[Any, Callable[[], None]]:
                 set_model_state_dict(value, dest[key])
         for key, value in state.items():
             if isinstance(value, torch.optim.Optimizer):
-                set_optimizer_state_dict(_owner(key, value, modules), value, dest[key])
+                loaded, options = dest[key], None
+                if isinstance(loaded, FreshOptimizerState) and loaded.absent:
+                    loaded = {**loaded, "state": {fqn: m for fqn, m in loaded["state"].items()
+                                                  if fqn not in loaded.absent}}
+                    options = StateDictOptions(strict=False)  # parameters without state
+                set_optimizer_state_dict(_owner(key, value, modules), value, loaded,
+                                         options=options)
             elif isinstance(value, Stateful) and not isinstance(value, torch.nn.Module):
                 value.load_state_dict(dest[key])
             elif not isinstance(value, torch.nn.Module):

@@ -205,6 +205,55 @@ def test_modules_and_optimizers_resume_bit_identically(tmp_path: Path) -> None:
     assert _train(model, optim, 3) == expected[3:]
 
 
+@pytest.mark.parametrize("via", ["save", "manager"])
+def test_a_save_before_the_first_step_leaves_the_run_as_it_was(tmp_path: Path, via: str) -> None:
+    """torch makes a fresh optimizer's state by a step at lr 0 (``get_optimizer_state_dict``):
+    a save at step 0 left Adam one step ahead (its bias correction), and so did a resume from
+    that checkpoint."""
+    model, optim = _make()
+    expected = _train(model, optim, 4)
+
+    model, optim = _make()
+    state = {"model": model, "optim": optim, "step": 0}
+    if via == "save":
+        pyckpt.save(state, tmp_path / "ck")
+    else:
+        with pyckpt.CheckpointManager(tmp_path / "ck", replicas=0) as mgr:
+            mgr.save(0, state)
+    assert not optim.state
+    assert _train(model, optim, 4) == expected
+
+    model, optim = _make()
+    state = {"model": model, "optim": optim, "step": -1}
+    if via == "save":
+        pyckpt.load(state, tmp_path / "ck")
+    else:
+        with pyckpt.CheckpointManager(tmp_path / "ck", replicas=0) as mgr:
+            assert mgr.restore(state) == 0
+    assert state["step"] == 0 and not optim.state
+    assert _train(model, optim, 4) == expected
+
+
+def test_a_parameter_that_never_had_a_gradient_resumes(tmp_path: Path) -> None:
+    """A parameter the loss does not use has no optimizer state in the saving run; a fresh
+    optimizer's moments were made for every parameter, so the load asked for those of that
+    parameter too and failed (``Missing key``)."""
+    def make() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+        model, _ = _make()
+        model.register_parameter("unused", torch.nn.Parameter(torch.ones(3)))
+        return model, torch.optim.Adam(model.parameters(), lr=0.05)
+
+    model, optim = make()
+    expected = _train(model, optim, 6)
+    model, optim = make()
+    _train(model, optim, 3)
+    pyckpt.save({"model": model, "optim": optim}, tmp_path / "ck")
+    model, optim = make()
+    pyckpt.load({"model": model, "optim": optim}, tmp_path / "ck")
+    assert model.unused not in optim.state
+    assert _train(model, optim, 3) == expected[3:]
+
+
 def test_an_optimizer_without_its_model_is_refused(tmp_path: Path) -> None:
     model, optim = _make()
     wrapper = torch.nn.Sequential(model)  # two modules hold the optimizer's parameters
