@@ -401,12 +401,13 @@ class DurableTier:
 
     def __init__(self, location: str | os.PathLike[str],
                  storage_options: Mapping[str, Any] | None = None, fsync: bool = True,
-                 job: str | None = None) -> None:
+                 job: str | None = None, kind: str = "durable tier") -> None:
         if job is not None and (not isinstance(job, str) or not job):
             raise ValueError(f"job must be a non-empty string or None, got {job!r}")
         self._options = dict(storage_options or {})
         self.fsync = fsync
         self.job = job
+        self.kind = kind  # how messages name the tier (a fast tier claims its job the same way)
         self._owner: str | None = None
         self._job_checked = False
         base = open_backend(location, self._options or None, fsync=fsync)
@@ -465,7 +466,7 @@ class DurableTier:
                 or not isinstance(doc.get("job"), str)):
             raise CheckpointFormatError(
                 f"{backend.url_of(METADATA_FILE)}: not a pyckpt job marker (it names the job "
-                "whose checkpoints this durable tier holds)")
+                f"whose checkpoints this {self.kind} holds)")
         return str(doc["job"])
 
     def check_job(self, deadline_s: float | None = None) -> str | None:
@@ -499,7 +500,7 @@ class DurableTier:
             how = (f"pass job={owner!r} to continue that job" if self.job is None else
                    f"this manager's job is {self.job!r}")
             raise JobMismatchError(
-                f"the durable tier {self.url} holds the checkpoints of job {owner!r} (marker "
+                f"the {self.kind} {self.url} holds the checkpoints of job {owner!r} (marker "
                 f"{child_location(self.job_location(), METADATA_FILE)}); {how}, or give this "
                 "job a location of its own (two jobs on one location would delete and restore "
                 "each other's steps)", self.url, owner, self.job)

@@ -72,11 +72,13 @@ class CheckpointManager(Saving, Restoring):
             a manager of another job (or of none) is refused there with
             :class:`pyckpt.JobMismatchError` (at the first restore or persistence; at
             construction without ``local``), so no job restores or deletes another's steps.
-            None: no marker is written, and a tier a named job holds is refused.
+            Each node's fast tier is claimed the same way (``<local>/pyckpt-job``, checked at
+            construction). None: no marker is written, and a tier a named job holds is refused.
 
     Raises:
         ValueError: invalid arguments, or ``replicas`` not below the number of nodes.
-        JobMismatchError: without ``local``, the durable tier belongs to another job.
+        JobMismatchError: the fast tier (on any node) or, without ``local``, the durable tier
+            belongs to another job.
 
     Collective: the constructor, :meth:`save` (for due steps), :meth:`restore`, :meth:`wait`
     and :meth:`close` must be called by every rank of the group at the same points.
@@ -178,6 +180,10 @@ class CheckpointManager(Saving, Restoring):
         if self.tier is None:  # durable only: refuse another job's tier before any save
             agree(self.store.check_job, self._group, ranks="root",
                   what=f"checking the job of {self.store.url}")
+        else:  # a fast tier left by another job (the same local path) is claimed the same way
+            fast_job = DurableTier(self.tier.root, None, self._fsync, job, kind="fast tier")
+            agree(lambda: fast_job.check_job() if self._leader else None, self._group,
+                  what=f"checking the job of the fast tier {self.tier.root}")
 
     # -- public API --------------------------------------------------------------------------
 

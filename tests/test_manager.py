@@ -54,7 +54,7 @@ def _mgr(tmp: Path, **kw: Any) -> pyckpt.CheckpointManager:
     args: dict[str, Any] = dict(local=tmp / "local", replicas=0, save_every=2, persist_every=4,
                                 keep_local=2, keep_durable=2, fsync=False)
     args.update(kw)
-    return pyckpt.CheckpointManager(tmp / "durable", **args)
+    return pyckpt.CheckpointManager(args.pop("durable", tmp / "durable"), **args)
 
 
 def _marked(tmp: Path) -> list[int]:
@@ -211,7 +211,7 @@ def test_a_second_job_on_one_durable_tier_is_refused(tmp_path: Path) -> None:
     files = _tree(tmp_path / "durable")
     # Job B, its own fast tier, the same durable tier: its restore never returns A's step 8...
     for job in ("B", None):
-        with _mgr(tmp_path, local=tmp_path / "local-b", job=job) as b:
+        with _mgr(tmp_path, local=tmp_path / f"local-{job}", job=job) as b:
             with pytest.raises(pyckpt.JobMismatchError, match="job 'A'") as ei:
                 b.restore(_state(0, zeros=True))
             assert ei.value.owner == "A" and ei.value.job == job
@@ -237,6 +237,35 @@ def test_a_second_job_on_one_durable_tier_is_refused(tmp_path: Path) -> None:
         with pytest.warns(pyckpt.TierWarning, match="step 8"):
             assert a.restore(sd) == 8
         assert _same(sd, _state(8))
+
+
+def test_a_second_job_on_one_fast_tier_is_refused(tmp_path: Path) -> None:
+    """Job A leaves steps in the fast tier (the same ``local`` on the node, e.g.
+    /dev/shm/pyckpt) and job B, with a durable tier of its own, starts there: B must not
+    restore A's step as its own nor delete A's steps (before: B's restore returned A's step 8,
+    and B's retention then deleted B's own steps while A's newer ones stayed)."""
+    with _mgr(tmp_path, job="A") as a:
+        _train(a, range(10))
+    assert _marked(tmp_path) == [6, 8]
+    files = _tree(tmp_path / "local")
+    for job in ("B", None):
+        with pytest.raises(pyckpt.JobMismatchError, match="fast tier .*job 'A'") as ei:
+            b = _mgr(tmp_path, job=job, durable=tmp_path / f"durable-{job}")
+            b.restore(_state(0, zeros=True))  # before: A's step 8, as B's own
+        assert ei.value.owner == "A" and ei.value.job == job
+        assert ei.value.location == str(tmp_path / "local")
+    assert _tree(tmp_path / "local") == files  # not a file added, changed or removed
+    with _mgr(tmp_path, job="A") as a:  # A restarts and gets its own step back
+        sd = _state(0, zeros=True)
+        assert a.restore(sd) == 8 and _same(sd, _state(8))
+    # A fast tier no named job claimed (written by an unnamed job) is used as it is.
+    with _mgr(tmp_path, local=tmp_path / "local-c", job=None,
+              durable=tmp_path / "durable-c0") as c:
+        _train(c, range(4))
+    with _mgr(tmp_path, local=tmp_path / "local-c", job="C",
+              durable=tmp_path / "durable-c") as c:
+        sd = _state(0, zeros=True)
+        assert c.restore(sd) == 2 and _same(sd, _state(2))
 
 
 def test_budget_refuses_a_save_before_writing(tmp_path: Path) -> None:
