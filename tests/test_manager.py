@@ -335,6 +335,53 @@ def test_failed_persistence_commits_nothing(tmp_path: Path,
         assert _marked(tmp_path) == [6, 8]  # the fast tier is unaffected
 
 
+@pytest.mark.parametrize("when", ["uploading", "before_upload"])
+def test_saving_a_step_again_while_it_is_persisted_persists_the_new_copy(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, when: str
+) -> None:
+    """Step 4 is saved again while its first copy is being persisted: the new copy moves in
+    place under the persistence. The persistence of the old copy is superseded (a TierWarning),
+    the new copy is persisted, and no save or wait raises (before: FileNotFoundError of the
+    old copy's file, or "saved again before it was persisted", raised by the next save, which
+    then saved nothing)."""
+    import threading
+
+    replaced = threading.Event()
+    real_replace, real_put = _tier_io.LocalTier.replace, _tier_io.DurableTier.put_file
+    from pyckpt._manager import persist
+
+    real_shares = persist.name_shares
+
+    def replace(self: Any, step: int, work: Any) -> None:
+        real_replace(self, step, work)
+        replaced.set()
+
+    def put_file(self: Any, step: int, src: str) -> int:
+        if when == "uploading" and step == 4 and not replaced.is_set():
+            assert replaced.wait(60)
+        return int(real_put(self, step, src))
+
+    def name_shares(*args: Any, **kw: Any) -> Any:  # the persistence starts after the move
+        if when == "before_upload" and not replaced.is_set():
+            assert replaced.wait(60)
+        return real_shares(*args, **kw)
+
+    monkeypatch.setattr(_tier_io.LocalTier, "replace", replace)
+    monkeypatch.setattr(_tier_io.DurableTier, "put_file", put_file)
+    monkeypatch.setattr(persist, "name_shares", name_shares)
+    with _mgr(tmp_path, save_every=1) as mgr:
+        mgr.save(3, _state(3)).result(timeout=120)
+        mgr.save(4, _state(4)).result(timeout=120)  # its persistence starts
+        with pytest.warns(pyckpt.TierWarning, match="step 4 .*saved again"):
+            mgr.save(4, _state(104)).result(timeout=120)
+            mgr.save(5, _state(5)).result(timeout=120)
+            mgr.wait()
+        assert mgr.last_persisted == 4
+    sd = _state(0, zeros=True)
+    pyckpt.load(sd, tmp_path / "durable" / "step-4")
+    assert _same(sd, _state(104))
+
+
 def test_every_failed_persistence_is_reported_and_names_the_step_not_saved(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -15,6 +15,11 @@ from pyckpt.errors import PyckptError
 __all__ = ["Persistence"]
 
 
+class _SavedAgain(PyckptError):
+    """The fast-tier step being persisted was saved again (a new copy moved in place): that
+    copy is due for persistence itself, so this one is superseded, not failed."""
+
+
 class Persistence(Retention):
     """Queues and runs the durable tier's copies of fast-tier steps (on the persistence thread
     and group)."""
@@ -57,6 +62,9 @@ class Persistence(Retention):
                 self._notice(f"pyckpt: fast-tier step {s} was not persisted to "
                              f"{self.store.url}: step {step} supersedes it")
             return self._persist(step, files, holders)
+        except _SavedAgain as e:
+            self._notice(f"pyckpt: {e}")
+            return None
         except Exception as e:
             add_note(e, f"pyckpt: persisting step {step if step is not None else due} to "
                         f"{self.store.url} failed (the newest step persisted by this manager: "
@@ -68,6 +76,15 @@ class Persistence(Retention):
             if step is not None:
                 with self._pinned_lock:
                     self._in_flight = None
+
+    def _saved_again(self, step: int, files: dict[str, int]) -> bool:
+        """Whether fast-tier ``step`` on this node now holds another save than ``files``."""
+        assert self.tier is not None
+        try:
+            idx = _format.read_index(self.tier.step_dir(step), all_files=False)
+        except (OSError, ValueError):
+            return False
+        return dict(idx.files) != files
 
     @peer_typed("_persist_group", "persisting a step")
     def _persist(self, step: int, files: dict[str, int], holders: dict[str, list[str]]) -> int:
@@ -90,13 +107,19 @@ class Persistence(Retention):
                     idx = _format.read_index(tier.step_dir(step), all_files=False,
                                              document=document[0])
                     if dict(idx.files) != files:
-                        raise PyckptError(f"fast-tier step {step} ({tier.step_dir(step)}) was "
-                                          "saved again before it was persisted; the new copy "
-                                          "is persisted instead")
+                        raise _SavedAgain(saved_again)
                 states.append(store.begin(step, g.rank == 0))
-                for name in mine:
-                    store.put_file(step, tier.file_path(step, name))
+                try:
+                    for name in mine:
+                        store.put_file(step, tier.file_path(step, name))
+                except FileNotFoundError:  # the old copy's file went with the move
+                    if self._saved_again(step, files):
+                        raise _SavedAgain(saved_again) from None
+                    raise
 
+            saved_again = (f"fast-tier step {step} ({tier.step_dir(step)}) was saved again "
+                           "while its earlier copy was being persisted; the new copy is "
+                           "persisted instead")
             agree(upload, g, what=f"persisting step {step} to {store.url}")
 
             def commit() -> None:
