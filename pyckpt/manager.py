@@ -315,6 +315,8 @@ class CheckpointManager(Saving, Restoring):
                 self.last_restore = RestoreInfo(None, fast_tier_lacked=lacked, skipped=skipped)
                 return None
             if best_fast is not None and (best_durable is None or best_fast >= best_durable):
+                if fast[best_fast].note is not None:
+                    warnings.warn(TierWarning(f"pyckpt: {fast[best_fast].note}"), stacklevel=2)
                 try:
                     info = self._load_fast(dest, best_fast, fast[best_fast].save_id,
                                            allow_partial)

@@ -183,6 +183,12 @@ def _inject_crash(crash: dict[str, Any], rank: int) -> None:
                 os._exit(17)
 
         _tier_io.ReplicaFile.commit = commit  # type: ignore[method-assign]
+    elif crash["at"] == "replace":  # a node's move of a step saved again, not begun
+        def replace(self: Any, step: int, work: Any) -> None:
+            if step == crash["step"]:
+                os._exit(19)
+
+        _tier_io.LocalTier.replace = replace  # type: ignore[method-assign]
     elif crash["at"] == "persist":
         for cls in (_tier_io.DurableTier,):
             original_put = cls.put_file

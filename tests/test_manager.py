@@ -9,6 +9,7 @@ nodes, pieces and processes, and check every restore bit for bit.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 import warnings
@@ -965,6 +966,37 @@ def test_a_crash_while_saving_a_complete_step_again_keeps_the_old_copy(tmp_path:
         assert (_node_dir(tmp_path, k, 5) / MARKER_FILE).is_file()
         assert _files(_node_dir(tmp_path, k, 5)).isdisjoint(old[k])
         assert os.listdir(tmp_path / "nodes" / f"n{k}" / ".resave") == []
+
+
+@pytest.mark.slow
+@multinode
+def test_a_crash_between_the_nodes_moves_of_a_step_saved_again_restores_it(
+    tmp_path: Path,
+) -> None:
+    """Step 5 (the only fast-tier step, ``keep_local=1``) is saved again; node 0 moves its new
+    copy in, node 1's rank dies before its move: each node holds a complete save of step 5
+    (its own files and the other node's replicas) under a marker of its own. The restore takes
+    one of them, bit for bit, with a warning (before: "markers of different saves", no step
+    complete: the restore returned None without a warning and the training started over)."""
+    spec = {"manager": dict(_FAST, keep_local=1, persist_every=100)}
+    _run_pair(tmp_path, "train", "train", steps=[4, 5], **spec)
+    codes = _run_pair(tmp_path, "again", "train", ok=False, steps=[5],
+                      crash={"at": "replace", "step": 5, "rank": 1}, **spec)
+    assert codes[1] == 19
+    sids = [json.loads((_node_dir(tmp_path, k, 5) / MARKER_FILE).read_bytes())["save_id"]
+            for k in range(2)]
+    assert sids[0] != sids[1]  # node 0 holds the new save, node 1 the old one
+    for k in range(2):
+        assert {data_file_rank(n) for n in _files(_node_dir(tmp_path, k, 5))} == {0, 1}
+    _run_pair(tmp_path, "restore", "restore", **spec)
+    for r in range(2):
+        res = result(str(tmp_path), "restore", r)
+        assert res["step"] == 5 and res["bad"] == [] and res["info"]["tier"] == "fast", res
+        assert [w[0] for w in res["warnings"]] == ["TierWarning"], res
+        assert "markers of 2 saves" in res["warnings"][0][1], res
+    _run_pair(tmp_path, "later", "train", steps=[6], **spec)  # and the training goes on
+    _run_pair(tmp_path, "restore6", "restore", **spec)
+    assert result(str(tmp_path), "restore6", 0)["step"] == 6
 
 
 @pytest.mark.slow

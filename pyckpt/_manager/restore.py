@@ -46,6 +46,7 @@ class _FastStep:
     save_id: str
     files: dict[str, int]
     holders: dict[str, list[str]] = field(default_factory=dict)
+    note: str | None = None  # for a TierWarning when this step is restored
 
 
 class Restoring(ManagerBase):
@@ -146,24 +147,34 @@ class Restoring(ManagerBase):
         reasons: dict[int, str] = {}
         for s in sorted({s for v in views for s in v}):
             here = [v[s] for v in views if s in v]
-            marks = {v.marker["save_id"] for v in here if v.marker is not None}
-            if len(marks) != 1:
+            marked: dict[str, set[str]] = {}  # save id -> nodes with its marker
+            for r, v in enumerate(views):
+                mark = v[s].marker if s in v else None
+                if mark is not None:
+                    marked.setdefault(mark["save_id"], set()).add(self.nodes[r])
+            if not marked:
                 reasons[s] = (f"step {s} has no completion marker on any surviving node (its "
-                              "replication or commit did not finish)" if not marks else
-                              f"step {s} has markers of different saves")
+                              "replication or commit did not finish)")
                 continue
-            sid = marks.pop()
-            files = next((v.files for v in here if v.save_id == sid and v.files), None)
-            if files is None:
-                reasons[s] = f"step {s}: no surviving node has its metadata"
-                continue
+            # Markers of two saves: a crash between the nodes' moves of a step saved again.
+            # Each save is complete on its own when the nodes hold all of its files (their
+            # names are its own); the save marked on the most nodes is taken first.
             held = {n for v in here for n in v.present}
-            missing = sorted(set(files) - held)
-            if missing:
-                reasons[s] = (f"step {s}: data files {missing} are held by no surviving node "
-                              "(every copy was lost)")
-                continue
-            out[s] = _FastStep(sid, files)
+            for sid in sorted(marked, key=lambda x: -len(marked[x])):
+                files = next((v.files for v in here if v.save_id == sid and v.files), None)
+                missing = None if files is None else sorted(set(files) - held)
+                if files is None:
+                    reasons[s] = f"step {s}: no surviving node has its metadata"
+                elif missing:
+                    reasons[s] = (f"step {s}: data files {missing} are held by no surviving "
+                                  "node (every copy was lost)")
+                else:
+                    note = None if len(marked) == 1 else (
+                        f"fast-tier step {s} has markers of {len(marked)} saves (a crash while "
+                        f"it was saved again); restoring save {sid}, complete on its own")
+                    out[s] = _FastStep(sid, files, note=note)
+                    reasons.pop(s, None)
+                    break
         newest = max(reasons, default=None)
         if newest is not None and (not out or newest > max(out)):
             lacked = reasons[newest]
