@@ -296,6 +296,21 @@ class LocalTier:
                 pass
         shutil.rmtree(old, ignore_errors=True)
 
+    def recover(self) -> list[int]:
+        """Completes the moves a crash cut short: a copy under ``.resave`` whose marker is
+        written (this node committed it) replaces its step, when the step's directory or the
+        old copy the move set aside is still there (not a step retention deleted since).
+        Returns the steps moved in."""
+        work = self.resave_tier()
+        moved = []
+        for s in work.steps():
+            old = os.path.join(work.root, f"old-{step_name(s)}")
+            if work.read_marker(s) is not None and (os.path.isdir(self.step_dir(s))
+                                                    or os.path.isdir(old)):
+                self.replace(s, work)
+                moved.append(s)
+        return moved
+
     def ensure(self, step: int) -> str:
         d = self.step_dir(step)
         os.makedirs(d, exist_ok=True)
@@ -361,14 +376,18 @@ class LocalTier:
         return path + DAMAGED_SUFFIX
 
     def remove(self, step: int) -> None:
-        """Deletes ``step`` here: the marker first, then the metadata, then the rest."""
-        d = self.step_dir(step)
-        for name in (MARKER_FILE, METADATA_FILE):
-            try:
-                os.unlink(os.path.join(d, name))
-            except FileNotFoundError:
-                pass
-        shutil.rmtree(d, ignore_errors=True)
+        """Deletes ``step`` here: the marker first, then the metadata, then the rest; and the
+        copies of it a crash left in ``.resave`` (a fresh save or retention makes them stale:
+        :meth:`recover` must never move them in later)."""
+        aside = os.path.join(self.root, RESAVE_DIR)
+        for d in (self.step_dir(step), os.path.join(aside, step_name(step)),
+                  os.path.join(aside, f"old-{step_name(step)}")):
+            for name in (MARKER_FILE, METADATA_FILE):
+                try:
+                    os.unlink(os.path.join(d, name))
+                except (FileNotFoundError, NotADirectoryError):
+                    pass
+            shutil.rmtree(d, ignore_errors=True)
 
     def footprint(self) -> int:
         """Bytes of every file of the fast tier on this node."""

@@ -313,6 +313,47 @@ def test_failed_save_never_looks_complete_and_keeps_the_last_complete_step(
         assert _marked(tmp_path) == [12]
 
 
+def test_a_crash_between_the_renames_of_a_step_saved_again_restores_the_new_copy(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Step 4 (the only fast-tier step, ``keep_local=1``) is saved again; the process dies
+    between the two renames of the move: the old copy is set aside in ``.resave`` and the new,
+    committed copy (its marker written) is not in place yet. The restore completes the move and
+    returns the new copy (before: step 4 was missing from the fast tier, the restore returned
+    None and the training started over)."""
+    real = _tier_io.LocalTier.replace
+
+    def cut(self: Any, step: int, work: Any) -> None:
+        os.rename(self.step_dir(step), os.path.join(work.root, f"old-step-{step}"))
+        raise SystemError("killed between the renames (injected)")
+
+    with _mgr(tmp_path, keep_local=1, persist_every=100) as mgr:
+        mgr.save(4, _state(4)).result(timeout=120)
+        monkeypatch.setattr(_tier_io.LocalTier, "replace", cut)
+        with pytest.raises(SystemError, match="injected"):
+            mgr.save(4, _state(104)).result(timeout=120)
+        with contextlib.suppress(SystemError):
+            mgr.wait()
+    monkeypatch.setattr(_tier_io.LocalTier, "replace", real)
+    assert not (tmp_path / "local" / "step-4").exists()
+    shutil.copytree(tmp_path / "local", tmp_path / "local-copy")
+    with _mgr(tmp_path, keep_local=1, persist_every=100) as mgr:
+        sd = _state(0, zeros=True)
+        assert mgr.restore(sd) == 4
+        assert _same(sd, _state(104))
+        assert os.listdir(tmp_path / "local" / ".resave") == []
+    # Started over without a restore, the training saves step 4 afresh: the copy left aside is
+    # no longer the step's newest save, and a later restore returns the new save.
+    shutil.rmtree(tmp_path / "local")
+    shutil.move(tmp_path / "local-copy", tmp_path / "local")
+    with _mgr(tmp_path, keep_local=1, persist_every=100) as mgr:
+        mgr.save(4, _state(204)).result(timeout=120)
+    with _mgr(tmp_path, keep_local=1, persist_every=100) as mgr:
+        sd = _state(0, zeros=True)
+        assert mgr.restore(sd) == 4
+        assert _same(sd, _state(204))
+
+
 def test_failed_persistence_commits_nothing(tmp_path: Path,
                                             monkeypatch: pytest.MonkeyPatch) -> None:
     calls = []
@@ -970,30 +1011,44 @@ def test_a_crash_while_saving_a_complete_step_again_keeps_the_old_copy(tmp_path:
 
 @pytest.mark.slow
 @multinode
+@pytest.mark.parametrize("aside", ["kept", "lost"])
 def test_a_crash_between_the_nodes_moves_of_a_step_saved_again_restores_it(
-    tmp_path: Path,
+    tmp_path: Path, aside: str
 ) -> None:
     """Step 5 (the only fast-tier step, ``keep_local=1``) is saved again; node 0 moves its new
     copy in, node 1's rank dies before its move: each node holds a complete save of step 5
-    (its own files and the other node's replicas) under a marker of its own. The restore takes
-    one of them, bit for bit, with a warning (before: "markers of different saves", no step
-    complete: the restore returned None without a warning and the training started over)."""
+    (its own files and the other node's replicas) under a marker of its own. With node 1's
+    committed new copy still in ``.resave`` the restore completes its move (the new save on
+    both nodes); with that copy lost, it takes one of the two saves, with a warning. Either is
+    restored bit for bit (before: "markers of different saves", no step complete: the restore
+    returned None without a warning and the training started over)."""
     spec = {"manager": dict(_FAST, keep_local=1, persist_every=100)}
     _run_pair(tmp_path, "train", "train", steps=[4, 5], **spec)
     codes = _run_pair(tmp_path, "again", "train", ok=False, steps=[5],
                       crash={"at": "replace", "step": 5, "rank": 1}, **spec)
     assert codes[1] == 19
-    sids = [json.loads((_node_dir(tmp_path, k, 5) / MARKER_FILE).read_bytes())["save_id"]
-            for k in range(2)]
+
+    def marked() -> list[str]:
+        return [json.loads((_node_dir(tmp_path, k, 5) / MARKER_FILE).read_bytes())["save_id"]
+                for k in range(2)]
+
+    sids = marked()
     assert sids[0] != sids[1]  # node 0 holds the new save, node 1 the old one
     for k in range(2):
         assert {data_file_rank(n) for n in _files(_node_dir(tmp_path, k, 5))} == {0, 1}
+    if aside == "lost":
+        shutil.rmtree(tmp_path / "nodes" / "n1" / ".resave")
     _run_pair(tmp_path, "restore", "restore", **spec)
     for r in range(2):
         res = result(str(tmp_path), "restore", r)
         assert res["step"] == 5 and res["bad"] == [] and res["info"]["tier"] == "fast", res
-        assert [w[0] for w in res["warnings"]] == ["TierWarning"], res
-        assert "markers of 2 saves" in res["warnings"][0][1], res
+        if aside == "kept":
+            assert res["warnings"] == [], res
+        else:
+            assert [w[0] for w in res["warnings"]] == ["TierWarning"], res
+            assert "markers of 2 saves" in res["warnings"][0][1], res
+    if aside == "kept":
+        assert marked() == [sids[0], sids[0]]
     _run_pair(tmp_path, "later", "train", steps=[6], **spec)  # and the training goes on
     _run_pair(tmp_path, "restore6", "restore", **spec)
     assert result(str(tmp_path), "restore6", 0)["step"] == 6

@@ -60,6 +60,9 @@ class Restoring(ManagerBase):
         ``skipped``: the views already leave them out."""
         g = self._group
         tier = self.tier
+        if tier is not None:  # a step saved again whose move a crash cut short is moved in
+            agree(lambda: tier.recover() if self._leader else None, g,
+                  what="completing the moves of fast-tier steps saved again")
         _, all_views = agree(lambda: {} if tier is None else tier.scan(), g,
                              what="listing the fast tier")
         found: list[tuple[int, int, str, str, str]] = []  # (rank, step, name, path, why)
