@@ -269,6 +269,51 @@ def test_a_second_job_on_one_fast_tier_is_refused(tmp_path: Path) -> None:
         assert c.restore(sd) == 2 and _same(sd, _state(2))
 
 
+def _claim_at_first_persistence(rank: int, world: int, root: str) -> dict[str, Any]:
+    """A named job's first persistence on a fresh durable tier, no restore before it; writing
+    the job marker takes a while (a slow file system), so the ranks' claims overlap."""
+    import time
+
+    from pyckpt.backends import posix
+
+    real = posix.PosixBackend.put_metadata
+
+    def slow(self: Any, document: bytes, state: Any) -> Any:
+        if self.path.endswith(_tier_io.JOB_DIR):
+            time.sleep(1.0)
+        return real(self, document, state)
+
+    posix.PosixBackend.put_metadata = slow  # type: ignore[method-assign]
+    mgr = pyckpt.CheckpointManager(os.path.join(root, "durable"), job="J", replicas=0,
+                                   local=os.path.join(root, "local-{node}"), node=str(rank),
+                                   save_every=1, persist_every=1, fsync=False)
+    errors = []
+    for step in (1, 2):
+        try:
+            mgr.save(step, {"w": torch.full((8,), float(step))})
+            mgr.wait()
+        except Exception as e:
+            errors.append(f"{type(e).__name__}: {e}")
+    mgr.close()
+    return {"errors": errors, "persisted": mgr.last_persisted}
+
+
+@pytest.mark.distributed
+def test_a_named_jobs_first_persistence_on_several_ranks_claims_the_tier_once(
+    tmp_path: Path,
+) -> None:
+    """Every rank checked the job of the durable tier as it began uploading: on a fresh tier
+    the ranks all tried to claim it, and the loser's BlockingIOError (the marker's directory
+    locked by the other) failed the first persistence (before: "another save into
+    .../pyckpt-job is in progress"; the next save raised it and saved nothing)."""
+    from dist_utils import run_distributed
+
+    for res in run_distributed(_claim_at_first_persistence, 2, str(tmp_path)):
+        assert res == {"errors": [], "persisted": 2}, res
+    assert _committed(tmp_path) == [1, 2]
+    assert _tier_io.DurableTier(tmp_path / "durable").read_job() == "J"
+
+
 def test_budget_refuses_a_save_before_writing(tmp_path: Path) -> None:
     with _mgr(tmp_path, local_budget_bytes=10_000) as mgr:
         with pytest.raises(pyckpt.TierBudgetError, match="over local_budget_bytes=10000") as ei:

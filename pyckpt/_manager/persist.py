@@ -117,6 +117,9 @@ class Persistence(Retention):
                         raise _SavedAgain(saved_again) from None
                     raise
 
+            # Rank 0 claims a fresh tier for the job first; every rank's begin() then finds the
+            # marker (claims made at once by every rank collide on the marker's lock).
+            agree(store.check_job, g, ranks="root", what=f"checking the job of {store.url}")
             saved_again = (f"fast-tier step {step} ({tier.step_dir(step)}) was saved again "
                            "while its earlier copy was being persisted; the new copy is "
                            "persisted instead")
