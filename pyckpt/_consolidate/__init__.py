@@ -185,7 +185,8 @@ def consolidate(
     aligned header padded with spaces, ``__metadata__ = {"format": "pt"}``, tensors contiguous
     and sorted by name) and ``model.safetensors.index.json`` (``metadata.total_size``,
     ``weight_map``). Each file is written under a hidden temp name and renamed only once every
-    rank has finished it; the index is renamed last. A failure or a crash never leaves a
+    rank has finished it; the index is renamed last. An earlier export's files in ``dst`` that this one does not
+    write are removed before the index lands. A failure or a crash never leaves a
     partial file under a final name (a killed run can leave ``.*.tmp-*`` files behind).
 
     Every rank of ``process_group`` must call this with the same arguments; each copies a share
@@ -264,6 +265,8 @@ def consolidate(
             skipped with a ``UserWarning`` naming them), or a sub-byte dtype sharded at a
             non-byte boundary.
         ExportNameCollisionError: two exported tensors would get the same name.
+        FileExistsError: ``dst`` holds a ``model.safetensors`` that no export there wrote
+            (``from_pretrained`` would load it instead of the export), before anything is written.
         FileNotFoundError / OSError: I/O failures, with the file name.
         ValueError: bad arguments.
     """

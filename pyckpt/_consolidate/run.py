@@ -8,9 +8,11 @@ into place and the index is written last.
 from __future__ import annotations
 
 import dataclasses
+import errno
 import hashlib
 import json
 import os
+import re
 import tempfile
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -24,10 +26,18 @@ from pyckpt.errors import PyckptError, UnsupportedDtypeError
 __all__ = [
     "ProgressFn", "create_outputs", "remove_temps", "stitch_items", "run_share", "commit",
     "tensor_digest", "commit_files", "write_index", "prepare_index", "publish_index",
-    "index_text", "stitch",
+    "index_text", "stitch", "stale_outputs", "SINGLE_FILE",
 ]
 
 _TASK_BYTES = 16 << 20
+
+#: Shard names of a Hugging Face export (``model-00002-of-00003.safetensors``): an earlier
+#: export's shards that a later one into the same directory does not write are removed, as
+#: ``transformers``' ``save_pretrained`` removes them.
+_SHARD_NAME = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
+
+#: The single-file name, which ``from_pretrained`` loads in preference to the index.
+SINGLE_FILE = "model.safetensors"
 
 ProgressFn = Callable[[int, int], None]
 
@@ -36,6 +46,7 @@ def create_outputs(plan: _Plan, dst: str, indices: Sequence[int] | None = None) 
     """Creates the temp files (default: all) with their headers and final sizes, before any
     write (rank 0; with node-local outputs, each writing rank its own files)."""
     _paths.make_dir(dst, "the exported safetensors")
+    _refuse_shadowing(plan, dst)
     created = []
     try:
         for f in _subset(plan, indices):
@@ -58,6 +69,49 @@ def create_outputs(plan: _Plan, dst: str, indices: Sequence[int] | None = None) 
         for path in created:
             _unlink_quiet(path)
         raise
+
+
+def _listed(dst: str) -> set[str]:
+    """The plain ``*.safetensors`` names the index in ``dst`` lists (an earlier export's
+    files); empty when there is no readable index. Names with a path in them are ignored."""
+    try:
+        with open(os.path.join(dst, INDEX_NAME), "rb") as fh:
+            weight_map = json.load(fh).get("weight_map")
+    except (OSError, ValueError, AttributeError):
+        return set()
+    if not isinstance(weight_map, dict):
+        return set()
+    return {v for v in weight_map.values()
+            if isinstance(v, str) and v.endswith(".safetensors") and not v.startswith(".")
+            and v == os.path.basename(v) and "/" not in v and "\0" not in v}
+
+
+def stale_outputs(plan: _Plan, dst: str) -> list[str]:
+    """Files of an earlier export in ``dst`` that this one does not write: those its index
+    lists and any Hugging Face shard name. Left in place, readers that take every
+    ``*.safetensors`` file of a directory would mix them with the new export."""
+    new = {f.name for f in plan.files}
+    listed = _listed(dst)
+    try:
+        with os.scandir(dst) as it:
+            return sorted(e.name for e in it if e.name not in new
+                          and (e.name in listed or _SHARD_NAME.fullmatch(e.name))
+                          and not e.is_dir(follow_symlinks=False))
+    except FileNotFoundError:
+        return []
+
+
+def _refuse_shadowing(plan: _Plan, dst: str) -> None:
+    """``model.safetensors`` in ``dst`` that this export does not write and no export there
+    listed (e.g. ``save_pretrained``'s): ``from_pretrained`` would load it, not the export."""
+    path = os.path.join(dst, SINGLE_FILE)
+    if (os.path.lexists(path) and all(f.name != SINGLE_FILE for f in plan.files)
+            and SINGLE_FILE not in _listed(dst)):
+        raise FileExistsError(
+            errno.EEXIST,
+            f"{dst} holds {SINGLE_FILE}, which is not part of an export there: transformers' "
+            f"from_pretrained would load it instead of this export's {INDEX_NAME}; remove it or "
+            "export into another directory", path)
 
 
 def _unlink_quiet(path: str) -> None:
@@ -294,13 +348,15 @@ def commit(plan: _Plan, dst: str, fsync: bool, index_ready: bool = False) -> lis
 
 def commit_files(plan: _Plan, dst: str, fsync: bool, indices: Sequence[int] | None = None) -> list[str]:
     """fsyncs the files (default: all), withdraws an earlier export's index from ``dst``, then
-    renames the files into place; returns their final paths."""
+    renames the files into place and removes that export's files this one does not write
+    (:func:`stale_outputs`); returns the final paths."""
     finals = []
     files = _subset(plan, indices)
     for f in files:
         tmp = os.path.join(dst, f.tmp)
         if fsync:
             fsync_file(tmp)
+    stale = stale_outputs(plan, dst)  # before the index that lists them is withdrawn
     # An earlier export's index would name a mix of old and new shards while they are swapped:
     # withdraw it first, so the directory looks incomplete until the new index lands.
     old_index = os.path.join(dst, INDEX_NAME)
@@ -312,6 +368,8 @@ def commit_files(plan: _Plan, dst: str, fsync: bool, indices: Sequence[int] | No
         final = os.path.join(dst, f.name)
         os.replace(os.path.join(dst, f.tmp), final)
         finals.append(final)
+    for name in stale:  # no index names them now; the new one (published next) will not
+        _unlink_quiet(os.path.join(dst, name))
     return finals
 
 

@@ -1,0 +1,107 @@
+"""An export into a directory that already holds one: nothing of the earlier export is read.
+
+Oracles: the directory listing after the export (an earlier export's shards that the new one does
+not write are gone, as ``save_pretrained`` removes them; the user's other files stay), and
+``safetensors`` / ``transformers``' ``from_pretrained``, which must load the new export.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+from _st_workers import load_outputs, same_bits
+from safetensors.torch import load as st_load
+from safetensors.torch import save_file
+
+import pyckpt
+from pyckpt._consolidate import INDEX_NAME
+
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
+
+
+def _state(value: float) -> dict[str, torch.Tensor]:
+    return {f"layers.{i}.w": torch.full((16, 32), value + i) for i in range(6)}
+
+
+def _save(path, sd):
+    pyckpt.save(sd, path)
+    return path
+
+
+def _export(src, dst, **kwargs):
+    return pyckpt.consolidate(src, dst, fsync=False, threads=1, **kwargs)
+
+
+def test_reexport_with_fewer_files_removes_the_earlier_exports_files(tmp_path):
+    old = _save(tmp_path / "old", _state(1.0))
+    new = _save(tmp_path / "new", _state(10.0))
+    dst = tmp_path / "hf"
+    _export(old, dst, max_file_bytes=4096)  # 6 files
+    _export(old, dst, fqn_to_file={f"layers.{i}.w": f"part{i % 2}.safetensors" for i in range(6)})
+    assert sorted(os.listdir(dst)) == [INDEX_NAME, "part0.safetensors", "part1.safetensors"]
+    (dst / "config.json").write_text("{}")
+    (dst / "extra.safetensors").write_bytes(b"not an export's")  # the user's, never listed
+    outside = tmp_path / "outside.safetensors"
+    outside.write_bytes(b"x")
+    index = json.loads((dst / INDEX_NAME).read_text())
+    index["weight_map"]["layers.0.w"] = "../outside.safetensors"  # a hostile index
+    index["weight_map"]["layers.2.w"] = "part0.safetensors"
+    (dst / INDEX_NAME).write_text(json.dumps(index))
+
+    res = _export(new, dst, max_file_bytes=3 * 2048)  # 2 files
+    assert sorted(os.listdir(dst)) == sorted([
+        INDEX_NAME, "config.json", "extra.safetensors",
+        "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"])
+    assert outside.read_bytes() == b"x"
+    # A reader that takes every *.safetensors file of the directory sees the new export only.
+    seen = {}
+    for name in sorted(os.listdir(dst)):
+        if name.startswith("model-"):
+            seen.update(st_load((dst / name).read_bytes()))
+    assert seen.keys() == _state(10.0).keys()
+    for k, v in _state(10.0).items():
+        assert same_bits(seen[k], v), k
+    assert load_outputs(res.index_path).keys() == seen.keys()
+
+
+def test_a_model_safetensors_left_in_the_directory_is_refused(tmp_path):
+    """``from_pretrained`` loads ``model.safetensors`` in preference to the index: an export
+    next to one (here what ``save_pretrained`` of the untrained model wrote) would be ignored."""
+    src = _save(tmp_path / "src", _state(10.0))
+    dst = tmp_path / "hf"
+    dst.mkdir()
+    save_file(_state(1.0), str(dst / "model.safetensors"))
+    with pytest.raises(FileExistsError, match="model.safetensors.*from_pretrained"):
+        _export(src, dst)
+    assert sorted(os.listdir(dst)) == ["model.safetensors"]
+
+    # One that an earlier export wrote (listed by its index) is replaced like any shard.
+    dst2 = tmp_path / "hf2"
+    _export(src, dst2, fqn_to_file={n: "model.safetensors" for n in _state(0.0)})
+    _export(src, dst2)
+    assert sorted(os.listdir(dst2)) == ["model-00001-of-00001.safetensors", INDEX_NAME]
+
+
+def test_transformers_loads_the_export_not_an_earlier_save_pretrained(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=16,
+        tie_word_embeddings=False,
+    )
+    untrained, trained = transformers.LlamaForCausalLM(config), transformers.LlamaForCausalLM(config)
+    dst = tmp_path / "hf"
+    untrained.save_pretrained(dst)  # config.json and model.safetensors
+    src = _save(tmp_path / "src", {"model": trained.state_dict()})
+    with pytest.raises(FileExistsError, match="model.safetensors"):
+        _export(src, dst)
+    os.unlink(dst / "model.safetensors")
+    _export(src, dst)
+    loaded = transformers.LlamaForCausalLM.from_pretrained(dst)
+    for k, v in trained.state_dict().items():
+        assert torch.equal(loaded.state_dict()[k], v), k
+
