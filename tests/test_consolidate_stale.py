@@ -105,3 +105,36 @@ def test_transformers_loads_the_export_not_an_earlier_save_pretrained(tmp_path):
     for k, v in trained.state_dict().items():
         assert torch.equal(loaded.state_dict()[k], v), k
 
+
+def test_a_failed_reexport_to_a_store_leaves_no_index_naming_a_mix(tmp_path, monkeypatch):
+    """Re-exporting to an object store replaces its files one by one: the earlier index must be
+    gone before the first, or a failure part way leaves it naming old and new files."""
+    from pyckpt.backends import memory
+
+    old = _save(tmp_path / "old", _state(1.0))
+    new = _save(tmp_path / "new", _state(10.0))
+    url = f"memory://stale-{tmp_path.name}"
+    _export(old, url, max_file_bytes=3 * 2048)
+    store = memory._stores[url]
+    assert json.loads(store[INDEX_NAME])["weight_map"]
+    put = memory.MemoryBackend.put_file
+
+    def failing_second(self, path, *, last=False):
+        if path.endswith("model-00002-of-00002.safetensors"):
+            raise OSError(5, "injected upload failure", path)
+        return put(self, path, last=last)
+
+    monkeypatch.setattr(memory.MemoryBackend, "put_file", failing_second)
+    with pytest.raises(OSError, match="injected"):
+        _export(new, url, max_file_bytes=3 * 2048)
+    assert INDEX_NAME not in store, "the earlier index names a mix of old and new files"
+    monkeypatch.setattr(memory.MemoryBackend, "put_file", put)
+    _export(new, url, max_file_bytes=3 * 2048)
+    index = json.loads(store[INDEX_NAME])
+    got = {}
+    for name in sorted(set(index["weight_map"].values())):
+        got.update(st_load(store[name]))
+    assert got.keys() == _state(10.0).keys()
+    for k, v in _state(10.0).items():
+        assert same_bits(got[k], v), k
+    memory.drop(url)

@@ -17,6 +17,7 @@ from collections.abc import Callable
 from typing import Any
 
 from pyckpt._collective import agree, group_info
+from pyckpt._consolidate.plan import INDEX_NAME
 from pyckpt.backends import Backend
 
 logger = logging.getLogger("pyckpt.consolidate")
@@ -24,6 +25,13 @@ logger = logging.getLogger("pyckpt.consolidate")
 __all__ = ["consolidate_staged"]
 
 _TEMP_PREFIX = "pyckpt-consolidate-"
+
+
+def _withdraw_index(dst: Backend) -> None:
+    """Removes an earlier export's index from ``dst`` before any file is stored: while its
+    files are replaced one by one (or after a failure part way) it would name a mix of the
+    earlier export's files and this one's. The new index, stored last, marks the export."""
+    dst.remove_files([dst.url_of(INDEX_NAME)], strict=True)
 
 
 # A staged copy's path, on this rank or another (errors travel between ranks): the temp
@@ -87,6 +95,7 @@ def consolidate_staged(run: Callable[..., Any], src: Backend, dst: Backend, *,
                 if dst.in_place:
                     return res
                 dst.check()
+                _withdraw_index(dst)
                 files = [dst.put_file(p) for p in res.files]
                 index = dst.put_file(res.index_path, last=True)  # last: complete files
                 return dataclasses.replace(res, files=files, index_path=index)
@@ -145,6 +154,7 @@ def _on_ranks(run: Callable[..., Any], src: Backend, dst: Backend, group: Any,
     def drop() -> None:  # best effort: the objects this rank uploaded
         dst.remove_files(uploaded)
 
+    agree(lambda: _withdraw_index(dst), group, ranks="root", what="withdrawing the earlier index")
     _, per_rank = agree(upload, group, on_failure=drop, what="upload")
     index_url, _ = agree(lambda: dst.put_file(res.index_path, last=True), group,
                          ranks="root", on_failure=drop, what="index upload")

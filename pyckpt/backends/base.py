@@ -292,8 +292,9 @@ class Backend(Protocol):
         ``last``: the file that names the others (one request). Returns what it is called."""
         ...
 
-    def remove_files(self, urls: Iterable[str]) -> None:
-        """Best effort: removes what :meth:`put_file` stored (failures are ignored)."""
+    def remove_files(self, urls: Iterable[str], *, strict: bool = False) -> None:
+        """Best effort: removes what :meth:`put_file` stored (failures are ignored; with
+        ``strict`` a failure raises, a missing file is fine)."""
         ...
 
     # -- a location holding checkpoints (the checkpoint manager's tiers) -------------------

@@ -188,7 +188,7 @@ class MemoryBackend(WholePlace):
             self.files[os.path.basename(path)] = f.read()
         return self.url_of(os.path.basename(path))
 
-    def remove_files(self, urls: Iterable[str]) -> None:
+    def remove_files(self, urls: Iterable[str], *, strict: bool = False) -> None:
         with _lock:
             for url in urls:
                 self.files.pop(url.rsplit("/", 1)[-1], None)

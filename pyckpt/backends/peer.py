@@ -239,8 +239,8 @@ class PeerBackend:
     def put_file(self, path: str, *, last: bool = False) -> str:
         return self.local.put_file(path, last=last)
 
-    def remove_files(self, urls: Iterable[str]) -> None:
-        self.local.remove_files(urls)
+    def remove_files(self, urls: Iterable[str], *, strict: bool = False) -> None:
+        self.local.remove_files(urls, strict=strict)
 
     def get_file(self, name: str, path: str) -> int:
         return self.local.get_file(name, path)

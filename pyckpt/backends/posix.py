@@ -351,9 +351,9 @@ class PosixBackend(WholePlace):
         copy_atomic(path, target, self._fsync())
         return target
 
-    def remove_files(self, urls: Iterable[str]) -> None:
+    def remove_files(self, urls: Iterable[str], *, strict: bool = False) -> None:
         for url in urls:
-            with contextlib.suppress(OSError):
+            with contextlib.suppress(FileNotFoundError if strict else OSError):
                 os.unlink(url)
 
     # -- a location holding checkpoints --------------------------------------------------

@@ -177,16 +177,22 @@ class S3Backend(WholePlace):
         index written after every other object is complete); returns its URL."""
         return upload_file(self.loc, path, self.part_bytes, single_put=last)
 
-    def remove_files(self, urls: Iterable[str]) -> None:
-        """Best effort: deletes objects :meth:`put_file` made (a failure is ignored)."""
+    def remove_files(self, urls: Iterable[str], *, strict: bool = False) -> None:
+        """Best effort: deletes objects :meth:`put_file` made (a failure is ignored; with
+        ``strict``, retried, then raised typed)."""
         from pyckpt.backends.s3.client import _obstore
 
         keys = [_plain_key(self.loc, u.rsplit("/", 1)[-1]) for u in urls]
         if keys:
             try:
-                _obstore().delete(self.loc.store(), keys)
-            except Exception:
-                pass
+                if strict:
+                    self.loc._retried(lambda: _obstore().delete(self.loc.store(), keys),
+                                      f"DELETE in {self.loc.url}")
+                else:
+                    _obstore().delete(self.loc.store(), keys)
+            except Exception as e:
+                if strict:
+                    raise self.loc.error(e, "DELETE", self.loc.url) from e
 
     # -- a location holding checkpoints --------------------------------------------------
 
