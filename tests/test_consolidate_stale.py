@@ -138,3 +138,16 @@ def test_a_failed_reexport_to_a_store_leaves_no_index_naming_a_mix(tmp_path, mon
     for k, v in _state(10.0).items():
         assert same_bits(got[k], v), k
     memory.drop(url)
+
+
+def test_model_safetensors_as_one_of_several_files_is_refused(tmp_path):
+    """``from_pretrained`` loads ``model.safetensors`` alone when it exists, ignoring the index:
+    the tensors of every other file would be newly initialised, not loaded."""
+    src = _save(tmp_path / "src", _state(1.0))
+    mapping = {n: "model.safetensors" if n < "layers.3" else "rest.safetensors" for n in _state(0.0)}
+    with pytest.raises(ValueError, match="model.safetensors.*from_pretrained"):
+        _export(src, tmp_path / "hf", fqn_to_file=mapping)
+    assert not (tmp_path / "hf").exists()
+    # As the only file it is what from_pretrained reads: allowed.
+    res = _export(src, tmp_path / "one", fqn_to_file=dict.fromkeys(mapping, "model.safetensors"))
+    assert [os.path.basename(f) for f in res.files] == ["model.safetensors"]

@@ -206,8 +206,8 @@ def consolidate(
         process_group: the ranks that share the work; default: the default group when
             ``torch.distributed`` is initialised, else this process alone.
         fqn_to_file: tensor name -> output file, either a 1-based index (files named
-            ``model-<i>-of-<max>.safetensors``) or an explicit ``*.safetensors`` basename.
-            Must name every tensor.
+            ``model-<i>-of-<max>.safetensors``) or an explicit ``*.safetensors`` basename
+            (``model.safetensors`` only for a single file). Must name every tensor.
         max_file_bytes: without ``fqn_to_file``, start a new output file (in name order) before
             a tensor that would push the current one past this many data bytes. Default: one file.
         threads: native copy threads per rank. Default: ``PYCKPT_NUM_THREADS`` when set,

@@ -18,10 +18,13 @@ from pyckpt._consolidate.scan import ScannedTensors, _Block, _Tensor
 from pyckpt._partition import partition
 from pyckpt.errors import UnsupportedDtypeError
 
-__all__ = ["INDEX_NAME", "make_plan"]
+__all__ = ["INDEX_NAME", "SINGLE_FILE", "make_plan"]
 
 #: Name of the Hugging Face index written next to the output files.
 INDEX_NAME = "model.safetensors.index.json"
+
+#: The single-file name, which ``from_pretrained`` loads in preference to the index.
+SINGLE_FILE = "model.safetensors"
 
 
 @dataclass
@@ -110,6 +113,12 @@ def _assign_files(
                     raise ValueError(f"fqn_to_file[{n!r}] = {v!r} is not a *.safetensors basename")
                 fname = v
             groups.setdefault(fname, []).append(n)
+        if SINGLE_FILE in groups and len(groups) > 1:
+            raise ValueError(
+                f"fqn_to_file names {SINGLE_FILE} as one of {len(groups)} files: transformers' "
+                f"from_pretrained loads {SINGLE_FILE} alone when it exists (not the index), so "
+                "the other files' tensors would be missing; use another name"
+            )
         return dict(sorted(groups.items()))
     if max_file_bytes is None:
         return {_hf_name(1, 1): names}

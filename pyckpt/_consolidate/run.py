@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from pyckpt import _C, _gc, _paths, _progress
-from pyckpt._consolidate.plan import INDEX_NAME, _byte_geometry, _OutFile, _Plan
+from pyckpt._consolidate.plan import INDEX_NAME, SINGLE_FILE, _byte_geometry, _OutFile, _Plan
 from pyckpt._consolidate.scan import _Tensor
 from pyckpt._paths import fsync_dir, fsync_file
 from pyckpt.errors import PyckptError, UnsupportedDtypeError
@@ -26,7 +26,7 @@ from pyckpt.errors import PyckptError, UnsupportedDtypeError
 __all__ = [
     "ProgressFn", "create_outputs", "remove_temps", "stitch_items", "run_share", "commit",
     "tensor_digest", "commit_files", "write_index", "prepare_index", "publish_index",
-    "index_text", "stitch", "stale_outputs", "SINGLE_FILE",
+    "index_text", "stitch", "stale_outputs",
 ]
 
 _TASK_BYTES = 16 << 20
@@ -35,9 +35,6 @@ _TASK_BYTES = 16 << 20
 #: export's shards that a later one into the same directory does not write are removed, as
 #: ``transformers``' ``save_pretrained`` removes them.
 _SHARD_NAME = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
-
-#: The single-file name, which ``from_pretrained`` loads in preference to the index.
-SINGLE_FILE = "model.safetensors"
 
 ProgressFn = Callable[[int, int], None]
 
