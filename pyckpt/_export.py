@@ -268,7 +268,12 @@ def _out_name(name: str, spec: ExportSpec, strip: tuple[str, ...]) -> str:
             raise ValueError(f"rename({name!r}) returned {new!r}, not a non-empty name")
         return new
     p = _longest(name, spec.rename) if name not in spec.rename else name
-    return name if p is None else spec.rename[p] + name[len(p):]
+    if p is None:
+        return name
+    new = spec.rename[p] + name[len(p):]
+    if not new:
+        raise ValueError(f"rename maps {name!r} to {new!r}, not a non-empty name")
+    return new
 
 
 def choose(

@@ -303,6 +303,15 @@ def test_bad_arguments(tmp_path, layout_ckpt):
     assert _listing(tmp_path / "d") == []
 
 
+@pytest.mark.filterwarnings("ignore:consolidate. skipping:UserWarning")  # optim's complex128
+@pytest.mark.parametrize("rename", [{"ids": ""}, lambda n: "" if n == "ids" else n])
+def test_rename_to_an_empty_name_is_refused_either_way(tmp_path, layout_ckpt, rename):
+    # A tensor named "" (which no model has) was written when a mapping gave it.
+    with pytest.raises(ValueError, match="'ids'.*not a non-empty name"):
+        _export(layout_ckpt, tmp_path / "d", rename=rename)
+    assert _listing(tmp_path / "d") == []
+
+
 # ----------------------------------------------------------------------------- dtype cast
 
 
