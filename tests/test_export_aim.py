@@ -474,6 +474,19 @@ def test_dedup_explicit_pairs_are_verified(tmp_path):
     assert _listing(tmp_path / "bad") == []
 
 
+def test_fqn_to_file_placing_a_tied_copy_says_it_is_tied(tmp_path):
+    # Before: "fqn_to_file names tensors not in the checkpoint: ['lm_head.weight']".
+    w = torch.randn(6, 4, generator=torch.Generator().manual_seed(5))
+    _save(tmp_path / "ckpt", {"model.embed_tokens.weight": w, "lm_head.weight": w.clone()})
+    layout = {"model.embed_tokens.weight": 1, "lm_head.weight": 2}
+    with pytest.raises(ValueError, match=r"'lm_head.weight' \(= 'model.embed_tokens.weight'\), "
+                                         "tied weights.*dedup_tied=False"):
+        _export(tmp_path / "ckpt", tmp_path / "bad", fqn_to_file=layout)
+    assert _listing(tmp_path / "bad") == []
+    res = _export(tmp_path / "ckpt", tmp_path / "both", fqn_to_file=layout, dedup_tied=False)
+    assert sorted(load_outputs(res.index_path)) == sorted(layout)
+
+
 # ----------------------------------------------------------------------------- command line
 
 

@@ -340,6 +340,8 @@ def _consolidate(
             scan(src, others=others), spec, others=others,
             digest=lambda t: tensor_digest(t, dst, nthreads, mode),
         )
+        if choice is not None and fqn_to_file is not None:
+            _check_tied_files(choice.ties, fqn_to_file)
         p = make_plan(tensors, world, fqn_to_file, max_file_bytes)
         if choice is not None:
             p.ties = dict(choice.ties)
@@ -423,6 +425,18 @@ class _Phases:
 
     def __str__(self) -> str:
         return ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in self.seconds.items())
+
+
+def _check_tied_files(ties: Mapping[str, str], fqn_to_file: Mapping[str, int | str]) -> None:
+    """``fqn_to_file`` may not place a tied copy that the export leaves out (said as such, not
+    as a name missing from the checkpoint)."""
+    named = sorted(n for n in ties if n in fqn_to_file)
+    if named:
+        pairs = ", ".join(f"{n!r} (= {ties[n]!r})" for n in named[:5])
+        raise ValueError(
+            f"fqn_to_file places {pairs}, tied weights written once (dedup_tied): leave them "
+            "out of fqn_to_file, or pass dedup_tied=False to write both copies"
+        )
 
 
 def _copy_threads(threads: int | None, group: Group) -> int:
