@@ -32,6 +32,7 @@ SUPPORTED = [
     torch.float8_e4m3fnuz, torch.float8_e5m2fnuz, torch.complex64,
     torch.int64, torch.int32, torch.int16, torch.int8,
     torch.uint64, torch.uint32, torch.uint16, torch.uint8, torch.bool,
+    torch.float4_e2m1fn_x2,  # safetensors' F4, two values per element
 ]
 
 
@@ -314,8 +315,10 @@ def _dtensor_state():
         "cube1": sample_tensor((5, 3, 9), torch.float8_e4m3fn, 4),  # Shard(1), 2 + 1
         "flags": sample_tensor((9,), torch.bool, 6),               # Shard(0)
         "scale": sample_tensor((), torch.float64, 7),              # Replicate
+        "fp4": sample_tensor((6, 11), torch.float4_e2m1fn_x2, 8),  # Shard(1): F4 [6, 22] in all
     }
-    dims = {"rows": 0, "cols": 1, "wide": 1, "cube": 2, "cube1": 1, "flags": 0, "scale": None}
+    dims = {"rows": 0, "cols": 1, "wide": 1, "cube": 2, "cube1": 1, "flags": 0, "scale": None,
+            "fp4": 1}
     return full, dims
 
 

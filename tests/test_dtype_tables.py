@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from pyckpt import _C, _format
-from pyckpt._consolidate.scan import _ST_DTYPES
+from pyckpt._consolidate.scan import _PACKED, _ST_DTYPES
 from pyckpt.errors import CheckpointFormatError
 
 
@@ -35,12 +35,13 @@ def test_every_format_dtype_is_a_torch_dtype_of_that_size() -> None:
 @pytest.mark.parametrize("torch_name", sorted(_ST_DTYPES))
 def test_native_safetensors_table_agrees(tmp_path: Path, torch_name: str) -> None:
     st_name = _ST_DTYPES[torch_name]
-    size = _format.DTYPE_SIZES[torch_name]
-    header = _C.read_safetensors_header(str(_header_file(tmp_path / "ok.st", st_name, 2 * size)))
+    # Two safetensors values: two torch elements, or one of a packed dtype (F4: two per byte).
+    nbytes = 2 * _format.DTYPE_SIZES[torch_name] // _PACKED.get(torch_name, 1)
+    header = _C.read_safetensors_header(str(_header_file(tmp_path / "ok.st", st_name, nbytes)))
     (name, dtype, shape, begin, end), = header["tensors"]
-    assert (name, dtype, list(shape), end - begin) == ("t", st_name, [2], 2 * size)
-    # One byte more or less than two elements is refused: the native size is the same.
-    for wrong in (2 * size - 1, 2 * size + 1):
+    assert (name, dtype, list(shape), end - begin) == ("t", st_name, [2], nbytes)
+    # One byte more or less than two values is refused: the native size is the same.
+    for wrong in (nbytes - 1, nbytes + 1):
         with pytest.raises(CheckpointFormatError):
             _C.read_safetensors_header(str(_header_file(tmp_path / "bad.st", st_name, wrong)))
 

@@ -170,8 +170,8 @@ def consolidate(
       ``dcp.save(sd, storage_writer=pyckpt.Writer(src, compression=None | "zstd"))``): its
       chunks are read, checksum-verified and decoded natively on the way, one chunk at a time
       per copy thread. Every pyckpt dtype with a safetensors spelling is accepted (all but
-      complex128 and complex32); non-tensor items (DCP ``BYTE_IO`` values such as a step
-      counter) have no safetensors form and are skipped;
+      complex128, complex32 and 0-d float4_e2m1fn_x2); non-tensor items (DCP ``BYTE_IO``
+      values such as a step counter) have no safetensors form and are skipped;
     * the ``*.safetensors`` files written by DCP's
       ``HuggingFaceStorageWriter(save_distributed=True)`` (each file's ``__metadata__`` carries
       ``DCP_SHARDING_INFO`` with every shard's ``saved_offsets``), and plain safetensors files

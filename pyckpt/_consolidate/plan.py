@@ -147,15 +147,14 @@ def _byte_geometry(t: _Tensor, b: _Block) -> tuple[list[int], list[int], list[in
     """
     if t.cast_to is not None:
         return list(t.shape), list(b.offsets), list(b.sizes), t.bits // 8
-    if t.encoded:
-        item = t.bits // 8
+    if t.encoded:  # packed dtypes (F4): a piece holds whole bytes, two values each
         if not t.shape:
-            return [item], [0], [item], 1
+            return [t.bits // 8], [0], [t.bits // 8], 1
         last = len(t.shape) - 1
         return (
-            list(t.shape[:last]) + [t.shape[last] * item],
-            list(b.offsets[:last]) + [b.offsets[last] * item],
-            list(b.sizes[:last]) + [b.sizes[last] * item],
+            list(t.shape[:last]) + [t.shape[last] * t.bits // 8],
+            list(b.offsets[:last]) + [b.offsets[last] * t.bits // 8],
+            list(b.sizes[:last]) + [b.sizes[last] * t.bits // 8],
             1,
         )
     if t.bits % 8 == 0:

@@ -216,7 +216,20 @@ _ST_DTYPES: dict[str, str] = {
     "uint16": "U16",
     "uint8": "U8",
     "bool": "BOOL",
+    "float4_e2m1fn_x2": "F4",  # two values per torch element: see _PACKED
 }
+
+#: Values per torch element, for the packed dtypes: safetensors counts values (its shape of a
+#: ``float4_e2m1fn_x2`` tensor of shape ``(m, n)`` is ``[m, 2n]``, as ``safetensors.torch``
+#: writes it), so the last dimension and the pieces along it are scaled on the way. A 0-d
+#: packed tensor has no last dimension: safetensors cannot hold it.
+_PACKED = {"float4_e2m1fn_x2": 2}
+
+
+def _values(dims: Any, pack: int) -> tuple[int, ...]:
+    """``dims`` (a shape, or a piece's offsets or sizes) counted in values, not torch elements."""
+    dims = tuple(dims)
+    return dims if pack == 1 else dims[:-1] + (dims[-1] * pack,)
 
 
 
@@ -254,7 +267,8 @@ def _scan_pyckpt(
     for name in sorted(index.tensors):
         st = index.tensors[name]
         dtype = _ST_DTYPES.get(st.dtype)
-        if dtype is None:
+        pack = _PACKED.get(st.dtype, 1)
+        if dtype is None or (pack != 1 and not st.shape):
             tensors[name] = _Tensor(
                 name, "", tuple(st.shape), 8 * DTYPE_SIZES.get(st.dtype, 0), unsupported=st.dtype
             )
@@ -262,13 +276,21 @@ def _scan_pyckpt(
         bits = bits_of.get(dtype)
         if bits is None:
             bits = bits_of[dtype] = _C.safetensors_dtype_bits(dtype)
-            if bits != 8 * DTYPE_SIZES[st.dtype]:  # the two tables must agree
+            if bits * pack != 8 * DTYPE_SIZES[st.dtype]:  # the two tables must agree
                 raise PyckptError(f"dtype tables disagree on {st.dtype} / {dtype}")
         # read_index checked that the pieces tile the tensor (a second check here cost as much
         # as the rest of this loop at thousands of tensors).
-        tensors[name] = _Tensor(name, dtype, st.shape, bits, encoded=True, blocks=[
-            _Block(segs[0][0] if segs else no_data, 0, piece.offsets, piece.sizes, segs)
-            for piece in st.pieces for segs in (tuple(piece.segments),)])
+        if pack == 1:
+            tensors[name] = _Tensor(name, dtype, st.shape, bits, encoded=True, blocks=[
+                _Block(segs[0][0] if segs else no_data, 0, piece.offsets, piece.sizes, segs)
+                for piece in st.pieces for segs in (tuple(piece.segments),)])
+        else:
+            tensors[name] = _Tensor(name, dtype, _values(st.shape, pack), bits, encoded=True,
+                                    blocks=[_Block(segs[0][0] if segs else no_data, 0,
+                                                   _values(piece.offsets, pack),
+                                                   _values(piece.sizes, pack), segs)
+                                            for piece in st.pieces
+                                            for segs in (tuple(piece.segments),)])
     return tensors
 
 
