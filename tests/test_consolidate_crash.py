@@ -65,9 +65,10 @@ def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
-def _run(src: Path, dst: Path, kill_after: float | None) -> tuple[bool, float]:
+def _run(src: Path, dst: Path, kill_after: float | None,
+         max_file_bytes: int = 4 << 20) -> tuple[bool, float]:
     env = dict(os.environ, PYTHONUNBUFFERED="1")
-    p = subprocess.Popen([sys.executable, "-c", _CHILD, str(src), str(dst), str(4 << 20)],
+    p = subprocess.Popen([sys.executable, "-c", _CHILD, str(src), str(dst), str(max_file_bytes)],
                          stdout=subprocess.PIPE, text=True, env=env)
     assert p.stdout is not None
     try:
@@ -110,8 +111,9 @@ def test_sigkill_during_consolidate_never_leaves_a_mixed_export(tmp_path: Path) 
         dst = tmp_path / f"out{point}"
         reexport = point % 2 == 0
         if reexport:
-            # A complete earlier export (same sizes) in the same directory.
-            durations.append(_run(tmp_path / "old", dst, None)[1])
+            # A complete earlier export in the same directory, in 8 files where the new one
+            # writes 4: its other 8 names are removed during the commit.
+            durations.append(_run(tmp_path / "old", dst, None, 2 << 20)[1])
         done, _ = _run(tmp_path / "new", dst, fraction * statistics.median(durations))
         got = _export_of(dst)
         if got is None:
@@ -119,6 +121,10 @@ def test_sigkill_during_consolidate_never_leaves_a_mixed_export(tmp_path: Path) 
             outcomes["none"] += 1
         elif _same(got, new):
             outcomes["new"] += 1
+            shards = sorted(n for n in os.listdir(dst) if n.endswith(".safetensors"))
+            assert shards == [f"model-0000{i}-of-00004.safetensors" for i in range(1, 5)], (
+                f"point {point}: files of the earlier export left next to the new one: {shards}"
+            )
         else:
             assert reexport and not done and _same(got, old), (
                 f"point {point}: the index names a mix of the previous and the new export"
