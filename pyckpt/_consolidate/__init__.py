@@ -185,9 +185,9 @@ def consolidate(
     aligned header padded with spaces, ``__metadata__ = {"format": "pt"}``, tensors contiguous
     and sorted by name) and ``model.safetensors.index.json`` (``metadata.total_size``,
     ``weight_map``). Each file is written under a hidden temp name and renamed only once every
-    rank has finished it; the index is renamed last. An earlier export's files in ``dst`` that this one does not
-    write are removed before the index lands. A failure or a crash never leaves a
-    partial file under a final name (a killed run can leave ``.*.tmp-*`` files behind).
+    rank has finished it; the index is renamed last. An earlier export's files in ``dst`` that
+    this one does not write are removed before the index lands. A failure or a crash never
+    leaves a partial file under a final name (a killed run can leave ``.*.tmp-*`` files behind).
 
     Every rank of ``process_group`` must call this with the same arguments; each copies a share
     of the output balanced by bytes (whole files when that balances within 5%, else byte ranges
