@@ -344,8 +344,8 @@ class DeviceStaging:
         if any(_device_api.is_device(local) for _, _, local in layout):
             self._require("staging a state dict")
         lease = self._lease([_nbytes(src) for _, src, _ in layout])
+        by_target: dict[tuple[int, int], list[_C.CopySpec]] = {}
         try:
-            by_target: dict[tuple[int, int], list[_C.CopySpec]] = {}
             for (i, src, local), place in zip(layout, lease.places):
                 if place is not None and place[0] >= 0 and _device_api.is_device(local):
                     name = keystr(leaves_with_path[i][0])
@@ -373,6 +373,9 @@ class DeviceStaging:
             for ev in events:
                 ev.wait()
         except BaseException:
+            # No extent goes back while a device copy into it may still run: the next stage
+            # would lease it, and the late copy would overwrite what that stage put there.
+            self._drain({d for d, _ in by_target})
             self.release_regions([b.address for b in lease.blocks])
             raise
         out_leaves = []
@@ -382,6 +385,15 @@ class DeviceStaging:
             else:
                 out_leaves.append(copy.deepcopy(leaf))
         return tree_unflatten(out_leaves, spec)
+
+    def _drain(self, devices: set[int]) -> None:
+        """Waits for the side streams of ``devices`` after a failed stage (their failures were
+        or will be reported by the stage itself)."""
+        for device in devices:
+            try:
+                self.stager(device).synchronize()
+            except Exception as e:
+                logger.debug("pyckpt: staging stream of device %d failed: %s", device, e)
 
     @staticmethod
     def _view(region: Any, offset: int, like: torch.Tensor) -> torch.Tensor:

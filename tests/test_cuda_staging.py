@@ -384,6 +384,23 @@ def test_stage_failure_releases_the_region(fake) -> None:
     assert st.stats()["region_pool"]["extents_in_use"] == 0
 
 
+def test_a_failed_stage_returns_no_extent_a_device_copy_still_writes_into(fake) -> None:
+    # The device copy is queued, then a CPU leaf's copy fails: the extent must not go back to
+    # the free list before the copy landed, or the next stage (which leases it) gets its bytes
+    # overwritten after it returned (a checkpoint of the wrong values).
+    st = _staging_obj()
+    n = 1 << 18
+    fake.fake_cudart_set_copy_delay_us(300_000)
+    bad = {"a": fake.dev.mark(torch.full((n,), 1.0)), "z": torch.empty(3, device="meta")}
+    with pytest.raises(NotImplementedError):
+        st.stage_state_dict(bad)
+    fake.fake_cudart_set_copy_delay_us(0)
+    sd = {"b": torch.full((n,), 2.0)}
+    staged = st.stage_state_dict(sd)
+    st.synchronize()  # any copy still queued has landed
+    assert torch.equal(staged["b"], sd["b"])
+
+
 # -- loads: host -> device -------------------------------------------------------------------
 
 
