@@ -42,7 +42,7 @@ import torch
 
 from pyckpt import _C, _knobs, _pinned
 from pyckpt._pinned import runtime
-from pyckpt._tensors import local_view, plain
+from pyckpt._tensors import local_view, plain, storable
 from pyckpt.errors import CudaError
 
 __all__ = [
@@ -87,6 +87,12 @@ def is_device_tensor(t: object) -> bool:
     """True when ``t`` is a tensor in device memory (a DTensor by its shard). The stager copies
     it when :attr:`DeviceStaging.available`; otherwise torch moves it."""
     return isinstance(t, torch.Tensor) and _device_api.is_device(local_view(t))
+
+
+def _fqn(path: Sequence[Any]) -> str:
+    """The dotted name DCP gives the leaf at pytree ``path`` (``model.layers.0.w``)."""
+    return ".".join(str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k))))
+                    for k in path)
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -331,13 +337,17 @@ class DeviceStaging:
         Raises:
             CudaError: a copy failed; the message names the tensor. The extents are released and
                 no staged state dict is returned.
+            UnsupportedDtypeError: a tensor a save cannot store (sparse, quantized, ...).
         """
         from torch.utils._pytree import keystr, tree_flatten_with_path, tree_unflatten
 
         leaves_with_path, spec = tree_flatten_with_path(state_dict)
         layout: list[tuple[int, torch.Tensor, torch.Tensor]] = []  # leaf, src, local
-        for i, (_, leaf) in enumerate(leaves_with_path):
+        for i, (path, leaf) in enumerate(leaves_with_path):
             if isinstance(leaf, torch.Tensor):
+                # Refused here, as a save refuses it, before any memory is leased for it (a
+                # sparse tensor's dense size may be terabytes).
+                storable(leaf, _fqn(path))
                 local = local_view(leaf)
                 src = plain(local) if _device_api.is_device(local) else local
                 layout.append((i, src, local))

@@ -194,3 +194,23 @@ def test_a_forked_child_has_no_save_in_flight(tmp_path: Path, monkeypatch: Any) 
 
 def _child_saves(path: str) -> None:
     pyckpt.async_save({"t": torch.full((10,), 2.0)}, path).result(timeout=60)
+
+
+@pytest.mark.filterwarnings("ignore:torch.quantize_per_tensor:UserWarning")  # deprecated
+@pytest.mark.filterwarnings("ignore:Sparse invariant checks:UserWarning")
+@pytest.mark.parametrize("what", ["sparse", "quantized"])
+def test_a_tensor_a_save_cannot_store_is_refused_before_staging_memory_is_leased(
+        tmp_path: Path, what: str) -> None:
+    # As pyckpt.save refuses it (UnsupportedDtypeError naming the tensor), not with torch's
+    # RuntimeError from the staging copy, after leasing the tensor's dense size (here 4 TiB).
+    from pyckpt import _pinned
+
+    t = (torch.sparse_coo_tensor([[0, 5]], [1.0, 2.0], (1 << 40,)) if what == "sparse"
+         else torch.quantize_per_tensor(torch.randn(4), 0.1, 0, torch.qint8))
+    sd = {"model": {"layers": [{"w": t}]}, "ok": torch.ones(3)}
+    before = _pinned.pinned_stats()["total_allocated_bytes"]
+    fut = pyckpt.async_save(sd, tmp_path / "c")
+    with pytest.raises(pyckpt.UnsupportedDtypeError, match=r"'model\.layers\.0\.w'"):
+        fut.result(timeout=60)
+    assert _pinned.pinned_stats()["total_allocated_bytes"] == before
+    assert not (tmp_path / "c" / _format.METADATA_FILE).exists()
