@@ -35,10 +35,13 @@ from pyckpt._collective import (
     peer_errors,
 )
 from pyckpt._loadplan import LoadPlanner
+from pyckpt.errors import PyckptError
 from pyckpt.planner import SavePlanner
 from pyckpt.storage import Reader, Writer
 
 __all__ = ["save", "async_save", "load"]
+
+logger = logging.getLogger(__name__)
 
 
 def load_planner(trusted: bool = False) -> LoadPlanner:
@@ -276,7 +279,10 @@ def async_save(
     call it, in the same order as its other saves and loads; a call first waits for the
     previous async save of this process to end (as do :func:`save` and :func:`load`), so at
     most one is in flight and one staged copy is held. The save thread is joined at the
-    interpreter's exit: a save in flight completes first.
+    interpreter's exit: a save in flight completes first, unless the process group is destroyed
+    before (``dist.destroy_process_group()``): the save then fails with a
+    :class:`pyckpt.PyckptError` saying so, also logged (nobody may wait for it any more), and
+    commits nothing after that point. Wait for the future before destroying the group.
 
     A staging failure on one rank (a :class:`pyckpt.CudaError` naming the tensor) writes
     nothing on any rank: every rank's future fails, on that rank with its own error and on
@@ -319,10 +325,24 @@ def async_save(
 def _save_staged(staged: Any, writer: Writer, group: Group,
                  check_replicas: bool | Literal["sample", "full"], progress: _progress.ProgressArg,
                  failed: BaseException | None) -> Metadata:
-    with _gc.paused(), peer_errors(group.pg, "pyckpt.async_save"), writer, _typed_errors(), \
-            _save_progress(progress, writer, group.pg):
-        return _savedrive.save(staged, writer, SavePlanner(check_replicas=check_replicas),
-                               group, failed=failed)
+    path = writer.path
+    try:
+        with _gc.paused(), peer_errors(group.pg, "pyckpt.async_save"), writer, \
+                _typed_errors(), _save_progress(progress, writer, group.pg):
+            return _savedrive.save(staged, writer, SavePlanner(check_replicas=check_replicas),
+                                   group, failed=failed)
+    except Exception as e:
+        if not group.distributed or dist.is_initialized():
+            raise
+        # dist.destroy_process_group() with the save in flight (the end of a training script):
+        # nobody waits for this future any more, so the loss is also said on stderr.
+        lost = PyckptError(
+            f"pyckpt.async_save of {path!r} stopped: torch.distributed's process group was "
+            "destroyed while the save was in flight; unless its commit came first, no new "
+            "checkpoint was saved there (wait for the future, fut.result(), before "
+            "dist.destroy_process_group())")
+        logger.error("%s", lost)
+        raise lost from e
 
 
 def load(

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import torch
 from _child_env import child_env
-from dist_utils import run_distributed
+from dist_utils import RankProcess, free_port, run_distributed
 
 import pyckpt
 from pyckpt import _format
@@ -214,3 +214,31 @@ def test_a_tensor_a_save_cannot_store_is_refused_before_staging_memory_is_leased
         fut.result(timeout=60)
     assert _pinned.pinned_stats()["total_allocated_bytes"] == before
     assert not (tmp_path / "c" / _format.METADATA_FILE).exists()
+
+
+def _save_then_destroy(path: str) -> None:
+    """The end of a training script: an async save, then the process group destroyed."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    pyckpt.async_save({"w": torch.full((1 << 20,), 3.0)}, path)
+    dist.destroy_process_group()
+
+
+def test_a_save_stopped_by_destroy_process_group_says_so(tmp_path: Path) -> None:
+    # The save thread is joined at exit, but its group is gone: before, the save failed with
+    # torch's ValueError in a future nobody held, and the processes exited 0 without a word.
+    path = str(tmp_path / "c")
+    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": "2"}
+    ranks = [RankProcess(_save_then_destroy, path, env=dict(env, RANK=str(r), LOCAL_RANK=str(r)))
+             for r in range(2)]
+    errs = []
+    for p in ranks:
+        assert p.wait(120) == 0
+        errs.append(p.stderr.read())
+        p.stderr.close()
+        p.stdout.close()
+    for err in errs:
+        assert "process group was destroyed while the save was in flight" in err, err
+        assert repr(path) in err, err
+    assert not os.path.exists(os.path.join(path, _format.METADATA_FILE))
