@@ -21,9 +21,11 @@ One of the thread models of docs/ARCHITECTURE.md ("Threads"). Two shapes of work
 
 Exit: both are :mod:`concurrent.futures` executors, so the interpreter's exit (threading's exit
 hook, before :mod:`atexit` handlers) lets the work already submitted finish and joins their
-threads. Ctrl-C in a fan-out's calling thread stops handing out items, waits for the ones
-running and raises. Threads that must *not* hold up the exit (loops in native calls that may
-never return) are :mod:`pyckpt._daemons`; the progress poller is :mod:`pyckpt._progress`.
+threads. They accept no new work from then on: a fan-out started by such work (a background
+save's planning) runs on its calling thread alone. Ctrl-C in a fan-out's calling thread stops
+handing out items, waits for the ones running and raises. Threads that must *not* hold up the
+exit (loops in native calls that may never return) are :mod:`pyckpt._daemons`; the progress
+poller is :mod:`pyckpt._progress`.
 """
 
 from __future__ import annotations
@@ -106,7 +108,14 @@ def map_parallel(fn: Callable[[T], R], items: Iterable[T], workers: int) -> list
                 return
 
     ex = _executor()
-    futures: list[Future[None]] = [ex.submit(work) for _ in range(helpers)]
+    futures: list[Future[None]] = []
+    for _ in range(helpers):
+        try:
+            futures.append(ex.submit(work))
+        except RuntimeError:
+            # The interpreter is exiting (a background save it waits for): no new work is
+            # accepted, and the calling thread takes every item.
+            break
     try:
         work()
     except BaseException as e:  # Ctrl-C outside fn (fn's own failures are recorded by work)

@@ -242,3 +242,32 @@ def test_a_save_stopped_by_destroy_process_group_says_so(tmp_path: Path) -> None
         assert "process group was destroyed while the save was in flight" in err, err
         assert repr(path) in err, err
     assert not os.path.exists(os.path.join(path, _format.METADATA_FILE))
+
+
+def _save_then_exit(path: str) -> None:
+    """A script's last save, not waited for; the ranks' plans estimate compressed sizes (zstd,
+    replicated tensors) on the shared executor."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    sd = {"w": torch.full((1 << 20,), 3.0), "v": torch.arange(1 << 20, dtype=torch.float32)}
+    pyckpt.async_save(sd, path, compression="zstd")
+
+
+def test_a_multi_rank_save_in_flight_completes_before_the_interpreter_exits(
+        tmp_path: Path) -> None:
+    # Before: the save thread's plan submitted to the shared executor after the interpreter's
+    # exit had begun, and the save failed ("cannot schedule new futures after interpreter
+    # shutdown") in a future nobody held: no checkpoint, exit status 0.
+    path = str(tmp_path / "c")
+    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": "2"}
+    ranks = [RankProcess(_save_then_exit, path, env=dict(env, RANK=str(r), LOCAL_RANK=str(r)))
+             for r in range(2)]
+    for p in ranks:
+        assert p.wait(120) == 0
+        p.stderr.close()
+        p.stdout.close()
+    dest = {"w": torch.zeros(1 << 20), "v": torch.zeros(1 << 20)}
+    pyckpt.load(dest, path)
+    assert torch.equal(dest["w"], torch.full((1 << 20,), 3.0))
+    assert torch.equal(dest["v"], torch.arange(1 << 20, dtype=torch.float32))
