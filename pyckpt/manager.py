@@ -235,21 +235,27 @@ class CheckpointManager(Saving, Restoring):
         self._raise_failure(f"pyckpt: step {step} was not saved (this save() raised a failure "
                             "of earlier background work instead; call save() again)")
         info = SaveInfo(step)
+        # No collective here but the budget's: the ranks learn each other's staging outcome in
+        # the background work's first agreement (a failure there fails every rank's future the
+        # same way, and every rank raises it at the same later call), so the caller waits only
+        # for the copies.
+        staged, error = None, None
+        try:
+            plain = _stateful.to_save(state)  # models and optimizers as their state dicts
+        except Exception as e:
+            plain, error = {}, e
         if self.tier is not None:
             assert self._fast_writer is not None
-            self._check_budget(state)
+            self._check_budget(plain)  # the tensors the save writes, a model's included
             writer, work = self._fast_writer, self._fast_save
         else:
             assert self._durable_writer is not None
             writer, work = self._durable_writer, self._durable_save
-        # No collective here: the ranks learn each other's staging outcome in the background
-        # work's first agreement (a failure there fails every rank's future the same way, and
-        # every rank raises it at the same later call), so the caller waits only for the copies.
-        staged, error = None, None
-        try:
-            staged = writer.stage(_stateful.to_save(state))
-        except Exception as e:
-            error = e
+        if error is None:
+            try:
+                staged = writer.stage(plain)
+            except Exception as e:
+                error = e
         fut = self._save_ex.submit(work, step, staged, error, info)
         info.blocking_s = time.perf_counter() - t0
         self._fast_future = fut

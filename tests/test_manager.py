@@ -326,6 +326,19 @@ def test_budget_refuses_a_save_before_writing(tmp_path: Path) -> None:
         assert 0 < mgr.footprint() <= 1 << 20
 
 
+def test_budget_counts_a_model_and_optimizer_given_as_objects(tmp_path: Path) -> None:
+    # {"model": model, "optim": optim} is the documented form; before, the check counted only
+    # the tensors it found directly in the state (none here) and wrote 7.5 MB over 100 kB.
+    model = torch.nn.Linear(300, 300)
+    optim = torch.optim.AdamW(model.parameters())
+    model(torch.ones(1, 300)).sum().backward()
+    optim.step()
+    with _mgr(tmp_path, local_budget_bytes=100_000) as mgr:
+        with pytest.raises(pyckpt.TierBudgetError, match="over local_budget_bytes=100000"):
+            mgr.save(0, {"model": model, "optim": optim, "step": 0})
+        assert mgr.footprint() == 0
+
+
 def test_failed_save_never_looks_complete_and_keeps_the_last_complete_step(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
