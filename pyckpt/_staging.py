@@ -293,6 +293,13 @@ class DeviceStaging:
                 self._groups[blk.address] = addresses
         return lease
 
+    def release_all(self) -> int:
+        """Releases every extent this owner staged and did not release yet (:meth:`release_regions`
+        of them all): for a driver whose save ended, whatever its outcome."""
+        with self._lock:
+            addresses = list(self._regions.keys())
+        return self.release_regions(addresses)
+
     def release_regions(self, addresses: Sequence[int]) -> int:
         """Returns to the process's free list every staged extent containing one of
         ``addresses``, with the other extents staged by the same call (no CUDA call).

@@ -326,6 +326,10 @@ def _save_staged(staged: Any, writer: Writer, group: Group,
                  check_replicas: bool | Literal["sample", "full"], progress: _progress.ProgressArg,
                  failed: BaseException | None) -> Metadata:
     path = writer.path
+    # The staged copy's memory goes back when the save ends: a successful write returns it
+    # already; a failed save's copy would stay leased as long as its exception (the traceback
+    # holds this frame) and the next save would allocate (page-lock) more.
+    staging = writer._native.made_staging()
     try:
         with _gc.paused(), peer_errors(group.pg, "pyckpt.async_save"), writer, \
                 _typed_errors(), _save_progress(progress, writer, group.pg):
@@ -343,6 +347,9 @@ def _save_staged(staged: Any, writer: Writer, group: Group,
             "dist.destroy_process_group())")
         logger.error("%s", lost)
         raise lost from e
+    finally:
+        if staging is not None:
+            staging.release_all()
 
 
 def load(

@@ -271,3 +271,21 @@ def test_a_multi_rank_save_in_flight_completes_before_the_interpreter_exits(
     pyckpt.load(dest, path)
     assert torch.equal(dest["w"], torch.full((1 << 20,), 3.0))
     assert torch.equal(dest["v"], torch.arange(1 << 20, dtype=torch.float32))
+
+
+def test_a_failed_save_returns_its_staging_memory(tmp_path: Path) -> None:
+    # Before, a failed save's staged copy stayed leased while its future lived (its exception's
+    # traceback holds the copy), so every later save allocated (page-locked) another extent.
+    from pyckpt import _pinned
+
+    _pinned._forget_for_tests()
+    (tmp_path / "file").write_text("")
+    sd = {"w": torch.randn(1 << 20)}
+    failed = []
+    for i in range(3):
+        failed.append(pyckpt.async_save(sd, tmp_path / "file" / "c"))  # not a directory
+        with pytest.raises(NotADirectoryError):
+            failed[-1].result(timeout=60)
+        pyckpt.async_save(sd, tmp_path / f"ok{i}").result(timeout=60)
+    stats = _pinned.pinned_stats()
+    assert (stats["extents"], stats["extents_in_use"]) == (1, 0), stats
