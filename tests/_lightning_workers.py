@@ -70,6 +70,14 @@ class Tiny(pl.LightningModule):
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.AdamW(self.parameters(), lr=1e-2)
 
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        # A user's tensor beside the model and optimizers: it must come back as saved.
+        checkpoint["extra"] = torch.arange(3.0) + self.current_epoch
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        extra = checkpoint["extra"]
+        self.loaded_extra = repr(extra) if extra.is_meta else extra.tolist()
+
 
 def trainer(strategy: Any, ckpt_dir: str | None, plugins: list[Any] | None = None) -> pl.Trainer:
     callbacks = [] if ckpt_dir is None else [
@@ -90,7 +98,8 @@ def run(make_strategy: Any, ckpt_dir: str, plugins: Any = None, parallel: bool =
     resumed = Tiny(parallel)
     again = trainer(make_strategy(), None, plugins() if plugins else None)
     again.fit(resumed, data(), ckpt_path=first)
-    out = {"full": full.losses, "resumed": resumed.losses, "first": first}
+    out = {"full": full.losses, "resumed": resumed.losses, "first": first,
+           "extra": getattr(resumed, "loaded_extra", None)}
     options = getattr(again.strategy, "writer_options", None)
     if options is not None:  # a pyckpt strategy: a save refused by the writer, as the user sees it
         options["overwrite"] = False

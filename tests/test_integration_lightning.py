@@ -76,6 +76,8 @@ def _check_resume(results: list[dict[str, Any]]) -> None:
         assert ours["resumed"] == ours["full"][steps:]
         assert ours["full"] == theirs["full"]
         assert ours["resumed"] == theirs["resumed"]
+        # A tensor the model put in the checkpoint (on_save_checkpoint) comes back as saved.
+        assert ours["extra"] == theirs["extra"] == [0.0, 1.0, 2.0]
         # The checkpoint went through pyckpt, not Lightning's writer.
         assert res["stored"]["pyckpt"] and not res["stored"]["meta_pt"]
 

@@ -20,9 +20,10 @@ directory loads as the previous or the new checkpoint, never a mixture):
   keys Lightning's own sharded checkpoints use), so ``pyckpt.load({"state_dict":
   model.state_dict()}, path)`` loads the weights without Lightning;
 * everything else (epoch, global_step, loops, callbacks, hparams, ...) as one non-tensor value
-  under ``"lightning"``: the ``torch.save`` bytes of that part of the dict (tensors in it
-  replaced by meta tensors), read back with ``torch.load(weights_only=...)`` as Lightning reads
-  its ``meta.pt``.
+  under ``"lightning"``: the ``torch.save`` bytes of that part of the dict (CheckpointIO: its
+  tensors replaced by meta tensors, stored at their dotted paths; the sharded strategies: its
+  tensors kept in it, as in Lightning's ``meta.pt``), read back with
+  ``torch.load(weights_only=...)`` as Lightning reads its ``meta.pt``.
 
 Resuming (``Trainer(...).fit(model, ckpt_path=path)``) reads a pyckpt checkpoint through pyckpt,
 and anything else (a Lightning checkpoint file or sharded directory) through Lightning's own
@@ -341,7 +342,10 @@ def _save_sharded(strategy: Any, checkpoint: dict[str, Any], filepath: Any, mode
     state: dict[str, Any] = {model_key: checkpoint.pop("state_dict")}
     for idx, optim_state in enumerate(checkpoint.pop("optimizer_states", [])):
         state[f"optimizer_{idx}"] = optim_state
-    state[_META_KEY] = _pickled(_split(checkpoint, (), {}))
+    # The rest whole, tensors included (callbacks' scores, a user's on_save_checkpoint
+    # tensors), as Lightning's own meta.pt holds it: they may differ between ranks, so they
+    # are not stored as (replicated) entries.
+    state[_META_KEY] = _pickled(checkpoint)
     pyckpt.save(state, path, **writer_options)
 
 
