@@ -134,6 +134,36 @@ def test_ddp_save_state_resume_bit_exact(tmp_path: Path) -> None:
     assert (tmp_path / "pyckpt" / "pyckpt_state" / "pyckpt.json").is_file()
 
 
+def _fresh_optimizer_worker(rank: int, world_size: int, tmp: str) -> dict[str, Any]:
+    """save_state before the first optimizer step (a step-0 checkpoint), then training on; and
+    a resume from that checkpoint."""
+    from accelerate import Accelerator
+
+    from pyckpt.integrations import accelerate as integ
+
+    acc = Accelerator(cpu=True)
+    out: dict[str, Any] = {}
+    model, opt, sched = _prepared(acc, seed=0)
+    out["straight"] = _train(acc, model, opt, sched, range(STEPS))
+    path = os.path.join(tmp, "step0")
+    with integ.install(acc):
+        model, opt, sched = _prepared(acc, seed=0)
+        acc.save_state(path)
+        out["saved_at_0"] = _train(acc, model, opt, sched, range(STEPS))
+        model, opt, sched = _prepared(acc, seed=1)
+        acc.load_state(path)
+        out["resumed_from_0"] = _train(acc, model, opt, sched, range(STEPS))
+    return out
+
+
+def test_save_state_before_the_first_step_leaves_the_optimizer_as_it_was(tmp_path: Path) -> None:
+    """The save must not step the optimizer (torch's get_optimizer_state_dict makes a fresh
+    optimizer's state with a step at lr 0: Adam's bias correction then counts one step more)."""
+    for r in run_distributed(_fresh_optimizer_worker, 2, str(tmp_path)):
+        assert r["saved_at_0"] == r["straight"]  # bit-exact: == on floats
+        assert r["resumed_from_0"] == r["straight"]
+
+
 def _fsdp2_worker(rank: int, world_size: int, tmp: str) -> dict[str, Any]:
     import accelerate.utils as au
     import torch

@@ -412,6 +412,28 @@ def _torch_optimizer(opt: Any) -> torch.optim.Optimizer:
     return inner
 
 
+def _optimizer_state(owner: Any, inner: torch.optim.Optimizer) -> Any:
+    """``get_optimizer_state_dict`` without its side effect on an optimizer that has not stepped
+    yet: torch makes its state with a step at lr 0, so Adam's step count would start at 1 before
+    the first real step and the run differ from one without the save. That state is dropped
+    again; the checkpoint holds none, as accelerate's ``optimizer.bin`` does."""
+    fresh = not inner.state
+    state = get_optimizer_state_dict(owner, inner)
+    if fresh and inner.state:
+        inner.state.clear()
+        state["state"] = {}
+    return state
+
+
+def _stored_moments(state: Any, key: str, stored: Any) -> Any:
+    """``state`` (a fresh optimizer's, moments for every parameter) without the parameters whose
+    moments the checkpoint does not hold under ``key``: all of them for an optimizer saved before
+    its first step. It loads without state, as with accelerate's ``optimizer.bin``."""
+    state["state"] = {fqn: moments for fqn, moments in state["state"].items()
+                      if any(f"{key}.state.{fqn}.{name}" in stored for name in moments)}
+    return state
+
+
 def save_accelerator_state(output_dir: Any, model_states: list[Any], optimizers: list[Any],
                            *args: Any, **kwargs: Any) -> Any:
     inst = _plain(_current.get(), model_states, optimizers)
@@ -422,7 +444,7 @@ def save_accelerator_state(output_dir: Any, model_states: list[Any], optimizers:
     state: dict[str, Any] = {_key("model", i): s for i, s in enumerate(model_states)}
     for i, opt in enumerate(optimizers):
         inner = _torch_optimizer(opt)
-        state[_key("optimizer", i)] = get_optimizer_state_dict(_owner(inner, models), inner)
+        state[_key("optimizer", i)] = _optimizer_state(_owner(inner, models), inner)
     inst.save(state, os.path.join(output_dir, STATE_DIR))
     return _ORIGINALS["save_accelerator_state"](output_dir, [], [], *args, **kwargs)
 
@@ -436,11 +458,13 @@ def load_accelerator_state(input_dir: Any, models: list[Any], optimizers: list[A
     owners = inst.accelerator._models
     state: dict[str, Any] = {_key("model", i): m.state_dict() for i, m in enumerate(models)}
     pairs = []
+    stored = pyckpt.Reader(path, cooperative=False).read_metadata().state_dict_metadata
     for i, opt in enumerate(optimizers):
         inner = _torch_optimizer(opt)
         owner = _owner(inner, owners)
         pairs.append((i, owner, inner))
-        state[_key("optimizer", i)] = get_optimizer_state_dict(owner, inner)  # creates moments
+        key = _key("optimizer", i)
+        state[key] = _stored_moments(get_optimizer_state_dict(owner, inner), key, stored)
     inst.load(state, path)
     for i, model in enumerate(models):
         model.load_state_dict(state[_key("model", i)])
