@@ -164,6 +164,53 @@ def test_save_state_before_the_first_step_leaves_the_optimizer_as_it_was(tmp_pat
         assert r["resumed_from_0"] == r["straight"]
 
 
+def _unused_parameter_worker(rank: int, world_size: int, tmp: str) -> dict[str, Any]:
+    """A model with a parameter that never gets a gradient (no optimizer state): saved at
+    SAVE_AT, resumed into fresh objects."""
+    import torch
+    from accelerate import Accelerator, DistributedDataParallelKwargs
+
+    from pyckpt.integrations import accelerate as integ
+
+    class WithUnused(torch.nn.Module):
+        def __init__(self, seed: int) -> None:
+            super().__init__()
+            self.net = _model(seed)
+            self.unused = torch.nn.Linear(3, 3)
+
+        def forward(self, x: Any) -> Any:
+            return self.net(x)
+
+    def prepared(seed: int) -> tuple[Any, Any, Any]:
+        acc.free_memory()
+        model = WithUnused(seed)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+        return acc.prepare(model, opt, sched)
+
+    acc = Accelerator(cpu=True, kwargs_handlers=[
+        DistributedDataParallelKwargs(find_unused_parameters=True)])
+    out: dict[str, Any] = {"straight": _train(acc, *prepared(0), range(STEPS))}
+    path = os.path.join(tmp, "ckpt")
+    with integ.install(acc):
+        model, opt, sched = prepared(0)
+        first = _train(acc, model, opt, sched, range(SAVE_AT))
+        acc.save_state(path)
+        model, opt, sched = prepared(1)
+        acc.load_state(path)
+        out["resumed"] = first + _train(acc, model, opt, sched, range(SAVE_AT, STEPS))
+        out["states"] = len(opt.optimizer.state)
+    return out
+
+
+def test_resume_with_a_parameter_that_has_no_optimizer_state(tmp_path: Path) -> None:
+    """A parameter without moments (it never had a gradient) resumes without them, as with
+    accelerate's own optimizer.bin; the load used to fail asking for its moments."""
+    for r in run_distributed(_unused_parameter_worker, 2, str(tmp_path)):
+        assert r["resumed"] == r["straight"]  # bit-exact: == on floats
+        assert r["states"] == 4  # the net's two weights and biases; none for `unused`
+
+
 def _fsdp2_worker(rank: int, world_size: int, tmp: str) -> dict[str, Any]:
     import accelerate.utils as au
     import torch

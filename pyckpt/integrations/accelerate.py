@@ -67,6 +67,7 @@ except ImportError as exc:  # pragma: no cover - exercised in a subprocess by th
 import torch
 from packaging.version import Version
 from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
     get_optimizer_state_dict,
     set_optimizer_state_dict,
 )
@@ -427,8 +428,9 @@ def _optimizer_state(owner: Any, inner: torch.optim.Optimizer) -> Any:
 
 def _stored_moments(state: Any, key: str, stored: Any) -> Any:
     """``state`` (a fresh optimizer's, moments for every parameter) without the parameters whose
-    moments the checkpoint does not hold under ``key``: all of them for an optimizer saved before
-    its first step. It loads without state, as with accelerate's ``optimizer.bin``."""
+    moments the checkpoint does not hold under ``key``: those that never had a gradient, and
+    all of them for an optimizer saved before its first step. They load without state, as with
+    accelerate's ``optimizer.bin``."""
     state["state"] = {fqn: moments for fqn, moments in state["state"].items()
                       if any(f"{key}.state.{fqn}.{name}" in stored for name in moments)}
     return state
@@ -468,8 +470,9 @@ def load_accelerator_state(input_dir: Any, models: list[Any], optimizers: list[A
     inst.load(state, path)
     for i, model in enumerate(models):
         model.load_state_dict(state[_key("model", i)])
-    for i, owner, inner in pairs:
-        set_optimizer_state_dict(owner, inner, state[_key("optimizer", i)])
+    for i, owner, inner in pairs:  # not strict: the parameters _stored_moments left out
+        set_optimizer_state_dict(owner, inner, state[_key("optimizer", i)],
+                                 options=StateDictOptions(strict=False))
     return _ORIGINALS["load_accelerator_state"](input_dir, [], [], *args, **kwargs)
 
 
