@@ -154,6 +154,27 @@ def test_checkpoint_io_errors_are_typed(tmp_path: Path) -> None:
         lightning_mod.PyckptCheckpointIO(compression="lz77")
 
 
+def test_checkpoint_io_replaces_lightnings_checkpoint_file(tmp_path: Path) -> None:
+    """A run moved onto pyckpt saves over Lightning's own ``last.ckpt`` file, as Lightning does
+    (it failed with NotADirectoryError); a failed save leaves the file as it was."""
+    from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
+
+    path = tmp_path / "last.ckpt"
+    TorchCheckpointIO().save_checkpoint({"state_dict": {"w": torch.zeros(2)}, "epoch": 0}, path)
+    io_ = lightning_mod.PyckptCheckpointIO()
+    with pytest.raises(pyckpt.UnsupportedDtypeError):
+        io_.save_checkpoint({"state_dict": {"w": torch.ones(2).to_sparse()}, "epoch": 1}, path)
+    assert path.is_file() and io_.load_checkpoint(path)["epoch"] == 0
+    with pytest.raises(FileExistsError):  # as onto a pyckpt checkpoint
+        lightning_mod.PyckptCheckpointIO(writer_options={"overwrite": False}).save_checkpoint(
+            {"state_dict": {"w": torch.ones(2)}, "epoch": 1}, path)
+    assert path.is_file()
+    io_.save_checkpoint({"state_dict": {"w": torch.ones(2)}, "epoch": 1}, path)
+    back = io_.load_checkpoint(path)
+    assert back["epoch"] == 1 and torch.equal(back["state_dict"]["w"], torch.ones(2))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt"]
+
+
 def test_version_outside_tested_range_warns_once(monkeypatch: pytest.MonkeyPatch) -> None:
     import lightning
 

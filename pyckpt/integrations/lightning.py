@@ -36,6 +36,7 @@ Tested with Lightning 2.6 (``pip install pyckpt[lightning]``); other versions wa
 from __future__ import annotations
 
 import contextlib
+import errno
 import io
 import os
 import shutil
@@ -237,6 +238,25 @@ def _writer_options(compression: str | None,
     return options
 
 
+@contextlib.contextmanager
+def _replacing_file(path: str) -> Iterator[None]:
+    """A checkpoint file at ``path`` (Lightning's own, e.g. ``last.ckpt`` of a run that moved onto
+    pyckpt) is replaced, as Lightning's ``TorchCheckpointIO`` replaces it: moved aside while the
+    checkpoint directory is written, removed once it is committed, put back if the save fails."""
+    if not os.path.isfile(path):
+        yield
+        return
+    aside = f"{path}.pyckpt-replaced"
+    os.replace(path, aside)
+    try:
+        yield
+    except BaseException:
+        if not os.path.lexists(path):
+            os.replace(aside, path)
+        raise
+    os.unlink(aside)
+
+
 class PyckptCheckpointIO(CheckpointIO):
     """A Lightning ``CheckpointIO`` writing each checkpoint as a pyckpt checkpoint directory.
 
@@ -265,10 +285,13 @@ class PyckptCheckpointIO(CheckpointIO):
                         storage_options: Any | None = None) -> None:
         """Writes ``checkpoint`` (Lightning's dict) to the directory ``path``.
 
+        A checkpoint file at ``path`` (Lightning's) is replaced by the directory, as Lightning
+        replaces it; it is left in place if the save fails.
+
         Raises:
             TypeError: ``storage_options`` was given (pass Writer options to the constructor).
             OSError, pyckpt.PyckptError: the writer's own error (e.g. ``FileExistsError`` with
-                ``overwrite=False``, ``NotADirectoryError`` when ``path`` is a file).
+                ``overwrite=False``, ``NotADirectoryError`` when ``path`` is under a file).
         """
         if storage_options is not None:
             raise TypeError("PyckptCheckpointIO.save_checkpoint(..., storage_options=...) is not "
@@ -277,7 +300,12 @@ class PyckptCheckpointIO(CheckpointIO):
         rest = _split(checkpoint, (), tensors)
         if _META_KEY in tensors:
             raise ValueError(f"the checkpoint holds a tensor named {_META_KEY!r}")
-        _save_local({**tensors, _META_KEY: _pickled(rest)}, os.fspath(path), self.writer_options)
+        path = os.fspath(path)
+        if not self.writer_options.get("overwrite", True) and os.path.isfile(path):
+            raise FileExistsError(errno.EEXIST, "a checkpoint file is there (overwrite=False)",
+                                  path)
+        with _replacing_file(path):
+            _save_local({**tensors, _META_KEY: _pickled(rest)}, path, self.writer_options)
 
     def load_checkpoint(self, path: Any, map_location: Any | None = None,
                         weights_only: bool | None = None) -> dict[str, Any]:
