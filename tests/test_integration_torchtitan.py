@@ -180,6 +180,45 @@ def test_keep_latest_k_hf_export_load_step_and_exclude(tmp_path: Any) -> None:
         assert torch.equal(got[name], tensor), name
 
 
+def _incomplete_worker(rank: int, world: int, tmp: str) -> dict[str, Any]:
+    """Step 4's save did not commit (no pyckpt.json): the latest load takes step 2, and
+    ``load_step=4`` fails with the reader's typed error."""
+    _quiet()
+    from _torchtitan_workers import Job
+
+    from pyckpt.integrations.torchtitan import PyckptCheckpointManager
+
+    config = PyckptCheckpointManager.Config(enable=True, folder="ckpt", interval=2,
+                                            keep_latest_k=0)
+    job = Job(config, tmp)
+    job.train(4)
+    job.close()
+    torch.distributed.barrier()
+    if rank == 0:
+        os.unlink(os.path.join(tmp, "ckpt", "step-4", "pyckpt.json"))
+    torch.distributed.barrier()
+    out: dict[str, Any] = {}
+    job = Job(config, tmp)
+    assert job.checkpointer.load()
+    out["latest"] = job.train_state.step
+    job.close()
+    job = Job(PyckptCheckpointManager.Config(enable=True, folder="ckpt", load_step=4), tmp)
+    try:
+        job.checkpointer.load(step=4)
+        out["step4"] = "loaded"
+    except BaseException as e:  # DCP's CheckpointException is a BaseException
+        out["step4"] = f"{type(e).__name__}: {e}"
+    job.close()
+    return out
+
+
+def test_an_incomplete_save_is_skipped_or_refused_typed(tmp_path: Any) -> None:
+    """It was read as DCP's format instead: CheckpointException naming DCP's .metadata."""
+    for r in run_distributed(_incomplete_worker, 2, str(tmp_path)):
+        assert r["latest"] == 2
+        assert r["step4"].startswith("FileNotFoundError") and "pyckpt.json" in r["step4"], r
+
+
 def _s3_worker(rank: int, world: int, tmp: str, url: str, env: dict[str, str]) -> dict[str, Any]:
     _quiet()
     os.environ.update(env)  # the server's endpoint and keys (ranks start from a forkserver)

@@ -184,6 +184,14 @@ def _is_pyckpt(checkpoint_id: str) -> bool:
     return filesystem.isfile(filesystem.join(checkpoint_id, _PYCKPT_METADATA))
 
 
+def _is_torchtitans(checkpoint_id: str) -> bool:
+    """Whether ``checkpoint_id`` holds a checkpoint torchtitan's own code reads: DCP's
+    (``.metadata``) or an HF export (its index). Anything else, an incomplete pyckpt save
+    included, is pyckpt's to read (and to refuse with its typed error)."""
+    return any(filesystem.isfile(filesystem.join(checkpoint_id, name))
+               for name in (".metadata", "model.safetensors.index.json"))
+
+
 def _is_step_checkpoint(path: str) -> bool:
     """Whether the step folder ``path`` holds a complete checkpoint of any kind torchtitan loads:
     pyckpt's, DCP's own (``.metadata``) or an HF export (its index)."""
@@ -372,7 +380,7 @@ class PyckptCheckpointManager(CheckpointManager):
             FileNotFoundError, pyckpt.ChecksumError, ...: as raised by the reader on the
                 lowest failing rank.
         """
-        if from_hf or not _is_pyckpt(checkpoint_id):
+        if from_hf or (not _is_pyckpt(checkpoint_id) and _is_torchtitans(checkpoint_id)):
             super().dcp_load(state_dict, checkpoint_id, from_hf, from_quantized)
             return
         group = coordination_arg()
