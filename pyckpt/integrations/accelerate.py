@@ -305,7 +305,7 @@ def save_fsdp_model(fsdp_plugin: Any, accelerator: Any, model: Any, output_dir: 
     with _fsdp_context(fsdp_plugin, model):
         state = _fsdp_utils._get_model_state_dict(
             model, adapter_only=adapter_only, sd_options=_fsdp_utils._prepare_sd_options(fsdp_plugin))
-        inst.save({"model": state}, os.path.join(output_dir, f"{FSDP_MODEL_NAME}_{model_index}"))
+        inst.save({"model": _main_process_buffers(state, set())}, os.path.join(output_dir, f"{FSDP_MODEL_NAME}_{model_index}"))
     return None
 
 
@@ -436,6 +436,21 @@ def _stored_moments(state: Any, key: str, stored: Any) -> Any:
     return state
 
 
+def _main_process_buffers(state: dict[str, Any], params: set[int]) -> dict[str, Any]:
+    """``state`` (a model's, held by every rank) whose plain tensors other than ``params`` (data
+    pointers) only the main process saves: the buffers (BatchNorm's running statistics, ...),
+    which DDP and FSDP leave to each rank between broadcasts, so the ranks' copies differ (and
+    pyckpt's replica check would refuse the save); accelerate saves the main process's. No
+    collective: a rank's save_state hooks may leave it other models than the main process's."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        return state
+    return {name: value for name, value in state.items()
+            if type(value) not in (torch.Tensor, torch.nn.Parameter)
+            or value.data_ptr() in params}
+
+
 def save_accelerator_state(output_dir: Any, model_states: list[Any], optimizers: list[Any],
                            *args: Any, **kwargs: Any) -> Any:
     inst = _plain(_current.get(), model_states, optimizers)
@@ -443,7 +458,9 @@ def save_accelerator_state(output_dir: Any, model_states: list[Any], optimizers:
         return _ORIGINALS["save_accelerator_state"](output_dir, model_states, optimizers,
                                                     *args, **kwargs)
     models = inst.accelerator._models
-    state: dict[str, Any] = {_key("model", i): s for i, s in enumerate(model_states)}
+    params = {p.data_ptr() for m in models for p in m.parameters()}
+    state: dict[str, Any] = {_key("model", i): _main_process_buffers(s, params)
+                             for i, s in enumerate(model_states)}
     for i, opt in enumerate(optimizers):
         inner = _torch_optimizer(opt)
         state[_key("optimizer", i)] = _optimizer_state(_owner(inner, models), inner)
