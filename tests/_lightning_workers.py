@@ -51,7 +51,9 @@ class Tiny(pl.LightningModule):
         self.save_hyperparameters()
         self.parallel = parallel
         torch.manual_seed(0)
-        self.net = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(),
+        # The sharded runs hold a BatchNorm: FSDP2 leaves its running statistics to each rank.
+        norm = [torch.nn.BatchNorm1d(32)] if parallel else []
+        self.net = torch.nn.Sequential(torch.nn.Linear(16, 32), *norm, torch.nn.Tanh(),
                                        torch.nn.Linear(32, 4))
         self.losses: list[float] = []
 

@@ -360,6 +360,17 @@ def _mapped(tensor: torch.Tensor, map_location: Any) -> torch.Tensor:
 # Sharded strategies (collective saves and loads on every rank).
 
 
+def _main_process_plain(state_dict: dict[str, Any]) -> dict[str, Any]:
+    """The model's state dict with its plain tensors (not sharded ones) saved by rank 0 only:
+    FSDP2 shards the parameters and leaves the buffers (BatchNorm's running statistics) to each
+    rank, which updates them with its own batches; pyckpt's replica check would refuse the save,
+    Lightning's saves one copy."""
+    if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
+        return state_dict
+    return {name: value for name, value in state_dict.items()
+            if type(value) not in (torch.Tensor, torch.nn.Parameter)}  # DTensor, ShardedTensor
+
+
 def _save_sharded(strategy: Any, checkpoint: dict[str, Any], filepath: Any, model_key: str,
                   writer_options: Mapping[str, Any]) -> None:
     path = os.fspath(strategy.broadcast(os.fspath(filepath)))
@@ -367,7 +378,7 @@ def _save_sharded(strategy: Any, checkpoint: dict[str, Any], filepath: Any, mode
         if strategy.global_rank == 0:
             os.unlink(path)
         strategy.barrier("pyckpt_lightning_unlink")
-    state: dict[str, Any] = {model_key: checkpoint.pop("state_dict")}
+    state: dict[str, Any] = {model_key: _main_process_plain(checkpoint.pop("state_dict"))}
     for idx, optim_state in enumerate(checkpoint.pop("optimizer_states", [])):
         state[f"optimizer_{idx}"] = optim_state
     # The rest whole, tensors included (callbacks' scores, a user's on_save_checkpoint
