@@ -313,6 +313,17 @@ def _fsdp2_worker(rank: int, world_size: int, tmp: str) -> dict[str, Any]:
     pyckpt.load({"model": full}, os.path.join(tmp, "pyckpt", "pytorch_model_fsdp_0"),
                 process_group=None)
     out["plain_nonzero"] = all(bool(t.abs().sum() > 0) for t in full.values())
+    # A save that did not commit (no pyckpt.json): pyckpt's typed error, not DCP's reader's.
+    torch.distributed.barrier()
+    if rank == 0:
+        os.unlink(os.path.join(tmp, "pyckpt", "pytorch_model_fsdp_0", "pyckpt.json"))
+    torch.distributed.barrier()
+    with integ.install(acc):
+        try:
+            au.load_fsdp_model(plugin, acc, model, os.path.join(tmp, "pyckpt"))
+            out["incomplete"] = "loaded"
+        except BaseException as e:  # DCP's CheckpointException is a BaseException
+            out["incomplete"] = f"{type(e).__name__}: {e}"
     return out
 
 
@@ -323,6 +334,8 @@ def test_fsdp2_functions_resume_bit_exact(tmp_path: Path) -> None:
         assert r["pyckpt"] == r["straight"], rank
         assert r["accelerate"] == r["straight"], rank
         assert r["plain_nonzero"], rank
+        assert r["incomplete"].startswith("FileNotFoundError"), r["incomplete"]
+        assert "pyckpt.json" in r["incomplete"]
     files = results[0]["files"]
     assert "pyckpt.json" in files["pyckpt"] and ".metadata" not in files["pyckpt"]
     assert ".metadata" in files["accelerate"] and "pyckpt.json" not in files["accelerate"]

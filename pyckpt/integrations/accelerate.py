@@ -294,6 +294,14 @@ def _is_pyckpt(path: Path) -> bool:
     return (path / _METADATA).is_file()
 
 
+def _accelerates(path: Path) -> bool:
+    """Whether the folder ``path`` is accelerate's to load: it holds no pyckpt checkpoint and is
+    not an incomplete pyckpt save (DCP's ``.metadata``, or no folder at all). An incomplete
+    pyckpt save is pyckpt's, refused with its typed error."""
+    return not _is_pyckpt(path) and ((path / ".metadata").is_file() or not path.is_dir()
+                                     or not any(path.iterdir()))
+
+
 # ---- FSDP (SHARDED_STATE_DICT) --------------------------------------------------------------
 
 def save_fsdp_model(fsdp_plugin: Any, accelerator: Any, model: Any, output_dir: Any,
@@ -313,7 +321,7 @@ def load_fsdp_model(fsdp_plugin: Any, accelerator: Any, model: Any, input_dir: A
                     model_index: int = 0, adapter_only: bool = False, use_dcp: bool = True) -> Any:
     inst = _installed(accelerator)
     path = _folder(input_dir, f"{FSDP_MODEL_NAME}_{model_index}")
-    if inst is None or not _sharded_dcp(fsdp_plugin, use_dcp) or not _is_pyckpt(path):
+    if inst is None or not _sharded_dcp(fsdp_plugin, use_dcp) or _accelerates(path):
         return _ORIGINALS["load_fsdp_model"](fsdp_plugin, accelerator, model, input_dir,
                                              model_index, adapter_only, use_dcp)
     accelerator.wait_for_everyone()
@@ -357,7 +365,7 @@ def load_fsdp_optimizer(fsdp_plugin: Any, accelerator: Any, optimizer: Any, mode
 
     inst = _installed(accelerator)
     path = _folder(input_dir, f"{OPTIMIZER_NAME}_{optimizer_index}")
-    if inst is None or not _sharded_dcp(fsdp_plugin, use_dcp) or not _is_pyckpt(path):
+    if inst is None or not _sharded_dcp(fsdp_plugin, use_dcp) or _accelerates(path):
         return _ORIGINALS["load_fsdp_optimizer"](fsdp_plugin, accelerator, optimizer, model,
                                                  input_dir, optimizer_index, adapter_only,
                                                  use_dcp)
