@@ -14,6 +14,7 @@ Every optimizer is paired with the module of the state that holds all its parame
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -27,7 +28,8 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.checkpoint.stateful import Stateful
 
-__all__ = ["FreshOptimizerState", "has_objects", "optimizer_state", "to_save", "to_load"]
+__all__ = ["FreshOptimizerState", "has_objects", "optimizer_state", "set_optimizer_state",
+           "to_save", "to_load"]
 
 
 def has_objects(state: Any) -> bool:
@@ -70,14 +72,16 @@ def to_save(state: Any, fresh_moments: bool = False) -> Any:
 
 
 def optimizer_state(owner: torch.nn.Module, optim: torch.optim.Optimizer,
-                    fresh_moments: bool = False) -> dict[str, Any]:
+                    fresh_moments: bool = False,
+                    options: StateDictOptions | None = None) -> dict[str, Any]:
     """``get_optimizer_state_dict(owner, optim)`` without its side effect on an optimizer that
     has not stepped: torch makes that optimizer's state by a step at lr 0, so Adam's step count
     would start at 1 before the first real step and the training differ from one without the
     save. That state is dropped again and the result holds none, as ``optim.state_dict()``
-    does; ``fresh_moments``: keep both (what a load fills, :class:`FreshOptimizerState`)."""
+    does; ``fresh_moments``: keep both (what a load fills, :class:`FreshOptimizerState`).
+    ``options``: as for ``get_optimizer_state_dict``."""
     fresh = not optim.state
-    state = get_optimizer_state_dict(owner, optim)
+    state = get_optimizer_state_dict(owner, optim, options=options)
     if fresh_moments and fresh:
         return FreshOptimizerState(state)
     if fresh and optim.state:
@@ -124,16 +128,21 @@ def to_load(state: Any) -> tuple[Any, Callable[[], None]]:
                 set_model_state_dict(value, dest[key])
         for key, value in state.items():
             if isinstance(value, torch.optim.Optimizer):
-                loaded, options = dest[key], None
-                if isinstance(loaded, FreshOptimizerState) and loaded.absent:
-                    loaded = {**loaded, "state": {fqn: m for fqn, m in loaded["state"].items()
-                                                  if fqn not in loaded.absent}}
-                    options = StateDictOptions(strict=False)  # parameters without state
-                set_optimizer_state_dict(_owner(key, value, modules), value, loaded,
-                                         options=options)
+                set_optimizer_state(_owner(key, value, modules), value, dest[key])
             elif isinstance(value, Stateful) and not isinstance(value, torch.nn.Module):
                 value.load_state_dict(dest[key])
             elif not isinstance(value, torch.nn.Module):
                 state[key] = dest[key]  # a value DCP replaced (an int, a string)
 
     return dest, apply
+
+
+def set_optimizer_state(owner: torch.nn.Module, optim: torch.optim.Optimizer, loaded: Any,
+                        options: StateDictOptions | None = None) -> None:
+    """``set_optimizer_state_dict(owner, optim, loaded)``; for a :class:`FreshOptimizerState`,
+    the parameters whose moments the checkpoint did not hold are left without state."""
+    if isinstance(loaded, FreshOptimizerState) and loaded.absent:
+        loaded = {**loaded, "state": {fqn: m for fqn, m in loaded["state"].items()
+                                      if fqn not in loaded.absent}}
+        options = dataclasses.replace(options or StateDictOptions(), strict=False)
+    set_optimizer_state_dict(owner, optim, loaded, options=options)

@@ -93,7 +93,8 @@ def test_transformers_loads_the_export_not_an_earlier_save_pretrained(tmp_path):
         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=16,
         tie_word_embeddings=False,
     )
-    untrained, trained = transformers.LlamaForCausalLM(config), transformers.LlamaForCausalLM(config)
+    untrained = transformers.LlamaForCausalLM(config)
+    trained = transformers.LlamaForCausalLM(config)
     dst = tmp_path / "hf"
     untrained.save_pretrained(dst)  # config.json and model.safetensors
     src = _save(tmp_path / "src", {"model": trained.state_dict()})
@@ -144,7 +145,8 @@ def test_model_safetensors_as_one_of_several_files_is_refused(tmp_path):
     """``from_pretrained`` loads ``model.safetensors`` alone when it exists, ignoring the index:
     the tensors of every other file would be newly initialised, not loaded."""
     src = _save(tmp_path / "src", _state(1.0))
-    mapping = {n: "model.safetensors" if n < "layers.3" else "rest.safetensors" for n in _state(0.0)}
+    mapping = {n: "model.safetensors" if n < "layers.3" else "rest.safetensors"
+               for n in _state(0.0)}
     with pytest.raises(ValueError, match="model.safetensors.*from_pretrained"):
         _export(src, tmp_path / "hf", fqn_to_file=mapping)
     assert not (tmp_path / "hf").exists()

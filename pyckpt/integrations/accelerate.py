@@ -66,13 +66,9 @@ except ImportError as exc:  # pragma: no cover - exercised in a subprocess by th
 
 import torch
 from packaging.version import Version
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_optimizer_state_dict,
-    set_optimizer_state_dict,
-)
 
 import pyckpt
+from pyckpt import _stateful
 
 __all__ = ["install", "Installation", "UntestedVersionWarning", "TESTED_VERSIONS",
            "STATE_DIR"]
@@ -312,8 +308,10 @@ def save_fsdp_model(fsdp_plugin: Any, accelerator: Any, model: Any, output_dir: 
                                              model_index, adapter_only, use_dcp)
     with _fsdp_context(fsdp_plugin, model):
         state = _fsdp_utils._get_model_state_dict(
-            model, adapter_only=adapter_only, sd_options=_fsdp_utils._prepare_sd_options(fsdp_plugin))
-        inst.save({"model": _main_process_buffers(state, set())}, os.path.join(output_dir, f"{FSDP_MODEL_NAME}_{model_index}"))
+            model, adapter_only=adapter_only,
+            sd_options=_fsdp_utils._prepare_sd_options(fsdp_plugin))
+        inst.save({"model": _main_process_buffers(state, set())},
+                  os.path.join(output_dir, f"{FSDP_MODEL_NAME}_{model_index}"))
     return None
 
 
@@ -336,12 +334,13 @@ def load_fsdp_model(fsdp_plugin: Any, accelerator: Any, model: Any, input_dir: A
     return result
 
 
-def _fsdp_optim_state(fsdp_plugin: Any, model: Any, optimizer: Any) -> Any:
+def _fsdp_optim_state(fsdp_plugin: Any, model: Any, optimizer: Any,
+                      load: bool = False) -> Any:
     from torch.distributed.fsdp.fully_sharded_data_parallel import FullyShardedDataParallel as FSDP
 
-    if fsdp_plugin.fsdp_version == 2:
-        return get_optimizer_state_dict(
-            model, optimizer, options=_fsdp_utils._prepare_sd_options(fsdp_plugin))
+    if fsdp_plugin.fsdp_version == 2:  # an optimizer that has not stepped is left as it was
+        return _stateful.optimizer_state(model, optimizer, fresh_moments=load,
+                                         options=_fsdp_utils._prepare_sd_options(fsdp_plugin))
     return FSDP.optim_state_dict(model, optimizer)
 
 
@@ -373,14 +372,14 @@ def load_fsdp_optimizer(fsdp_plugin: Any, accelerator: Any, optimizer: Any, mode
     with _fsdp_context(fsdp_plugin, model):
         # The optimizer's state as the save made it: created here for a fresh optimizer, so the
         # load asks for every moment.
-        state = {"optimizer": _fsdp_optim_state(fsdp_plugin, model, optimizer)}
+        state = {"optimizer": _fsdp_optim_state(fsdp_plugin, model, optimizer, load=True)}
         inst.load(state, path)
         if fsdp_plugin.fsdp_version == 1:
             optimizer.load_state_dict(FSDP.optim_state_dict_to_load(
                 model=model, optim=optimizer, optim_state_dict=state["optimizer"]))
         else:
-            set_optimizer_state_dict(model, optimizer, state["optimizer"],
-                                     options=_fsdp_utils._prepare_sd_options(fsdp_plugin))
+            _stateful.set_optimizer_state(model, optimizer, state["optimizer"],
+                                          options=_fsdp_utils._prepare_sd_options(fsdp_plugin))
     accelerator.wait_for_everyone()
     return None
 
@@ -421,29 +420,6 @@ def _torch_optimizer(opt: Any) -> torch.optim.Optimizer:
     return inner
 
 
-def _optimizer_state(owner: Any, inner: torch.optim.Optimizer) -> Any:
-    """``get_optimizer_state_dict`` without its side effect on an optimizer that has not stepped
-    yet: torch makes its state with a step at lr 0, so Adam's step count would start at 1 before
-    the first real step and the run differ from one without the save. That state is dropped
-    again; the checkpoint holds none, as accelerate's ``optimizer.bin`` does."""
-    fresh = not inner.state
-    state = get_optimizer_state_dict(owner, inner)
-    if fresh and inner.state:
-        inner.state.clear()
-        state["state"] = {}
-    return state
-
-
-def _stored_moments(state: Any, key: str, stored: Any) -> Any:
-    """``state`` (a fresh optimizer's, moments for every parameter) without the parameters whose
-    moments the checkpoint does not hold under ``key``: those that never had a gradient, and
-    all of them for an optimizer saved before its first step. They load without state, as with
-    accelerate's ``optimizer.bin``."""
-    state["state"] = {fqn: moments for fqn, moments in state["state"].items()
-                      if any(f"{key}.state.{fqn}.{name}" in stored for name in moments)}
-    return state
-
-
 def _main_process_buffers(state: dict[str, Any], params: set[int]) -> dict[str, Any]:
     """``state`` (a model's, held by every rank) whose plain tensors other than ``params`` (data
     pointers) only the main process saves: the buffers (BatchNorm's running statistics, ...),
@@ -471,7 +447,7 @@ def save_accelerator_state(output_dir: Any, model_states: list[Any], optimizers:
                              for i, s in enumerate(model_states)}
     for i, opt in enumerate(optimizers):
         inner = _torch_optimizer(opt)
-        state[_key("optimizer", i)] = _optimizer_state(_owner(inner, models), inner)
+        state[_key("optimizer", i)] = _stateful.optimizer_state(_owner(inner, models), inner)
     inst.save(state, os.path.join(output_dir, STATE_DIR))
     return _ORIGINALS["save_accelerator_state"](output_dir, [], [], *args, **kwargs)
 
@@ -485,19 +461,17 @@ def load_accelerator_state(input_dir: Any, models: list[Any], optimizers: list[A
     owners = inst.accelerator._models
     state: dict[str, Any] = {_key("model", i): m.state_dict() for i, m in enumerate(models)}
     pairs = []
-    stored = pyckpt.Reader(path, cooperative=False).read_metadata().state_dict_metadata
     for i, opt in enumerate(optimizers):
         inner = _torch_optimizer(opt)
         owner = _owner(inner, owners)
         pairs.append((i, owner, inner))
-        key = _key("optimizer", i)
-        state[key] = _stored_moments(get_optimizer_state_dict(owner, inner), key, stored)
+        # a fresh optimizer's moments: the load asks for those the checkpoint holds
+        state[_key("optimizer", i)] = _stateful.optimizer_state(owner, inner, fresh_moments=True)
     inst.load(state, path)
     for i, model in enumerate(models):
         model.load_state_dict(state[_key("model", i)])
-    for i, owner, inner in pairs:  # not strict: the parameters _stored_moments left out
-        set_optimizer_state_dict(owner, inner, state[_key("optimizer", i)],
-                                 options=StateDictOptions(strict=False))
+    for i, owner, inner in pairs:
+        _stateful.set_optimizer_state(owner, inner, state[_key("optimizer", i)])
     return _ORIGINALS["load_accelerator_state"](input_dir, [], [], *args, **kwargs)
 
 
