@@ -192,9 +192,10 @@ class CheckpointManager(Saving, Restoring):
         ``force``). ``state`` is a state dict whose top-level values may be the model and
         optimizer themselves (``{"model": model, "optim": optim, "step": step}``): they are
         saved through ``torch.distributed.checkpoint.state_dict`` (see :func:`pyckpt.save`),
-        which is what :meth:`restore` loads them through. Returns once the state is staged (copied; training may go on), with a future
-        that completes (with ``step``) when the step is complete in the fast tier (or, without
-        one, in the durable tier). Returns None for a step that is not due.
+        which is what :meth:`restore` loads them through. Returns once the state is staged
+        (copied; training may go on), with a future that completes (with ``step``) when the
+        step is complete in the fast tier (or, without one, in the durable tier). Returns None
+        for a step that is not due.
 
         A save first waits for the previous one's fast-tier work, never for the durable tier:
         when a persistence is still running (a slow or unreachable store) as a newer step
@@ -235,6 +236,14 @@ class CheckpointManager(Saving, Restoring):
         self._raise_failure(f"pyckpt: step {step} was not saved (this save() raised a failure "
                             "of earlier background work instead; call save() again)")
         info = SaveInfo(step)
+        tier = self.tier
+        newer = [s for s in tier.steps() if s > step] if tier is not None else []
+        if tier is not None and newer:  # a run restarted from an older step, not restore()d
+            warnings.warn(TierWarning(
+                f"pyckpt: saving step {step} while the fast tier {tier.root!r} holds newer "
+                f"steps {newer[:5]} of an earlier run: restore() returns the newest step; "
+                "roll back with restore(state, step=...), which deletes the newer steps"),
+                stacklevel=2)
         # No collective here but the budget's: the ranks learn each other's staging outcome in
         # the background work's first agreement (a failure there fails every rank's future the
         # same way, and every rank raises it at the same later call), so the caller waits only
@@ -262,9 +271,17 @@ class CheckpointManager(Saving, Restoring):
         return fut
 
     @peer_typed("_group", "CheckpointManager.restore")
-    def restore(self, state: Any, *, allow_partial: bool = False) -> int | None:
+    def restore(self, state: Any, *, step: int | None = None,
+                allow_partial: bool = False) -> int | None:
         """Loads the newest step complete in any tier into ``state`` (in place); returns the
         step, or None when no tier holds a complete step.
+
+        ``step``: roll the job back to this step instead (after a loss spike, say): it is
+        loaded as above, from whichever tier holds it complete, and once it is loaded every
+        newer step is deleted from both tiers, so that a later restore does not return the
+        abandoned run's steps. :class:`FileNotFoundError` when no tier holds it complete
+        (nothing is deleted then). To read an older step without rolling back, load
+        ``pyckpt.load(state, mgr.store.step_location(step))``.
 
         ``state`` is what :meth:`save` was given: a state dict whose top-level models and
         optimizers (``{"model": model, "optim": optim, "step": 0}``) are loaded through
@@ -296,6 +313,7 @@ class CheckpointManager(Saving, Restoring):
         Raises:
             JobMismatchError: the durable tier belongs to another job (see ``job``).
             PartialLoadError: see above.
+            FileNotFoundError: ``step`` is complete in no tier.
         """
         self._check_open()
         self._drain()
@@ -311,6 +329,9 @@ class CheckpointManager(Saving, Restoring):
                 "fast-tier step (a newer durable step may exist)"), stacklevel=2)
         failed: set[int] = set()  # fast-tier steps that could not be loaded whole
         while True:
+            if step is not None:  # a rollback: that step or nothing
+                fast = {s: v for s, v in fast.items() if s == step}
+                durable_steps = [s for s in durable_steps if s == step]
             best_fast = max(fast) if fast else None
             best_durable = durable_steps[-1] if durable_steps else None
             if best_fast is None and unlisted is not None:
@@ -319,6 +340,11 @@ class CheckpointManager(Saving, Restoring):
                 continue
             if best_fast is None and best_durable is None:
                 self.last_restore = RestoreInfo(None, fast_tier_lacked=lacked, skipped=skipped)
+                if step is not None:
+                    raise FileNotFoundError(
+                        f"pyckpt: step {step} is complete in no tier (fast tier "
+                        f"{self.tier.root if self.tier is not None else 'none'}, durable tier "
+                        f"{self.store.url}); nothing was loaded or deleted")
                 return None
             if best_fast is not None and (best_durable is None or best_fast >= best_durable):
                 if fast[best_fast].note is not None:
@@ -355,7 +381,7 @@ class CheckpointManager(Saving, Restoring):
             break
         info.skipped[:0] = skipped
         apply()
-        self._drop_newer(info.step)
+        self._drop_newer(info.step, durable=step is not None)
         self.last_restore = info
         return info.step
 
@@ -374,8 +400,8 @@ class CheckpointManager(Saving, Restoring):
 
     def close(self) -> None:
         """Waits for the work in flight (raising the failures not raised yet, as :meth:`wait`),
-        then releases the threads and buffers. Idempotent. (The manager's gloo groups stay for later managers over the same
-        ranks; they end with the default process group.)"""
+        then releases the threads and buffers. Idempotent. (The manager's gloo groups stay for
+        later managers over the same ranks; they end with the default process group.)"""
         if self._closed:
             return
         try:

@@ -658,6 +658,51 @@ def test_nothing_to_restore(tmp_path: Path) -> None:
         assert sd["meta"] == {"step": -1}
 
 
+@pytest.mark.parametrize("back_to", [8, 4])  # in the fast tier; in the durable tier only
+def test_a_rollback_deletes_the_newer_steps_so_a_later_restore_resumes_the_new_run(
+        tmp_path: Path, back_to: int) -> None:
+    with _mgr(tmp_path, keep_local=3, keep_durable=3) as mgr:
+        _train(mgr, range(13))
+        assert mgr.steps() == {"local": [8, 10, 12], "durable": [4, 8, 12]}
+        sd = _state(0, zeros=True)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", pyckpt.TierWarning)  # step 4: from the durable tier
+            assert mgr.restore(sd, step=back_to) == back_to
+        assert _same(sd, _state(back_to))
+        assert mgr.steps() == {"local": [back_to] if back_to == 8 else [],
+                               "durable": [s for s in (4, 8) if s <= back_to]}
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", pyckpt.TierWarning)  # no newer step is left
+            fut = mgr.save(back_to + 2, _state(1000 + back_to))  # the new run's own state
+            assert fut is not None and fut.result(timeout=120) == back_to + 2
+        mgr.wait()
+    with _mgr(tmp_path, keep_local=3, keep_durable=3) as mgr:  # a restart: the new run's step
+        sd = _state(0, zeros=True)
+        assert mgr.restore(sd) == back_to + 2
+        assert _same(sd, _state(1000 + back_to))
+
+
+def test_a_rollback_to_a_step_no_tier_holds_deletes_nothing(tmp_path: Path) -> None:
+    with _mgr(tmp_path) as mgr:
+        _train(mgr, range(9))
+        before = _tree(tmp_path)
+        with pytest.raises(FileNotFoundError, match="step 5 is complete in no tier"):
+            mgr.restore(_state(0, zeros=True), step=5)
+        assert _tree(tmp_path) == before
+
+
+def test_saving_below_the_steps_of_an_earlier_run_warns(tmp_path: Path) -> None:
+    """A run restarted from an older step without restore(step=...) (loaded by hand, say):
+    restore() would return the earlier run's newer steps; the save says so."""
+    with _mgr(tmp_path) as mgr:
+        _train(mgr, range(9))
+    with _mgr(tmp_path) as mgr:
+        with pytest.warns(pyckpt.TierWarning, match=r"holds newer steps \[6, 8\]"):
+            fut = mgr.save(4, _state(104))
+        assert fut is not None and fut.result(timeout=120) == 4
+        mgr.wait()
+
+
 @pytest.mark.parametrize("kw", [{"replicas": 1}, {"keep_local": 0}, {"save_every": 0},
                                 {"replicas": -1}, {"local_budget_bytes": -1}])
 def test_invalid_arguments(tmp_path: Path, kw: dict[str, Any]) -> None:

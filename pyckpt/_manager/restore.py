@@ -273,11 +273,22 @@ class Restoring(ManagerBase):
         self._node_local_load(state, step, info, allow_partial)
         return info
 
-    def _drop_newer(self, step: int | None) -> None:
+    def _drop_newer(self, step: int | None, durable: bool = False) -> None:
         """After a restore of ``step``: deletes this node's fast-tier steps newer than it (they
-        are incomplete; the training will save those steps again)."""
+        are incomplete, or of a run rolled back; the training will save those steps again);
+        ``durable``: a rollback, the durable tier's newer steps too (rank 0)."""
         tier = self.tier
-        if tier is None or step is None:
+        if step is None:
+            return
+        if durable:
+            def drop_durable() -> None:
+                for s in self.store.list_steps():
+                    if s > step:
+                        self.store.remove(s)
+
+            agree(drop_durable, self._group, ranks="root",
+                  what=f"deleting the durable steps newer than step {step}")
+        if tier is None:
             return
 
         def drop() -> None:
@@ -286,4 +297,4 @@ class Restoring(ManagerBase):
                     if s > step:
                         tier.remove(s)
 
-        agree(drop, self._group, what="deleting incomplete fast-tier steps")
+        agree(drop, self._group, what="deleting fast-tier steps newer than the one restored")
