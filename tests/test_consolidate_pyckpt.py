@@ -359,3 +359,26 @@ def test_dtensor_shards_two_ranks_and_one_process(tmp_path):
         res = pyckpt.consolidate(src, tmp_path / f"dst1-{comp}", fsync=False, threads=2)
         assert res.total_bytes == total
         _check(res.index_path, full)
+
+
+def test_an_export_after_async_save_sees_what_it_commits(tmp_path, monkeypatch):
+    """As pyckpt.load does, an export first waits for this process's async save in flight;
+    before, an export of a directory being saved again read the checkpoint it replaced."""
+    import time
+
+    from safetensors.torch import load_file
+
+    path = tmp_path / "ck"
+    pyckpt.save({"w": torch.zeros(64, 8)}, path)
+    finish = pyckpt.Writer.finish
+
+    def slow_finish(self, *args, **kwargs):
+        time.sleep(1.0)  # the commit comes after the export has started
+        return finish(self, *args, **kwargs)
+
+    monkeypatch.setattr(pyckpt.Writer, "finish", slow_finish)
+    fut = pyckpt.async_save({"w": torch.ones(64, 8)}, path)
+    pyckpt.consolidate(path, tmp_path / "hf")
+    fut.result()
+    exported = load_file(str(tmp_path / "hf" / "model-00001-of-00001.safetensors"))
+    assert torch.equal(exported["w"], torch.ones(64, 8))

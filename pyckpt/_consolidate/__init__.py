@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import sys
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -196,7 +197,8 @@ def consolidate(
     bounded by ``threads`` x 2 x 16 MiB, or ``threads`` x 2 chunks for pyckpt inputs); rank 0
     writes the index under a temp name while the others finish, and the last rank, once every
     share is in, fsyncs, renames and publishes the index. Processes outside the group must not
-    call it. After ``dcp.async_save``, wait for the returned future
+    call it. It first waits for this process's :func:`pyckpt.async_save` in flight, as
+    :func:`pyckpt.load` does; after ``dcp.async_save``, wait for the returned future
     (``fut.result()``) on every rank before consolidating its output.
 
     Args:
@@ -270,6 +272,9 @@ def consolidate(
         FileNotFoundError / OSError: I/O failures, with the file name.
         ValueError: bad arguments.
     """
+    api = sys.modules.get("pyckpt.api")  # imported by any process that made an async save
+    if api is not None:
+        api._settle_async()  # as pyckpt.load: an export after an async save sees its commit
     # progress=True: one view for the job (see _progress). The scanned metadata, the plan and
     # the stitcher's items (per tensor, chunk and shard) all live until the call returns: no
     # collection during it frees any of them (pyckpt._gc).
