@@ -22,7 +22,12 @@ from pyckpt import _background, _stateful
 from pyckpt._collective import agree, all_gather
 from pyckpt._manager.groups import own_group, peer_typed
 from pyckpt._manager.info import RestoreInfo, SaveInfo, local_path, node_identity
-from pyckpt._manager.restore import DURABLE_LIST_DEADLINE_S, Restoring, damaged
+from pyckpt._manager.restore import (
+    DURABLE_LIST_DEADLINE_S,
+    Restoring,
+    damaged,
+    lost_or_damaged,
+)
 from pyckpt._manager.save import Saving
 from pyckpt._replicate import DEFAULT_WINDOW, node_order, ring_targets
 from pyckpt._tier_io import DurableTier, LocalTier
@@ -328,6 +333,7 @@ class CheckpointManager(Saving, Restoring):
                 f"{DURABLE_LIST_DEADLINE_S:g} s ({unlisted}); restoring the newest complete "
                 "fast-tier step (a newer durable step may exist)"), stacklevel=2)
         failed: set[int] = set()  # fast-tier steps that could not be loaded whole
+        first_error: BaseException | None = None  # of a durable step that could not be loaded
         while True:
             if step is not None:  # a rollback: that step or nothing
                 fast = {s: v for s, v in fast.items() if s == step}
@@ -340,6 +346,8 @@ class CheckpointManager(Saving, Restoring):
                 continue
             if best_fast is None and best_durable is None:
                 self.last_restore = RestoreInfo(None, fast_tier_lacked=lacked, skipped=skipped)
+                if first_error is not None:  # never None: the training would start over
+                    raise first_error
                 if step is not None:
                     raise FileNotFoundError(
                         f"pyckpt: step {step} is complete in no tier (fast tier "
@@ -376,7 +384,20 @@ class CheckpointManager(Saving, Restoring):
                     warnings.warn(TierWarning(
                         f"pyckpt: restoring step {best_durable} from the durable tier "
                         f"{self.store.step_location(best_durable)}: {lacked}"), stacklevel=2)
-                info = self._load_durable(dest, best_durable, all_views, allow_partial)
+                try:
+                    info = self._load_durable(dest, best_durable, all_views, allow_partial)
+                except Exception as e:
+                    if not lost_or_damaged(e):
+                        raise
+                    # A store that lost a file, bit rot: the next older complete step (the
+                    # copy is left as it is); the first error if none loads.
+                    first_error = first_error or e
+                    skipped.append(f"durable step {best_durable} could not be loaded: "
+                                   f"{type(e).__name__}: {e}")
+                    warnings.warn(TierWarning(f"pyckpt: restoring {skipped[-1]}; trying the "
+                                              "next source"), stacklevel=2)
+                    durable_steps = [s for s in durable_steps if s != best_durable]
+                    continue
                 info.fast_tier_lacked = lacked if self.tier is not None else None
             break
         info.skipped[:0] = skipped

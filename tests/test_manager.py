@@ -611,6 +611,52 @@ def test_durable_only_manager(tmp_path: Path) -> None:
         assert _same(sd, _state(9))
 
 
+@pytest.mark.parametrize("fast", [False, True])
+@pytest.mark.parametrize("damage", ["missing", "flipped"])
+def test_a_damaged_durable_step_falls_back_to_the_next_older_one(
+        tmp_path: Path, fast: bool, damage: str) -> None:
+    """A durable step with a data file lost or damaged (a store that lost an object, bit rot)
+    is skipped with a TierWarning for the next older complete step; every step damaged: the
+    first step's error, never None (a training would start over)."""
+    kw: dict[str, Any] = dict(save_every=3, persist_every=3, keep_durable=3, fsync=False)
+    if fast:
+        kw.update(local=tmp_path / "local", replicas=0, keep_local=1)
+
+    def mgr() -> pyckpt.CheckpointManager:
+        return pyckpt.CheckpointManager(tmp_path / "durable", **kw)
+
+    with mgr() as m:
+        _train(m, range(10))
+    assert _committed(tmp_path) == [3, 6, 9]
+    if fast:
+        shutil.rmtree(tmp_path / "local")  # every node lost: the durable tier is all there is
+
+    def hurt(step: int) -> None:
+        files = sorted((tmp_path / "durable" / f"step-{step}").glob("*.pyckpt"))
+        if damage == "missing":
+            files[0].unlink()
+        else:
+            _damage(files[0], "flip")
+
+    hurt(9)
+    with mgr() as m:
+        sd = _state(0, zeros=True)
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            assert m.restore(sd) == 6
+        assert _same(sd, _state(6))
+        assert any("restoring durable step 9 could not be loaded" in str(w.message)
+                   for w in seen)
+        assert m.last_restore is not None
+        assert any("durable step 9" in s for s in m.last_restore.skipped)
+    hurt(6)
+    hurt(3)
+    error = FileNotFoundError if damage == "missing" else pyckpt.CheckpointFormatError
+    with mgr() as m, warnings.catch_warnings(), pytest.raises(error, match="step-9"):
+        warnings.simplefilter("ignore", pyckpt.TierWarning)
+        m.restore(_state(0, zeros=True))
+
+
 def test_memory_durable_tier(tmp_path: Path) -> None:
     """Any backend is a durable tier (here memory://): persistence, retention, a full restart
     restored from it with the warning, and a durable-only manager."""

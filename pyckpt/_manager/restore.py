@@ -41,6 +41,14 @@ def damaged(exc: BaseException) -> bool:
     return find_error(exc, (CheckpointFormatError, CompressionError, OSError)) is not None
 
 
+def lost_or_damaged(exc: BaseException) -> bool:
+    """Whether a failed durable load says that copy of the step is lost or damaged (a missing
+    file, a checksum or format error), rather than the store being out of reach (a network
+    error: an older step of the same store would fail alike, so it is raised)."""
+    return find_error(exc, (CheckpointFormatError, CompressionError, FileNotFoundError,
+                            IsADirectoryError, NotADirectoryError)) is not None
+
+
 @dataclass
 class _FastStep:
     save_id: str
