@@ -75,7 +75,7 @@ from pyckpt._replicas import (
     check_replica_digests,
     replica_digests,
 )
-from pyckpt._stored_size import Encoding, stored_sizes
+from pyckpt._stored_size import Encoding, WriterMeta, stored_sizes
 
 __all__ = [
     "SPLIT_ALIGNMENT",
@@ -191,7 +191,19 @@ class SavePlanner(DefaultSavePlanner):
     ) -> None:
         """DCP's set-up; also takes the writer's encoding from ``storage_meta`` (a
         :class:`pyckpt.Writer` names it there), so that a compressing writer's replicated items
-        are balanced by estimated stored bytes."""
+        are balanced by estimated stored bytes.
+
+        Raises:
+            ValueError: ``storage_meta`` is another writer's (DCP's ``FileSystemWriter``...):
+                such a writer would not write the byte ranges of split items.
+        """
+        if storage_meta is not None and not isinstance(storage_meta, WriterMeta):
+            raise ValueError(
+                f"pyckpt.SavePlanner needs pyckpt.Writer, which writes only each rank's byte "
+                f"ranges of a replicated item split over the ranks; the writer of this save "
+                f"(checkpoint {str(storage_meta.checkpoint_id)!r}) is another one: save with "
+                f"pyckpt.Writer, or with DCP's DefaultSavePlanner for this writer"
+            )
         super().set_up_planner(state_dict, storage_meta, is_coordinator)
         encoding = getattr(storage_meta, "encoding", None)
         self.encoding = encoding if isinstance(encoding, Encoding) else None

@@ -386,6 +386,22 @@ def test_planner_rejects_bad_alignment() -> None:
         SavePlanner(split_alignment=1000)
 
 
+def test_planner_refuses_a_writer_other_than_pyckpts(tmp_path: Any) -> None:
+    """DCP's FileSystemWriter ignores the byte ranges of split items; a save through it failed
+    with ``AttributeError: 'ByteRanges' object has no attribute 'prefix'`` from DCP's code."""
+    import torch.distributed.checkpoint as dcp
+
+    from pyckpt.errors import find_error
+
+    with pytest.raises(BaseException) as info:
+        dcp.save({"w": torch.ones(4)}, storage_writer=dcp.FileSystemWriter(tmp_path / "ck"),
+                 planner=SavePlanner(), no_dist=True)
+    error = find_error(info.value)
+    assert isinstance(error, ValueError), info.value
+    assert "pyckpt.Writer" in str(error) and "DefaultSavePlanner" in str(error), error
+    assert not (tmp_path / "ck" / ".metadata").exists()
+
+
 def _replicated_plans(n: int, world: int) -> list[SavePlan]:
     items = [tensor_item(f"layers.{i}.weight", (256, 64 + i % 7)) for i in range(n)]
     mapping = {f"layers.{i}.weight": ("layers", str(i), "weight") for i in range(n)}
