@@ -135,6 +135,19 @@ def test_second_save_into_a_locked_directory_is_refused(tmp_path: Path) -> None:
     _assert_same(_load(tmp_path, 1), _sd(3, 1))
 
 
+def test_a_failed_dcp_save_leaves_the_directory_free_for_the_next(tmp_path: Path) -> None:
+    """A dcp.save refused after its writer took the lock (here a dtype the format cannot
+    store) left the lock to an unreachable writer, held in a reference cycle of DCP's error:
+    the retry was refused as 'another save ... is in progress' until the next garbage
+    collection."""
+    dcp.save(_sd(1, 1), storage_writer=pyckpt.Writer(tmp_path), no_dist=True)
+    bad = {**_sd(2, 1), "packed": torch.zeros(4, dtype=torch.uint8).view(torch.uint4)}
+    with pytest.raises(CheckpointException):
+        dcp.save(bad, storage_writer=pyckpt.Writer(tmp_path), no_dist=True)
+    dcp.save(_sd(3, 1), storage_writer=pyckpt.Writer(tmp_path), no_dist=True)
+    _assert_same(_load(tmp_path, 1), _sd(3, 1))
+
+
 def test_stale_files_of_a_crashed_save_are_removed_by_the_next_save(tmp_path: Path) -> None:
     dcp.save(_sd(1, 1), storage_writer=pyckpt.Writer(tmp_path), no_dist=True)
     orphan = tmp_path / _format.data_file_name(0, 0, "0123456789ab")

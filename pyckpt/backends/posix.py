@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import gc
 import hashlib
 import logging
 import os
@@ -50,11 +51,24 @@ DIRECT_BLOCK_BYTES = 8 << 20
 DIRECT_BLOCKS = 3
 
 
+#: The locks this process holds (lock file path -> count), to tell its own leftovers.
+_held: dict[str, int] = {}
+
+
+def _unhold(key: str, fd: int) -> None:
+    os.close(fd)
+    left = _held.pop(key, 1) - 1
+    if left > 0:
+        _held[key] = left
+
+
 class _DirLock:
     """An exclusive, non-blocking ``flock`` on ``<directory>/.pyckpt.lock``.
 
     Released by :meth:`release`, or when the object is garbage collected (a save whose thread
-    ended without finishing), or when the process dies (the kernel drops the lock).
+    ended without finishing), or when the process dies (the kernel drops the lock). A lock
+    this process holds is first looked for among its garbage (a failed ``dcp.save`` leaves its
+    writer in a reference cycle of DCP's error): only a lock still in use refuses.
 
     Raises:
         BlockingIOError: another save (of any process, or another thread of this one) holds it;
@@ -67,7 +81,13 @@ class _DirLock:
         self.created_dir = created_dir  # by this save: removed again if it stays unused
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                if not _held.get(os.path.realpath(self.path)):
+                    raise
+                gc.collect()  # a lock of this process's garbage is released here
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             os.close(fd)
             raise BlockingIOError(
@@ -84,7 +104,9 @@ class _DirLock:
             self._release = lambda: None
             self.held = False
             return
-        self._release = weakref.finalize(self, os.close, fd)
+        key = os.path.realpath(self.path)
+        _held[key] = _held.get(key, 0) + 1
+        self._release = weakref.finalize(self, _unhold, key, fd)
         self.held = True
 
     def release(self) -> None:
