@@ -14,7 +14,8 @@ collectives). pyckpt does the same with ``pyckpt.rank<r>.json``: the same docume
 Each rank commits on its own (data, fsync, then its metadata atomically: the backends' commit
 rule on :class:`Part`), then removes the directory's ``pyckpt.json`` (a collective checkpoint
 this save replaces) and its own data files of earlier saves; it never touches another rank's
-files. There is no point at which every rank has committed, so while a rank-local save runs a
+files, except those of ranks beyond the save's world size: an earlier save by more ranks left
+them, and a load at that world size would read those ranks' old parts beside the new ones. There is no point at which every rank has committed, so while a rank-local save runs a
 load may find some ranks' new parts and other ranks' previous ones (each part is whole, with its
 own save id), exactly as with DCP.
 """
@@ -107,10 +108,11 @@ class Part:
     loadable.
     """
 
-    def __init__(self, path: str, rank: int, fsync: bool) -> None:
+    def __init__(self, path: str, rank: int, fsync: bool, world: int | None = None) -> None:
         self.location = path
         self.rank = rank
         self.fsync = fsync
+        self.world = world  # the save's world size: parts of ranks >= world are stale too
 
     def with_deadline(self, seconds: float) -> Part:
         return self  # a local directory: no request waits on a remote store
@@ -134,9 +136,9 @@ class Part:
         return regular_files(self.location)
 
     def delete(self, names: Iterable[str]) -> None:
-        """Removes ``names`` (missing ones are skipped), ``pyckpt.json`` first: it may name
-        this rank's data files of an earlier save."""
-        for name in sorted(names, key=lambda n: n != METADATA_FILE):
+        """Removes ``names`` (missing ones are skipped), metadata first: it may name the data
+        files of an earlier save."""
+        for name in sorted(names, key=lambda n: n != METADATA_FILE and not is_metadata_file(n)):
             try:
                 os.unlink(os.path.join(self.location, name))
             except FileNotFoundError:
@@ -144,24 +146,42 @@ class Part:
 
     def retire_collective(self) -> None:
         """Removes the directory's ``pyckpt.json`` if it is still there after the commit (the
-        clean-up only logs a failed removal): left behind, the collective checkpoint it names
-        would be loaded instead of this save, silently. An error other than its absence
-        propagates and fails the save."""
-        try:
-            os.unlink(os.path.join(self.location, METADATA_FILE))
-        except FileNotFoundError:
-            pass
+        clean-up only logs a failed removal), and the metadata of ranks >= ``world``: left
+        behind, the collective checkpoint would be loaded instead of this save, and a load at
+        an earlier save's larger world size would give ranks >= ``world`` that save's parts,
+        silently. An error other than a file's absence propagates and fails the save."""
+        names = [METADATA_FILE]
+        if self.world is not None:
+            names += [n for n in self.list_names() if self._beyond_world(n)]
+        for name in names:
+            try:
+                os.unlink(os.path.join(self.location, name))
+            except FileNotFoundError:
+                pass
+
+    def _beyond_world(self, name: str) -> bool:
+        """Whether ``name`` is the metadata of a rank >= ``world``."""
+        m = _NAME_RE.fullmatch(name)
+        return m is not None and self.world is not None and int(m.group(1)) >= self.world
 
     def is_stale(self, name: str, keep: Container[str]) -> bool:
         """Whether this part's commit removes ``name``: ``pyckpt.json``, a data file of this
-        rank not in ``keep``, or a temp file of this rank's metadata or data files."""
-        if name == METADATA_FILE:
+        rank not in ``keep``, a temp file of this rank's metadata or data files, or any of
+        these of a rank >= ``world`` (an earlier save by more ranks), its metadata included."""
+        if name == METADATA_FILE or self._beyond_world(name):
             return True
         if _format.is_data_file(name):
-            return _format.data_file_rank(name) == self.rank and name not in keep
+            return self._mine(_format.data_file_rank(name)) and name not in keep
         base, marker, _ = name.partition(TEMP_MARKER)
-        return bool(marker) and (base == metadata_file(self.rank) or (
-            _format.is_data_file(base) and _format.data_file_rank(base) == self.rank))
+        if not marker:
+            return False
+        if base == metadata_file(self.rank) or self._beyond_world(base):
+            return True
+        return _format.is_data_file(base) and self._mine(_format.data_file_rank(base))
+
+    def _mine(self, rank: int) -> bool:
+        """Whether this part removes files of rank ``rank``: its own, and ranks >= world."""
+        return rank == self.rank or (self.world is not None and rank >= self.world)
 
 
 def read_index(path: str, rank: int) -> _format.CheckpointIndex:

@@ -650,7 +650,7 @@ class Writer(StorageWriter):
             if save.rank is not None:  # this rank's part of a rank-local save
                 assert backend.in_place  # checked by _ranklocal.set_up
                 fsync = self.fsync if self.fsync is not None else _knobs.fsync()
-                part = _ranklocal.Part(backend.location, save.rank, fsync)
+                part = _ranklocal.Part(backend.location, save.rank, fsync, _world_size())
                 commit_save(part, files, encoded, save.state, stale=part.is_stale)
                 save.finished = True
                 part.retire_collective()

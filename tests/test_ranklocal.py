@@ -280,6 +280,38 @@ def test_rank_local_and_collective_saves_replace_each_other(tmp_path: Path) -> N
     assert len([n for n in os.listdir(tmp_path) if _format.is_data_file(n)]) == 2
 
 
+def _replicated_worker(rank: int, world: int, path: str, step: int) -> bool:
+    """Saves a replicated tensor rank-locally at ``step`` (``step`` < 0: loads it and
+    returns whether this rank got step ``-step``'s values)."""
+    def state(s: int) -> dict[str, Any]:
+        return {"w": torch.full((1000,), float(s)), f"only_rank{rank}": torch.full((3,), s)}
+
+    if step > 0:
+        dcp.save(state(step), storage_writer=pyckpt.Writer(path), use_collectives=False)
+        return True
+    sd = state(0)
+    pyckpt.load(sd, path)
+    return all(torch.equal(sd[k], v) for k, v in state(-step).items())
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_a_save_by_fewer_ranks_retires_the_parts_of_the_others(tmp_path: Path) -> None:
+    """A job that shrank (4 ranks, then 2) and grew back: the 2-rank save must not leave ranks
+    2 and 3's parts of the 4-rank save, which a 4-rank load read beside the new ones (ranks 0-1
+    got step 2, ranks 2-3 step 1, silently). Their metadata is retired with the commit, so such
+    a load is the typed error of a checkpoint saved by fewer ranks."""
+    run_distributed(_replicated_worker, 4, str(tmp_path), 1)
+    run_distributed(_replicated_worker, 2, str(tmp_path), 2)
+    with pytest.raises(AssertionError, match="no rank-local metadata for rank 2"):
+        run_distributed(_replicated_worker, 4, str(tmp_path), -2)
+    assert run_distributed(_replicated_worker, 2, str(tmp_path), -2) == [True, True]
+    names = sorted(n for n in os.listdir(tmp_path) if n != ".pyckpt.lock")
+    assert [n for n in names if not _format.is_data_file(n)] == [
+        "pyckpt.rank0.json", "pyckpt.rank1.json"]
+    assert {_format.data_file_rank(n) for n in names if _format.is_data_file(n)} == {0, 1}
+
+
 # ------------------------------------------------------------------------- commit of a part
 
 _OLD, _NEW = "a" * 12, "b" * 12
