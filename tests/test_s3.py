@@ -861,6 +861,41 @@ def test_concurrent_save_into_one_prefix_fails_cleanly(
     assert [k for k in s3.incomplete_uploads(BUCKET) if k.startswith(prefix)] == []
 
 
+@pytest.mark.parametrize("previous", [True, False], ids=["over-a-checkpoint", "empty-prefix"])
+def test_a_save_begun_after_anothers_commit_survives_that_commits_clean_up(
+    s3: SeaweedServer, monkeypatch: pytest.MonkeyPatch, previous: bool
+) -> None:
+    """Save B sets up after save A committed (B's condition is A's metadata), and completes
+    before A's clean-up lists the prefix (A slow after its PUT: a loaded host, a paused
+    process). B's commit is legitimate and reports success; A's clean-up must not delete B's
+    objects, which B's committed metadata names (before: it did, and B's checkpoint, the only
+    one left, failed to load with FileNotFoundError)."""
+    prefix = _prefix()
+    url = _url(prefix)
+    if previous:
+        pyckpt.save({"w": torch.full((64, 64), -1.0)}, url)
+    b = {"w": torch.randn(256, 256)}
+    real_clean_up = _backends_base.clean_up
+    raced: list[bool] = []
+
+    def b_before_a_cleans_up(*args: Any, **kwargs: Any) -> list[str]:
+        if not raced:
+            raced.append(True)
+            pyckpt.save(b, url)  # B: set up after A's commit, upload, commit, clean up
+        return real_clean_up(*args, **kwargs)
+
+    monkeypatch.setattr(_backends_base, "clean_up", b_before_a_cleans_up)
+    pyckpt.save({"w": torch.randn(512, 256)}, url)  # A
+    monkeypatch.setattr(_backends_base, "clean_up", real_clean_up)
+    assert raced
+    out = {"w": torch.zeros(256, 256)}
+    pyckpt.load(out, url)
+    assert torch.equal(out["w"], b["w"])
+    meta = s3.boto3().get_object(Bucket=BUCKET, Key=f"{prefix}/pyckpt.json")["Body"].read()
+    names = {k.rsplit("/", 1)[1] for k in s3.keys(BUCKET, prefix + "/")}
+    assert set(json.loads(meta)["files"]) <= names
+
+
 def test_store_without_conditional_put_still_saves(
     s3: SeaweedServer, caplog: pytest.LogCaptureFixture
 ) -> None:

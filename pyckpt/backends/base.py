@@ -20,7 +20,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Container, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar, runtime_checkable
 
@@ -66,11 +66,16 @@ class SaveState:
         base: the identity of the metadata this save replaces, as the backend's commit checks
             it (``None``: there was none; :data:`ANY`: no check possible).
         lock: a backend's lock held from set-up to commit (released by :meth:`end`), or None.
+        present: names the place held at set-up (a backend without a lock records them): the
+            commit's clean-up removes only these. A name that appeared later may belong to a
+            save that set up after this one committed, whose commit will then succeed; None:
+            no restriction (a lock excludes such saves until the clean-up is done).
     """
 
     is_coordinator: bool
     base: Any = None
     lock: Any = None
+    present: frozenset[str] | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     def end(self) -> None:
@@ -403,7 +408,7 @@ def _warn_once(backend: CommitPlace, e: BaseException) -> None:
 
 
 def clean_up(backend: CommitPlace, keep: Iterable[str], *, metadata_temps: bool = True,
-             stale: Stale | None = None) -> list[str]:
+             stale: Stale | None = None, only: Container[str] | None = None) -> list[str]:
     """Removes what a committed save made stale (:func:`is_stale`, or ``stale``). Never
     raises, and never waits long: the save is committed; on a remote store each request gives
     up after :data:`CLEAN_UP_DEADLINE_S` (retries included), a failure is logged once per
@@ -413,6 +418,8 @@ def clean_up(backend: CommitPlace, keep: Iterable[str], *, metadata_temps: bool 
     ``metadata_temps=False`` leaves temp files of the metadata alone: a caller that does not
     hold the place's lock (a node-local rank writing its copy while another rank of its node
     writes the same copy) must not remove another writer's temp file mid-write.
+
+    ``only``: the names that may be removed (:attr:`SaveState.present`); None: any.
     """
     keep = set(keep)
     # A backend whose requests may wait on a remote store (retries over minutes) is used
@@ -421,7 +428,8 @@ def clean_up(backend: CommitPlace, keep: Iterable[str], *, metadata_temps: bool 
     target = backend.with_deadline(CLEAN_UP_DEADLINE_S)
     try:
         names = [n for n in target.list_names()
-                 if (is_stale(n, keep, metadata_temps) if stale is None else stale(n, keep))]
+                 if (is_stale(n, keep, metadata_temps) if stale is None else stale(n, keep))
+                 and (only is None or n in only)]
         if names:
             target.delete(names)
         return names
@@ -470,7 +478,7 @@ def commit_save(backend: CommitPlace, files: Mapping[str, int] | Iterable[str], 
             raise
         logger.warning("pyckpt: %s: writing the metadata reported a failure but the stored "
                        "metadata is this save's: committed", url)
-    clean_up(backend, names, stale=stale)
+    clean_up(backend, names, stale=stale, only=state.present)
 
 
 

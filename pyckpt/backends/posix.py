@@ -260,6 +260,8 @@ class PosixBackend(WholePlace):
             state.base = _digest(meta)
         except OSError:
             state.base = ANY
+        if not state.lock.held:  # no flock: the clean-up removes only what is there now
+            state.present = frozenset(self.list_names())
         if not overwrite and state.base is not None:
             state.end()
             raise FileExistsError(

@@ -70,3 +70,41 @@ def test_a_temp_file_removed_by_another_save_fails_the_commit_as_a_concurrent_sa
     assert isinstance(info.value.__cause__, FileNotFoundError)
     assert name in str(info.value)
     assert not list(path.iterdir())  # nothing of this save is left
+
+
+@pytest.mark.parametrize("previous", [True, False], ids=["over-a-checkpoint", "empty"])
+def test_without_flock_a_save_begun_after_anothers_commit_survives_its_clean_up(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, previous: bool) -> None:
+    """Without flock, save B sets up after save A committed (B's condition is A's metadata)
+    and completes before A's clean-up lists the directory. B's commit is legitimate; A's
+    clean-up must not remove B's data file, which B's committed metadata names (before: it
+    did, and B's checkpoint, the only one left, failed to load with FileNotFoundError)."""
+    import errno
+    import fcntl
+
+    from pyckpt.backends import base
+
+    def no_flock(fd: int, op: int) -> None:
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(fcntl, "flock", no_flock)
+    path = str(tmp_path / "ckpt")
+    if previous:
+        pyckpt.save(sd(99), path)
+    real_clean_up = base.clean_up
+    raced: list[bool] = []
+
+    def b_before_a_cleans_up(*args: object, **kwargs: object) -> list[str]:
+        if not raced:
+            raced.append(True)
+            pyckpt.save(sd(2), path)  # B: set up after A's commit, write, commit, clean up
+        return real_clean_up(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(base, "clean_up", b_before_a_cleans_up)
+    pyckpt.save(sd(1), path)  # A
+    monkeypatch.setattr(base, "clean_up", real_clean_up)
+    assert raced
+    out = {"w": torch.zeros((4 << 20) // 4), "step": -1}
+    pyckpt.load(out, path)
+    assert out["step"] == 2
+    assert torch.equal(out["w"].view(torch.int32), sd(2)["w"].view(torch.int32))

@@ -74,7 +74,9 @@ class S3Backend(WholePlace):
 
     def begin_save(self, is_coordinator: bool, overwrite: bool) -> SaveState:
         """Checks the bucket is reachable (typed errors naming the URL) and, on the
-        coordinator, records the ETag of the metadata the save will replace.
+        coordinator, records the ETag of the metadata the save will replace and the data
+        objects there (:attr:`SaveState.present`: its clean-up removes no other, since an
+        object uploaded later may be a save's that set up after this one committed).
 
         Raises:
             FileExistsError: ``overwrite=False`` and ``pyckpt.json`` exists.
@@ -84,6 +86,9 @@ class S3Backend(WholePlace):
         if not is_coordinator:
             return state
         meta = self.loc.head_meta(METADATA_FILE)
+        # Listed after the HEAD: an object of a save that commits in between is either listed
+        # here or fails this save's commit (its condition is that save's predecessor).
+        state.present = frozenset(self.list_names())
         if meta is None:
             return state
         if not overwrite:
