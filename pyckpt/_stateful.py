@@ -78,16 +78,17 @@ def optimizer_state(owner: torch.nn.Module, optim: torch.optim.Optimizer,
     has not stepped: torch makes that optimizer's state by a step at lr 0, so Adam's step count
     would start at 1 before the first real step and the training differ from one without the
     save. That state is dropped again and the result holds none, as ``optim.state_dict()``
-    does; ``fresh_moments``: keep both (what a load fills, :class:`FreshOptimizerState`).
+    does; ``fresh_moments``: the result keeps them (what a load fills,
+    :class:`FreshOptimizerState`), the optimizer still not: a load that fails or finds no
+    checkpoint (``restore()`` of a job's first run) leaves it as it was.
     ``options``: as for ``get_optimizer_state_dict``."""
     fresh = not optim.state
     state = get_optimizer_state_dict(owner, optim, options=options)
-    if fresh_moments and fresh:
-        return FreshOptimizerState(state)
     if fresh and optim.state:
-        optim.state.clear()
-        state["state"] = {}
-    return state
+        optim.state.clear()  # the moments stay in ``state`` alone (a load fills them there)
+        if not fresh_moments:
+            state["state"] = {}
+    return FreshOptimizerState(state) if fresh_moments and fresh else state
 
 
 class FreshOptimizerState(dict[str, Any]):

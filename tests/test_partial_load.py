@@ -234,6 +234,28 @@ def test_a_save_before_the_first_step_leaves_the_run_as_it_was(tmp_path: Path, v
     assert _train(model, optim, 4) == expected
 
 
+@pytest.mark.parametrize("via", ["load", "manager"])
+def test_a_load_that_finds_nothing_leaves_a_fresh_optimizer_as_it_was(
+    tmp_path: Path, via: str
+) -> None:
+    """The load's fresh optimizer state was made in the optimizer itself (torch's step at lr
+    0): a ``restore()`` of a job's first run (nothing saved yet, None) or a ``pyckpt.load``
+    that failed left Adam one step ahead for the rest of the run."""
+    model, optim = _make()
+    expected = _train(model, optim, 4)
+
+    model, optim = _make()
+    state = {"model": model, "optim": optim, "step": 0}
+    if via == "load":
+        with pytest.raises(FileNotFoundError):
+            pyckpt.load(state, tmp_path / "missing")
+    else:
+        with pyckpt.CheckpointManager(tmp_path / "ck", replicas=0) as mgr:
+            assert mgr.restore(state) is None
+    assert not optim.state
+    assert _train(model, optim, 4) == expected
+
+
 def test_a_parameter_that_never_had_a_gradient_resumes(tmp_path: Path) -> None:
     """A parameter the loss does not use has no optimizer state in the saving run; a fresh
     optimizer's moments were made for every parameter, so the load asked for those of that
