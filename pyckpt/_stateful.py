@@ -80,10 +80,20 @@ def optimizer_state(owner: torch.nn.Module, optim: torch.optim.Optimizer,
     save. That state is dropped again and the result holds none, as ``optim.state_dict()``
     does; ``fresh_moments``: the result keeps them (what a load fills,
     :class:`FreshOptimizerState`), the optimizer still not: a load that fails or finds no
-    checkpoint (``restore()`` of a job's first run) leaves it as it was.
+    checkpoint (``restore()`` of a job's first run) leaves it as it was. Gradients already
+    there (a warm-up backward before the load) are set aside meanwhile: torch makes no state
+    when it finds one, and the load would ask for no moment.
     ``options``: as for ``get_optimizer_state_dict``."""
     fresh = not optim.state
-    state = get_optimizer_state_dict(owner, optim, options=options)
+    params = [p for group in optim.param_groups for p in group["params"]]
+    grads = [p.grad for p in params] if fresh and fresh_moments else []
+    try:
+        for p in params if grads else ():
+            p.grad = None
+        state = get_optimizer_state_dict(owner, optim, options=options)
+    finally:
+        for p, g in zip(params, grads):
+            p.grad = g
     if fresh and optim.state:
         optim.state.clear()  # the moments stay in ``state`` alone (a load fills them there)
         if not fresh_moments:

@@ -256,6 +256,33 @@ def test_a_load_that_finds_nothing_leaves_a_fresh_optimizer_as_it_was(
     assert _train(model, optim, 4) == expected
 
 
+@pytest.mark.parametrize("via", ["load", "manager"])
+def test_gradients_before_the_load_do_not_keep_the_moments_from_loading(
+    tmp_path: Path, via: str
+) -> None:
+    """torch makes no fresh optimizer state when a parameter has a gradient: after a warm-up
+    backward the load asked for no moment and raised ``PartialLoadError`` (its advice, to
+    pass ``get_state_dict``'s state, was what the objects already do)."""
+    model, optim = _make()
+    expected = _train(model, optim, 6)
+    model, optim = _make()
+    _train(model, optim, 3)
+    with pyckpt.CheckpointManager(tmp_path / "ck", replicas=0) as mgr:
+        mgr.save(3, {"model": model, "optim": optim})
+
+    model, optim = _make()
+    (model(BATCH) ** 2).sum().backward()  # e.g. a warm-up step of a compiled model
+    grads = [p.grad for p in model.parameters()]
+    state = {"model": model, "optim": optim}
+    if via == "load":
+        pyckpt.load(state, tmp_path / "ck" / "step-3")
+    else:
+        with pyckpt.CheckpointManager(tmp_path / "ck", replicas=0) as mgr:
+            assert mgr.restore(state) == 3
+    assert [p.grad for p in model.parameters()] == grads  # left as they were
+    assert _train(model, optim, 3) == expected[3:]
+
+
 def test_a_parameter_that_never_had_a_gradient_resumes(tmp_path: Path) -> None:
     """A parameter the loss does not use has no optimizer state in the saving run; a fresh
     optimizer's moments were made for every parameter, so the load asked for those of that
