@@ -50,12 +50,43 @@ def _owner(key: str, optim: torch.optim.Optimizer,
     return owners[0]
 
 
+def _refuse_nested(value: Any, path: str) -> None:
+    """Raises ``TypeError`` for a module or optimizer below the top level of a state: DCP would
+    pickle it whole, a pickle a load refuses (weights-only) or, trusted, puts in place of the
+    object instead of loading into it."""
+    if isinstance(value, Mapping):
+        items: Any = value.items()
+    elif isinstance(value, (list, tuple)):
+        items = enumerate(value)
+    else:
+        return
+    for key, v in items:
+        where = f"{path}[{key!r}]"
+        if isinstance(v, (torch.nn.Module, torch.optim.Optimizer)):
+            raise TypeError(
+                f"{where} is a {type(v).__name__}: modules and optimizers are saved and loaded "
+                "as top-level values of the state only ({'model': model, 'optim': optim}); "
+                "below the top level pass their state dicts (get_state_dict)")
+        if not isinstance(v, torch.Tensor):
+            _refuse_nested(v, where)
+
+
+def _objects_on_top(state: Any) -> bool:
+    """:func:`has_objects`, after refusing a module or optimizer nested deeper."""
+    if isinstance(state, Mapping):
+        for key, value in state.items():
+            if not isinstance(value, (torch.nn.Module, torch.optim.Optimizer, torch.Tensor)):
+                _refuse_nested(value, f"state[{key!r}]")
+    return has_objects(state)
+
+
 def to_save(state: Any, fresh_moments: bool = False) -> Any:
     """``state`` with every module, optimizer and ``Stateful`` value replaced by its state dict
     (models and optimizers through ``get_model_state_dict`` / :func:`optimizer_state`, which
     leaves an optimizer that has not stepped as it was); ``state`` itself when it holds none.
-    ``fresh_moments``: such an optimizer's moments made for a load (:func:`to_load`)."""
-    if not has_objects(state):
+    ``fresh_moments``: such an optimizer's moments made for a load (:func:`to_load`).
+    A module or optimizer nested deeper is refused (``TypeError`` naming it)."""
+    if not _objects_on_top(state):
         return state
     modules = {k: v for k, v in state.items() if isinstance(v, torch.nn.Module)}
     out: dict[str, Any] = {}
@@ -127,7 +158,7 @@ def to_load(state: Any) -> tuple[Any, Callable[[], None]]:
     ``state`` (call it after the load). A fresh optimizer's state is
     created here (by ``get_optimizer_state_dict``), so the load asks for every moment the
     checkpoint holds (see :class:`FreshOptimizerState`)."""
-    if not has_objects(state):
+    if not _objects_on_top(state):
         return state, lambda: None
     dest = to_save(state, fresh_moments=True)
 

@@ -312,6 +312,30 @@ def test_an_optimizer_without_its_model_is_refused(tmp_path: Path) -> None:
         pyckpt.save({"optim": optim}, tmp_path / "ck")
 
 
+@pytest.mark.parametrize("via", ["save", "async_save", "manager", "load"])
+def test_a_module_or_optimizer_below_the_top_level_is_refused(tmp_path: Path, via: str) -> None:
+    """DCP pickled such a model or optimizer whole: the save succeeded, the load refused the
+    pickle (weights-only), and ``trusted=True`` put the unpickled copy in the state instead of
+    loading into the caller's objects (silently stale)."""
+    model, optim = _trained()
+    state = {"app": {"model": model, "extra": [optim]}}
+    name = r"state\['app'\]\['model'\] is a Sequential" if via != "manager" else "app"
+    with pytest.raises(TypeError, match=name if via != "manager" else r"Sequential"):
+        if via == "save":
+            pyckpt.save(state, tmp_path / "ck")
+        elif via == "async_save":
+            pyckpt.async_save(state, tmp_path / "ck").result()
+        elif via == "load":
+            pyckpt.load(state, tmp_path / "ck")
+        else:
+            with pyckpt.CheckpointManager(tmp_path / "m", replicas=0) as mgr:
+                mgr.save(1, state)
+                mgr.wait()
+    assert not (tmp_path / "ck").exists()
+    with pytest.raises(TypeError, match=r"state\['app'\]\['extra'\]\[0\] is a Adam"):
+        pyckpt.save({"app": {"extra": [optim]}}, tmp_path / "ck")
+
+
 # -- several ranks -----------------------------------------------------------------------------
 
 
