@@ -14,8 +14,10 @@ Every optimizer is paired with the module of the state that holds all its parame
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import dataclasses
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -102,6 +104,23 @@ def to_save(state: Any, fresh_moments: bool = False) -> Any:
     return out
 
 
+@contextlib.contextmanager
+def _no_step_hooks(optim: torch.optim.Optimizer, fresh: bool) -> Iterator[None]:
+    """The optimizer's own step hooks (``register_step_pre_hook`` / ``register_step_post_hook``,
+    e.g. an EMA update) set aside while torch makes a ``fresh`` optimizer's state by its step
+    at lr 0: that step is not one of the training's."""
+    if not fresh:
+        yield
+        return
+    pre, post = optim._optimizer_step_pre_hooks, optim._optimizer_step_post_hooks
+    optim._optimizer_step_pre_hooks, optim._optimizer_step_post_hooks = (
+        collections.OrderedDict(), collections.OrderedDict())
+    try:
+        yield
+    finally:
+        optim._optimizer_step_pre_hooks, optim._optimizer_step_post_hooks = pre, post
+
+
 def optimizer_state(owner: torch.nn.Module, optim: torch.optim.Optimizer,
                     fresh_moments: bool = False,
                     options: StateDictOptions | None = None) -> dict[str, Any]:
@@ -121,7 +140,8 @@ def optimizer_state(owner: torch.nn.Module, optim: torch.optim.Optimizer,
     try:
         for p in params if grads else ():
             p.grad = None
-        state = get_optimizer_state_dict(owner, optim, options=options)
+        with _no_step_hooks(optim, fresh):
+            state = get_optimizer_state_dict(owner, optim, options=options)
     finally:
         for p, g in zip(params, grads):
             p.grad = g
@@ -187,4 +207,5 @@ def set_optimizer_state(owner: torch.nn.Module, optim: torch.optim.Optimizer, lo
         loaded = {**loaded, "state": {fqn: m for fqn, m in loaded["state"].items()
                                       if fqn not in loaded.absent}}
         options = dataclasses.replace(options or StateDictOptions(), strict=False)
-    set_optimizer_state_dict(owner, optim, loaded, options=options)
+    with _no_step_hooks(optim, not optim.state):
+        set_optimizer_state_dict(owner, optim, loaded, options=options)

@@ -283,6 +283,35 @@ def test_gradients_before_the_load_do_not_keep_the_moments_from_loading(
     assert _train(model, optim, 3) == expected[3:]
 
 
+def _with_ema() -> tuple[torch.nn.Module, torch.optim.Optimizer, torch.nn.Module]:
+    model, optim = _make()
+    ema = torch.optim.swa_utils.AveragedModel(
+        model, multi_avg_fn=torch.optim.swa_utils.get_ema_multi_avg_fn(0.9))
+    optim.register_step_post_hook(lambda *_: ema.update_parameters(model))
+    return model, optim, ema
+
+
+@pytest.mark.parametrize("k", [0, 3])
+def test_the_step_that_makes_a_fresh_optimizer_state_runs_no_step_hook(
+    tmp_path: Path, k: int
+) -> None:
+    """torch makes a fresh optimizer's state by a step at lr 0, which ran the optimizer's
+    step hooks: an EMA updated by a post hook was one update ahead after a save at step 0, and
+    a resume updated it after loading it."""
+    model, optim, ema = _with_ema()
+    _train(model, optim, 6)
+    expected = [ema.n_averaged.clone(), *ema.parameters()]
+
+    model, optim, ema = _with_ema()
+    _train(model, optim, k)
+    pyckpt.save({"model": model, "optim": optim, "ema": ema}, tmp_path / "ck")
+    model, optim, ema = _with_ema()
+    pyckpt.load({"model": model, "optim": optim, "ema": ema}, tmp_path / "ck")
+    assert ema.n_averaged.item() == k
+    _train(model, optim, 6 - k)
+    assert all(torch.equal(a, b) for a, b in zip([ema.n_averaged, *ema.parameters()], expected))
+
+
 def test_a_parameter_that_never_had_a_gradient_resumes(tmp_path: Path) -> None:
     """A parameter the loss does not use has no optimizer state in the saving run; a fresh
     optimizer's moments were made for every parameter, so the load asked for those of that
