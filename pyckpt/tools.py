@@ -291,7 +291,9 @@ def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], *,
             :func:`pyckpt.load`.
         overwrite: replace what ``dst`` holds; by default a destination that exists and is
             not empty (a directory with any entry, or a URL holding a checkpoint or its data
-            objects) is refused before anything is read or written.
+            objects) is refused before anything is read or written. A checkpoint of the other
+            format in the directory is removed once the new one is committed, so that no
+            reader of either format finds the old state there.
 
     Returns:
         The destination format.
@@ -333,6 +335,10 @@ def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], *,
     try:
         with _typed_errors(), _single_process_quiet(no_dist=True):  # one process by design
             dcp.load(sd, storage_reader=reader, planner=load_planner(trusted), no_dist=True)
+            stale = _other_checkpoint(dst, target) if overwrite else []
+            if target == "dcp" and overwrite:  # FileSystemWriter rewrites data files in place:
+                # cut short, the old .metadata would name new bytes
+                _remove(dst, [".metadata"])
             if target == "pyckpt":
                 with Writer(dst, compression=compression, overwrite=overwrite) as w:
                     dcp.save(sd, storage_writer=w, no_dist=True)
@@ -342,6 +348,7 @@ def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], *,
                     warnings.filterwarnings("ignore", "Detected an existing checkpoint")
                     dcp.save(sd, storage_writer=dcp.FileSystemWriter(dst, overwrite=overwrite),
                              no_dist=True)
+            _remove(dst, stale)  # once the new one is committed: dst may be src
     except KeyboardInterrupt as e:
         after = _committed_identity(dst, target)
         add_note(e, f"the converted checkpoint at {os.fspath(dst)} was committed"
@@ -349,6 +356,34 @@ def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], *,
                  f"no converted checkpoint was committed at {os.fspath(dst)}")
         raise
     return target
+
+
+def _other_checkpoint(dst: str | os.PathLike[str], target: str) -> list[str]:
+    """The files of the other format's checkpoint in local directory ``dst`` (its metadata
+    and data files), which would still read as a checkpoint beside the ``target`` one a
+    conversion writes there."""
+    import re
+
+    if not open_backend(dst).in_place or not os.path.isdir(dst):
+        return []
+    from pyckpt._ranklocal import is_metadata_file
+
+    def other(name: str) -> bool:
+        if target == "pyckpt":
+            return re.fullmatch(r"(__\d+)?\.metadata|__\d+_\d+\.distcp", name) is not None
+        return (name == _format.METADATA_FILE or is_metadata_file(name)
+                or _format.is_data_file(name))
+
+    return sorted(e.name for e in os.scandir(dst)
+                  if e.is_file(follow_symlinks=False) and other(e.name))
+
+
+def _remove(dst: str | os.PathLike[str], names: list[str]) -> None:
+    for name in names:
+        try:
+            os.unlink(os.path.join(dst, name))
+        except FileNotFoundError:
+            pass
 
 
 def _committed_identity(dst: str | os.PathLike[str], target: str) -> Any:

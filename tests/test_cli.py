@@ -351,6 +351,36 @@ def test_convert_refuses_a_destination_that_is_not_empty(
     assert (dst / ".metadata").stat().st_mtime_ns != stamp
 
 
+@pytest.mark.parametrize("to", ["dcp", "pyckpt"])
+def test_convert_overwrite_replaces_a_checkpoint_of_the_other_format(
+    tmp_path: Path, to: str
+) -> None:
+    # `convert --overwrite` into a directory holding the other format's checkpoint left that
+    # one's metadata beside the new one: `--to dcp` over a pyckpt checkpoint, and pyckpt's
+    # tools (load, inspect, convert, consolidate) still read the old state, without a word.
+    old = {"w": torch.zeros(8), "n": torch.zeros(3, dtype=torch.int64)}
+    new = {"w": torch.full((8,), 2.0), "n": torch.arange(3)}
+    src, dst = tmp_path / "src", tmp_path / "dst"
+    if to == "dcp":
+        pyckpt.save(old, dst, fsync=False)
+        pyckpt.save(new, src, fsync=False)
+    else:
+        dcp.save(old, storage_writer=dcp.FileSystemWriter(dst), no_dist=True)
+        dcp.save(new, storage_writer=dcp.FileSystemWriter(src), no_dist=True)
+    assert main(["convert", str(src), str(dst), "--to", to, "--overwrite"]) == 0
+    assert not (dst / ("pyckpt.json" if to == "dcp" else ".metadata")).exists()
+    assert main(["convert", str(dst), str(tmp_path / "back"), "--to",
+                 "pyckpt" if to == "dcp" else "dcp"]) == 0
+    got = {"w": torch.empty(8), "n": torch.empty(3, dtype=torch.int64)}
+    if to == "dcp":
+        pyckpt.load(got, tmp_path / "back")
+    else:
+        dcp.load(got, storage_reader=dcp.FileSystemReader(tmp_path / "back"), no_dist=True)
+    assert torch.equal(got["w"], new["w"]) and torch.equal(got["n"], new["n"])
+    # and none of the old checkpoint's data files is left behind
+    assert not [n for n in os.listdir(dst) if n.endswith(".pyckpt" if to == "dcp" else ".distcp")]
+
+
 @pytest.mark.parametrize("lands", ["after", "before"])
 def test_interrupt_during_the_metadata_write_exits_130(
     ckpt: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str],
