@@ -420,7 +420,8 @@ def _build_parser() -> argparse.ArgumentParser:
         "intact, 2 when one is damaged, 1 on any other error.")
     p.add_argument("path", help="checkpoint directory or s3:// URL")
     p.add_argument("--threads", type=int, default=None,
-                   help="reader threads (default: PYCKPT_READ_THREADS or max(8, cores))")
+                   help="reader threads (default: PYCKPT_READ_THREADS or max(8, "
+                   "PYCKPT_NUM_THREADS))")
     p.set_defaults(func=_cmd_verify)
 
     p = sub.add_parser(

@@ -75,7 +75,10 @@ def _rank_bytes(index: _format.CheckpointIndex, backend: Backend) -> dict[int, i
 
 
 def summarize(path: str | os.PathLike[str], top: int = 10) -> CheckpointSummary:
-    """Reads a checkpoint's metadata (no tensor data) and summarises it."""
+    """Reads a checkpoint's metadata (no tensor data) and summarises it, listing the ``top``
+    largest tensors (``top`` >= 0)."""
+    if top < 0:
+        raise ValueError(f"top must be >= 0, got {top}")
     backend = open_backend(path)
     index = backend.read_index()
     dtypes: Counter[str] = Counter()
@@ -139,8 +142,9 @@ def verify(path: str | os.PathLike[str], threads: int | None = None,
            progress: Any = False) -> VerifyReport:
     """Reads every chunk of a checkpoint, checking sizes, checksums and zstd frames.
 
-    ``progress``: ``True`` shows progress on stderr (a bar on a terminal, a log line every few
-    seconds otherwise), or a callable ``(raw_bytes_checked, raw_bytes_total)``.
+    ``threads``: reader threads, >= 1 (default ``PYCKPT_READ_THREADS``). ``progress``: ``True``
+    shows progress on stderr (a bar on a terminal, a log line every few seconds otherwise), or
+    a callable ``(raw_bytes_checked, raw_bytes_total)``.
 
     Raises:
         FileNotFoundError / CheckpointFormatError: the metadata itself is missing or invalid.
@@ -148,6 +152,8 @@ def verify(path: str | os.PathLike[str], threads: int | None = None,
             UnsupportedDtypeError, MemoryError, OSError) are collected in the report instead,
             keyed by item name, as ``"<ErrorClass>: <message>"``.
     """
+    if threads is not None and threads < 1:
+        raise ValueError(f"threads must be >= 1, got {threads}")
     backend = open_backend(path)
     try:
         index = backend.read_index()

@@ -151,6 +151,22 @@ def test_pyckpt_errors_of_every_class_are_one_line(
             main(["inspect", str(ckpt), "--debug"])
 
 
+def test_negative_counts_are_refused_in_one_line(
+    ckpt: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # `verify --threads -1` reached the native pool: a TypeError traceback; `inspect --top -1`
+    # listed every tensor but the smallest under "largest 3 tensors".
+    for argv, name in ((["verify", str(ckpt), "--threads", "-1"], "threads"),
+                       (["verify", str(ckpt), "--threads", "0"], "threads"),
+                       (["inspect", str(ckpt), "--top", "-1"], "top")):
+        assert main(argv) == 1, argv
+        err = capsys.readouterr().err
+        assert err == f"pyckpt {argv[0]}: error: {name} must be >= {1 if name == 'threads' else 0}" \
+            f", got {argv[-1]}\n", err
+    assert main(["inspect", str(ckpt), "--top", "0"]) == 0
+    assert "largest" not in capsys.readouterr().out
+
+
 def test_verify_reports_compression_error_per_item(
     ckpt: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
