@@ -211,7 +211,7 @@ def _cmd_consolidate(args: argparse.Namespace) -> int:
     _input_dir(args.src)
     is_remote(args.dst)  # a URL of another scheme (gs://...) fails before any worker starts
     if args.workers < 1:
-        raise SystemExit("pyckpt consolidate: --workers must be >= 1")
+        raise ValueError(f"--workers must be >= 1, got {args.workers}")
     _export_kwargs(args)  # bad export options fail here, before any worker starts
     from pyckpt.tools import Progress
 

@@ -167,6 +167,17 @@ def test_negative_counts_are_refused_in_one_line(
     assert "largest" not in capsys.readouterr().out
 
 
+def test_consolidate_workers_below_one_is_an_error_line(
+    ckpt: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # `--workers 0` ended with a bare "pyckpt consolidate: --workers must be >= 1" (no
+    # "error:", unlike every other refusal of the command line).
+    assert main(["consolidate", str(ckpt), str(tmp_path / "out"), "--workers", "0"]) == 1
+    err = capsys.readouterr().err
+    assert err == "pyckpt consolidate: error: --workers must be >= 1, got 0\n", err
+    assert not (tmp_path / "out").exists()
+
+
 def test_verify_reports_compression_error_per_item(
     ckpt: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
