@@ -149,8 +149,9 @@ def verify(path: str | os.PathLike[str], threads: int | None = None,
     Raises:
         FileNotFoundError / CheckpointFormatError: the metadata itself is missing or invalid.
             Per-item data errors (ChecksumError, CompressionError, CheckpointFormatError,
-            UnsupportedDtypeError, MemoryError, OSError) are collected in the report instead,
-            keyed by item name, as ``"<ErrorClass>: <message>"``.
+            UnsupportedDtypeError, OSError) are collected in the report instead, keyed by item
+            name, as ``"<ErrorClass>: <message>"``.
+        MemoryError: too little memory to verify an item (says nothing about the data).
     """
     if threads is not None and threads < 1:
         raise ValueError(f"threads must be >= 1, got {threads}")
@@ -182,11 +183,16 @@ def verify(path: str | os.PathLike[str], threads: int | None = None,
                 report.items_checked += 1
                 try:
                     _verify_piece(name, segments, nbytes, pool, report, backend)
-                except (PyckptError, OSError, ValueError, RuntimeError, MemoryError) as e:
+                except MemoryError as e:
+                    # Not damage: every size is bounded by the validated metadata, and each
+                    # chunk's checksum is checked before it is decoded.
+                    raise MemoryError(
+                        f"not enough memory to verify {name!r} ({e}); the checkpoint may be "
+                        "intact: run with fewer --threads or more memory") from e
+                except (PyckptError, OSError, ValueError, RuntimeError) as e:
                     # Every typed error of one item (CompressionError and UnsupportedDtypeError
-                    # are not ValueErrors; a damaged size can ask for more memory than there
-                    # is) marks that item corrupt, names it and the reason, and the other
-                    # items still run.
+                    # are not ValueErrors) marks that item corrupt, names it and the reason,
+                    # and the other items still run.
                     report.errors[name] = f"{type(e).__name__}: {e}"
     return report
 

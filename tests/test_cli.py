@@ -178,6 +178,24 @@ def test_consolidate_workers_below_one_is_an_error_line(
     assert not (tmp_path / "out").exists()
 
 
+def test_verify_out_of_memory_is_an_error_not_damage(
+    ckpt: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Under a memory limit (`ulimit -v 400000`, 64 MiB chunks) the native reader's
+    # std::bad_alloc was reported as "CORRUPT w: MemoryError", status 2: an intact checkpoint
+    # declared damaged. Every size is bounded by the validated metadata and the checksum is
+    # checked before decoding, so running out of memory says nothing about the data.
+    def no_memory(name: str, *_a: object) -> None:
+        raise MemoryError("std::bad_alloc")
+
+    monkeypatch.setattr(tools, "_verify_piece", no_memory)
+    assert main(["verify", str(ckpt)]) == 1
+    captured = capsys.readouterr()
+    assert "CORRUPT" not in captured.out and "FAILED" not in captured.out
+    err = captured.err.splitlines()[-1]
+    assert err.startswith("pyckpt verify: error: ") and "not enough memory" in err, err
+
+
 def test_verify_reports_compression_error_per_item(
     ckpt: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
