@@ -394,7 +394,7 @@ def _remove(dst: str | os.PathLike[str], names: list[str]) -> None:
     for name in names:
         try:
             os.unlink(os.path.join(dst, name))
-        except FileNotFoundError:
+        except (FileNotFoundError, NotADirectoryError):  # the writer names what dst is
             pass
 
 

@@ -424,6 +424,12 @@ def test_convert_overwrite_replaces_a_checkpoint_of_the_other_format(
     assert torch.equal(got["w"], new["w"]) and torch.equal(got["n"], new["n"])
     # and none of the old checkpoint's data files is left behind
     assert not [n for n in os.listdir(dst) if n.endswith(".pyckpt" if to == "dcp" else ".distcp")]
+    # a destination that is a file is still refused naming it, not a path under it
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(OSError) as info:
+        tools.convert(src, tmp_path / "file", to=to, overwrite=True)
+    assert str(tmp_path / "file") in str(info.value)
+    assert str(tmp_path / "file" / ".metadata") not in str(info.value)
 
 
 @pytest.mark.parametrize("lands", ["after", "before"])
