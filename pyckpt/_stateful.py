@@ -35,9 +35,11 @@ __all__ = ["FreshOptimizerState", "has_objects", "optimizer_state", "set_optimiz
 
 
 def has_objects(state: Any) -> bool:
-    """Whether ``state`` (a mapping) holds a module, an optimizer or another ``Stateful``."""
+    """Whether ``state`` (a mapping) holds a module, an optimizer, a ``torch.Generator`` or
+    another ``Stateful``."""
     return isinstance(state, Mapping) and any(
-        isinstance(v, (torch.nn.Module, torch.optim.Optimizer, Stateful)) for v in state.values())
+        isinstance(v, (torch.nn.Module, torch.optim.Optimizer, torch.Generator, Stateful))
+        for v in state.values())
 
 
 def _owner(key: str, optim: torch.optim.Optimizer,
@@ -97,6 +99,8 @@ def to_save(state: Any, fresh_moments: bool = False) -> Any:
             out[key] = get_model_state_dict(value)
         elif isinstance(value, torch.optim.Optimizer):
             out[key] = optimizer_state(_owner(key, value, modules), value, fresh_moments)
+        elif isinstance(value, torch.Generator):  # its state (a tensor), set back in place
+            out[key] = value.get_state()
         elif isinstance(value, Stateful):
             out[key] = value.state_dict()
         else:
@@ -191,6 +195,8 @@ def to_load(state: Any) -> tuple[Any, Callable[[], None]]:
         for key, value in state.items():
             if isinstance(value, torch.optim.Optimizer):
                 set_optimizer_state(_owner(key, value, modules), value, dest[key])
+            elif isinstance(value, torch.Generator):
+                value.set_state(dest[key])
             elif isinstance(value, Stateful) and not isinstance(value, torch.nn.Module):
                 value.load_state_dict(dest[key])
             elif not isinstance(value, torch.nn.Module):

@@ -160,7 +160,9 @@ def save(
         state_dict: The (possibly nested) state dict, as for ``dcp.save``. Top-level values
             may be modules and optimizers themselves (``{"model": model, "optim": optim}``):
             they are saved through ``torch.distributed.checkpoint.state_dict`` (the optimizer
-            keyed by parameter name), and other ``Stateful`` values through ``state_dict()``.
+            keyed by parameter name), a ``torch.Generator`` as its state (one per rank: key
+            it by rank, as replicated values must agree), and other ``Stateful`` values through
+            ``state_dict()``. A module or optimizer deeper in the state is a ``TypeError``.
         path: Checkpoint directory; created if missing.
         process_group: Process group of the save (default: the default group, if any). The
             save's coordination runs on :func:`pyckpt.coordination_group` of it (the group
@@ -378,8 +380,8 @@ def load(
 
     Args:
         state_dict: The state dict to fill; its tensors (or DTensors) give the shapes and the
-            placement to load into. Top-level modules, optimizers and other ``Stateful``
-            values are loaded into and updated in place (see :func:`save`); a fresh
+            placement to load into. Top-level modules, optimizers, generators and other
+            ``Stateful`` values are loaded into and updated in place (see :func:`save`); a fresh
             optimizer's state is created first, so its moments are loaded.
         path: Checkpoint directory written by :func:`save` or ``dcp.save`` with
             :class:`pyckpt.Writer`.

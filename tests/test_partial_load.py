@@ -463,3 +463,19 @@ def test_manager_objects_resume_on_two_nodes(tmp_path: Path) -> None:
     expected = _train(model, optim, 6)[3:]
     assert run_distributed(_manager_objects_on_two_nodes, 2, str(tmp_path)) == [
         expected, expected]
+
+
+def test_a_generator_in_the_state_resumes_in_place(tmp_path: Path) -> None:
+    """A ``torch.Generator`` value is saved as its state and set back into the caller's
+    generator; before, the save pickled the object, which the load refused (weights-only) or,
+    trusted, replaced instead of restoring the caller's."""
+    gen = torch.Generator().manual_seed(7)
+    torch.randn(5, generator=gen)
+    pyckpt.save({"rng": gen, "step": 3}, tmp_path / "ck")
+    expected = torch.randn(4, generator=gen)
+
+    other = torch.Generator().manual_seed(99)
+    state = {"rng": other, "step": 0}
+    pyckpt.load(state, tmp_path / "ck")
+    assert state["rng"] is other and state["step"] == 3
+    assert torch.equal(torch.randn(4, generator=other), expected)
