@@ -15,9 +15,10 @@ Each rank commits on its own (data, fsync, then its metadata atomically: the bac
 rule on :class:`Part`), then removes the directory's ``pyckpt.json`` (a collective checkpoint
 this save replaces) and its own data files of earlier saves; it never touches another rank's
 files, except those of ranks beyond the save's world size: an earlier save by more ranks left
-them, and a load at that world size would read those ranks' old parts beside the new ones. There is no point at which every rank has committed, so while a rank-local save runs a
-load may find some ranks' new parts and other ranks' previous ones (each part is whole, with its
-own save id), exactly as with DCP.
+them, and a load at that world size would read those ranks' old parts beside the new ones.
+There is no point at which every rank has committed, so while a rank-local save runs a load may
+find some ranks' new parts and other ranks' previous ones (each part is whole, with its own save
+id), exactly as with DCP.
 """
 
 from __future__ import annotations

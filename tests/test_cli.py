@@ -161,8 +161,8 @@ def test_negative_counts_are_refused_in_one_line(
                        (["inspect", str(ckpt), "--top", "-1"], "top")):
         assert main(argv) == 1, argv
         err = capsys.readouterr().err
-        assert err == f"pyckpt {argv[0]}: error: {name} must be >= {1 if name == 'threads' else 0}" \
-            f", got {argv[-1]}\n", err
+        least = 1 if name == "threads" else 0
+        assert err == f"pyckpt {argv[0]}: error: {name} must be >= {least}, got {argv[-1]}\n", err
     assert main(["inspect", str(ckpt), "--top", "0"]) == 0
     assert "largest" not in capsys.readouterr().out
 
