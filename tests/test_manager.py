@@ -1266,3 +1266,30 @@ def test_gpu_lose_one_node_restores_into_cuda_tensors_from_peer_replicas(tmp_pat
         assert res["durable_data_bytes_read"] == 0 and res["durable_direct_loads"] == 0
         if r // PER_NODE == 1:
             assert info["bytes_local"] == 0 and info["bytes_peer"] > 0, res
+
+
+_UNCLOSED_CHILD = """
+import sys, torch, pyckpt
+root = sys.argv[1]
+mgr = pyckpt.CheckpointManager(root + "/durable", local=root + "/local", replicas=0,
+                               save_every=1, persist_every=1, fsync=False)
+mgr.save(1, {"w": torch.arange(1 << 20, dtype=torch.float32)})
+# no close(), no wait(): the script ends with the fast-tier save in flight
+"""
+
+
+def test_a_manager_not_closed_at_exit_still_persists_its_step(tmp_path: Path) -> None:
+    """The docs ask for close(); a script that forgets it (or dies of an exception past the
+    save) used to lose the durable copy: the fast-tier save, completed by the interpreter's
+    exit, could no longer queue its persistence ("cannot schedule new futures")."""
+    import subprocess
+    import sys
+
+    from _child_env import child_env
+
+    subprocess.run([sys.executable, "-c", _UNCLOSED_CHILD, str(tmp_path)], env=child_env(),
+                   check=True, timeout=300)
+    assert _committed(tmp_path) == [1]
+    dest = {"w": torch.zeros(1 << 20)}
+    pyckpt.load(dest, tmp_path / "durable" / "step-1")
+    assert torch.equal(dest["w"], torch.arange(1 << 20, dtype=torch.float32))

@@ -4,6 +4,8 @@ the durable tier in the background, one at a time, a newer due step superseding 
 
 from __future__ import annotations
 
+from concurrent.futures import Future, wait
+
 from pyckpt import _format
 from pyckpt._collective import add_note, agree
 from pyckpt._manager.groups import peer_typed
@@ -36,7 +38,20 @@ class Persistence(Retention):
             self._notice(f"pyckpt: fast-tier step {s} was not persisted to {self.store.url}: "
                          f"step {step} supersedes it (the durable tier was still busy"
                          + (f" persisting step {busy})" if busy is not None else ")"))
-        self._persist_future = self._persist_ex.submit(self._persist_next, step)
+        try:
+            self._persist_future = self._persist_ex.submit(self._persist_next, step)
+        except RuntimeError:
+            # The interpreter is exiting (a manager not closed) and takes no new work: the
+            # step is persisted here, on the save thread the exit waits for, not lost; after
+            # the persistences queued before it (the lane runs them in order, on one group).
+            if self._persist_future is not None:
+                wait([self._persist_future])
+            fut: Future[int | None] = Future()
+            try:
+                fut.set_result(self._persist_next(step))
+            except Exception as e:
+                fut.set_exception(e)
+            self._persist_future = fut
 
     def _persist_next(self, due: int) -> int | None:
         """One persistence task (one per due step, run in order on every rank): the ranks
